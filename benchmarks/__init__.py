@@ -1,0 +1,1 @@
+"""Benchmarks and the load generator of the tiering engine."""

@@ -1,0 +1,116 @@
+"""The secondary-tier contract: jobs, results and `SecondaryTierManager`."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tiering.keys import OffloadKey, ReqContext
+from tiering.specs import OffloadingEvent
+
+JobId = int
+"""Identifies one submitted job; all tiers of a manager draw from one counter."""
+
+
+@dataclass
+class JobMetadata:
+    """One job handed to a secondary tier.
+
+    Attributes:
+        job_id: unique among the jobs of the manager.
+        keys: the blocks moved, in the order of `block_ids`.
+        block_ids: primary-tier rows, int64 array of shape ``(len(keys),)``. For a store
+            (cascade) the tier reads these rows; they stay pinned until the job is reported.
+            For a load (promotion) the tier writes them.
+        is_promotion: True for a load into the primary tier, False for a store from it.
+        req_context: the request the job was made for.
+    """
+
+    job_id: JobId
+    keys: Collection[OffloadKey]
+    block_ids: np.ndarray
+    is_promotion: bool
+    req_context: ReqContext
+
+
+@dataclass
+class JobResult:
+    """How a job ended: ``success`` is True only if every block of the job was moved."""
+
+    job_id: JobId
+    success: bool
+
+
+class SecondaryTierManager(ABC):
+    """One secondary tier: a store of blocks that never touches the GPU.
+
+    Data moves only through the primary tier: stores copy primary rows out (cascade),
+    loads copy into primary rows (promotion). Every method is called from the scheduler
+    thread and must return in microseconds: `submit_store` and `submit_load` hand the copy to
+    something else and report it later through `get_finished`. A tier reports every
+    submitted job exactly once, also when it shuts down with the job still in flight.
+    """
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str):
+        """
+        Args:
+            offloading_spec: the `TieringOffloadingSpec` that built the tier (its layout
+                names the tier's namespace), or None for standalone use.
+            primary_kv_view: the primary tier's rows, a 2-D memoryview of shape
+                ``(num_blocks, row_bytes)``.
+            tier_type: the registered type name this tier was built under.
+        """
+        self._offloading_spec = offloading_spec
+        self._primary_kv_view = primary_kv_view
+        self.tier_type = tier_type
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """True if the block is here and loadable, False if not, None if still in flight."""
+
+    @abstractmethod
+    def submit_store(self, job_metadata: JobMetadata) -> None:
+        """Start copying the job's primary rows into this tier; never copy on this thread.
+
+        The tier skips blocks it already holds and evicts to make room as it sees fit.
+        """
+
+    @abstractmethod
+    def submit_load(self, job_metadata: JobMetadata) -> None:
+        """Start copying the job's blocks from this tier into its primary rows."""
+
+    @abstractmethod
+    def get_finished(self) -> Iterable[JobResult]:
+        """Results of the jobs that finished since the last call; never blocks."""
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Mark blocks as recently used for this tier's eviction."""
+        return
+
+    def on_schedule_end(self) -> None:
+        """Called at the end of each scheduler step, after the step's jobs were submitted."""
+        return
+
+    def has_pending_work(self) -> bool:
+        """Whether a submitted job has not been reported by `get_finished` yet."""
+        return False
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Block until every submitted job has finished, or `timeout_s` seconds pass.
+
+        May block: call it only outside the scheduler's step (reset, shutdown, tests).
+        None waits without a limit. Returns True if nothing is left in flight.
+        """
+        return True
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Keys this tier gained or dropped since the last call, for KV-event consumers."""
+        return ()
+
+    def shutdown(self) -> None:
+        """Release threads, connections and files. Safe to call more than once."""
+        return
