@@ -1,0 +1,191 @@
+import numpy as np
+import pytest
+
+from tests.helpers import RegionStandIn, key, keys
+from tiering import (
+    CPULoadStoreSpec,
+    CPUOffloadingManager,
+    CPUPrimaryTierOffloadingManager,
+    OffloadingEvent,
+    OffloadPolicy,
+)
+
+POLICIES = ["lru", "arc"]
+
+
+def store(manager, ctx, *ids):
+    out = manager.prepare_store(keys(*ids), ctx)
+    assert out is not None
+    manager.complete_store(out.keys_to_store, ctx)
+    return out
+
+
+@pytest.fixture(params=POLICIES)
+def manager(request):
+    return CPUOffloadingManager(num_blocks=4, cache_policy=request.param, enable_events=True)
+
+
+def test_rejects_bad_construction():
+    with pytest.raises(ValueError, match="num_blocks must be at least 1"):
+        CPUOffloadingManager(0)
+    with pytest.raises(ValueError, match="known policies: arc, lru"):
+        CPUOffloadingManager(4, cache_policy="mru")
+
+
+def test_store_lifecycle_and_lookup_states(manager, ctx):
+    out = manager.prepare_store(keys(0, 1), ctx)
+    assert out.keys_to_store == keys(0, 1)
+    assert isinstance(out.store_spec, CPULoadStoreSpec)
+    assert out.store_spec.block_ids.dtype == np.int64
+    assert sorted(out.store_spec.block_ids.tolist()) == [0, 1]
+    assert out.evicted_keys == []
+    assert manager.lookup(key(0), ctx) is None  # write in flight
+    assert manager.ref_count(key(0)) == -1
+    assert manager.complete_store(keys(0, 1), ctx) == keys(0, 1)
+    assert manager.lookup(key(0), ctx) is True
+    assert manager.lookup(key(9), ctx) is False
+    assert manager.ref_count(key(0)) == 0
+
+
+def test_prepare_store_skips_resident_and_duplicate_keys(manager, ctx):
+    store(manager, ctx, 0)
+    out = manager.prepare_store([key(0), key(1), key(1)], ctx)
+    assert out.keys_to_store == keys(1)
+    assert len(out.store_spec.block_ids) == 1
+
+
+def test_failed_store_frees_rows_and_keeps_stored_blocks(manager, ctx):
+    store(manager, ctx, 0)
+    manager.prepare_store(keys(1, 2), ctx)
+    assert manager.complete_store(keys(0, 1, 2), ctx, success=False) == []
+    assert manager.lookup(key(0), ctx) is True  # already stored: untouched by the failure
+    assert manager.lookup(key(1), ctx) is False
+    assert manager.num_free_blocks == 3
+
+
+def test_rows_are_reused_after_eviction(manager, ctx):
+    store(manager, ctx, 0, 1, 2, 3)
+    out = store(manager, ctx, 4, 5)
+    assert out.evicted_keys == keys(0, 1)
+    assert sorted(out.store_spec.block_ids.tolist()) == [0, 1]
+    assert manager.num_free_blocks == 0
+
+
+def test_store_never_evicts_keys_of_the_same_call(manager, ctx):
+    store(manager, ctx, 0, 1, 2, 3)
+    out = manager.prepare_store(keys(0, 4), ctx)  # 0 is the oldest, but it is part of the call
+    assert out.keys_to_store == keys(4)
+    assert out.evicted_keys == keys(1)
+
+
+def test_prepare_store_returns_none_when_nothing_is_evictable(manager, ctx):
+    store(manager, ctx, 0, 1)
+    manager.prepare_load(keys(0), ctx)
+    manager.prepare_store(keys(2, 3), ctx)  # in flight
+    assert manager.prepare_store(keys(4, 5), ctx) is None
+    assert manager.lookup(key(1), ctx) is True  # nothing was evicted by the failed call
+    assert manager.prepare_store(keys(4), ctx).evicted_keys == keys(1)
+
+
+def test_prepare_load_pins_until_complete_load(manager, ctx):
+    store(manager, ctx, 0, 1, 2, 3)
+    spec = manager.prepare_load(keys(1, 0), ctx)
+    assert spec.block_ids.tolist() == [manager._policy.get(key(1)).block_id, manager._policy.get(key(0)).block_id]
+    manager.prepare_load(keys(0), ctx)
+    assert manager.ref_count(key(0)) == 2
+    assert manager.prepare_store(keys(4, 5, 6), ctx) is None  # only 2 and 3 are evictable
+    manager.complete_load(keys(0, 1), ctx)
+    manager.complete_load(keys(0), ctx)
+    assert manager.ref_count(key(0)) == 0
+    assert manager.prepare_store(keys(4, 5, 6), ctx).evicted_keys == keys(0, 1, 2)
+
+
+def test_prepare_load_errors_change_nothing(manager, ctx):
+    store(manager, ctx, 0)
+    manager.prepare_store(keys(1), ctx)
+    with pytest.raises(KeyError, match="prepare_load: key .* is ref count -1"):
+        manager.prepare_load(keys(0, 1), ctx)
+    with pytest.raises(KeyError, match="prepare_load: key .* is not resident"):
+        manager.prepare_load(keys(0, 7), ctx)
+    assert manager.ref_count(key(0)) == 0
+    with pytest.raises(KeyError, match="complete_load: key .* is ref count 0"):
+        manager.complete_load(keys(0), ctx)
+
+
+def test_completed_store_becomes_most_recent(ctx):
+    manager = CPUOffloadingManager(3, "lru")
+    first = manager.prepare_store(keys(0), ctx)
+    store(manager, ctx, 1, 2)
+    manager.complete_store(first.keys_to_store, ctx)  # completes last: most recent
+    assert store(manager, ctx, 3).evicted_keys == keys(1)
+
+
+def test_touch_orders_eviction(manager, ctx):
+    store(manager, ctx, 0, 1, 2, 3)
+    manager.touch(keys(1, 0), ctx)
+    assert store(manager, ctx, 4, 5).evicted_keys == keys(2, 3)
+
+
+def test_events_record_stores_and_evictions(manager, ctx):
+    store(manager, ctx, 0, 1, 2, 3)
+    store(manager, ctx, 4)
+    manager.prepare_store(keys(5), ctx)  # evicts 1 for a write that then fails
+    manager.complete_store(keys(5), ctx, success=False)
+    assert manager.take_events() == [
+        OffloadingEvent(keys(0, 1, 2, 3), "CPU", removed=False),
+        OffloadingEvent(keys(0), "CPU", removed=True),
+        OffloadingEvent(keys(4), "CPU", removed=False),
+        OffloadingEvent(keys(1), "CPU", removed=True),
+    ]
+    assert manager.take_events() == []
+
+
+def test_events_disabled_by_default(ctx):
+    manager = CPUOffloadingManager(2)
+    store(manager, ctx, 0)
+    assert list(manager.take_events()) == []
+
+
+def test_reset_cache_drops_idle_blocks_and_keeps_pinned_ones(manager, ctx):
+    store(manager, ctx, 0, 1, 2)
+    manager.prepare_load(keys(2), ctx)
+    manager.take_events()
+    manager.reset_cache()
+    assert [manager.lookup(k, ctx) for k in keys(0, 1, 2)] == [False, False, True]
+    assert manager.take_events() == [OffloadingEvent(keys(0, 1), "CPU", removed=True)]
+    manager.complete_load(keys(2), ctx)
+    manager.reset_cache()
+    assert manager.num_free_blocks == 4
+    assert len(store(manager, ctx, 5, 6, 7, 8).keys_to_store) == 4
+
+
+def test_new_request_is_block_level(manager, ctx):
+    assert manager.on_new_request(ctx).policy is OffloadPolicy.BLOCK_LEVEL
+
+
+def test_primary_tier_uses_its_region_exactly_twice(ctx):
+    region = RegionStandIn(num_blocks=4, row_bytes=8)
+    primary = CPUPrimaryTierOffloadingManager(4, region, cache_policy="arc")
+    assert region.views_created == 1
+    view = primary.get_kv_memoryview()
+    assert view.shape == (4, 8)
+    primary.shutdown()
+    primary.shutdown()
+    assert (region.views_created, region.cleanups) == (1, 1)
+
+
+def test_primary_tier_rejects_a_region_of_another_size():
+    with pytest.raises(ValueError, match=r"expected \(5, row_bytes\)"):
+        CPUPrimaryTierOffloadingManager(5, RegionStandIn(num_blocks=4))
+
+
+def test_primary_tier_aliases_name_the_secondary_direction(ctx):
+    primary = CPUPrimaryTierOffloadingManager(4, RegionStandIn(4))
+    out = primary.prepare_write(keys(0), ctx)  # a promotion reserves a row
+    assert primary.lookup(key(0), ctx) is None
+    primary.complete_write(out.keys_to_store, ctx)
+    spec = primary.prepare_read(keys(0), ctx)  # a cascade pins it
+    assert spec.block_ids.tolist() == out.store_spec.block_ids.tolist()
+    assert primary.ref_count(key(0)) == 1
+    primary.complete_read(keys(0), ctx)
+    assert primary.ref_count(key(0)) == 0

@@ -1,0 +1,139 @@
+import pytest
+
+from tests.helpers import key, keys
+from tiering import ARCCachePolicy, LRUCachePolicy, make_cache_policy
+from tiering.policies import BlockStatus
+
+
+def fill(policy, *ids, ref_cnt=0):
+    for i in ids:
+        block = BlockStatus(i)
+        block.ref_cnt = ref_cnt
+        policy.insert(key(i), block)
+
+
+def evicted_ids(victims):
+    return [block.block_id for _, block in victims]
+
+
+def test_registry_builds_by_name():
+    assert isinstance(make_cache_policy("lru", 4), LRUCachePolicy)
+    assert isinstance(make_cache_policy("arc", 4), ARCCachePolicy)
+
+
+def test_unknown_policy_lists_known_ones():
+    with pytest.raises(ValueError, match=r"unknown cache policy 'fifo'; known policies: arc, lru"):
+        make_cache_policy("fifo", 4)
+
+
+@pytest.mark.parametrize("name", ["lru", "arc"])
+def test_evicts_least_recent_first(name):
+    policy = make_cache_policy(name, 4)
+    fill(policy, 0, 1, 2, 3)
+    assert evicted_ids(policy.evict(2, protected=())) == [0, 1]
+    assert len(policy) == 2
+    assert policy.get(key(0)) is None and policy.get(key(2)) is not None
+
+
+@pytest.mark.parametrize("name", ["lru", "arc"])
+def test_never_evicts_pinned_in_flight_or_protected_blocks(name):
+    policy = make_cache_policy(name, 4)
+    fill(policy, 0)  # idle
+    fill(policy, 1, ref_cnt=2)  # being read
+    fill(policy, 2, ref_cnt=-1)  # write in flight
+    fill(policy, 3)  # idle but protected
+    assert evicted_ids(policy.evict(1, protected={key(3)})) == [0]
+    assert policy.evict(1, protected={key(3)}) is None
+
+
+@pytest.mark.parametrize("name", ["lru", "arc"])
+def test_evict_is_all_or_nothing(name):
+    policy = make_cache_policy(name, 4)
+    fill(policy, 0, 1)
+    fill(policy, 2, ref_cnt=1)
+    assert policy.evict(3, protected=()) is None
+    assert len(policy) == 3
+
+
+@pytest.mark.parametrize("name", ["lru", "arc"])
+def test_touch_leaves_first_key_most_recent(name):
+    policy = make_cache_policy(name, 8)
+    fill(policy, 0, 1, 2, 3, 4)
+    policy.touch(keys(2, 1, 0))
+    # 3 and 4 untouched (oldest first), then the touched ones with 2, the first, most recent.
+    assert evicted_ids(policy.evict(5, protected=())) == [3, 4, 0, 1, 2]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc"])
+def test_mark_recent_moves_block_last(name):
+    policy = make_cache_policy(name, 4)
+    fill(policy, 0, 1, 2)
+    policy.mark_recent(key(0))
+    assert evicted_ids(policy.evict(1, protected=())) == [1]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc"])
+def test_touch_ignores_unknown_keys_and_remove_forgets(name):
+    policy = make_cache_policy(name, 4)
+    fill(policy, 0, 1)
+    policy.touch(keys(7))
+    assert policy.remove(key(0)).block_id == 0
+    assert policy.remove(key(0)) is None
+    assert sorted(b.block_id for _, b in policy.items()) == [1]
+
+
+def test_lru_has_no_scan_resistance():
+    policy = LRUCachePolicy(4)
+    fill(policy, 0, 1)
+    policy.touch(keys(0))
+    policy.touch(keys(0))
+    fill(policy, 10, 11)
+    assert evicted_ids(policy.evict(2, protected=())) == [1, 0]
+
+
+def test_arc_block_used_twice_survives_a_scan():
+    policy = ARCCachePolicy(4)
+    fill(policy, 0, 1)
+    policy.touch(keys(0))  # 0 moves to the frequent list
+    evicted = []
+    for scan in range(10, 20):  # a scan of blocks used once
+        if len(policy) == 4:
+            evicted += evicted_ids(policy.evict(1, protected=()))
+        fill(policy, scan)
+    assert 0 not in evicted
+    assert 1 in evicted
+    assert policy.get(key(0)) is not None
+
+
+def test_arc_ghost_hit_adapts_target_and_enters_frequent_list():
+    policy = ARCCachePolicy(2)
+    fill(policy, 0, 1)
+    assert evicted_ids(policy.evict(1, protected=())) == [0]  # 0 goes to ghost list B1
+    assert policy.target_t1_size == 0
+    fill(policy, 0)  # re-inserted: a B1 hit grows T1's target and lands in T2
+    assert policy.target_t1_size == 1
+    fill(policy, 2)
+    # T1 = [1, 2] is at its target, so its oldest entry goes before the frequent block 0.
+    assert evicted_ids(policy.evict(1, protected=())) == [1]
+    assert policy.get(key(0)) is not None
+
+
+def test_arc_b2_hit_shrinks_target():
+    policy = ARCCachePolicy(2)
+    fill(policy, 0, 1)
+    policy.touch(keys(0))  # T1 = [1], T2 = [0]
+    policy.target_t1_size = 2.0  # T1 is below its target, so the frequent list gives
+    assert evicted_ids(policy.evict(1, protected=())) == [0]  # 0 -> ghost list B2
+    fill(policy, 0)  # a B2 hit shrinks T1's target by max(1, |B1| / |B2|) and enters T2
+    assert policy.target_t1_size == 1.0
+    # T1 = [1] is now at its target, so it gives the next victim and 0 stays.
+    assert evicted_ids(policy.evict(1, protected=())) == [1]
+
+
+def test_arc_ghost_lists_are_bounded():
+    policy = ARCCachePolicy(2)
+    for i in range(50):
+        fill(policy, i)
+        if len(policy) == 2:
+            policy.evict(1, protected=())
+    assert len(policy._b1) <= 2 and len(policy._b2) <= 2

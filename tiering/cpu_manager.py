@@ -1,0 +1,235 @@
+"""The CPU offloading manager and its primary-tier form with secondary-facing aliases."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from typing import Protocol
+
+from tiering.abstract import OffloadingManager
+from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
+from tiering.policies import BlockStatus, make_cache_policy
+from tiering.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """Bookkeeping of `num_blocks` CPU rows: which key is in which row, ref counts, eviction.
+
+    Ref counts: a row is -1 from `prepare_store` to `complete_store` (write in flight), then
+    0 (idle, evictable); `prepare_load` adds one reader and `complete_load` removes it. Only
+    idle rows are evicted. Call every method from the scheduler thread.
+    """
+
+    medium = CPULoadStoreSpec.medium()
+
+    def __init__(self, num_blocks: int, cache_policy: str = "lru", enable_events: bool = False):
+        """
+        Args:
+            num_blocks: rows of the CPU buffer (> 0).
+            cache_policy: eviction policy name, ``"lru"`` or ``"arc"``.
+            enable_events: collect `OffloadingEvent`s for `take_events`.
+
+        Raises:
+            ValueError: `num_blocks` < 1, or `cache_policy` is unknown.
+        """
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._cache_policy = cache_policy
+        self._policy = make_cache_policy(cache_policy, num_blocks)
+        self._free_block_ids: list[int] = []
+        self._num_ids_used = 0  # ids below this were handed out before
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Rows that hold no block."""
+        return self.num_blocks - len(self._policy)
+
+    def ref_count(self, key: OffloadKey) -> int | None:
+        """The ref count of `key`'s row, or None if the key is not resident."""
+        block = self._policy.get(key)
+        return None if block is None else block.ref_cnt
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """True if `key` is stored, None while its write is in flight, False otherwise."""
+        block = self._policy.get(key)
+        if block is None:
+            return False
+        return True if block.ref_cnt >= 0 else None
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        """Pin the rows of `keys` (one reader each) and return them in the order of `keys`.
+
+        Raises:
+            KeyError: a key is not resident or its write is still in flight; nothing is pinned.
+        """
+        blocks = [self._block(key, "prepare_load", lambda b: b.ref_cnt >= 0) for key in keys]
+        for block in blocks:
+            block.ref_cnt += 1
+        return CPULoadStoreSpec([block.block_id for block in blocks])
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Record a use of the resident `keys`; the first one ends up the most recent."""
+        self._policy.touch(keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Release one reader of each key's row.
+
+        Raises:
+            KeyError: a key is not resident or has no reader; nothing is released.
+        """
+        blocks = [self._block(key, "complete_load", lambda b: b.ref_cnt > 0) for key in keys]
+        for block in blocks:
+            block.ref_cnt -= 1
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        """Reserve rows for the keys not yet resident, evicting idle blocks if needed.
+
+        Keys of this call are never evicted by it. The reserved rows are in flight (ref
+        count -1) until `complete_store`.
+
+        Returns:
+            The keys to copy with their rows and the evicted keys, or None (changing
+            nothing) if fewer rows than needed can be freed.
+        """
+        policy = self._policy
+        keys_to_store = [key for key in dict.fromkeys(keys) if policy.get(key) is None]
+        evicted: list[OffloadKey] = []
+        shortfall = len(keys_to_store) - self.num_free_blocks
+        if shortfall > 0:
+            victims = policy.evict(shortfall, protected=set(keys))
+            if victims is None:
+                return None
+            for key, block in victims:
+                self._free_block_ids.append(block.block_id)
+                evicted.append(key)
+            self._emit(evicted, removed=True)
+        block_ids = [self._allocate_block_id() for _ in keys_to_store]
+        for key, block_id in zip(keys_to_store, block_ids):
+            policy.insert(key, BlockStatus(block_id))
+        return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted)
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> list[OffloadKey]:
+        """Finish the in-flight writes of `keys`; other keys are ignored.
+
+        On success each row becomes idle and the most recent; on failure it is freed.
+
+        Returns:
+            The keys that became loadable by this call (empty on failure).
+        """
+        policy = self._policy
+        stored: list[OffloadKey] = []
+        for key in keys:
+            block = policy.get(key)
+            if block is None or block.ref_cnt != -1:
+                continue
+            if success:
+                block.ref_cnt = 0
+                policy.mark_recent(key)
+                stored.append(key)
+            else:
+                policy.remove(key)
+                self._free_block_ids.append(block.block_id)
+        self._emit(stored, removed=False)
+        return stored
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Events since the last call, oldest first; always empty if events are disabled."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Drop every idle block (emitting one removed event).
+
+        Blocks that are still pinned (a transfer in flight) stay, with a warning: freeing
+        their rows would let a new write race the transfer.
+        """
+        dropped = [key for key, block in self._policy.items() if block.ref_cnt == 0]
+        for key in dropped:
+            self._free_block_ids.append(self._policy.remove(key).block_id)
+        if len(self._policy):
+            logger.warning("reset_cache kept %d blocks with transfers in flight", len(self._policy))
+        else:
+            self._policy = make_cache_policy(self._cache_policy, self.num_blocks)
+        self._emit(dropped, removed=True)
+
+    def _block(self, key: OffloadKey, caller: str, valid) -> BlockStatus:
+        block = self._policy.get(key)
+        if block is None or not valid(block):
+            state = "not resident" if block is None else f"ref count {block.ref_cnt}"
+            raise KeyError(f"{caller}: key {key.hex()} is {state}")
+        return block
+
+    def _allocate_block_id(self) -> int:
+        if self._free_block_ids:
+            return self._free_block_ids.pop()
+        self._num_ids_used += 1
+        return self._num_ids_used - 1
+
+    def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
+        if keys and self._events is not None:
+            self._events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed))
+
+
+class KVRegion(Protocol):
+    """What the primary tier needs of its memory (a `SharedOffloadRegion`, or a stand-in)."""
+
+    def create_kv_memoryview(self) -> memoryview:
+        """A 2-D memoryview of shape ``(num_blocks, row_bytes)``."""
+
+    def cleanup(self) -> None:
+        """Release the memory; called once, at shutdown."""
+
+
+class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
+    """The CPU manager as the primary tier of a `TieringOffloadingManager`.
+
+    Its rows live in `mmap_region`; secondary tiers read and write them through
+    `get_kv_memoryview()`. The read/write aliases name the direction as a secondary tier
+    sees it: `prepare_read`/`complete_read` pin rows for a cascade (= load), and
+    `prepare_write`/`complete_write` reserve rows for a promotion (= store).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        mmap_region: KVRegion,
+        cache_policy: str = "lru",
+        enable_events: bool = False,
+    ):
+        """
+        Raises:
+            ValueError: as `CPUOffloadingManager`, or the region's view does not have
+                `num_blocks` rows.
+        """
+        super().__init__(num_blocks, cache_policy, enable_events)
+        kv_view = mmap_region.create_kv_memoryview()
+        if kv_view.ndim != 2 or kv_view.shape[0] != num_blocks:
+            raise ValueError(f"region view has shape {kv_view.shape}; expected ({num_blocks}, row_bytes)")
+        self._region: KVRegion | None = mmap_region
+        self._kv_view = kv_view
+
+    prepare_read = CPUOffloadingManager.prepare_load
+    complete_read = CPUOffloadingManager.complete_load
+    prepare_write = CPUOffloadingManager.prepare_store
+    complete_write = CPUOffloadingManager.complete_store
+
+    def get_kv_memoryview(self) -> memoryview:
+        """The primary rows, a 2-D memoryview of shape ``(num_blocks, row_bytes)``."""
+        return self._kv_view
+
+    def shutdown(self) -> None:
+        """Release the region (once; later calls do nothing)."""
+        region, self._region = self._region, None
+        if region is not None:
+            region.cleanup()
