@@ -1,0 +1,412 @@
+"""Every rule of DESIGN.md "Manager semantics that tests rely on", for both policies."""
+
+import logging
+
+import pytest
+
+from backends import ExampleSecondaryTierManager
+from tests.helpers import ManualTier, RegionStandIn, key, keys
+from tiering import (
+    CPUPrimaryTierOffloadingManager,
+    OffloadingEvent,
+    ReqContext,
+    SecondaryTierManager,
+    TieringOffloadingManager,
+)
+
+
+@pytest.fixture(params=["lru", "arc"])
+def policy(request):
+    return request.param
+
+
+def build(policy, tiers, num_blocks=4, log=None, enable_events=True):
+    region = RegionStandIn(num_blocks, log=log)
+    primary = CPUPrimaryTierOffloadingManager(num_blocks, region, cache_policy=policy, enable_events=True)
+    return TieringOffloadingManager(primary, tiers, enable_events=enable_events), region
+
+
+def store(manager, ctx, *ids, success=True):
+    out = manager.prepare_store(keys(*ids), ctx)
+    manager.complete_store(out.keys_to_store, ctx, success=success)
+    return out
+
+
+def promote(manager, ctx, *ids):
+    """Look keys up (queuing promotions) and end the step; returns the lookup answers."""
+    answers = [manager.lookup(k, ctx) for k in keys(*ids)]
+    manager.on_schedule_end()
+    return answers
+
+
+# -- lookup ---------------------------------------------------------------------------------
+
+
+def test_primary_answers_first(policy, ctx):
+    tier = ManualTier()
+    manager, _ = build(policy, [tier])
+    manager.prepare_store(keys(0), ctx)
+    assert manager.lookup(key(0), ctx) is None  # store in flight
+    manager.complete_store(keys(0), ctx)
+    tier.present[key(0)] = True
+    assert manager.lookup(key(0), ctx) is True
+    manager.on_schedule_end()
+    assert [job for job in tier.submitted if job.is_promotion] == []
+
+
+def test_miss_everywhere_is_false(policy, ctx):
+    manager, _ = build(policy, [ManualTier("a"), ManualTier("b")])
+    assert manager.lookup(key(0), ctx) is False
+
+
+def test_first_tier_holding_the_block_gets_the_promotion(policy, ctx):
+    first, second = ManualTier("first"), ManualTier("second")
+    first.present[key(1)] = True
+    second.present.update({key(0): True, key(1): True})
+    manager, _ = build(policy, [first, second])
+    assert promote(manager, ctx, 0, 1) == [None, None]
+    assert [list(job.keys) for job in first.submitted] == [keys(1)]
+    assert [list(job.keys) for job in second.submitted] == [keys(0)]
+
+
+def test_promotion_reserves_a_row_at_once_and_is_never_duplicated(policy, ctx):
+    tier = ManualTier()
+    tier.present[key(0)] = True
+    manager, _ = build(policy, [tier])
+    assert manager.lookup(key(0), ctx) is None
+    assert manager.primary_tier.ref_count(key(0)) == -1
+    other = ReqContext("req-1")
+    assert manager.lookup(key(0), other) is None  # in flight now, from the primary
+    assert manager.lookup(key(0), ctx) is None
+    manager.on_schedule_end()
+    assert manager.lookup(key(0), ctx) is None  # still in flight after submission
+    manager.on_schedule_end()
+    assert len(tier.submitted) == 1 and list(tier.submitted[0].keys) == keys(0)
+
+
+def test_promotion_needs_room_in_the_primary(policy, ctx):
+    tier = ManualTier()
+    tier.present[key(9)] = True
+    manager, _ = build(policy, [tier], num_blocks=2)
+    store(manager, ctx, 0, 1)
+    tier.finish_all()  # the cascade's references are released at step end
+    manager.on_schedule_end()
+    manager.prepare_load(keys(0, 1), ctx)  # both rows pinned by GPU loads
+    assert manager.lookup(key(9), ctx) is False
+    manager.complete_load(keys(1), ctx)
+    assert manager.lookup(key(9), ctx) is None  # evicts 1 to make room
+    assert manager.primary_tier.lookup(key(1), ctx) is False
+
+
+@pytest.mark.parametrize(
+    ("answers", "expected", "promoted_by"),
+    [
+        ([None, False], None, None),
+        ([False, None], None, None),
+        ([None, True], None, 1),
+        ([True, None], None, 0),
+        ([False, False], False, None),
+    ],
+)
+def test_an_unsure_tier_makes_the_answer_none_unless_a_later_tier_hits(policy, ctx, answers, expected, promoted_by):
+    tiers = [ManualTier("a"), ManualTier("b")]
+    for tier, answer in zip(tiers, answers):
+        tier.present[key(0)] = answer
+    manager, _ = build(policy, tiers)
+    assert manager.lookup(key(0), ctx) is expected
+    manager.on_schedule_end()
+    loads = [i for i, tier in enumerate(tiers) if tier.submitted]
+    assert loads == ([] if promoted_by is None else [promoted_by])
+
+
+# -- promotions -----------------------------------------------------------------------------
+
+
+def test_promotions_are_batched_per_tier_and_request_at_step_end(policy, ctx):
+    tier_a, tier_b = ManualTier("a"), ManualTier("b")
+    tier_a.present.update(dict.fromkeys(keys(0, 1, 2), True))
+    tier_b.present.update(dict.fromkeys(keys(3), True))
+    manager, _ = build(policy, [tier_a, tier_b], num_blocks=8)
+    other = ReqContext("req-1")
+    manager.lookup(key(0), ctx)
+    manager.lookup(key(1), ctx)
+    manager.lookup(key(2), other)
+    manager.lookup(key(3), ctx)
+    assert tier_a.submitted == [] and tier_b.submitted == []  # nothing before the step ends
+    manager.on_schedule_end()
+    jobs_a = {job.req_context.req_id: list(job.keys) for job in tier_a.submitted}
+    assert jobs_a == {"req-0": keys(0, 1), "req-1": keys(2)}
+    assert [list(job.keys) for job in tier_b.submitted] == [keys(3)]
+    job = tier_a.submitted[0]
+    assert job.is_promotion
+    assert job.block_ids.tolist() == [manager.primary_tier._policy.get(k).block_id for k in keys(0, 1)]
+    assert len({j.job_id for j in tier_a.submitted + tier_b.submitted}) == 3
+
+
+def test_finished_promotion_makes_blocks_loadable(policy, ctx):
+    tier = ManualTier()
+    tier.present.update(dict.fromkeys(keys(0, 1), True))
+    manager, _ = build(policy, [tier])
+    promote(manager, ctx, 0, 1)
+    tier.finish()
+    assert manager.lookup(key(0), ctx) is True
+    assert manager.prepare_load(keys(0, 1), ctx).block_ids.size == 2
+    assert OffloadingEvent(keys(0, 1), "CPU", removed=False) in manager.take_events()
+
+
+def test_failed_promotion_frees_the_rows(policy, ctx):
+    tier = ManualTier()
+    tier.present[key(0)] = True
+    manager, _ = build(policy, [tier])
+    promote(manager, ctx, 0)
+    tier.finish(success=False)
+    del tier.present[key(0)]
+    assert manager.lookup(key(0), ctx) is False
+    assert manager.primary_tier.num_free_blocks == 4
+
+
+# -- cascade --------------------------------------------------------------------------------
+
+
+def test_complete_store_cascades_at_once_to_every_tier(policy, ctx):
+    tiers = [ManualTier("a"), ManualTier("b")]
+    manager, _ = build(policy, tiers)
+    out = store(manager, ctx, 0, 1)
+    for tier in tiers:
+        assert len(tier.submitted) == 1
+        job = tier.submitted[0]
+        assert not job.is_promotion and list(job.keys) == keys(0, 1)
+        assert job.block_ids.tolist() == out.store_spec.block_ids.tolist()
+    assert tiers[0].submitted[0].job_id != tiers[1].submitted[0].job_id
+    assert manager.primary_tier.ref_count(key(0)) == 2  # one read reference per tier
+
+
+def test_failed_store_cascades_nothing(policy, ctx):
+    tier = ManualTier()
+    manager, _ = build(policy, [tier])
+    store(manager, ctx, 0, success=False)
+    assert tier.submitted == []
+    assert manager.lookup(key(0), ctx) is False
+
+
+def test_cascade_releases_its_reference_whether_or_not_it_succeeded(policy, ctx):
+    tiers = [ManualTier("a"), ManualTier("b")]
+    manager, _ = build(policy, tiers)
+    store(manager, ctx, 0)
+    tiers[0].finish(success=True)
+    tiers[1].finish(success=False)
+    manager.on_schedule_end()
+    assert manager.primary_tier.ref_count(key(0)) == 0
+
+
+def test_a_slow_tier_protects_cascading_blocks_from_eviction(policy, ctx):
+    slow = ManualTier("slow")
+    manager, _ = build(policy, [slow], num_blocks=2)
+    store(manager, ctx, 0, 1)  # both cascading, held by the slow tier
+    manager.on_schedule_end()
+    assert manager.prepare_store(keys(2), ctx) is None
+    slow.finish()
+    manager.on_schedule_end()
+    out = manager.prepare_store(keys(2), ctx)
+    assert out is not None and out.evicted_keys == keys(0)
+
+
+# -- steps ----------------------------------------------------------------------------------
+
+
+def test_finished_jobs_are_processed_once_per_step(policy, ctx):
+    tier = ManualTier()
+    manager, _ = build(policy, [tier])
+    manager.lookup(key(0), ctx)
+    manager.lookup(key(1), ctx)
+    manager.prepare_store(keys(2), ctx)
+    assert tier.polls == 1  # before the step's first lookup only
+    manager.on_schedule_end()
+    assert tier.polls == 2
+    manager.prepare_store(keys(3), ctx)
+    manager.lookup(key(0), ctx)
+    assert tier.polls == 3
+
+
+def test_a_job_finished_mid_step_is_seen_at_step_end(policy, ctx):
+    tier = ManualTier()
+    manager, _ = build(policy, [tier])
+    store(manager, ctx, 0)
+    tier.finish()
+    assert manager.primary_tier.ref_count(key(0)) == 1  # not polled again mid-step
+    manager.on_schedule_end()
+    assert manager.primary_tier.ref_count(key(0)) == 0
+
+
+def test_touch_reaches_every_tier(policy, ctx):
+    tiers = [ManualTier("a"), ManualTier("b")]
+    manager, _ = build(policy, tiers)
+    store(manager, ctx, 0, 1, 2, 3)
+    tiers[0].finish_all()
+    tiers[1].finish_all()
+    manager.on_schedule_end()
+    manager.touch(keys(1, 0), ctx)
+    assert tiers[0].touched == [keys(1, 0)] and tiers[1].touched == [keys(1, 0)]
+    assert store(manager, ctx, 4, 5).evicted_keys == keys(2, 3)
+
+
+def test_has_pending_work_tracks_queued_and_unreported_jobs(policy, ctx):
+    tier = ManualTier()
+    tier.present[key(5)] = True
+    manager, _ = build(policy, [tier])
+    assert not manager.has_pending_work()
+    manager.lookup(key(5), ctx)
+    assert manager.has_pending_work()
+    manager.on_schedule_end()
+    tier.finish()
+    manager.on_schedule_end()
+    assert not manager.has_pending_work()
+
+
+# -- events ---------------------------------------------------------------------------------
+
+
+class EventfulTier(ExampleSecondaryTierManager):
+    def submit_store(self, job_metadata):
+        super().submit_store(job_metadata)
+        self.events = [OffloadingEvent(list(job_metadata.keys), "EXAMPLE", removed=False)]
+
+    def take_events(self):
+        events, self.events = getattr(self, "events", []), []
+        return events
+
+
+def test_events_come_from_the_primary_and_the_tiers(policy, ctx):
+    manager, _ = build(policy, [EventfulTier(None, memoryview(b""))])
+    store(manager, ctx, 0)
+    assert manager.take_events() == [
+        OffloadingEvent(keys(0), "CPU", removed=False),
+        OffloadingEvent(keys(0), "EXAMPLE", removed=False),
+    ]
+    assert manager.take_events() == []
+
+
+def test_events_disabled(policy, ctx):
+    manager, _ = build(policy, [EventfulTier(None, memoryview(b""))], enable_events=False)
+    store(manager, ctx, 0)
+    assert manager.take_events() == []
+
+
+# -- reset and shutdown ---------------------------------------------------------------------
+
+
+def test_reset_cache_drains_processes_and_empties_the_primary(policy, ctx):
+    tier = ManualTier()
+    tier.present[key(7)] = True
+    manager, _ = build(policy, [tier])
+    store(manager, ctx, 0, 1)  # cascades in flight
+    manager.lookup(key(7), ctx)  # a promotion queued, not submitted
+    manager.reset_cache()
+    assert tier.drains == 1
+    assert [job.is_promotion for job in tier.submitted] == [False]  # the queued one was dropped
+    assert manager.primary_tier.num_free_blocks == 4
+    assert not manager.has_pending_work()
+    assert tier.present[key(0)] is True  # the tier keeps its blocks
+    manager.on_schedule_end()
+    assert promote(manager, ctx, 0) == [None]  # ...and serves them again
+
+
+def test_shutdown_order_and_every_job_reported_once(policy, ctx, caplog):
+    log: list[str] = []
+    tiers = [ManualTier("a", log), ManualTier("b", log)]
+    tiers[1].present[key(9)] = True
+    manager, region = build(policy, tiers, log=log)
+    store(manager, ctx, 0)  # two cascades in flight
+    promote(manager, ctx, 9)  # one promotion in flight
+    manager.lookup(key(0), ctx)
+    with caplog.at_level(logging.WARNING):
+        manager.shutdown()
+        manager.shutdown()
+    assert log == ["a.shutdown", "b.shutdown", "region.cleanup"]
+    assert not manager.has_pending_work()
+    assert "never reported" not in caplog.text
+    assert manager.primary_tier.ref_count(key(0)) == 0
+    assert manager.primary_tier.lookup(key(9), ctx) is False
+
+
+def test_works_without_secondary_tiers(policy, ctx):
+    manager, _ = build(policy, None)
+    store(manager, ctx, 0)
+    assert manager.lookup(key(0), ctx) is True
+    assert manager.lookup(key(1), ctx) is False
+    manager.on_schedule_end()
+    manager.shutdown()
+
+
+# -- a failing backend never reaches the scheduler ------------------------------------------
+
+
+class BrokenTier(SecondaryTierManager):
+    def lookup(self, key, req_context):
+        raise OSError("lookup broke")
+
+    def submit_store(self, job_metadata):
+        raise OSError("store broke")
+
+    def submit_load(self, job_metadata):
+        raise OSError("load broke")
+
+    def get_finished(self):
+        raise OSError("poll broke")
+
+    def touch(self, keys, req_context):
+        raise OSError("touch broke")
+
+    def on_schedule_end(self):
+        raise OSError("flush broke")
+
+    def drain(self, timeout_s=None):
+        raise OSError("drain broke")
+
+    def take_events(self):
+        raise OSError("events broke")
+
+    def shutdown(self):
+        raise OSError("shutdown broke")
+
+
+def test_a_raising_tier_fails_its_jobs_and_never_raises(policy, ctx, caplog):
+    good = ManualTier("good")
+    good.present[key(3)] = True
+    manager, region = build(policy, [BrokenTier(None, memoryview(b""), "broken"), good])
+    with caplog.at_level(logging.ERROR):
+        store(manager, ctx, 0)  # the broken tier's cascade fails at submission
+        assert manager.primary_tier.ref_count(key(0)) == 1  # only the good tier's reference
+        assert manager.lookup(key(3), ctx) is None  # broken lookup counts as a miss
+        manager.touch(keys(0), ctx)
+        manager.on_schedule_end()
+        manager.take_events()
+        manager.reset_cache()
+        manager.shutdown()
+    assert "store broke" in caplog.text and "lookup broke" in caplog.text
+    assert region.cleanups == 1
+
+
+def test_a_raising_submit_load_frees_the_reserved_rows(policy, ctx):
+    class BrokenLoads(ManualTier):
+        def submit_load(self, job_metadata):
+            raise OSError("load broke")
+
+    tier = BrokenLoads()
+    tier.present[key(0)] = True
+    manager, _ = build(policy, [tier])
+    promote(manager, ctx, 0)
+    assert manager.primary_tier.lookup(key(0), ctx) is False
+    assert not manager.has_pending_work()
+
+
+def test_a_result_reported_twice_is_ignored(policy, ctx, caplog):
+    tier = ManualTier()
+    manager, _ = build(policy, [tier])
+    store(manager, ctx, 0)
+    job = tier.finish()
+    tier.results.append(type(tier.results[0])(job.job_id, True))
+    with caplog.at_level(logging.WARNING):
+        manager.on_schedule_end()
+    assert manager.primary_tier.ref_count(key(0)) == 0
+    assert f"job {job.job_id} reported again" in caplog.text

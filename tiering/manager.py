@@ -1,0 +1,271 @@
+"""`TieringOffloadingManager`: the primary tier plus secondary tiers behind one manager.
+
+Store path (cascade): ``complete_store`` makes blocks loadable in the primary tier and, at
+once, submits one store job per secondary tier, each holding one read reference on every
+block's row until the tier reports the job.
+
+Load path (promotion): a ``lookup`` that misses the primary tier asks the secondary tiers in
+order; the first that has the block gets it promoted. A primary row is reserved at once
+(so a second lookup sees the block in flight and queues nothing), the lookup answers None,
+and the step's promotions are submitted at ``on_schedule_end`` as one load job per
+(tier, request).
+
+Finished jobs are processed once before the step's first ``lookup``/``prepare_store`` and
+once in ``on_schedule_end``. A tier that raises is logged and its job counted as failed; no
+backend exception reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tiering.abstract import OffloadingManager
+from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
+from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
+from tiering.secondary import JobId, JobMetadata, SecondaryTierManager
+from tiering.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    keys: list[OffloadKey]
+    is_promotion: bool
+    req_context: ReqContext
+
+
+@dataclass
+class _QueuedPromotion:
+    req_context: ReqContext
+    keys: list[OffloadKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+
+class TieringOffloadingManager(OffloadingManager):
+    """The scheduler's manager over a CPU primary tier and ordered secondary tiers.
+
+    Call every method from the scheduler thread; none blocks or does I/O, except
+    `reset_cache` and `shutdown`, which wait for the tiers to drain.
+    """
+
+    def __init__(
+        self,
+        primary_tier: CPUPrimaryTierOffloadingManager,
+        secondary_tiers: Sequence[SecondaryTierManager] | None = None,
+        enable_events: bool = False,
+        drain_timeout_s: float = 30.0,
+    ):
+        """
+        Args:
+            primary_tier: the CPU tier; the only one that talks to the GPU.
+            secondary_tiers: looked up in this order on a primary miss.
+            enable_events: return the tiers' events from `take_events`.
+            drain_timeout_s: how long `reset_cache` waits for each tier's jobs, seconds.
+        """
+        self.primary_tier = primary_tier
+        self.secondary_tiers = list(secondary_tiers or ())
+        self._enable_events = enable_events
+        self._drain_timeout_s = drain_timeout_s
+        self._job_ids = itertools.count()
+        self._jobs: dict[JobId, _Job] = {}
+        self._promotions: dict[tuple[int, str], _QueuedPromotion] = {}
+        self._polled_this_step = False
+        self._shut_down = False
+
+    # -- scheduler calls ------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """True if `key` is loadable from the primary tier; None to retry next step (a
+        transfer is in flight, a promotion was just queued, or a tier is still unsure);
+        False if no tier has it or the primary tier has no room to promote it."""
+        if not self._polled_this_step:
+            self._process_finished()
+        answer = self.primary_tier.lookup(key, req_context)
+        if answer is not False:
+            return answer
+        for tier_idx, tier in enumerate(self.secondary_tiers):
+            try:
+                found = tier.lookup(key, req_context)
+            except Exception:
+                logger.exception("tier %s: lookup failed; counted as a miss", tier.tier_type)
+                continue
+            if found:
+                return self._queue_promotion(tier_idx, key, req_context)
+            if found is None:
+                answer = None
+        return answer
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        """Pin primary rows for a GPU load; see `CPUOffloadingManager.prepare_load`.
+
+        Raises:
+            KeyError: a key is not loadable from the primary tier.
+        """
+        return self.primary_tier.prepare_load(keys, req_context)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Record a use of `keys` in the primary tier and in every secondary tier."""
+        self.primary_tier.touch(keys, req_context)
+        for tier in self.secondary_tiers:
+            try:
+                tier.touch(keys, req_context)
+            except Exception:
+                logger.exception("tier %s: touch failed", tier.tier_type)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Unpin rows pinned by `prepare_load`.
+
+        Raises:
+            KeyError: a key has no reader.
+        """
+        self.primary_tier.complete_load(keys, req_context)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        """Reserve primary rows for a GPU store; None if the primary tier has no room."""
+        if not self._polled_this_step:
+            self._process_finished()
+        return self.primary_tier.prepare_store(keys, req_context)
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        """Finish a GPU store and cascade the newly stored blocks to every secondary tier."""
+        stored = self.primary_tier.complete_store(keys, req_context, success)
+        if not stored:
+            return
+        for tier_idx in range(len(self.secondary_tiers)):
+            spec = self.primary_tier.prepare_read(stored, req_context)
+            self._submit(tier_idx, list(stored), spec.block_ids, False, req_context)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return self.primary_tier.on_new_request(req_context)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Nothing to release: a finished request's queued promotions still run (other
+        requests share prefixes)."""
+        self.primary_tier.on_request_finished(req_context)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Events of the primary tier, then of each secondary tier, since the last call;
+        empty unless the manager was built with ``enable_events=True``."""
+        events = list(self.primary_tier.take_events())
+        for tier in self.secondary_tiers:
+            try:
+                events.extend(tier.take_events())
+            except Exception:
+                logger.exception("tier %s: take_events failed", tier.tier_type)
+        return events if self._enable_events else []
+
+    def on_schedule_end(self) -> None:
+        """Process finished jobs, submit the step's promotions, then let tiers flush."""
+        self._process_finished()
+        for (tier_idx, _), queued in self._promotions.items():
+            block_ids = np.array(queued.block_ids, dtype=np.int64)
+            self._submit(tier_idx, queued.keys, block_ids, True, queued.req_context)
+        self._promotions.clear()
+        for tier in self.secondary_tiers:
+            try:
+                tier.on_schedule_end()
+            except Exception:
+                logger.exception("tier %s: on_schedule_end failed", tier.tier_type)
+        self._polled_this_step = False
+
+    def has_pending_work(self) -> bool:
+        """Whether a promotion is queued or a job has not been reported yet."""
+        return bool(self._jobs or self._promotions)
+
+    def reset_cache(self) -> None:
+        """Drain the tiers (up to `drain_timeout_s` each), process what finished, drop queued
+        promotions and empty the primary tier. Secondary tiers keep their blocks. Blocks
+        whose transfer is still in flight after the drain stay in the primary tier."""
+        for tier in self.secondary_tiers:
+            try:
+                if not tier.drain(self._drain_timeout_s):
+                    logger.warning("tier %s: jobs still in flight after %.1f s", tier.tier_type, self._drain_timeout_s)
+            except Exception:
+                logger.exception("tier %s: drain failed", tier.tier_type)
+        self._process_finished()
+        self._drop_queued_promotions()
+        self.primary_tier.reset_cache()
+
+    def shutdown(self) -> None:
+        """Shut every secondary tier (which reports its jobs in flight as failed), release
+        the primary tier and its shared memory. Later calls do nothing."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._drop_queued_promotions()
+        for tier in self.secondary_tiers:
+            try:
+                tier.shutdown()
+            except Exception:
+                logger.exception("tier %s: shutdown failed", tier.tier_type)
+        self._process_finished()
+        if self._jobs:
+            logger.warning("%d jobs were never reported by their tiers", len(self._jobs))
+        self.primary_tier.shutdown()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _queue_promotion(self, tier_idx: int, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        reserved = self.primary_tier.prepare_write([key], req_context)
+        if reserved is None:
+            return False
+        queued = self._promotions.get((tier_idx, req_context.req_id))
+        if queued is None:
+            queued = self._promotions[(tier_idx, req_context.req_id)] = _QueuedPromotion(req_context)
+        queued.keys.append(key)
+        queued.block_ids.append(int(reserved.store_spec.block_ids[0]))
+        return None
+
+    def _drop_queued_promotions(self) -> None:
+        for queued in self._promotions.values():
+            self.primary_tier.complete_write(queued.keys, queued.req_context, success=False)
+        self._promotions.clear()
+
+    def _submit(
+        self,
+        tier_idx: int,
+        keys: list[OffloadKey],
+        block_ids: np.ndarray,
+        is_promotion: bool,
+        req_context: ReqContext,
+    ) -> None:
+        job_id = next(self._job_ids)
+        self._jobs[job_id] = _Job(keys, is_promotion, req_context)
+        tier = self.secondary_tiers[tier_idx]
+        job = JobMetadata(job_id, keys, block_ids, is_promotion, req_context)
+        try:
+            if is_promotion:
+                tier.submit_load(job)
+            else:
+                tier.submit_store(job)
+        except Exception:
+            logger.exception("tier %s: job %d rejected; counted as failed", tier.tier_type, job_id)
+            self._finish(job_id, success=False)
+
+    def _process_finished(self) -> None:
+        self._polled_this_step = True
+        for tier in self.secondary_tiers:
+            try:
+                results = list(tier.get_finished())
+            except Exception:
+                logger.exception("tier %s: get_finished failed", tier.tier_type)
+                continue
+            for result in results:
+                self._finish(result.job_id, result.success)
+
+    def _finish(self, job_id: JobId, success: bool) -> None:
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            logger.warning("job %d reported again or never submitted; ignored", job_id)
+        elif job.is_promotion:
+            self.primary_tier.complete_write(job.keys, job.req_context, success)
+        else:
+            self.primary_tier.complete_read(job.keys, job.req_context)
