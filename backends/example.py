@@ -8,7 +8,6 @@ stand-in for a real one when testing the manager's bookkeeping.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
 from typing import Any
 
 from tiering.keys import OffloadKey, ReqContext

@@ -103,12 +103,12 @@ def test_prepare_load_pins_until_complete_load(manager, ctx):
 def test_prepare_load_errors_change_nothing(manager, ctx):
     store(manager, ctx, 0)
     manager.prepare_store(keys(1), ctx)
-    with pytest.raises(KeyError, match="prepare_load: key .* is ref count -1"):
+    with pytest.raises(KeyError, match=r"prepare_load: key .* is ref count -1"):
         manager.prepare_load(keys(0, 1), ctx)
-    with pytest.raises(KeyError, match="prepare_load: key .* is not resident"):
+    with pytest.raises(KeyError, match=r"prepare_load: key .* is not resident"):
         manager.prepare_load(keys(0, 7), ctx)
     assert manager.ref_count(key(0)) == 0
-    with pytest.raises(KeyError, match="complete_load: key .* is ref count 0"):
+    with pytest.raises(KeyError, match=r"complete_load: key .* is ref count 0"):
         manager.complete_load(keys(0), ctx)
 
 

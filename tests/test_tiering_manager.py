@@ -110,7 +110,7 @@ def test_promotion_needs_room_in_the_primary(policy, ctx):
 )
 def test_an_unsure_tier_makes_the_answer_none_unless_a_later_tier_hits(policy, ctx, answers, expected, promoted_by):
     tiers = [ManualTier("a"), ManualTier("b")]
-    for tier, answer in zip(tiers, answers):
+    for tier, answer in zip(tiers, answers, strict=True):
         tier.present[key(0)] = answer
     manager, _ = build(policy, tiers)
     assert manager.lookup(key(0), ctx) is expected
@@ -315,7 +315,7 @@ def test_shutdown_order_and_every_job_reported_once(policy, ctx, caplog):
     log: list[str] = []
     tiers = [ManualTier("a", log), ManualTier("b", log)]
     tiers[1].present[key(9)] = True
-    manager, region = build(policy, tiers, log=log)
+    manager, _ = build(policy, tiers, log=log)
     store(manager, ctx, 0)  # two cascades in flight
     promote(manager, ctx, 9)  # one promotion in flight
     manager.lookup(key(0), ctx)

@@ -42,9 +42,7 @@ class OffloadingManager(ABC):
         return
 
     @abstractmethod
-    def prepare_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Reserve room for blocks about to be offloaded, evicting if needed.
 
         The reserved blocks are protected from eviction until `complete_store`.
@@ -53,9 +51,7 @@ class OffloadingManager(ABC):
             Which keys to copy and where, or None if there is not enough evictable room.
         """
 
-    def complete_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         """Mark blocks reserved by `prepare_store` as stored (loadable from now on).
 
         With ``success=False`` the blocks not yet stored are dropped.

@@ -108,7 +108,7 @@ class CPUOffloadingManager(OffloadingManager):
                 evicted.append(key)
             self._emit(evicted, removed=True)
         block_ids = [self._allocate_block_id() for _ in keys_to_store]
-        for key, block_id in zip(keys_to_store, block_ids):
+        for key, block_id in zip(keys_to_store, block_ids, strict=True):
             policy.insert(key, BlockStatus(block_id))
         return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted)
 

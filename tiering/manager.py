@@ -132,9 +132,7 @@ class TieringOffloadingManager(OffloadingManager):
             self._process_finished()
         return self.primary_tier.prepare_store(keys, req_context)
 
-    def complete_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         """Finish a GPU store and cascade the newly stored blocks to every secondary tier."""
         stored = self.primary_tier.complete_store(keys, req_context, success)
         if not stored:

@@ -107,9 +107,7 @@ def make_cache_policy(name: str, capacity: int) -> CachePolicy:
     try:
         cls = _POLICIES[name]
     except KeyError:
-        raise ValueError(
-            f"unknown cache policy {name!r}; known policies: {', '.join(sorted(_POLICIES))}"
-        ) from None
+        raise ValueError(f"unknown cache policy {name!r}; known policies: {', '.join(sorted(_POLICIES))}") from None
     return cls(capacity)
 
 

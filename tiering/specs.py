@@ -63,9 +63,7 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
     ):
         super().__init__(block_ids)
         if sum(group_sizes) != len(self.block_ids):
-            raise ValueError(
-                f"group_sizes sum to {sum(group_sizes)} but there are {len(self.block_ids)} block ids"
-            )
+            raise ValueError(f"group_sizes sum to {sum(group_sizes)} but there are {len(self.block_ids)} block ids")
         if len(block_indices) != len(group_sizes):
             raise ValueError(
                 f"{len(block_indices)} block_indices for {len(group_sizes)} KV groups; expected one per group"

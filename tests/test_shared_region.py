@@ -1,0 +1,165 @@
+import logging
+import multiprocessing
+import os
+import stat
+import uuid
+
+import numpy as np
+import pytest
+
+from tests import region_worker
+from tiering import SharedOffloadRegion
+from tiering.shared_region import region_path
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture
+def instance_id():
+    instance = f"test-{uuid.uuid4().hex[:12]}"
+    yield instance
+    leftovers = [name for name in os.listdir("/dev/shm") if instance in name]
+    assert leftovers == [], f"files left in /dev/shm: {leftovers}"
+
+
+@pytest.fixture
+def run():
+    """Start `target(*args)` in a spawned daemon process; stragglers are killed after the test."""
+    procs = []
+
+    def start(target, *args):
+        proc = SPAWN.Process(target=target, args=args, daemon=True)
+        proc.start()
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def test_scheduler_view_rows_are_page_aligned(instance_id):
+    region = SharedOffloadRegion(instance_id, num_blocks=3, cpu_page_size=1000, num_workers=2)
+    try:
+        assert region.is_creator
+        assert (region.row_bytes, region.row_stride) == (2000, 4096)
+        assert region.total_size_bytes == 3 * 4096 == os.path.getsize(region.path)
+        assert stat.S_IMODE(os.stat(region.path).st_mode) == 0o600
+        view = region.create_kv_memoryview()
+        assert view.shape == (3, 2000) and view.strides == (4096, 1)
+        rows = np.asarray(view)
+        rows[1] = 7
+        assert all(addr % 4096 == 0 for addr in (rows[b].ctypes.data for b in range(3)))
+    finally:
+        region.cleanup()
+
+
+def test_two_worker_processes_fill_their_slots_of_the_same_rows(instance_id, run):
+    num_blocks, page = 5, 3000
+    scheduler = SharedOffloadRegion(instance_id, num_blocks, page, num_workers=2)
+    barrier = SPAWN.Barrier(3)
+    workers = [run(region_worker.fill_slot, instance_id, num_blocks, page, 2, rank, barrier) for rank in (0, 1)]
+    try:
+        barrier.wait(timeout=30)
+        rows = np.asarray(scheduler.create_kv_memoryview())
+        for block in range(num_blocks):
+            for rank in (0, 1):
+                slot = rows[block, rank * page : (rank + 1) * page]
+                assert (slot[: page // 2] == rank + 1).all()
+                assert (slot[page // 2 :] == block).all()
+        barrier.wait(timeout=30)
+    finally:
+        for worker in workers:
+            worker.join(30)
+        scheduler.cleanup()
+    assert [worker.exitcode for worker in workers] == [0, 0]
+
+
+def test_exactly_one_of_racing_processes_creates(instance_id, run):
+    barrier, creators = SPAWN.Barrier(4), SPAWN.Value("i", 0)
+    procs = [run(region_worker.race_to_create, instance_id, barrier, creators) for _ in range(4)]
+    for proc in procs:
+        proc.join(30)
+    assert [proc.exitcode for proc in procs] == [0] * 4
+    assert creators.value == 1
+
+
+def test_leftover_of_a_killed_creator_is_replaced(instance_id, run, caplog):
+    proc = run(region_worker.create_and_die, instance_id)
+    proc.join(30)
+    assert proc.exitcode == -9
+    assert region_path(instance_id).exists()  # the crash left the file behind
+    with caplog.at_level(logging.WARNING):
+        region = SharedOffloadRegion(instance_id, num_blocks=8, cpu_page_size=4096)  # another size
+    try:
+        assert region.is_creator
+        assert os.path.getsize(region.path) == 8 * 4096
+        assert "replacing a leftover region" in caplog.text
+    finally:
+        region.cleanup()
+
+
+def test_a_live_region_of_another_size_is_an_error(instance_id):
+    live = SharedOffloadRegion(instance_id, num_blocks=4, cpu_page_size=4096)
+    try:
+        with pytest.raises(ValueError, match=r"is live with 16384 bytes; this engine needs 32768"):
+            SharedOffloadRegion(instance_id, num_blocks=8, cpu_page_size=4096, rank=0)
+        assert os.path.getsize(live.path) == 4 * 4096
+    finally:
+        live.cleanup()
+
+
+def test_joiner_shares_bytes_and_only_the_creator_unlinks(instance_id):
+    creator = SharedOffloadRegion(instance_id, 2, 4096)
+    joiner = SharedOffloadRegion(instance_id, 2, 4096, rank=0)
+    assert not joiner.is_creator
+    joiner.create_next_view(4096)[1] = 42
+    assert (np.asarray(creator.create_kv_memoryview())[1] == 42).all()
+    joiner.cleanup()
+    joiner.cleanup()
+    assert creator.path.exists()
+    creator.cleanup()
+    creator.cleanup()
+    assert not creator.path.exists()
+
+
+def test_next_views_carve_the_slot_without_overlap(instance_id):
+    scheduler = SharedOffloadRegion(instance_id, 2, 100, num_workers=2)
+    worker = SharedOffloadRegion(instance_id, 2, 100, num_workers=2, rank=1)
+    try:
+        with pytest.raises(ValueError, match="needs a worker rank"):
+            scheduler.create_next_view(10)
+        first, second = worker.create_next_view(60), worker.create_next_view(40)
+        assert first.shape == (2, 60) and first.dtype == np.int8
+        first[:] = 1
+        second[:] = 2
+        with pytest.raises(ValueError, match="does not fit a slot of 100 bytes"):
+            worker.create_next_view(1)
+        row = np.asarray(scheduler.create_kv_memoryview())[0]
+        assert (row[:100] == 0).all() and (row[100:160] == 1).all() and (row[160:] == 2).all()
+    finally:
+        worker.cleanup()
+        scheduler.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_blocks": 0}, "must be positive"),
+        ({"cpu_page_size": -1}, "must be positive"),
+        ({"num_workers": 2, "rank": 2}, "rank 2 is outside 0..1"),
+    ],
+)
+def test_rejects_bad_sizes(instance_id, kwargs, message):
+    args = {"num_blocks": 2, "cpu_page_size": 64, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        SharedOffloadRegion(instance_id, **args)
+
+
+def test_unsafe_instance_ids_cannot_escape_the_directory():
+    path = region_path("../../etc/passwd\0x")
+    assert path.parent == region_path("x").parent
+    assert "/" not in path.name and ".." not in path.name

@@ -1,0 +1,60 @@
+"""An asyncio-native KV-cache tiering engine: a CPU primary tier with secondary tiers.
+
+See DESIGN.md for the architecture; every public name is re-exported here.
+"""
+
+from tiering.abstract import OffloadingManager
+from tiering.cpu_manager import CPUOffloadingManager, CPUPrimaryTierOffloadingManager
+from tiering.factory import SecondaryTierFactory
+from tiering.keys import (
+    OffloadKey,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
+from tiering.manager import TieringOffloadingManager
+from tiering.policies import ARCCachePolicy, CachePolicy, LRUCachePolicy, make_cache_policy, register_cache_policy
+from tiering.secondary import JobId, JobMetadata, JobResult, SecondaryTierManager
+from tiering.shared_region import SharedOffloadRegion
+from tiering.specs import (
+    BlockIDsLoadStoreSpec,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingEvent,
+    PrepareStoreOutput,
+)
+
+__all__ = [
+    "ARCCachePolicy",
+    "BlockIDsLoadStoreSpec",
+    "CPULoadStoreSpec",
+    "CPUOffloadingManager",
+    "CPUPrimaryTierOffloadingManager",
+    "CachePolicy",
+    "GPULoadStoreSpec",
+    "JobId",
+    "JobMetadata",
+    "JobResult",
+    "LRUCachePolicy",
+    "LoadStoreSpec",
+    "OffloadKey",
+    "OffloadPolicy",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "ReqContext",
+    "RequestOffloadingContext",
+    "SecondaryTierFactory",
+    "SecondaryTierManager",
+    "SharedOffloadRegion",
+    "TieringOffloadingManager",
+    "get_offload_block_hash",
+    "get_offload_group_idx",
+    "make_cache_policy",
+    "make_offload_key",
+    "register_cache_policy",
+]

@@ -1,0 +1,227 @@
+"""`SharedOffloadRegion`: the primary tier's rows in one shared-memory file.
+
+The scheduler process and every worker process map the same file. Row ``b`` holds worker
+0's slot of block ``b``, then worker 1's, ...; each row starts on a page boundary (so a row
+can be the buffer of an O_DIRECT read or write), and any padding after a row is invisible
+in the views handed out.
+
+Lifecycle, safe against races and crashes:
+
+- The first process to arrive creates the file: it sizes a private temporary file, takes a
+  shared `flock` on it, and `link`s it to the region's name. `link` fails if the name
+  exists, so exactly one process wins, and a file visible under the name is always
+  full-sized (joiners never wait for it to grow).
+- Every process that maps the region holds a shared `flock` for as long as it does. A file
+  under the name that nobody holds a lock on is a leftover of a crashed run: the next
+  process takes an exclusive lock on it, unlinks it and creates a fresh one, whatever its
+  size was.
+- A live region of another size is an error, never silently reused.
+- `cleanup()` unmaps and closes; the creator also unlinks the file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def region_path(instance_id: str, shm_dir: str | os.PathLike = "/dev/shm") -> Path:
+    """Path of the file behind the region of `instance_id` (ids outside ``[A-Za-z0-9_.-]{1,64}``
+    are hashed)."""
+    name = instance_id if _SAFE_ID.fullmatch(instance_id) else hashlib.sha256(instance_id.encode()).hexdigest()[:32]
+    return Path(shm_dir) / f"tiering-{name}.kv"
+
+
+class SharedOffloadRegion:
+    """CPU rows for `num_blocks` blocks, shared by the scheduler and `num_workers` workers.
+
+    Attributes:
+        path: the shared-memory file.
+        row_bytes: bytes of one block (all workers' slots): ``num_workers * cpu_page_size``.
+        row_stride: distance in bytes between two rows, `row_bytes` rounded up to a page.
+        is_creator: whether this object created (and will unlink) the file.
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        num_blocks: int,
+        cpu_page_size: int,
+        num_workers: int = 1,
+        rank: int | None = None,
+        shm_dir: str | os.PathLike = "/dev/shm",
+    ):
+        """Create the region's file, or join the live one.
+
+        Args:
+            instance_id: names the file; every process of one engine passes the same id.
+            num_blocks: rows (blocks), > 0.
+            cpu_page_size: bytes of one worker's slot of a row, > 0.
+            num_workers: slots per row (tensor-parallel world size), > 0.
+            rank: this worker's slot, or None on the scheduler side.
+            shm_dir: directory of the file; a tmpfs such as /dev/shm.
+
+        Raises:
+            ValueError: a size or the rank is out of range, or a live region with this id
+                has another size.
+            OSError: the file cannot be created or mapped (for example /dev/shm is full).
+        """
+        if num_blocks < 1 or cpu_page_size < 1 or num_workers < 1:
+            raise ValueError(
+                f"num_blocks, cpu_page_size and num_workers must be positive, "
+                f"got {num_blocks}, {cpu_page_size}, {num_workers}"
+            )
+        if rank is not None and not 0 <= rank < num_workers:
+            raise ValueError(f"rank {rank} is outside 0..{num_workers - 1}")
+        self.num_blocks = num_blocks
+        self.cpu_page_size = cpu_page_size
+        self.num_workers = num_workers
+        self.rank = rank
+        self.row_bytes = num_workers * cpu_page_size
+        self.row_stride = -(-self.row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.path = region_path(instance_id, shm_dir)
+        self._next_view_offset = 0
+        self._fd, self.is_creator = self._open()
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(self._fd, self.total_size_bytes)
+        except BaseException:
+            self._release_file()
+            raise
+        self._rows = np.frombuffer(self._mmap, dtype=np.int8).reshape(num_blocks, self.row_stride)
+
+    @property
+    def total_size_bytes(self) -> int:
+        """Size of the file: ``num_blocks * row_stride``."""
+        return self.num_blocks * self.row_stride
+
+    def create_kv_memoryview(self) -> memoryview:
+        """The scheduler's view: every row, shape ``(num_blocks, row_bytes)``, format ``b``.
+
+        Row ``b`` is ``np.asarray(view)[b]``. The view is strided when `row_bytes` is not a
+        multiple of the page size.
+        """
+        return memoryview(self._rows[:, : self.row_bytes])
+
+    def create_next_view(self, page_bytes: int) -> np.ndarray:
+        """Carve the next `page_bytes` of this worker's slot out of every row.
+
+        Successive calls return successive, non-overlapping pieces of the slot (one per KV
+        tensor, say). Returns an int8 array of shape ``(num_blocks, page_bytes)`` whose rows
+        are ``row_stride`` bytes apart.
+
+        Raises:
+            ValueError: on the scheduler side (rank None), or the pieces would outgrow the
+                slot's `cpu_page_size` bytes.
+        """
+        if self.rank is None:
+            raise ValueError("create_next_view needs a worker rank; the scheduler side has none")
+        start = self._next_view_offset
+        if page_bytes < 1 or start + page_bytes > self.cpu_page_size:
+            raise ValueError(
+                f"a view of {page_bytes} bytes at offset {start} does not fit a slot of {self.cpu_page_size} bytes"
+            )
+        self._next_view_offset = start + page_bytes
+        base = self.rank * self.cpu_page_size + start
+        return self._rows[:, base : base + page_bytes]
+
+    def cleanup(self) -> None:
+        """Unmap and close; the creator also unlinks the file. Later calls do nothing.
+
+        Arrays handed out stay valid until they are dropped: the mapping is closed only
+        once nothing exports it, otherwise it goes with the last array.
+        """
+        if self._mmap is None:
+            return
+        mapping, self._mmap = self._mmap, None
+        self._rows = None
+        try:
+            mapping.close()
+        except BufferError:
+            logger.debug("%s: views still exported; the mapping goes with the last one", self.path)
+        self._release_file()
+
+    def _release_file(self) -> None:
+        if self.is_creator:
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        os.close(self._fd)
+
+    def _open(self) -> tuple[int, bool]:
+        """Return (fd holding a shared lock on the live file, created by us)."""
+        while True:
+            fd = self._try_create()
+            if fd is not None:
+                return fd, True
+            fd = self._try_join()
+            if fd is not None:
+                return fd, False
+
+    def _try_create(self) -> int | None:
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.ftruncate(fd, self.total_size_bytes)
+            os.link(tmp, self.path)
+        except FileExistsError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            os.unlink(tmp)
+        return fd
+
+    def _try_join(self) -> int | None:
+        """Join the file under the name; None if it vanished or was a leftover (now removed)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # a live process holds it
+        else:
+            self._remove_leftover(fd)
+            os.close(fd)
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if not self._is_current(fd):
+            os.close(fd)
+            return None
+        size = os.fstat(fd).st_size
+        if size != self.total_size_bytes:
+            os.close(fd)
+            raise ValueError(
+                f"shared region {self.path} is live with {size} bytes; this engine needs "
+                f"{self.total_size_bytes} ({self.num_blocks} rows of {self.row_stride} bytes): "
+                "another engine uses the same instance id"
+            )
+        return fd
+
+    def _remove_leftover(self, fd: int) -> None:
+        if self._is_current(fd):
+            logger.warning("%s: replacing a leftover region of a crashed run", self.path)
+            os.unlink(self.path)
+
+    def _is_current(self, fd: int) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
