@@ -1,0 +1,102 @@
+import threading
+
+import anyio
+import pytest
+
+from tiering import AsyncRuntime, RuntimeClosedError
+
+
+class CountingRuntime(AsyncRuntime):
+    wakeups = 0
+
+    def _run_inbox(self):
+        self.wakeups += 1
+        super()._run_inbox()
+
+
+@pytest.fixture
+def runtime():
+    runtime = CountingRuntime("tiering-test")
+    yield runtime
+    runtime.shutdown()
+
+
+def test_starts_lazily_in_a_named_daemon_thread(runtime):
+    assert not any(t.name == "tiering-test" for t in threading.enumerate())
+    seen = []
+    done = threading.Event()
+    runtime.submit(lambda: (seen.append(threading.current_thread()), done.set()))
+    assert done.wait(5)
+    assert seen[0].name == "tiering-test" and seen[0].daemon
+
+
+def test_callbacks_run_in_order_with_one_wakeup_per_batch(runtime):
+    gate, done, order = threading.Event(), threading.Event(), []
+    runtime.submit(lambda: gate.wait(5))  # holds the loop while the batch is queued
+    for i in range(100):
+        runtime.submit(lambda i=i: order.append(i))
+    runtime.submit(done.set)
+    gate.set()
+    assert done.wait(5)
+    assert order == list(range(100))
+    assert runtime.wakeups <= 2  # the first callback's wake-up, then one for the whole batch
+
+
+def test_run_sync_returns_and_raises(runtime):
+    async def add(a, b):
+        await anyio.sleep(0)
+        return a + b
+
+    async def fail():
+        raise ValueError("boom")
+
+    assert runtime.run_sync(add, 2, 3) == 5
+    with pytest.raises(ValueError, match="boom"):
+        runtime.run_sync(fail)
+    with pytest.raises(TimeoutError):
+        runtime.run_sync(anyio.sleep, 10, timeout_s=0.05)
+
+
+def test_a_failing_callback_does_not_kill_the_loop(runtime, caplog):
+    done = threading.Event()
+    runtime.submit(lambda: 1 / 0)
+    runtime.submit(done.set)
+    assert done.wait(5)
+    assert "ZeroDivisionError" in caplog.text
+
+
+def test_calls_from_the_loop_thread_are_refused(runtime):
+    errors, done = [], threading.Event()
+
+    def reenter():
+        for call in (lambda: runtime.submit(print), lambda: runtime.run_sync(anyio.sleep, 0)):
+            try:
+                call()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        done.set()
+
+    runtime.submit(reenter)
+    assert done.wait(5)
+    assert len(errors) == 2 and all("its own loop thread" in e for e in errors)
+
+
+def test_shutdown_stops_the_thread_and_refuses_more_work(runtime):
+    runtime.run_sync(anyio.sleep, 0)
+    runtime.shutdown()
+    runtime.shutdown()
+    assert not any(t.name == "tiering-test" for t in threading.enumerate())
+    for call in (lambda: runtime.submit(print), lambda: runtime.run_sync(anyio.sleep, 0), runtime.acquire):
+        with pytest.raises(RuntimeClosedError, match="is shut down"):
+            call()
+
+
+def test_last_release_shuts_down(runtime):
+    runtime.acquire()
+    runtime.acquire()
+    runtime.run_sync(anyio.sleep, 0)
+    runtime.release()
+    assert runtime.run_sync(anyio.sleep, 0) is None
+    runtime.release()
+    with pytest.raises(RuntimeClosedError):
+        runtime.submit(print)

@@ -1,0 +1,179 @@
+"""`AsyncRuntime`: one asyncio event loop in a daemon thread, fed from the scheduler thread.
+
+The scheduler thread hands work to the loop with `submit(callback)`: an append to a deque,
+plus one `call_soon_threadsafe` wake-up only when none is already pending, so a step's
+burst of jobs costs one wake-up. Callbacks run on the loop thread in submission order; they
+typically start tasks in a task group. Blocking calls into the loop (`run_sync`) are for
+construction and shutdown only.
+
+Tiers share a runtime by reference counting: each tier `acquire`s it when built and
+`release`s it at shutdown; the last release stops the loop and joins the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from anyio.abc import TaskGroup
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RuntimeClosedError(RuntimeError):
+    """The runtime was shut down; no more work is accepted."""
+
+
+class AsyncRuntime:
+    """An event loop in a named daemon thread, started on first use."""
+
+    def __init__(self, name: str = "tiering-io", start_timeout_s: float = 10.0):
+        """
+        Args:
+            name: the loop thread's name.
+            start_timeout_s: how long the first call waits for the loop to start, seconds.
+        """
+        self.name = name
+        self._start_timeout_s = start_timeout_s
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._ring_pending = False
+        self._users = 0
+        self._closed = False
+        self._start_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task_group: TaskGroup | None = None
+        self._stop: anyio.Event | None = None
+
+    # -- use from any thread but the loop's ------------------------------------------------
+
+    def acquire(self) -> AsyncRuntime:
+        """Register one more user (a tier). Returns self.
+
+        Raises:
+            RuntimeClosedError: the runtime was shut down.
+        """
+        if self._closed:
+            raise RuntimeClosedError(f"runtime {self.name} is shut down")
+        self._users += 1
+        return self
+
+    def release(self, timeout_s: float = 10.0) -> None:
+        """Drop one user; the last one shuts the runtime down (see `shutdown`)."""
+        self._users -= 1
+        if self._users <= 0:
+            self.shutdown(timeout_s)
+
+    def submit(self, callback: Callable[[], None]) -> None:
+        """Run `callback()` on the loop thread, after every callback submitted before it.
+
+        Costs a deque append, plus one wake-up of the loop when none is pending.
+
+        Raises:
+            RuntimeClosedError: the runtime was shut down.
+            RuntimeError: called from the loop thread itself.
+        """
+        loop = self._loop or self._start()
+        self._check_caller()
+        self._inbox.append(callback)
+        if not self._ring_pending:
+            self._ring_pending = True
+            loop.call_soon_threadsafe(self._run_inbox)
+
+    def run_sync(self, func: Callable[..., Awaitable[T]], *args: Any, timeout_s: float | None = None) -> T:
+        """Run ``await func(*args)`` on the loop and block until it returns.
+
+        Returns what it returns; raises what it raises.
+
+        Raises:
+            RuntimeClosedError: the runtime was shut down.
+            RuntimeError: called from the loop thread itself (it would deadlock).
+            TimeoutError: it took longer than `timeout_s` seconds (it is cancelled).
+        """
+        loop = self._loop or self._start()
+        self._check_caller()
+        future = asyncio.run_coroutine_threadsafe(func(*args), loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Cancel every task, stop the loop and join its thread (up to `timeout_s` seconds).
+
+        Later calls do nothing. Callbacks still queued are dropped.
+
+        Raises:
+            RuntimeError: called from the loop thread itself.
+        """
+        if self._closed:
+            return
+        self._check_caller()
+        self._closed = True
+        if self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("runtime %s: loop thread still running after %.1f s", self.name, timeout_s)
+
+    # -- use from the loop thread ----------------------------------------------------------
+
+    @property
+    def task_group(self) -> TaskGroup:
+        """The root task group, for tasks that live as long as the runtime (loop thread)."""
+        assert self._task_group is not None
+        return self._task_group
+
+    def in_loop_thread(self) -> bool:
+        """Whether the caller runs on the loop thread."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_caller(self) -> None:
+        if self._closed:
+            raise RuntimeClosedError(f"runtime {self.name} is shut down")
+        if self.in_loop_thread():
+            raise RuntimeError(f"runtime {self.name}: called from its own loop thread; use the loop directly")
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        with self._start_lock:
+            if self._closed:
+                raise RuntimeClosedError(f"runtime {self.name} is shut down")
+            if self._loop is None:
+                started = threading.Event()
+                self._thread = threading.Thread(
+                    target=anyio.run, args=(self._main, started), name=self.name, daemon=True
+                )
+                self._thread.start()
+                if not started.wait(self._start_timeout_s):
+                    raise RuntimeError(f"runtime {self.name}: loop did not start in {self._start_timeout_s} s")
+        return self._loop
+
+    async def _main(self, started: threading.Event) -> None:
+        self._stop = anyio.Event()
+        async with anyio.create_task_group() as task_group:
+            self._task_group = task_group
+            self._loop = asyncio.get_running_loop()
+            started.set()
+            await self._stop.wait()
+            task_group.cancel_scope.cancel()
+
+    def _run_inbox(self) -> None:
+        self._ring_pending = False
+        inbox = self._inbox
+        while inbox:
+            callback = inbox.popleft()
+            try:
+                callback()
+            except Exception:
+                logger.exception("runtime %s: callback %r failed", self.name, callback)
