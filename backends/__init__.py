@@ -1,5 +1,15 @@
-"""Secondary tiers for the tiering engine."""
+"""Secondary tiers for the tiering engine, and the block-store interface behind them."""
 
 from backends.example import ExampleSecondaryTierManager
+from backends.file import FileBlockStore, FileTier
+from backends.memory import MemoryBlockStore, MemoryTier
+from backends.store import BlockStore
 
-__all__ = ["ExampleSecondaryTierManager"]
+__all__ = [
+    "BlockStore",
+    "ExampleSecondaryTierManager",
+    "FileBlockStore",
+    "FileTier",
+    "MemoryBlockStore",
+    "MemoryTier",
+]

@@ -103,3 +103,16 @@ class ManualTier(SecondaryTierManager):
     def shutdown(self) -> None:
         self.log.append(f"{self.tier_type}.shutdown")
         self.finish_all(success=False)
+
+
+def block_bytes(key: OffloadKey, size: int) -> bytes:
+    """Deterministic pseudo-random content of a block, a function of its key."""
+    import hashlib
+
+    seed = hashlib.blake2b(key, digest_size=8).digest()
+    out = bytearray()
+    counter = 0
+    while len(out) < size:
+        out += hashlib.blake2b(seed + counter.to_bytes(8, "big"), digest_size=64).digest()
+        counter += 1
+    return bytes(out[:size])

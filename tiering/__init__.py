@@ -4,7 +4,9 @@ See DESIGN.md for the architecture; every public name is re-exported here.
 """
 
 from tiering.abstract import OffloadingManager
+from tiering.async_tier import BlockStoreTier
 from tiering.cpu_manager import CPUOffloadingManager, CPUPrimaryTierOffloadingManager
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, StoreClosedError
 from tiering.factory import SecondaryTierFactory
 from tiering.keys import (
     OffloadKey,
@@ -16,7 +18,9 @@ from tiering.keys import (
     make_offload_key,
 )
 from tiering.manager import TieringOffloadingManager
+from tiering.object_format import layout_fingerprint
 from tiering.policies import ARCCachePolicy, CachePolicy, LRUCachePolicy, make_cache_policy, register_cache_policy
+from tiering.runtime import AsyncRuntime, RuntimeClosedError
 from tiering.secondary import JobId, JobMetadata, JobResult, SecondaryTierManager
 from tiering.shared_region import SharedOffloadRegion
 from tiering.specs import (
@@ -30,17 +34,21 @@ from tiering.specs import (
 
 __all__ = [
     "ARCCachePolicy",
+    "AsyncRuntime",
     "BlockIDsLoadStoreSpec",
+    "BlockStoreTier",
     "CPULoadStoreSpec",
     "CPUOffloadingManager",
     "CPUPrimaryTierOffloadingManager",
     "CachePolicy",
+    "CorruptObjectError",
     "GPULoadStoreSpec",
     "JobId",
     "JobMetadata",
     "JobResult",
     "LRUCachePolicy",
     "LoadStoreSpec",
+    "ObjectNotFoundError",
     "OffloadKey",
     "OffloadPolicy",
     "OffloadingEvent",
@@ -48,12 +56,15 @@ __all__ = [
     "PrepareStoreOutput",
     "ReqContext",
     "RequestOffloadingContext",
+    "RuntimeClosedError",
     "SecondaryTierFactory",
     "SecondaryTierManager",
     "SharedOffloadRegion",
+    "StoreClosedError",
     "TieringOffloadingManager",
     "get_offload_block_hash",
     "get_offload_group_idx",
+    "layout_fingerprint",
     "make_cache_policy",
     "make_offload_key",
     "register_cache_policy",

@@ -20,6 +20,8 @@ ENTRY_POINT_GROUP = "tiering.secondary_tiers"
 
 _BUILTIN_TIERS: dict[str, tuple[str, str]] = {
     "example": ("backends.example", "ExampleSecondaryTierManager"),
+    "file": ("backends.file", "FileTier"),
+    "memory": ("backends.memory", "MemoryTier"),
 }
 
 

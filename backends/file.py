@@ -1,0 +1,253 @@
+"""The ``file`` tier: one file per block under a directory, written atomically.
+
+Layout: ``<root_dir>/<layout fingerprint hex>/<shard>/<key hex>``, where the shard is the
+first byte (hex) of a hash of the key, 256 shards. Names are hex, so no key can escape the
+directory. Directories are 0700, files 0600.
+
+Each operation is one function run in one hop on the tier's own thread pool
+(`aiofiles.os.wrap`): open, vectored write or read, close, rename, CRC, all in the worker
+thread, so a block costs one executor hop instead of one per system call. Writes go to a
+temporary name and are renamed into place (optionally after `fsync`), so a crash leaves a
+whole object or a temporary file that the next start removes. A thread already running an
+operation is never abandoned: the await is shielded from cancellation, so a load never
+reports while its thread may still write into the primary row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiofiles.os
+import anyio
+
+from backends.store import BlockStore
+from tiering.async_tier import BlockStoreTier
+from tiering.errors import CorruptObjectError, ObjectNotFoundError
+from tiering.keys import OffloadKey
+from tiering.object_format import encode_header, header_size, parse_header, verify_payload
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_TMP_SUFFIX = ".tmp"
+_SHARDS = [f"{i:02x}" for i in range(256)]
+
+
+class FileBlockStore(BlockStore):
+    """Objects as files under ``root_dir/<fingerprint>``.
+
+    Args:
+        root_dir: the tier's directory (created 0700 if missing).
+        fingerprint: the layout fingerprint; it names the namespace directory.
+        io_threads: threads of the store's pool, that is block operations run at once.
+        fsync: `fsync` each file before renaming it into place (durable across power loss).
+    """
+
+    def __init__(self, root_dir: str | os.PathLike, fingerprint: bytes, io_threads: int = 16, fsync: bool = False):
+        super().__init__(fingerprint)
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self.directory = Path(root_dir) / fingerprint.hex()
+        self.fsync = fsync
+        self._io_threads = io_threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    def path(self, key: OffloadKey) -> Path:
+        """The file of `key`."""
+        shard = hashlib.blake2b(key, digest_size=1).hexdigest()
+        return self.directory / shard / key.hex()
+
+    async def _run(self, func: Callable[..., T], *args: Any) -> T:
+        self.check_open()
+        with anyio.CancelScope(shield=True):
+            return await aiofiles.os.wrap(func)(*args, executor=self._pool)
+
+    async def open(self) -> None:
+        """Create the namespace and shard directories.
+
+        Raises:
+            PermissionError, OSError: `root_dir` cannot be created or written (message names it).
+        """
+        self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tiering-file")
+        await super().open()
+        try:
+            await self._run(_make_directories, self.directory)
+        except OSError as exc:
+            await self.close()
+            raise type(exc)(exc.errno, f"file tier: cannot use {self.directory}: {exc.strerror}") from exc
+
+    async def close(self) -> None:
+        await super().close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    async def put(self, key: OffloadKey, payload: memoryview) -> None:
+        await self._run(_write_object, self.path(key), key, payload, self.fingerprint, self.fsync)
+
+    async def get(self, key: OffloadKey, into: memoryview) -> None:
+        await self._run(_read_object, self.path(key), key, into, self.fingerprint)
+
+    async def exists(self, key: OffloadKey) -> bool:
+        return await self._run(os.path.exists, self.path(key))
+
+    async def delete_many(self, keys: Collection[OffloadKey]) -> None:
+        await self._run(_unlink_all, [self.path(key) for key in keys])
+
+    async def recover(self) -> list[tuple[OffloadKey, int]]:
+        return await self._run(_scan, self.directory, self.fingerprint)
+
+
+def _make_directories(directory: Path) -> None:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for shard in _SHARDS:
+        (directory / shard).mkdir(mode=0o700, exist_ok=True)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(13, "not writable")
+
+
+def _write_object(path: Path, key: OffloadKey, payload: memoryview, fingerprint: bytes, fsync: bool) -> None:
+    header = encode_header(key, payload, fingerprint)
+    tmp = f"{path}.{os.urandom(4).hex()}{_TMP_SUFFIX}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        _write_all(fd, [memoryview(header), payload.cast("B")])
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.rename(tmp, path)
+
+
+def _write_all(fd: int, buffers: list[memoryview]) -> None:
+    while buffers:
+        written = os.writev(fd, buffers)
+        while buffers and written >= buffers[0].nbytes:
+            written -= buffers.pop(0).nbytes
+        if buffers and written:
+            buffers[0] = buffers[0][written:]
+
+
+def _read_object(path: Path, key: OffloadKey, into: memoryview, fingerprint: bytes) -> None:
+    header_buf = bytearray(header_size(len(key)))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ObjectNotFoundError(key) from None
+    try:
+        file_size = os.fstat(fd).st_size
+        received = _read_all(fd, [memoryview(header_buf), into.cast("B")])
+    finally:
+        os.close(fd)
+    if received < len(header_buf):
+        raise CorruptObjectError(f"{path}: {received} bytes, shorter than its header")
+    header = parse_header(header_buf, fingerprint, key)
+    verify_payload(header, into, file_size - header.size)
+
+
+def _read_all(fd: int, buffers: list[memoryview]) -> int:
+    total = offset = 0
+    while buffers:
+        got = os.preadv(fd, buffers, offset)
+        if got == 0:
+            break
+        total += got
+        offset += got
+        while buffers and got >= buffers[0].nbytes:
+            got -= buffers.pop(0).nbytes
+        if buffers and got:
+            buffers[0] = buffers[0][got:]
+    return total
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _scan(directory: Path, fingerprint: bytes) -> list[tuple[OffloadKey, int]]:
+    """Objects under `directory`, oldest first; removes temporaries and objects whose
+    header is not ours."""
+    found: list[tuple[float, OffloadKey, int]] = []
+    removed = 0
+    for shard in _SHARDS:
+        with os.scandir(directory / shard) as entries:
+            for entry in entries:
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                recovered = None if entry.name.endswith(_TMP_SUFFIX) else _check_header(entry, fingerprint)
+                if recovered is None:
+                    os.unlink(entry.path)
+                    removed += 1
+                else:
+                    found.append(recovered)
+    if removed:
+        logger.warning("file tier %s: removed %d temporary or foreign files", directory, removed)
+    found.sort(key=lambda item: item[0])
+    return [(key, size) for _, key, size in found]
+
+
+def _check_header(entry: os.DirEntry, fingerprint: bytes) -> tuple[float, OffloadKey, int] | None:
+    try:
+        key = OffloadKey(bytes.fromhex(entry.name))
+        stat = entry.stat(follow_symlinks=False)
+        with open(entry.path, "rb") as file:
+            header = parse_header(file.read(header_size(len(key))), fingerprint, key)
+    except (ValueError, OSError):  # a name that is not hex, a bad header (CorruptObjectError)
+        return None
+    if stat.st_size != header.size + header.payload_len:
+        return None
+    return stat.st_mtime, key, stat.st_size
+
+
+class FileTier(BlockStoreTier):
+    """Tier type ``file``: a `FileBlockStore` behind the async-tier adapter."""
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str = "file",
+        root_dir: str | os.PathLike | None = None,
+        capacity_bytes: int | None = None,
+        max_concurrency: int = 16,
+        io_threads: int | None = None,
+        fsync: bool = False,
+        op_timeout_s: float = 30.0,
+    ):
+        """
+        Args:
+            root_dir: the directory holding the tier's files (required).
+            capacity_bytes: bytes of files held at most (None: no limit).
+            max_concurrency: block operations in flight at once.
+            io_threads: threads of the tier's pool (default: `max_concurrency`).
+            fsync: `fsync` every file before it becomes visible.
+            op_timeout_s: seconds one block operation may take before it fails.
+
+        Raises:
+            ValueError: `root_dir` is missing or an option is out of range.
+            OSError: `root_dir` cannot be created or written.
+        """
+        if root_dir is None:
+            raise ValueError("the file tier needs root_dir")
+        threads = io_threads or max_concurrency
+        super().__init__(
+            offloading_spec,
+            primary_kv_view,
+            tier_type,
+            store_factory=lambda fingerprint: FileBlockStore(root_dir, fingerprint, threads, fsync),
+            capacity_bytes=capacity_bytes,
+            max_concurrency=max_concurrency,
+            op_timeout_s=op_timeout_s,
+        )

@@ -1,0 +1,80 @@
+"""`BlockStore`: the async interface a storage backend implements to become a tier.
+
+A store keeps one object per key in the format of `tiering.object_format` (it calls
+`encode_header` on put and `parse_header`/`verify_payload` on get), under the namespace of
+its layout fingerprint. All coroutines run on the tier's event loop; a store may move the
+blocking part of an operation to its own threads, one hop per operation. The adapter
+`tiering.async_tier.BlockStoreTier` owns the index, capacity, eviction and concurrency, so
+a store does no bookkeeping of its own.
+
+Errors: a missing object raises `ObjectNotFoundError`, one that fails verification
+`CorruptObjectError`, any use outside open..close `StoreClosedError`; anything else (OSError,
+timeouts, client errors) counts as a transient failure of that operation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection
+
+from tiering.errors import StoreClosedError
+from tiering.keys import OffloadKey
+
+
+class BlockStore(ABC):
+    """Objects by key: put from a memoryview, get into a memoryview."""
+
+    def __init__(self, fingerprint: bytes):
+        """`fingerprint`: the 16-byte layout fingerprint written into, and expected in, every
+        object (see `tiering.object_format.layout_fingerprint`)."""
+        self.fingerprint = fingerprint
+        self._open = False
+
+    async def open(self) -> None:
+        """Connect or create what the store needs. Called once, before anything else.
+
+        Raises:
+            OSError: the backing storage is not usable (the message says why).
+        """
+        self._open = True
+
+    async def close(self) -> None:
+        """Release connections, threads and files. Later calls do nothing."""
+        self._open = False
+
+    def check_open(self) -> None:
+        """Raises `StoreClosedError` unless the store is open."""
+        if not self._open:
+            raise StoreClosedError(f"{type(self).__name__} is not open")
+
+    @abstractmethod
+    async def put(self, key: OffloadKey, payload: memoryview) -> None:
+        """Store `payload` (a 1-D contiguous buffer) under `key`, atomically: a reader sees
+        the old object, the new one, or none, never a mix. Replaces an existing object."""
+
+    @abstractmethod
+    async def get(self, key: OffloadKey, into: memoryview) -> None:
+        """Read the object of `key` into `into` (exactly its payload length) and verify it.
+
+        `into` may hold garbage when this raises; the caller must not use it then.
+
+        Raises:
+            ObjectNotFoundError: no object for `key`.
+            CorruptObjectError: the object failed verification.
+        """
+
+    @abstractmethod
+    async def exists(self, key: OffloadKey) -> bool:
+        """Whether an object for `key` exists (it is not read or verified)."""
+
+    @abstractmethod
+    async def delete_many(self, keys: Collection[OffloadKey]) -> None:
+        """Delete the objects of `keys`; missing ones are ignored."""
+
+    @abstractmethod
+    async def recover(self) -> list[tuple[OffloadKey, int]]:
+        """Every object a previous run left, as (key, object bytes), oldest first.
+
+        Called once after `open`. Headers are checked (not payloads); objects that fail, and
+        leftovers of interrupted writes, are deleted.
+        """

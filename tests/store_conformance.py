@@ -1,0 +1,190 @@
+"""The conformance suite every `BlockStore` passes.
+
+A backend's test module provides a `store_kit` fixture returning a `StoreKit` (how to build
+the store over some backing, and raw access to one stored object's bytes), then imports
+the tests below with ``from tests.store_conformance import *``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+import pytest
+
+from tests.helpers import key
+from tiering import CorruptObjectError, ObjectNotFoundError, StoreClosedError, layout_fingerprint
+from tiering.object_format import header_size
+
+FINGERPRINT = layout_fingerprint("conformance")
+FOREIGN = layout_fingerprint("another model")
+
+__all__ = [
+    "StoreKit",
+    "test_close_then_use_is_an_error",
+    "test_concurrent_puts_and_gets",
+    "test_corrupted_objects_are_rejected",
+    "test_delete_many",
+    "test_missing_key",
+    "test_overwrite_replaces_the_object",
+    "test_recover_lists_what_a_previous_store_left",
+    "test_round_trip_is_byte_exact",
+]
+
+
+@dataclass
+class StoreKit:
+    """make(fingerprint) builds an unopened store over one shared backing; read_raw and
+    write_raw give the whole stored object of a key as the backing holds it."""
+
+    make: Callable
+    read_raw: Callable[[object, bytes], bytes]
+    write_raw: Callable[[object, bytes, bytes], None]
+
+
+def payload(size: int, seed: int = 0) -> memoryview:
+    return memoryview(bytearray(os.urandom(size) if seed == 0 else bytes([seed % 256]) * size))
+
+
+async def opened(kit: StoreKit, fingerprint: bytes = FINGERPRINT):
+    store = kit.make(fingerprint)
+    await store.open()
+    return store
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [1, 1000, 64 << 10, 2 << 20])
+async def test_round_trip_is_byte_exact(store_kit, size):
+    store = await opened(store_kit)
+    try:
+        data = payload(size)
+        await store.put(key(1), data)
+        into = memoryview(bytearray(size))
+        await store.get(key(1), into)
+        assert into == data
+        assert await store.exists(key(1))
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_missing_key(store_kit):
+    store = await opened(store_kit)
+    try:
+        assert not await store.exists(key(404))
+        with pytest.raises(ObjectNotFoundError):
+            await store.get(key(404), memoryview(bytearray(8)))
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_overwrite_replaces_the_object(store_kit):
+    store = await opened(store_kit)
+    try:
+        await store.put(key(1), payload(256, seed=1))
+        await store.put(key(1), payload(256, seed=2))
+        into = memoryview(bytearray(256))
+        await store.get(key(1), into)
+        assert bytes(into) == bytes([2]) * 256
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_delete_many(store_kit):
+    store = await opened(store_kit)
+    try:
+        for i in range(3):
+            await store.put(key(i), payload(64))
+        await store.delete_many([key(0), key(2), key(99)])  # 99 never existed
+        assert [await store.exists(key(i)) for i in range(3)] == [False, True, False]
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_concurrent_puts_and_gets(store_kit):
+    store = await opened(store_kit)
+    blocks = {i: payload(4096) for i in range(64)}
+    try:
+        async with anyio.create_task_group() as tg:
+            for i, data in blocks.items():
+                tg.start_soon(store.put, key(i), data)
+        reads = {i: memoryview(bytearray(4096)) for i in blocks}
+        async with anyio.create_task_group() as tg:
+            for i, into in reads.items():
+                tg.start_soon(store.get, key(i), into)
+        assert all(reads[i] == blocks[i] for i in blocks)
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_close_then_use_is_an_error(store_kit):
+    store = store_kit.make(FINGERPRINT)
+    with pytest.raises(StoreClosedError):
+        await store.put(key(1), payload(8))
+    await store.open()
+    await store.close()
+    await store.close()
+    for use in (store.put(key(1), payload(8)), store.get(key(1), payload(8)), store.exists(key(1))):
+        with pytest.raises(StoreClosedError):
+            await use
+
+
+def _flip_payload_byte(raw: bytes) -> bytes:
+    corrupted = bytearray(raw)
+    corrupted[-1] ^= 0xFF
+    return bytes(corrupted)
+
+
+def _foreign_layout(raw: bytes) -> bytes:
+    corrupted = bytearray(raw)
+    corrupted[8:24] = FOREIGN  # the fingerprint field of the header
+    return bytes(corrupted)
+
+
+CORRUPTIONS = {
+    "flipped payload byte": _flip_payload_byte,
+    "truncated payload": lambda raw: raw[:-1],
+    "truncated header": lambda raw: raw[:10],
+    "extra bytes": lambda raw: raw + b"\0",
+    "bad magic": lambda raw: b"XXXX" + raw[4:],
+    "foreign layout": _foreign_layout,
+    "another key's object": lambda raw: raw,  # written under key 2, see below
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+async def test_corrupted_objects_are_rejected(store_kit, corruption):
+    store = await opened(store_kit)
+    try:
+        await store.put(key(1), payload(1000))
+        raw = store_kit.read_raw(store, key(1))
+        assert len(raw) == header_size(len(key(1))) + 1000
+        target = key(2) if corruption == "another key's object" else key(1)
+        store_kit.write_raw(store, target, CORRUPTIONS[corruption](raw))
+        with pytest.raises(CorruptObjectError):
+            await store.get(target, memoryview(bytearray(1000)))
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_recover_lists_what_a_previous_store_left(store_kit):
+    first = await opened(store_kit)
+    for i in range(5):
+        await first.put(key(i), payload(100 * (i + 1)))
+    await first.close()
+    second = await opened(store_kit)
+    try:
+        recovered = dict(await second.recover())
+        assert recovered == {key(i): header_size(len(key(i))) + 100 * (i + 1) for i in range(5)}
+        into = memoryview(bytearray(300))
+        await second.get(key(2), into)
+    finally:
+        await second.close()

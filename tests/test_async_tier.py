@@ -1,0 +1,264 @@
+"""The async-tier adapter, through a real TieringOffloadingManager with real bytes."""
+
+import os
+import threading
+
+import anyio
+import numpy as np
+import pytest
+
+from backends import MemoryBlockStore
+from tests.helpers import RegionStandIn, block_bytes, key, keys
+from tiering import (
+    AsyncRuntime,
+    BlockStoreTier,
+    CPUPrimaryTierOffloadingManager,
+    JobMetadata,
+    ReqContext,
+    SecondaryTierFactory,
+    TieringOffloadingManager,
+)
+from tiering.object_format import object_size
+
+ROW = 4096
+OBJECT = object_size(len(key(0)), ROW)
+CTX = ReqContext("req-0")
+
+
+class Engine:
+    """A manager over `num_blocks` primary rows and one tier built from `config`."""
+
+    def __init__(self, config, num_blocks=4, spec=None):
+        self.primary = CPUPrimaryTierOffloadingManager(num_blocks, RegionStandIn(num_blocks, ROW))
+        self.rows = np.asarray(self.primary.get_kv_memoryview())
+        self.tier = SecondaryTierFactory.create_secondary_tier(config, self.primary.get_kv_memoryview(), spec)
+        self.manager = TieringOffloadingManager(self.primary, [self.tier])
+
+    def store(self, *ids):
+        """Store blocks as the GPU would (rows filled with their bytes), then let the cascade land."""
+        out = self.manager.prepare_store(keys(*ids), CTX)
+        for k, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+            self.rows[row] = np.frombuffer(block_bytes(k, ROW), dtype=self.rows.dtype)
+        self.manager.complete_store(out.keys_to_store, CTX)
+        self.settle()
+        return out
+
+    def settle(self):
+        assert self.tier.drain(10)
+        self.manager.on_schedule_end()
+
+    def lookup_until_done(self, *ids, steps=5):
+        for _ in range(steps):
+            answers = [self.manager.lookup(k, CTX) for k in keys(*ids)]
+            self.settle()
+            if None not in answers:
+                return answers
+        raise AssertionError(f"still in flight after {steps} steps")
+
+    def loaded_bytes(self, *ids):
+        spec = self.manager.prepare_load(keys(*ids), CTX)
+        data = [self.rows[row].tobytes() for row in spec.block_ids]
+        self.manager.complete_load(keys(*ids), CTX)
+        return data
+
+    def close(self):
+        self.manager.shutdown()
+
+
+@pytest.fixture(params=["memory", "file"])
+def config(request, tmp_path):
+    return {"type": "memory"} if request.param == "memory" else {"type": "file", "root_dir": str(tmp_path)}
+
+
+@pytest.fixture
+def engine_factory():
+    engines = []
+
+    def make(config, **kwargs):
+        engines.append(Engine(config, **kwargs))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def job(job_id, ids, block_ids, promotion):
+    return JobMetadata(job_id, keys(*ids), np.array(block_ids, dtype=np.int64), promotion, CTX)
+
+
+def test_store_evict_promote_is_byte_exact(config, engine_factory):
+    engine = engine_factory(config)
+    engine.store(0, 1, 2, 3)
+    assert engine.store(4, 5, 6, 7).evicted_keys == keys(0, 1, 2, 3)
+    engine.rows[:] = 0  # nothing of the old bytes is left in the primary tier
+    assert engine.lookup_until_done(0, 1, 2, 3) == [True] * 4
+    assert engine.loaded_bytes(0, 1, 2, 3) == [block_bytes(k, ROW) for k in keys(0, 1, 2, 3)]
+
+
+def test_slow_tier_answers_none_until_the_store_lands(engine_factory):
+    engine = engine_factory({"type": "memory", "latency_s": 0.2})
+    out = engine.manager.prepare_store(keys(0), CTX)
+    engine.manager.complete_store(out.keys_to_store, CTX)
+    assert engine.tier.lookup(key(0), CTX) is None
+    assert engine.tier.has_pending_work()
+    assert not engine.tier.drain(0.01)
+    engine.settle()
+    assert engine.tier.lookup(key(0), CTX) is True
+    assert not engine.tier.has_pending_work()
+
+
+def test_a_failing_backend_fails_the_job_and_forgets_its_blocks(engine_factory, caplog):
+    engine = engine_factory({"type": "memory", "failure_rate": 1.0})
+    results = []
+    out = engine.manager.prepare_store(keys(0, 1), CTX)
+    engine.manager.complete_store(out.keys_to_store, CTX)
+    assert engine.tier.drain(10)
+    results = engine.tier.get_finished()
+    assert [r.success for r in results] == [False]
+    assert engine.tier.lookup(key(0), CTX) is False
+    assert engine.tier.used_bytes == 0
+    assert engine.tier.failures["store"] == 2
+    assert "store failed (1 so far)" in caplog.text and "(2 so far)" in caplog.text
+
+
+def test_capacity_evicts_least_recent_and_deletes_the_objects(engine_factory):
+    engine = engine_factory({"type": "memory", "capacity_bytes": 3 * OBJECT}, num_blocks=8)
+    engine.store(0, 1, 2)
+    engine.manager.touch(keys(0), CTX)
+    engine.store(3, 4)
+    assert [engine.tier.lookup(k, CTX) for k in keys(0, 1, 2, 3, 4)] == [True, False, False, True, True]
+    assert engine.tier.used_bytes == 3 * OBJECT
+    assert sorted(engine.tier.store.objects) == keys(0, 3, 4)
+
+
+def make_tier(store_factory, capacity_objects, runtime_spec=None):
+    view = RegionStandIn(8, ROW).create_kv_memoryview()
+    return BlockStoreTier(runtime_spec, view, "memory", store_factory, capacity_bytes=capacity_objects * OBJECT)
+
+
+def test_a_block_being_read_is_never_evicted():
+    tier = make_tier(lambda fp: MemoryBlockStore(fp, latency_s=0.3), capacity_objects=2)
+    try:
+        tier.submit_store(job(0, [0, 1], [0, 1], False))
+        assert tier.drain(10)
+        tier.get_finished()
+        tier.submit_load(job(1, [0], [5], True))  # slow read of 0 in flight
+        tier.touch(keys(0), CTX)
+        tier.touch(keys(1), CTX)  # 0 is now the least recent, but it is being read
+        tier.submit_store(job(2, [2], [2], False))  # evicts 1, not 0
+        tier.submit_store(job(3, [3], [3], False))  # 0 is read, 2 in flight: no room
+        assert tier.drain(10)
+        assert {r.job_id: r.success for r in tier.get_finished()} == {1: True, 2: True, 3: False}
+        assert sorted(tier.store.objects) == keys(0, 2)
+    finally:
+        tier.shutdown()
+
+
+class SlowDeletes(MemoryBlockStore):
+    async def delete_many(self, keys):
+        await anyio.sleep(0.3)
+        await super().delete_many(keys)
+
+
+def test_a_key_evicted_and_stored_again_is_deleted_before_the_new_put():
+    tier = make_tier(SlowDeletes, capacity_objects=2)
+    try:
+        tier.submit_store(job(0, [0, 1], [0, 1], False))
+        assert tier.drain(10)
+        tier.get_finished()
+        tier.submit_store(job(1, [2], [2], False))  # evicts 0: a slow delete starts
+        tier.submit_store(job(2, [0], [0], False))  # evicts 1; this put must wait for 0's delete
+        assert tier.drain(10)
+        assert [r.success for r in tier.get_finished()] == [True, True]
+        assert tier.lookup(key(0), CTX) is True
+        assert sorted(tier.store.objects) == keys(0, 2)
+    finally:
+        tier.shutdown()
+
+
+def test_a_corrupted_file_is_never_promoted(engine_factory, tmp_path):
+    engine = engine_factory({"type": "file", "root_dir": str(tmp_path)})
+    engine.store(0, 1, 2, 3)
+    engine.store(4, 5, 6, 7)  # 0..3 only in the file tier now
+    path = engine.tier.store.path(key(1))
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x01  # one flipped bit in the payload
+    path.write_bytes(raw)
+    assert engine.lookup_until_done(0, 1) == [True, False]
+    assert not path.exists()
+    assert engine.tier.lookup(key(1), CTX) is False
+    assert engine.tier.failures["load_corrupt"] == 1
+    assert engine.primary.lookup(key(1), CTX) is False  # its reserved row was freed
+    assert engine.loaded_bytes(0) == [block_bytes(key(0), ROW)]
+
+
+def test_file_tier_restart_finds_every_block(engine_factory, tmp_path):
+    config = {"type": "file", "root_dir": str(tmp_path)}
+    first = engine_factory(config, num_blocks=8)
+    first.store(*range(8))
+    first.close()
+    second = engine_factory(config, num_blocks=8)
+    assert second.tier.num_blocks == 8
+    assert second.tier.used_bytes == 8 * OBJECT
+    assert second.lookup_until_done(*range(8)) == [True] * 8
+    assert second.loaded_bytes(*range(8)) == [block_bytes(k, ROW) for k in keys(*range(8))]
+
+
+def test_restart_with_a_smaller_capacity_evicts_the_oldest(engine_factory, tmp_path):
+    first = engine_factory({"type": "file", "root_dir": str(tmp_path)}, num_blocks=8)
+    first.store(0, 1, 2, 3)
+    for i in range(4):  # blocks written over time (file timestamps are too coarse to tell a burst apart)
+        os.utime(first.tier.store.path(key(i)), (1_000_000 + i, 1_000_000 + i))
+    first.close()
+    second = engine_factory({"type": "file", "root_dir": str(tmp_path), "capacity_bytes": 2 * OBJECT})
+    assert second.tier.drain(10)
+    assert [second.tier.lookup(k, CTX) for k in keys(0, 1, 2, 3)] == [False, False, True, True]
+    assert not second.tier.store.path(key(0)).exists()
+
+
+def test_shutdown_reports_jobs_in_flight_as_failed_once(engine_factory):
+    tier = make_tier(lambda fp: MemoryBlockStore(fp, latency_s=0.2), capacity_objects=4)
+    tier.submit_store(job(0, [0], [0], False))
+    assert tier.drain(10)
+    tier.get_finished()
+    tier.store.latency_s = 30
+    tier.submit_store(job(1, [1], [1], False))
+    tier.submit_load(job(2, [0], [2], True))
+    tier.shutdown()
+    tier.shutdown()
+    assert sorted((r.job_id, r.success) for r in tier.get_finished()) == [(1, False), (2, False)]
+    assert tier.get_finished() == []
+    tier.submit_store(job(3, [5], [5], False))  # after shutdown: failed at once
+    assert [(r.job_id, r.success) for r in tier.get_finished()] == [(3, False)]
+
+
+def test_tiers_of_one_engine_share_one_runtime():
+    class Spec:
+        async_runtime = AsyncRuntime("tiering-shared")
+        layout_fingerprint = b"L" * 16
+
+    tiers = [make_tier(MemoryBlockStore, 2, runtime_spec=Spec()) for _ in range(2)]
+    assert [t.name for t in threading.enumerate()].count("tiering-shared") == 1
+    assert tiers[0].fingerprint == b"L" * 16
+    tiers[0].shutdown()
+    assert any(t.name == "tiering-shared" for t in threading.enumerate())
+    tiers[1].shutdown()
+    assert not any(t.name == "tiering-shared" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize(
+    ("config", "error", "message"),
+    [
+        ({"type": "memory", "capacity_bytes": 0}, ValueError, "capacity_bytes must be positive"),
+        ({"type": "memory", "max_concurrency": 0}, ValueError, "max_concurrency must be >= 1"),
+        ({"type": "memory", "failure_rate": 1.5}, ValueError, "failure_rate within"),
+        ({"type": "file"}, ValueError, "the file tier needs root_dir"),
+        ({"type": "file", "root_dir": "/proc/no/such"}, OSError, "file tier: cannot use /proc/no/such"),
+        ({"type": "file", "root_dir": "/tmp", "bucket": "x"}, TypeError, "does not take bucket"),
+    ],
+)
+def test_bad_options_fail_at_construction(config, error, message):
+    view = RegionStandIn(2, ROW).create_kv_memoryview()
+    with pytest.raises(error, match=message):
+        SecondaryTierFactory.create_secondary_tier(config, view, None)

@@ -1,0 +1,92 @@
+import stat
+
+import pytest
+
+from backends import FileBlockStore
+from tests.helpers import key
+from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
+from tests.store_conformance import FINGERPRINT, StoreKit, opened, payload
+
+
+@pytest.fixture
+def store_kit(tmp_path):
+    def write_raw(store, key, raw):
+        store.path(key).write_bytes(raw)
+
+    return StoreKit(
+        make=lambda fingerprint: FileBlockStore(tmp_path, fingerprint, io_threads=4),
+        read_raw=lambda store, key: store.path(key).read_bytes(),
+        write_raw=write_raw,
+    )
+
+
+@pytest.mark.asyncio
+async def test_files_are_private_and_sharded_under_the_layout_namespace(store_kit, tmp_path):
+    store = await opened(store_kit)
+    try:
+        await store.put(key(1), payload(100))
+        path = store.path(key(1))
+        assert path.parent.parent == tmp_path / FINGERPRINT.hex()
+        assert path.name == key(1).hex()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(store.directory.stat().st_mode) == 0o700
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("hostile", [b"../../etc/passwd", b"/abs/path", b"a\0b", bytes(range(256))[:100]])
+async def test_hostile_keys_stay_inside_the_directory(store_kit, hostile):
+    store = await opened(store_kit)
+    try:
+        await store.put(hostile, payload(10))
+        path = store.path(hostile).resolve()
+        assert path.is_relative_to(store.directory.resolve())
+        assert await store.exists(hostile)
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_recovery_removes_temporaries_and_foreign_files(store_kit):
+    store = await opened(store_kit)
+    await store.put(key(1), payload(100))
+    await store.put(key(2), payload(100))
+    await store.close()
+    shard = store.path(key(1)).parent
+    (shard / "deadbeef.1234.tmp").write_bytes(b"half a write")  # a crash mid-write
+    (shard / "not-hex-at-all").write_bytes(b"junk")
+    store.path(key(2)).write_bytes(store.path(key(2)).read_bytes()[:-5])  # torn object
+    reopened = await opened(store_kit)
+    try:
+        assert [k for k, _ in await reopened.recover()] == [key(1)]
+        assert store.path(key(1)).exists()
+        assert not (shard / "deadbeef.1234.tmp").exists()
+        assert not (shard / "not-hex-at-all").exists()
+        assert not store.path(key(2)).exists()
+    finally:
+        await reopened.close()
+
+
+@pytest.mark.asyncio
+async def test_fsync_mode_round_trips(tmp_path):
+    store = FileBlockStore(tmp_path, FINGERPRINT, io_threads=2, fsync=True)
+    await store.open()
+    try:
+        data = payload(8192)
+        await store.put(key(1), data)
+        into = memoryview(bytearray(8192))
+        await store.get(key(1), into)
+        assert into == data
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_unusable_root_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    store = FileBlockStore(blocker / "sub", FINGERPRINT)
+    with pytest.raises(OSError, match=r"file tier: cannot use .*a-file/sub"):
+        await store.open()

@@ -1,0 +1,415 @@
+"""`BlockStoreTier`: turns any async `BlockStore` into a `SecondaryTierManager`.
+
+Division of labour between the two threads:
+
+- Scheduler thread (every `SecondaryTierManager` method): the index of keys, capacity in
+  bytes and LRU eviction, reader counts. Submitting a job is bookkeeping plus one
+  `AsyncRuntime.submit`; nothing blocks.
+- Loop thread: the block operations, at most `max_concurrency` at once, each under a
+  timeout. A job's task records which blocks succeeded and puts the job in the outbox;
+  `get_finished` applies those outcomes to the index. The index is never touched from the
+  loop, so no lock guards it.
+
+Rules: a key is in flight (lookup None) from `submit_store` until its job is reported; a
+block being read is never evicted; an evicted key's delete finishes before a new put of the
+same key starts; a load that finds a missing or corrupt object drops the key (and deletes the
+object); a job succeeds only if all its blocks do; every job is reported exactly once, also
+when the tier shuts down with it in flight (as failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, OrderedDict, deque
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from tiering.errors import CorruptObjectError, ObjectNotFoundError
+from tiering.keys import OffloadKey, ReqContext
+from tiering.object_format import layout_fingerprint, object_size
+from tiering.runtime import AsyncRuntime, RuntimeClosedError
+from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
+
+if TYPE_CHECKING:
+    from backends.store import BlockStore
+
+logger = logging.getLogger(__name__)
+
+
+class _Entry:
+    __slots__ = ("readers", "size", "stored")
+
+    def __init__(self, size: int, stored: bool = False):
+        self.size = size
+        self.stored = stored
+        self.readers = 0
+
+
+@dataclass
+class _Done:
+    """A job's outcome, filled on the loop thread, applied on the scheduler thread."""
+
+    job_id: int
+    is_load: bool
+    keys: list[OffloadKey]
+    complete: bool = True  # False if some block was refused before any I/O
+    ok: set[OffloadKey] = field(default_factory=set)
+    drop: set[OffloadKey] = field(default_factory=set)
+
+    @property
+    def success(self) -> bool:
+        return self.complete and len(self.ok) == len(self.keys)
+
+
+class BlockStoreTier(SecondaryTierManager):
+    """A secondary tier over a `BlockStore`, its I/O on an `AsyncRuntime` loop.
+
+    The runtime is the spec's ``async_runtime`` attribute when it has one (one loop per
+    engine), else a private one. Object namespace: the spec's ``layout_fingerprint``
+    attribute (16 bytes) when it has one, else a fingerprint of the primary row size.
+    """
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        store_factory: Callable[[bytes], BlockStore],
+        capacity_bytes: int | None = None,
+        max_concurrency: int = 64,
+        op_timeout_s: float = 30.0,
+        open_timeout_s: float = 120.0,
+        shutdown_timeout_s: float = 30.0,
+    ):
+        """Open the store and rebuild the index from what it holds (blocks the caller).
+
+        Args:
+            store_factory: builds the store from the layout fingerprint.
+            capacity_bytes: object bytes held at most, or None for no limit.
+            max_concurrency: block operations in flight at once.
+            op_timeout_s: seconds one block operation may take before it fails.
+            open_timeout_s: seconds opening and recovering may take.
+            shutdown_timeout_s: seconds `shutdown` waits for jobs in flight.
+
+        Raises:
+            ValueError: an option is out of range.
+            OSError, TimeoutError: the store could not be opened or recovered in time.
+        """
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if max_concurrency < 1 or op_timeout_s <= 0:
+            raise ValueError(
+                f"max_concurrency must be >= 1 and op_timeout_s > 0, got {max_concurrency}, {op_timeout_s}"
+            )
+        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        self._rows = np.asarray(primary_kv_view).view(np.uint8)
+        self.row_bytes = self._rows.shape[1]
+        self.fingerprint = getattr(offloading_spec, "layout_fingerprint", None) or layout_fingerprint(
+            f"row_bytes={self.row_bytes}"
+        )
+        self.store = store_factory(self.fingerprint)
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.op_timeout_s = op_timeout_s
+        self.failures: Counter[str] = Counter()
+        self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._index: OrderedDict[OffloadKey, _Entry] = OrderedDict()
+        self._outbox: deque[_Done] = deque()
+        self._done_cv = threading.Condition()
+        self._tasks_submitted = 0
+        self._tasks_done = 0
+        self._closed = False
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._deleting: dict[OffloadKey, anyio.Event] = {}
+        runtime = getattr(offloading_spec, "async_runtime", None) or AsyncRuntime(f"tiering-{tier_type}")
+        self._runtime = runtime.acquire()
+        try:
+            recovered = self._runtime.run_sync(self._open, timeout_s=open_timeout_s)
+        except BaseException:
+            self._closed = True
+            self._runtime.release()
+            raise
+        self._adopt(recovered)
+
+    # -- SecondaryTierManager (scheduler thread) -------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """True if stored here, None while its store is in flight, else False."""
+        entry = self._index.get(key)
+        if entry is None:
+            return False
+        return True if entry.stored else None
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Make the held `keys` the most recent for eviction (the first one most)."""
+        index = self._index
+        for key in reversed(list(keys)):
+            if key in index:
+                index.move_to_end(key)
+
+    def submit_store(self, job_metadata: JobMetadata) -> None:
+        """Reserve room for the blocks not held yet (evicting idle LRU blocks) and start
+        writing them. A block that finds no room fails the job, the others still go."""
+        done = _Done(job_metadata.job_id, False, [])
+        items: list[tuple[OffloadKey, int]] = []
+        evicted: list[OffloadKey] = []
+        for key, block_id in zip(job_metadata.keys, job_metadata.block_ids, strict=True):
+            if key in self._index:
+                continue
+            size = object_size(len(key), self.row_bytes)
+            if self._closed or not self._make_room(size, evicted):
+                done.complete = False
+                continue
+            self._index[key] = _Entry(size)
+            self.used_bytes += size
+            items.append((key, int(block_id)))
+        done.keys = [key for key, _ in items]
+        if evicted:
+            self._submit_task(partial(self._spawn_delete, evicted))
+        if items:
+            self._submit_task(partial(self._spawn_store, done, items))
+        else:
+            self._outbox.append(done)
+
+    def submit_load(self, job_metadata: JobMetadata) -> None:
+        """Start reading the job's blocks into its primary rows; fails at once if a key is
+        not stored here."""
+        items = list(zip(job_metadata.keys, (int(b) for b in job_metadata.block_ids), strict=True))
+        done = _Done(job_metadata.job_id, True, [key for key, _ in items])
+        entries = [self._index.get(key) for key, _ in items]
+        if self._closed or any(entry is None or not entry.stored for entry in entries):
+            done.keys = []
+            done.complete = False
+            self._outbox.append(done)
+            return
+        for entry in entries:
+            entry.readers += 1
+        self._submit_task(partial(self._spawn_load, done, items))
+
+    def get_finished(self) -> list[JobResult]:
+        """Results of the jobs finished since the last call; applies their outcomes to the
+        index. Never blocks."""
+        outbox = self._outbox
+        results = []
+        while outbox:
+            done = outbox.popleft()
+            if done.is_load:
+                self._apply_load(done)
+            else:
+                self._apply_store(done)
+            results.append(JobResult(done.job_id, done.success))
+        return results
+
+    def has_pending_work(self) -> bool:
+        return self._tasks_done != self._tasks_submitted or bool(self._outbox)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Block until every submitted operation finished (results may wait in the outbox).
+
+        Raises:
+            RuntimeError: called from the loop thread.
+        """
+        if self._runtime.in_loop_thread():
+            raise RuntimeError(f"tier {self.tier_type}: drain() from the loop thread would deadlock")
+        with self._done_cv:
+            return self._done_cv.wait_for(lambda: self._tasks_done == self._tasks_submitted, timeout_s)
+
+    def shutdown(self) -> None:
+        """Cancel jobs in flight (each is reported as failed), close the store, release the
+        runtime. Waits up to ``shutdown_timeout_s``. Later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._runtime.run_sync(self._stop, timeout_s=self._shutdown_timeout_s)
+        except TimeoutError:
+            logger.warning("tier %s: jobs still running %.1f s into shutdown", self.tier_type, self._shutdown_timeout_s)
+        except RuntimeClosedError:
+            logger.warning("tier %s: its runtime was shut down before the tier", self.tier_type)
+        finally:
+            self._runtime.release()
+
+    @property
+    def num_blocks(self) -> int:
+        """Keys held or being stored."""
+        return len(self._index)
+
+    # -- scheduler-thread internals --------------------------------------------------------
+
+    def _adopt(self, recovered: list[tuple[OffloadKey, int]]) -> None:
+        for key, size in recovered:
+            self._index[key] = _Entry(size, stored=True)
+            self.used_bytes += size
+        evicted: list[OffloadKey] = []
+        self._make_room(0, evicted)
+        if evicted:
+            self._submit_task(partial(self._spawn_delete, evicted))
+        logger.info("tier %s: recovered %d blocks (%d bytes)", self.tier_type, len(self._index), self.used_bytes)
+
+    def _make_room(self, size: int, evicted: list[OffloadKey]) -> bool:
+        capacity = self.capacity_bytes
+        if capacity is None:
+            return True
+        if size > capacity:
+            return False
+        index = self._index
+        while self.used_bytes + size > capacity:
+            victim = next((key for key, entry in index.items() if entry.stored and entry.readers == 0), None)
+            if victim is None:
+                return False
+            self.used_bytes -= index.pop(victim).size
+            evicted.append(victim)
+        return True
+
+    def _apply_store(self, done: _Done) -> None:
+        for key in done.keys:
+            entry = self._index.get(key)
+            if entry is None:
+                continue
+            if key in done.ok:
+                entry.stored = True
+            else:
+                del self._index[key]
+                self.used_bytes -= entry.size
+
+    def _apply_load(self, done: _Done) -> None:
+        index = self._index
+        for key in done.keys:
+            entry = index.get(key)
+            if entry is None:
+                continue
+            entry.readers -= 1
+            if key in done.drop:
+                del index[key]
+                self.used_bytes -= entry.size
+            elif key in done.ok:
+                index.move_to_end(key)
+
+    def _submit_task(self, spawn: Callable[[], None]) -> None:
+        self._tasks_submitted += 1
+        self._runtime.submit(spawn)
+
+    # -- loop thread -----------------------------------------------------------------------
+
+    async def _open(self) -> list[tuple[OffloadKey, int]]:
+        await self.store.open()
+        try:
+            recovered = await self.store.recover()
+            self._stop_event, self._stopped = anyio.Event(), anyio.Event()
+            await self._runtime.task_group.start(self._serve)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.store.close()
+            raise
+        return recovered
+
+    async def _serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with anyio.create_task_group() as task_group:
+                self._task_group = task_group
+                task_status.started()
+                await self._stop_event.wait()
+                task_group.cancel_scope.cancel()
+        finally:
+            self._task_group = None
+            with anyio.CancelScope(shield=True):
+                await self.store.close()
+                self._stopped.set()
+
+    async def _stop(self) -> None:
+        self._stop_event.set()
+        await self._stopped.wait()
+
+    def _spawn(self, done: _Done | None, job: Callable[[], Awaitable[None]]) -> None:
+        """Run `job` in the tier's task group, or, once stopped, report `done` at once."""
+        if self._task_group is None:
+            self._finish_task(done)
+        else:
+            self._task_group.start_soon(self._run_task, done, job)
+
+    async def _run_task(self, done: _Done | None, job: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await job()
+        finally:
+            self._finish_task(done)
+
+    def _finish_task(self, done: _Done | None) -> None:
+        with self._done_cv:
+            if done is not None:
+                self._outbox.append(done)
+            self._tasks_done += 1
+            self._done_cv.notify_all()
+
+    def _spawn_store(self, done: _Done, items: list[tuple[OffloadKey, int]]) -> None:
+        waits = [self._deleting[key] for key, _ in items if key in self._deleting]
+        self._spawn(done, partial(self._store_blocks, done, items, waits))
+
+    def _spawn_load(self, done: _Done, items: list[tuple[OffloadKey, int]]) -> None:
+        self._spawn(done, partial(self._for_each_block, self._load_block, done, items))
+
+    def _spawn_delete(self, keys: list[OffloadKey]) -> None:
+        deleted = anyio.Event()
+        self._deleting.update(dict.fromkeys(keys, deleted))
+        self._spawn(None, partial(self._delete_blocks, keys, deleted))
+
+    async def _store_blocks(self, done: _Done, items: list[tuple[OffloadKey, int]], waits: list[anyio.Event]) -> None:
+        for deleted in waits:
+            await deleted.wait()
+        await self._for_each_block(self._store_block, done, items)
+
+    @staticmethod
+    async def _for_each_block(block_op, done: _Done, items: list[tuple[OffloadKey, int]]) -> None:
+        async with anyio.create_task_group() as task_group:
+            for key, block_id in items:
+                task_group.start_soon(block_op, done, key, block_id)
+
+    async def _store_block(self, done: _Done, key: OffloadKey, block_id: int) -> None:
+        try:
+            async with self._limiter:
+                with anyio.fail_after(self.op_timeout_s):
+                    await self.store.put(key, memoryview(self._rows[block_id]))
+            done.ok.add(key)
+        except Exception as exc:
+            self._failed("store", exc)
+
+    async def _load_block(self, done: _Done, key: OffloadKey, block_id: int) -> None:
+        try:
+            async with self._limiter:
+                with anyio.fail_after(self.op_timeout_s):
+                    await self.store.get(key, memoryview(self._rows[block_id]))
+            done.ok.add(key)
+        except ObjectNotFoundError as exc:
+            self._failed("load_missing", exc)
+            done.drop.add(key)
+        except CorruptObjectError as exc:
+            self._failed("load_corrupt", exc)
+            done.drop.add(key)
+            await self._delete_blocks([key], None)
+        except Exception as exc:
+            self._failed("load", exc)
+
+    async def _delete_blocks(self, keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
+        try:
+            async with self._limiter:
+                with anyio.fail_after(self.op_timeout_s):
+                    await self.store.delete_many(keys)
+        except Exception as exc:
+            self._failed("delete", exc)
+        finally:
+            if deleted is not None:
+                deleted.set()
+                for key in keys:
+                    if self._deleting.get(key) is deleted:
+                        del self._deleting[key]
+
+    def _failed(self, reason: str, exc: BaseException) -> None:
+        count = self.failures[reason] = self.failures[reason] + 1
+        if count & (count - 1) == 0:  # 1, 2, 4, 8, ...: a trace of every reason, never a flood
+            logger.warning("tier %s: %s failed (%d so far): %r", self.tier_type, reason, count, exc)

@@ -1,0 +1,103 @@
+"""The format of one stored block: a header, then the payload (the primary row's bytes).
+
+Header, little-endian, padded with zeros to a multiple of `HEADER_ALIGN` bytes::
+
+    magic     4s   b"KVTB"
+    version   H    1
+    key_len   H    bytes of the key that follows the fixed part
+    layout    16s  layout fingerprint (see `layout_fingerprint`)
+    length    Q    payload bytes
+    crc       I    CRC32C of the payload
+    key       key_len bytes
+
+A reader verifies every field against what it expects, and the payload's length and CRC,
+before the payload counts as loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import crc32c
+
+from tiering.errors import CorruptObjectError
+from tiering.keys import OffloadKey
+
+MAGIC = b"KVTB"
+VERSION = 1
+HEADER_ALIGN = 64
+FINGERPRINT_BYTES = 16
+MAX_KEY_BYTES = 1024
+_FIXED = struct.Struct("<4sHH16sQI")
+
+
+def layout_fingerprint(description: str) -> bytes:
+    """16 bytes naming a KV layout (model, block size, bytes per block, dtype, world size):
+    objects are only ever read back by an engine of the same layout."""
+    return hashlib.blake2b(description.encode(), digest_size=FINGERPRINT_BYTES).digest()
+
+
+def header_size(key_len: int) -> int:
+    """Bytes of the padded header for a key of `key_len` bytes."""
+    return -(-(_FIXED.size + key_len) // HEADER_ALIGN) * HEADER_ALIGN
+
+
+def object_size(key_len: int, payload_len: int) -> int:
+    """Bytes of a whole stored object."""
+    return header_size(key_len) + payload_len
+
+
+def encode_header(key: OffloadKey, payload: memoryview, fingerprint: bytes) -> bytes:
+    """The header for `payload` stored under `key` (computes the payload's CRC32C).
+
+    Raises:
+        ValueError: the key is longer than `MAX_KEY_BYTES` or the fingerprint is not 16 bytes.
+    """
+    if len(key) > MAX_KEY_BYTES or len(fingerprint) != FINGERPRINT_BYTES:
+        raise ValueError(f"key of {len(key)} bytes (max {MAX_KEY_BYTES}) or fingerprint of {len(fingerprint)} bytes")
+    fixed = _FIXED.pack(MAGIC, VERSION, len(key), fingerprint, payload.nbytes, crc32c.crc32c(payload))
+    return (fixed + key).ljust(header_size(len(key)), b"\0")
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    key: OffloadKey
+    payload_len: int
+    crc: int
+    size: int
+    """Bytes of the header itself."""
+
+
+def parse_header(buf: bytes | memoryview, fingerprint: bytes, key: OffloadKey | None = None) -> ObjectHeader:
+    """Read and check a header; `key`, when given, must be the stored key.
+
+    Raises:
+        CorruptObjectError: the buffer is short, or magic, version, layout or key differ.
+    """
+    if len(buf) < _FIXED.size:
+        raise CorruptObjectError(f"header of {len(buf)} bytes is truncated")
+    magic, version, key_len, layout, length, crc = _FIXED.unpack_from(buf)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptObjectError(f"bad magic {bytes(magic)!r} or version {version}")
+    if layout != fingerprint:
+        raise CorruptObjectError("object of a foreign layout")
+    stored_key = OffloadKey(bytes(buf[_FIXED.size : _FIXED.size + key_len]))
+    if len(stored_key) != key_len or (key is not None and stored_key != key):
+        raise CorruptObjectError("object holds another key")
+    return ObjectHeader(stored_key, length, crc, header_size(key_len))
+
+
+def verify_payload(header: ObjectHeader, payload: memoryview, received: int) -> None:
+    """Check that `received` payload bytes were read into `payload` and match the CRC.
+
+    Raises:
+        CorruptObjectError: a short or long payload, or a CRC mismatch.
+    """
+    if received != header.payload_len or payload.nbytes != header.payload_len:
+        raise CorruptObjectError(
+            f"payload of {received} bytes; the header says {header.payload_len}, the row holds {payload.nbytes}"
+        )
+    if crc32c.crc32c(payload) != header.crc:
+        raise CorruptObjectError("payload CRC32C mismatch")
