@@ -15,14 +15,23 @@ timeouts, client errors) counts as a transient failure of that operation.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
+
+import anyio
 
 from tiering.errors import StoreClosedError
 from tiering.keys import OffloadKey
+from tiering.object_format import HEADER_ALIGN
 
 
 class BlockStore(ABC):
-    """Objects by key: put from a memoryview, get into a memoryview."""
+    """Objects by key: put from a memoryview, get into a memoryview.
+
+    Attributes:
+        header_align: the store pads object headers to a multiple of this many bytes.
+    """
+
+    header_align = HEADER_ALIGN
 
     def __init__(self, fingerprint: bytes):
         """`fingerprint`: the 16-byte layout fingerprint written into, and expected in, every
@@ -63,6 +72,18 @@ class BlockStore(ABC):
             CorruptObjectError: the object failed verification.
         """
 
+    async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
+        """`put` each (key, payload); returns, per item, None or the exception it raised.
+
+        The default runs the puts concurrently; a store whose operations block a thread
+        overrides it to do the whole batch in one hop.
+        """
+        return await _each(self.put, items)
+
+    async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
+        """`get` each (key, into); returns, per item, None or the exception it raised."""
+        return await _each(self.get, items)
+
     @abstractmethod
     async def exists(self, key: OffloadKey) -> bool:
         """Whether an object for `key` exists (it is not read or verified)."""
@@ -78,3 +99,20 @@ class BlockStore(ABC):
         Called once after `open`. Headers are checked (not payloads); objects that fail, and
         leftovers of interrupted writes, are deleted.
         """
+
+
+async def _each(
+    operation: Callable[[OffloadKey, memoryview], Awaitable[None]], items: Sequence[tuple[OffloadKey, memoryview]]
+) -> list[Exception | None]:
+    outcomes: list[Exception | None] = [None] * len(items)
+
+    async def run(i: int) -> None:
+        try:
+            await operation(*items[i])
+        except Exception as exc:
+            outcomes[i] = exc
+
+    async with anyio.create_task_group() as task_group:
+        for i in range(len(items)):
+            task_group.start_soon(run, i)
+    return outcomes

@@ -5,22 +5,37 @@ The engine is a `TieringOffloadingManager` over a real shared-memory primary tie
 call: the dict operations on plain Python objects, nothing else. Both run interleaved,
 `--repeats` times, and the fastest run of each is kept (the machines are shared and noisy).
 
+Timed sections run with the garbage collector paused, as `timeit` does: a collection
+triggered by an earlier section's garbage would otherwise land in a later one.
+
+A second table gives the cost of handing one job to an async tier on the scheduler thread:
+`BlockStoreTier.submit_store` of a 16-block job (a slow memory tier, so nothing finishes
+meanwhile), against a bare `AsyncRuntime.submit` and against one
+`asyncio.run_coroutine_threadsafe` per job to a loop thread.
+
     python -m benchmarks.scheduler_cost --blocks 20000
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import gc
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from backends.memory import MemoryTier
 from tiering import (
+    AsyncRuntime,
     CPUPrimaryTierOffloadingManager,
+    JobMetadata,
     ReqContext,
     SecondaryTierFactory,
     SharedOffloadRegion,
@@ -105,6 +120,16 @@ def time_baseline(num_blocks: int, batch: int) -> dict[str, float]:
     return results
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _per_call(call: Callable[[bytes, ReqContext], object], keys: list[bytes]) -> float:
     start = time.perf_counter()
     for key in keys:
@@ -116,11 +141,58 @@ def measure(num_blocks: int, batch: int, repeats: int) -> dict[str, tuple[float,
     """Best (engine, baseline) seconds of each operation over `repeats` interleaved runs."""
     best: dict[str, tuple[float, float]] = {}
     for _ in range(repeats):
-        engine, baseline = time_engine(num_blocks, batch), time_baseline(num_blocks, batch)
+        with _gc_paused():
+            engine, baseline = time_engine(num_blocks, batch), time_baseline(num_blocks, batch)
         for op, seconds in engine.items():
             old = best.get(op, (float("inf"), float("inf")))
             best[op] = (min(old[0], seconds), min(old[1], baseline[op]))
     return best
+
+
+def time_handoff(num_jobs: int, job_blocks: int = 16) -> dict[str, float]:
+    """Scheduler-thread seconds per job for three ways of handing a job to a loop thread."""
+    rows = np.zeros((num_jobs * job_blocks, 64), dtype=np.uint8)
+    tier = MemoryTier(None, memoryview(rows), latency_s=60.0, max_concurrency=num_jobs)
+    keys = _keys(0, num_jobs * job_blocks)
+    spans = [range(j * job_blocks, (j + 1) * job_blocks) for j in range(num_jobs)]
+    jobs = [JobMetadata(j, keys[s.start : s.stop], np.array(s), False, CTX) for j, s in enumerate(spans)]
+    results = {}
+    try:
+        start = time.perf_counter()
+        for job in jobs:
+            tier.submit_store(job)
+        tier.on_schedule_end()
+        results[f"BlockStoreTier.submit_store, {job_blocks} blocks, + one flush"] = (
+            time.perf_counter() - start
+        ) / num_jobs
+    finally:
+        tier.shutdown()
+        tier.get_finished()
+    runtime = AsyncRuntime("tiering-bench")
+    try:
+        runtime.run_sync(_running_loop)  # started
+        start = time.perf_counter()
+        for _ in range(num_jobs):
+            runtime.submit(lambda: None)
+        runtime.flush()
+        results["AsyncRuntime.submit per job + one flush"] = (time.perf_counter() - start) / num_jobs
+
+        async def nothing() -> None:
+            return None
+
+        loop = runtime.run_sync(_running_loop)
+        start = time.perf_counter()
+        futures = [asyncio.run_coroutine_threadsafe(nothing(), loop) for _ in range(num_jobs)]
+        results["asyncio.run_coroutine_threadsafe per job"] = (time.perf_counter() - start) / num_jobs
+        for future in futures:
+            future.result(10)
+    finally:
+        runtime.shutdown()
+    return results
+
+
+async def _running_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.get_running_loop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,6 +210,14 @@ def main(argv: list[str] | None = None) -> None:
     for op, (engine, baseline) in results.items():
         table.add_row(op, f"{engine * 1e6:.2f}", f"{baseline * 1e6:.2f}", f"{engine / baseline:.1f}x")
     Console().print(table)
+    handoff = Table(title="Scheduler-thread cost of handing one job to the loop thread")
+    handoff.add_column("handoff")
+    handoff.add_column("us per job", justify="right")
+    with _gc_paused():
+        handoffs = time_handoff(max(100, args.blocks // 16))
+    for name, seconds in handoffs.items():
+        handoff.add_row(name, f"{seconds * 1e6:.2f}")
+    Console().print(handoff)
 
 
 if __name__ == "__main__":

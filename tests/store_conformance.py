@@ -7,6 +7,7 @@ the tests below with ``from tests.store_conformance import *``.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ FOREIGN = layout_fingerprint("another model")
 
 __all__ = [
     "StoreKit",
+    "test_batches_report_each_item",
     "test_close_then_use_is_an_error",
     "test_concurrent_puts_and_gets",
     "test_corrupted_objects_are_rejected",
@@ -44,8 +46,15 @@ class StoreKit:
     write_raw: Callable[[object, bytes, bytes], None]
 
 
+def buffer(size: int) -> memoryview:
+    """A zeroed, page-aligned buffer (as primary rows are), so stores can use aligned I/O."""
+    return memoryview(mmap.mmap(-1, size))
+
+
 def payload(size: int, seed: int = 0) -> memoryview:
-    return memoryview(bytearray(os.urandom(size) if seed == 0 else bytes([seed % 256]) * size))
+    data = buffer(size)
+    data[:] = os.urandom(size) if seed == 0 else bytes([seed % 256]) * size
+    return data
 
 
 async def opened(kit: StoreKit, fingerprint: bytes = FINGERPRINT):
@@ -61,7 +70,7 @@ async def test_round_trip_is_byte_exact(store_kit, size):
     try:
         data = payload(size)
         await store.put(key(1), data)
-        into = memoryview(bytearray(size))
+        into = buffer(size)
         await store.get(key(1), into)
         assert into == data
         assert await store.exists(key(1))
@@ -75,7 +84,7 @@ async def test_missing_key(store_kit):
     try:
         assert not await store.exists(key(404))
         with pytest.raises(ObjectNotFoundError):
-            await store.get(key(404), memoryview(bytearray(8)))
+            await store.get(key(404), buffer(8))
     finally:
         await store.close()
 
@@ -86,7 +95,7 @@ async def test_overwrite_replaces_the_object(store_kit):
     try:
         await store.put(key(1), payload(256, seed=1))
         await store.put(key(1), payload(256, seed=2))
-        into = memoryview(bytearray(256))
+        into = buffer(256)
         await store.get(key(1), into)
         assert bytes(into) == bytes([2]) * 256
     finally:
@@ -113,7 +122,7 @@ async def test_concurrent_puts_and_gets(store_kit):
         async with anyio.create_task_group() as tg:
             for i, data in blocks.items():
                 tg.start_soon(store.put, key(i), data)
-        reads = {i: memoryview(bytearray(4096)) for i in blocks}
+        reads = {i: buffer(4096) for i in blocks}
         async with anyio.create_task_group() as tg:
             for i, into in reads.items():
                 tg.start_soon(store.get, key(i), into)
@@ -143,7 +152,7 @@ def _flip_payload_byte(raw: bytes) -> bytes:
 
 def _foreign_layout(raw: bytes) -> bytes:
     corrupted = bytearray(raw)
-    corrupted[8:24] = FOREIGN  # the fingerprint field of the header
+    corrupted[12:28] = FOREIGN  # the fingerprint field of the header
     return bytes(corrupted)
 
 
@@ -165,11 +174,11 @@ async def test_corrupted_objects_are_rejected(store_kit, corruption):
     try:
         await store.put(key(1), payload(1000))
         raw = store_kit.read_raw(store, key(1))
-        assert len(raw) == header_size(len(key(1))) + 1000
+        assert len(raw) == header_size(len(key(1)), store.header_align) + 1000
         target = key(2) if corruption == "another key's object" else key(1)
         store_kit.write_raw(store, target, CORRUPTIONS[corruption](raw))
         with pytest.raises(CorruptObjectError):
-            await store.get(target, memoryview(bytearray(1000)))
+            await store.get(target, buffer(1000))
     finally:
         await store.close()
 
@@ -183,8 +192,26 @@ async def test_recover_lists_what_a_previous_store_left(store_kit):
     second = await opened(store_kit)
     try:
         recovered = dict(await second.recover())
-        assert recovered == {key(i): header_size(len(key(i))) + 100 * (i + 1) for i in range(5)}
-        into = memoryview(bytearray(300))
+        align = second.header_align
+        assert recovered == {key(i): header_size(len(key(i)), align) + 100 * (i + 1) for i in range(5)}
+        into = buffer(300)
         await second.get(key(2), into)
     finally:
         await second.close()
+
+
+@pytest.mark.asyncio
+async def test_batches_report_each_item(store_kit):
+    store = await opened(store_kit)
+    try:
+        blocks = [(key(i), payload(2048)) for i in range(6)]
+        assert await store.put_many(blocks) == [None] * 6
+        store_kit.write_raw(store, key(4), _flip_payload_byte(store_kit.read_raw(store, key(4))))
+        reads = [(key(i), buffer(2048)) for i in (0, 9, 4, 5)]
+        outcomes = await store.get_many(reads)
+        assert outcomes[0] is None and outcomes[3] is None
+        assert isinstance(outcomes[1], ObjectNotFoundError)
+        assert isinstance(outcomes[2], CorruptObjectError)
+        assert reads[0][1] == blocks[0][1] and reads[3][1] == blocks[5][1]
+    finally:
+        await store.close()

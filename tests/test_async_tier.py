@@ -2,6 +2,7 @@
 
 import os
 import threading
+import uuid
 
 import anyio
 import numpy as np
@@ -16,12 +17,14 @@ from tiering import (
     JobMetadata,
     ReqContext,
     SecondaryTierFactory,
+    SharedOffloadRegion,
     TieringOffloadingManager,
 )
 from tiering.object_format import object_size
 
 ROW = 4096
-OBJECT = object_size(len(key(0)), ROW)
+OBJECT = object_size(len(key(0)), ROW)  # a memory-tier object (64-byte header)
+FILE_OBJECT = object_size(len(key(0)), ROW, align=4096)  # the file tier pads headers to a page
 CTX = ReqContext("req-0")
 
 
@@ -29,7 +32,8 @@ class Engine:
     """A manager over `num_blocks` primary rows and one tier built from `config`."""
 
     def __init__(self, config, num_blocks=4, spec=None):
-        self.primary = CPUPrimaryTierOffloadingManager(num_blocks, RegionStandIn(num_blocks, ROW))
+        region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", num_blocks, ROW)  # page-aligned rows
+        self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region)
         self.rows = np.asarray(self.primary.get_kv_memoryview())
         self.tier = SecondaryTierFactory.create_secondary_tier(config, self.primary.get_kv_memoryview(), spec)
         self.manager = TieringOffloadingManager(self.primary, [self.tier])
@@ -200,7 +204,7 @@ def test_file_tier_restart_finds_every_block(engine_factory, tmp_path):
     first.close()
     second = engine_factory(config, num_blocks=8)
     assert second.tier.num_blocks == 8
-    assert second.tier.used_bytes == 8 * OBJECT
+    assert second.tier.used_bytes == 8 * second.tier.object_bytes(key(0)) == 8 * FILE_OBJECT
     assert second.lookup_until_done(*range(8)) == [True] * 8
     assert second.loaded_bytes(*range(8)) == [block_bytes(k, ROW) for k in keys(*range(8))]
 
@@ -211,7 +215,7 @@ def test_restart_with_a_smaller_capacity_evicts_the_oldest(engine_factory, tmp_p
     for i in range(4):  # blocks written over time (file timestamps are too coarse to tell a burst apart)
         os.utime(first.tier.store.path(key(i)), (1_000_000 + i, 1_000_000 + i))
     first.close()
-    second = engine_factory({"type": "file", "root_dir": str(tmp_path), "capacity_bytes": 2 * OBJECT})
+    second = engine_factory({"type": "file", "root_dir": str(tmp_path), "capacity_bytes": 2 * FILE_OBJECT})
     assert second.tier.drain(10)
     assert [second.tier.lookup(k, CTX) for k in keys(0, 1, 2, 3)] == [False, False, True, True]
     assert not second.tier.store.path(key(0)).exists()

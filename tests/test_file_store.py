@@ -1,3 +1,4 @@
+import os
 import stat
 
 import pytest
@@ -5,16 +6,17 @@ import pytest
 from backends import FileBlockStore
 from tests.helpers import key
 from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
-from tests.store_conformance import FINGERPRINT, StoreKit, opened, payload
+from tests.store_conformance import FINGERPRINT, StoreKit, buffer, opened, payload
 
 
-@pytest.fixture
-def store_kit(tmp_path):
+@pytest.fixture(params=["direct", "buffered"])
+def store_kit(tmp_path, request):
     def write_raw(store, key, raw):
         store.path(key).write_bytes(raw)
 
+    direct = request.param == "direct"
     return StoreKit(
-        make=lambda fingerprint: FileBlockStore(tmp_path, fingerprint, io_threads=4),
+        make=lambda fingerprint: FileBlockStore(tmp_path, fingerprint, io_threads=4, direct_io=direct),
         read_raw=lambda store, key: store.path(key).read_bytes(),
         write_raw=write_raw,
     )
@@ -90,3 +92,22 @@ async def test_unusable_root_dir_is_a_clear_error(tmp_path):
     store = FileBlockStore(blocker / "sub", FINGERPRINT)
     with pytest.raises(OSError, match=r"file tier: cannot use .*a-file/sub"):
         await store.open()
+
+
+def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monkeypatch):
+    import backends.file
+
+    opened_flags = []
+    real_open = os.open
+
+    def recording_open(path, flags, *args):
+        opened_flags.append(bool(flags & os.O_DIRECT))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(backends.file.os, "open", recording_open)
+    aligned, unaligned = payload(8192), memoryview(bytearray(8192))
+    backends.file._write_object(tmp_path / "a", key(1), aligned, FINGERPRINT, False, True)
+    backends.file._read_object(tmp_path / "a", key(1), buffer(8192), FINGERPRINT, True)
+    backends.file._write_object(tmp_path / "b", key(2), unaligned[1:4097], FINGERPRINT, False, True)
+    backends.file._write_object(tmp_path / "c", key(3), aligned, FINGERPRINT, False, False)
+    assert opened_flags == [True, True, False, False]

@@ -26,20 +26,25 @@ def test_starts_lazily_in_a_named_daemon_thread(runtime):
     seen = []
     done = threading.Event()
     runtime.submit(lambda: (seen.append(threading.current_thread()), done.set()))
+    assert not any(t.name == "tiering-test" for t in threading.enumerate())  # queued only
+    runtime.flush()
     assert done.wait(5)
     assert seen[0].name == "tiering-test" and seen[0].daemon
 
 
-def test_callbacks_run_in_order_with_one_wakeup_per_batch(runtime):
-    gate, done, order = threading.Event(), threading.Event(), []
-    runtime.submit(lambda: gate.wait(5))  # holds the loop while the batch is queued
+def test_callbacks_run_in_order_with_one_wakeup_per_flush(runtime):
+    done, order = threading.Event(), []
     for i in range(100):
         runtime.submit(lambda i=i: order.append(i))
     runtime.submit(done.set)
-    gate.set()
+    runtime.flush()
+    runtime.flush()  # a wake-up is pending (or nothing is queued): no second one
     assert done.wait(5)
     assert order == list(range(100))
-    assert runtime.wakeups <= 2  # the first callback's wake-up, then one for the whole batch
+    assert runtime.wakeups == 1
+    runtime.flush()  # nothing queued
+    runtime.run_sync(anyio.sleep, 0)
+    assert runtime.wakeups == 1
 
 
 def test_run_sync_returns_and_raises(runtime):
@@ -61,6 +66,7 @@ def test_a_failing_callback_does_not_kill_the_loop(runtime, caplog):
     done = threading.Event()
     runtime.submit(lambda: 1 / 0)
     runtime.submit(done.set)
+    runtime.flush()
     assert done.wait(5)
     assert "ZeroDivisionError" in caplog.text
 
@@ -69,7 +75,7 @@ def test_calls_from_the_loop_thread_are_refused(runtime):
     errors, done = [], threading.Event()
 
     def reenter():
-        for call in (lambda: runtime.submit(print), lambda: runtime.run_sync(anyio.sleep, 0)):
+        for call in (lambda: runtime.submit(print), runtime.flush, lambda: runtime.run_sync(anyio.sleep, 0)):
             try:
                 call()
             except RuntimeError as exc:
@@ -77,8 +83,9 @@ def test_calls_from_the_loop_thread_are_refused(runtime):
         done.set()
 
     runtime.submit(reenter)
+    runtime.flush()
     assert done.wait(5)
-    assert len(errors) == 2 and all("its own loop thread" in e for e in errors)
+    assert len(errors) == 3 and all("its own loop thread" in e for e in errors)
 
 
 def test_shutdown_stops_the_thread_and_refuses_more_work(runtime):

@@ -4,7 +4,8 @@ Division of labour between the two threads:
 
 - Scheduler thread (every `SecondaryTierManager` method): the index of keys, capacity in
   bytes and LRU eviction, reader counts. Submitting a job is bookkeeping plus one
-  `AsyncRuntime.submit`; nothing blocks.
+  `AsyncRuntime.submit` (a deque append); the step's jobs start at `on_schedule_end`,
+  which wakes the loop once. Nothing blocks.
 - Loop thread: the block operations, at most `max_concurrency` at once, each under a
   timeout. A job's task records which blocks succeeded and puts the job in the outbox;
   `get_finished` applies those outcomes to the index. The index is never touched from the
@@ -86,16 +87,19 @@ class BlockStoreTier(SecondaryTierManager):
         op_timeout_s: float = 30.0,
         open_timeout_s: float = 120.0,
         shutdown_timeout_s: float = 30.0,
+        batch_bytes: int = 4 << 20,
     ):
         """Open the store and rebuild the index from what it holds (blocks the caller).
 
         Args:
             store_factory: builds the store from the layout fingerprint.
             capacity_bytes: object bytes held at most, or None for no limit.
-            max_concurrency: block operations in flight at once.
-            op_timeout_s: seconds one block operation may take before it fails.
+            max_concurrency: store operations (a block or a batch) in flight at once.
+            op_timeout_s: seconds one store operation may take before it fails.
             open_timeout_s: seconds opening and recovering may take.
             shutdown_timeout_s: seconds `shutdown` waits for jobs in flight.
+            batch_bytes: a job's blocks reach the store (`put_many`/`get_many`) in batches
+                of about this many bytes, amortising the per-operation cost of small blocks.
 
         Raises:
             ValueError: an option is out of range.
@@ -119,8 +123,10 @@ class BlockStoreTier(SecondaryTierManager):
         self.op_timeout_s = op_timeout_s
         self.failures: Counter[str] = Counter()
         self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._batch_blocks = max(1, batch_bytes // max(1, self.row_bytes))
         self._shutdown_timeout_s = shutdown_timeout_s
         self._index: OrderedDict[OffloadKey, _Entry] = OrderedDict()
+        self._object_bytes: dict[int, int] = {}  # by key length
         self._outbox: deque[_Done] = deque()
         self._done_cv = threading.Condition()
         self._tasks_submitted = 0
@@ -163,7 +169,7 @@ class BlockStoreTier(SecondaryTierManager):
         for key, block_id in zip(job_metadata.keys, job_metadata.block_ids, strict=True):
             if key in self._index:
                 continue
-            size = object_size(len(key), self.row_bytes)
+            size = self.object_bytes(key)
             if self._closed or not self._make_room(size, evicted):
                 done.complete = False
                 continue
@@ -207,6 +213,10 @@ class BlockStoreTier(SecondaryTierManager):
             results.append(JobResult(done.job_id, done.success))
         return results
 
+    def on_schedule_end(self) -> None:
+        """Start the jobs submitted during the step (one wake-up of the loop)."""
+        self._runtime.flush()
+
     def has_pending_work(self) -> bool:
         return self._tasks_done != self._tasks_submitted or bool(self._outbox)
 
@@ -218,6 +228,7 @@ class BlockStoreTier(SecondaryTierManager):
         """
         if self._runtime.in_loop_thread():
             raise RuntimeError(f"tier {self.tier_type}: drain() from the loop thread would deadlock")
+        self._runtime.flush()
         with self._done_cv:
             return self._done_cv.wait_for(lambda: self._tasks_done == self._tasks_submitted, timeout_s)
 
@@ -228,6 +239,7 @@ class BlockStoreTier(SecondaryTierManager):
             return
         self._closed = True
         try:
+            self._runtime.flush()  # queued jobs reach the loop first, to be reported as failed
             self._runtime.run_sync(self._stop, timeout_s=self._shutdown_timeout_s)
         except TimeoutError:
             logger.warning("tier %s: jobs still running %.1f s into shutdown", self.tier_type, self._shutdown_timeout_s)
@@ -235,6 +247,13 @@ class BlockStoreTier(SecondaryTierManager):
             logger.warning("tier %s: its runtime was shut down before the tier", self.tier_type)
         finally:
             self._runtime.release()
+
+    def object_bytes(self, key: OffloadKey) -> int:
+        """Bytes the stored object of `key` takes (header and payload), counted in capacity."""
+        size = self._object_bytes.get(len(key))
+        if size is None:
+            size = self._object_bytes[len(key)] = object_size(len(key), self.row_bytes, self.store.header_align)
+        return size
 
     @property
     def num_blocks(self) -> int:
@@ -251,6 +270,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._make_room(0, evicted)
         if evicted:
             self._submit_task(partial(self._spawn_delete, evicted))
+            self._runtime.flush()
         logger.info("tier %s: recovered %d blocks (%d bytes)", self.tier_type, len(self._index), self.used_bytes)
 
     def _make_room(self, size: int, evicted: list[OffloadKey]) -> bool:
@@ -352,7 +372,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._spawn(done, partial(self._store_blocks, done, items, waits))
 
     def _spawn_load(self, done: _Done, items: list[tuple[OffloadKey, int]]) -> None:
-        self._spawn(done, partial(self._for_each_block, self._load_block, done, items))
+        self._spawn(done, partial(self._in_batches, self._load_batch, done, items))
 
     def _spawn_delete(self, keys: list[OffloadKey]) -> None:
         deleted = anyio.Event()
@@ -362,38 +382,50 @@ class BlockStoreTier(SecondaryTierManager):
     async def _store_blocks(self, done: _Done, items: list[tuple[OffloadKey, int]], waits: list[anyio.Event]) -> None:
         for deleted in waits:
             await deleted.wait()
-        await self._for_each_block(self._store_block, done, items)
+        await self._in_batches(self._store_batch, done, items)
 
-    @staticmethod
-    async def _for_each_block(block_op, done: _Done, items: list[tuple[OffloadKey, int]]) -> None:
+    async def _in_batches(self, run_batch, done: _Done, items: list[tuple[OffloadKey, int]]) -> None:
+        size = self._batch_blocks
+        if len(items) <= size:
+            await run_batch(done, items)
+            return
         async with anyio.create_task_group() as task_group:
-            for key, block_id in items:
-                task_group.start_soon(block_op, done, key, block_id)
+            for start in range(0, len(items), size):
+                task_group.start_soon(run_batch, done, items[start : start + size])
 
-    async def _store_block(self, done: _Done, key: OffloadKey, block_id: int) -> None:
+    async def _store_batch(self, done: _Done, batch: list[tuple[OffloadKey, int]]) -> None:
+        for (key, _), error in zip(batch, await self._io(self.store.put_many, batch), strict=True):
+            if error is None:
+                done.ok.add(key)
+            else:
+                self._failed("store", error)
+
+    async def _load_batch(self, done: _Done, batch: list[tuple[OffloadKey, int]]) -> None:
+        corrupt = []
+        for (key, _), error in zip(batch, await self._io(self.store.get_many, batch), strict=True):
+            if error is None:
+                done.ok.add(key)
+            elif isinstance(error, ObjectNotFoundError):
+                self._failed("load_missing", error)
+                done.drop.add(key)
+            elif isinstance(error, CorruptObjectError):
+                self._failed("load_corrupt", error)
+                done.drop.add(key)
+                corrupt.append(key)
+            else:
+                self._failed("load", error)
+        if corrupt:
+            await self._delete_blocks(corrupt, None)
+
+    async def _io(self, operation, batch: list[tuple[OffloadKey, int]]) -> list[Exception | None]:
+        """One store call for a batch, under the concurrency limit and the timeout; if the
+        call itself fails, every block of the batch fails with its error."""
         try:
             async with self._limiter:
                 with anyio.fail_after(self.op_timeout_s):
-                    await self.store.put(key, memoryview(self._rows[block_id]))
-            done.ok.add(key)
+                    return await operation([(key, memoryview(self._rows[block_id])) for key, block_id in batch])
         except Exception as exc:
-            self._failed("store", exc)
-
-    async def _load_block(self, done: _Done, key: OffloadKey, block_id: int) -> None:
-        try:
-            async with self._limiter:
-                with anyio.fail_after(self.op_timeout_s):
-                    await self.store.get(key, memoryview(self._rows[block_id]))
-            done.ok.add(key)
-        except ObjectNotFoundError as exc:
-            self._failed("load_missing", exc)
-            done.drop.add(key)
-        except CorruptObjectError as exc:
-            self._failed("load_corrupt", exc)
-            done.drop.add(key)
-            await self._delete_blocks([key], None)
-        except Exception as exc:
-            self._failed("load", exc)
+            return [exc] * len(batch)
 
     async def _delete_blocks(self, keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
         try:

@@ -1,14 +1,16 @@
 """The format of one stored block: a header, then the payload (the primary row's bytes).
 
-Header, little-endian, padded with zeros to a multiple of `HEADER_ALIGN` bytes::
+Header, little-endian, padded with zeros to a multiple of the store's alignment (64 bytes
+by default; the file store uses 4096 so that payloads stay aligned for O_DIRECT)::
 
-    magic     4s   b"KVTB"
-    version   H    1
-    key_len   H    bytes of the key that follows the fixed part
-    layout    16s  layout fingerprint (see `layout_fingerprint`)
-    length    Q    payload bytes
-    crc       I    CRC32C of the payload
-    key       key_len bytes
+    magic       4s   b"KVTB"
+    version     H    1
+    key_len     H    bytes of the key that follows the fixed part
+    header_len  I    bytes of the whole padded header
+    layout      16s  layout fingerprint (see `layout_fingerprint`)
+    length      Q    payload bytes
+    crc         I    CRC32C of the payload
+    key         key_len bytes
 
 A reader verifies every field against what it expects, and the payload's length and CRC,
 before the payload counts as loaded.
@@ -30,7 +32,7 @@ VERSION = 1
 HEADER_ALIGN = 64
 FINGERPRINT_BYTES = 16
 MAX_KEY_BYTES = 1024
-_FIXED = struct.Struct("<4sHH16sQI")
+_FIXED = struct.Struct("<4sHHI16sQI")
 
 
 def layout_fingerprint(description: str) -> bytes:
@@ -39,26 +41,28 @@ def layout_fingerprint(description: str) -> bytes:
     return hashlib.blake2b(description.encode(), digest_size=FINGERPRINT_BYTES).digest()
 
 
-def header_size(key_len: int) -> int:
-    """Bytes of the padded header for a key of `key_len` bytes."""
-    return -(-(_FIXED.size + key_len) // HEADER_ALIGN) * HEADER_ALIGN
+def header_size(key_len: int, align: int = HEADER_ALIGN) -> int:
+    """Bytes of the header for a key of `key_len` bytes, padded to a multiple of `align`."""
+    return -(-(_FIXED.size + key_len) // align) * align
 
 
-def object_size(key_len: int, payload_len: int) -> int:
+def object_size(key_len: int, payload_len: int, align: int = HEADER_ALIGN) -> int:
     """Bytes of a whole stored object."""
-    return header_size(key_len) + payload_len
+    return header_size(key_len, align) + payload_len
 
 
-def encode_header(key: OffloadKey, payload: memoryview, fingerprint: bytes) -> bytes:
-    """The header for `payload` stored under `key` (computes the payload's CRC32C).
+def encode_header(key: OffloadKey, payload: memoryview, fingerprint: bytes, align: int = HEADER_ALIGN) -> bytes:
+    """The header for `payload` stored under `key`, padded to a multiple of `align` bytes
+    (computes the payload's CRC32C).
 
     Raises:
         ValueError: the key is longer than `MAX_KEY_BYTES` or the fingerprint is not 16 bytes.
     """
     if len(key) > MAX_KEY_BYTES or len(fingerprint) != FINGERPRINT_BYTES:
         raise ValueError(f"key of {len(key)} bytes (max {MAX_KEY_BYTES}) or fingerprint of {len(fingerprint)} bytes")
-    fixed = _FIXED.pack(MAGIC, VERSION, len(key), fingerprint, payload.nbytes, crc32c.crc32c(payload))
-    return (fixed + key).ljust(header_size(len(key)), b"\0")
+    size = header_size(len(key), align)
+    fixed = _FIXED.pack(MAGIC, VERSION, len(key), size, fingerprint, payload.nbytes, crc32c.crc32c(payload))
+    return (fixed + key).ljust(size, b"\0")
 
 
 @dataclass(frozen=True)
@@ -78,15 +82,17 @@ def parse_header(buf: bytes | memoryview, fingerprint: bytes, key: OffloadKey | 
     """
     if len(buf) < _FIXED.size:
         raise CorruptObjectError(f"header of {len(buf)} bytes is truncated")
-    magic, version, key_len, layout, length, crc = _FIXED.unpack_from(buf)
+    magic, version, key_len, size, layout, length, crc = _FIXED.unpack_from(buf)
     if magic != MAGIC or version != VERSION:
         raise CorruptObjectError(f"bad magic {bytes(magic)!r} or version {version}")
+    if size < _FIXED.size + key_len or size % HEADER_ALIGN:
+        raise CorruptObjectError(f"header length {size} is impossible for a key of {key_len} bytes")
     if layout != fingerprint:
         raise CorruptObjectError("object of a foreign layout")
     stored_key = OffloadKey(bytes(buf[_FIXED.size : _FIXED.size + key_len]))
     if len(stored_key) != key_len or (key is not None and stored_key != key):
         raise CorruptObjectError("object holds another key")
-    return ObjectHeader(stored_key, length, crc, header_size(key_len))
+    return ObjectHeader(stored_key, length, crc, size)
 
 
 def verify_payload(header: ObjectHeader, payload: memoryview, received: int) -> None:

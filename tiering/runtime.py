@@ -1,8 +1,9 @@
 """`AsyncRuntime`: one asyncio event loop in a daemon thread, fed from the scheduler thread.
 
-The scheduler thread hands work to the loop with `submit(callback)`: an append to a deque,
-plus one `call_soon_threadsafe` wake-up only when none is already pending, so a step's
-burst of jobs costs one wake-up. Callbacks run on the loop thread in submission order; they
+The scheduler thread hands work to the loop with `submit(callback)`, a deque append, and
+rings the loop with `flush()` once per batch (a scheduler step): one `call_soon_threadsafe`,
+skipped when a wake-up is already pending. Waking the loop per job would cost a GIL handoff
+to the loop thread per job. Callbacks run on the loop thread in submission order; they
 typically start tasks in a task group. Blocking calls into the loop (`run_sync`) are for
 construction and shutdown only.
 
@@ -72,18 +73,27 @@ class AsyncRuntime:
             self.shutdown(timeout_s)
 
     def submit(self, callback: Callable[[], None]) -> None:
-        """Run `callback()` on the loop thread, after every callback submitted before it.
-
-        Costs a deque append, plus one wake-up of the loop when none is pending.
+        """Queue `callback()` to run on the loop thread at the next `flush`, after every
+        callback queued before it. Costs a deque append.
 
         Raises:
             RuntimeClosedError: the runtime was shut down.
             RuntimeError: called from the loop thread itself.
         """
-        loop = self._loop or self._start()
         self._check_caller()
         self._inbox.append(callback)
-        if not self._ring_pending:
+
+    def flush(self) -> None:
+        """Wake the loop to run the queued callbacks: at most one wake-up, none if nothing is
+        queued or a wake-up is already pending. Starts the loop on first use.
+
+        Raises:
+            RuntimeClosedError: the runtime was shut down.
+            RuntimeError: called from the loop thread itself.
+        """
+        self._check_caller()
+        if self._inbox and not self._ring_pending:
+            loop = self._loop or self._start()
             self._ring_pending = True
             loop.call_soon_threadsafe(self._run_inbox)
 
