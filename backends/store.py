@@ -92,6 +92,15 @@ class BlockStore(ABC):
     async def delete_many(self, keys: Collection[OffloadKey]) -> None:
         """Delete the objects of `keys`; missing ones are ignored."""
 
+    async def ping(self) -> None:
+        """Cheap request that succeeds only if the store is reachable and usable; the health
+        breaker sends it before resuming I/O. Default: an existence check.
+
+        Raises:
+            Exception: the store is not usable (any error counts).
+        """
+        await self.exists(OffloadKey(b"tiering-health-probe"))
+
     @abstractmethod
     async def recover(self) -> list[tuple[OffloadKey, int]]:
         """Every object a previous run left, as (key, object bytes), oldest first.

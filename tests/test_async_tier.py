@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 import uuid
 
 import anyio
@@ -266,3 +267,97 @@ def test_bad_options_fail_at_construction(config, error, message):
     view = RegionStandIn(2, ROW).create_kv_memoryview()
     with pytest.raises(error, match=message):
         SecondaryTierFactory.create_secondary_tier(config, view, None)
+
+
+class CountingStore(MemoryBlockStore):
+    """A memory store that counts existence checks; `backing` may be shared by two stores."""
+
+    def __init__(self, fingerprint, backing, **kwargs):
+        super().__init__(fingerprint, **kwargs)
+        self.objects = backing
+        self.exists_calls = 0
+
+    async def exists(self, key):
+        self.exists_calls += 1
+        return await super().exists(key)
+
+
+def shared_tiers(count=2, **options):
+    backing: dict = {}
+    view = RegionStandIn(8, ROW).create_kv_memoryview()
+    return [
+        BlockStoreTier(None, view, "shared", lambda fp: CountingStore(fp, backing), probe_misses=True, **options)
+        for _ in range(count)
+    ]
+
+
+def finish(tier):
+    tier.on_schedule_end()
+    assert tier.drain(10)
+    return tier.get_finished()
+
+
+def test_a_miss_is_probed_once_and_a_block_another_engine_wrote_is_found():
+    writer, reader = shared_tiers()
+    try:
+        writer.submit_store(job(0, [0], [0], False))
+        finish(writer)
+        assert reader.lookup(key(0), CTX) is None  # unknown here: one existence probe starts
+        assert reader.lookup(key(0), CTX) is None  # still in flight: no second probe
+        finish(reader)
+        assert reader.store.exists_calls == 1
+        assert reader.lookup(key(0), CTX) is True
+        reader.submit_load(job(1, [0], [3], True))
+        assert [r.success for r in finish(reader)] == [True]
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
+def test_an_absent_key_is_remembered_for_the_negative_ttl():
+    (tier,) = shared_tiers(count=1, negative_ttl_s=0.2)
+    try:
+        assert tier.lookup(key(9), CTX) is None
+        finish(tier)
+        assert tier.lookup(key(9), CTX) is False  # cached absence: no new probe
+        assert tier.store.exists_calls == 1
+        time.sleep(0.25)
+        assert tier.lookup(key(9), CTX) is None  # expired: probed again
+        finish(tier)
+        assert tier.store.exists_calls == 2
+    finally:
+        tier.shutdown()
+
+
+def test_repeated_failures_pause_the_tier_until_a_probe_succeeds(caplog):
+    view = RegionStandIn(8, ROW).create_kv_memoryview()
+    tier = BlockStoreTier(
+        None,
+        view,
+        "flaky",
+        lambda fp: MemoryBlockStore(fp, failure_rate=1.0),
+        failure_threshold=3,
+        backoff_s=0.1,
+    )
+    try:
+        tier.submit_store(job(0, [0, 1, 2], [0, 1, 2], False))
+        assert [r.success for r in finish(tier)] == [False]
+        assert not tier.health.healthy
+        tier.submit_store(job(1, [3], [3], False))  # fails fast, nothing sent
+        tier.submit_load(job(2, [0], [0], True))
+        assert [r.success for r in finish(tier)] == [False, False]
+        assert tier.store.objects == {} and tier.lookup(key(3), CTX) is False
+        time.sleep(0.15)
+        finish(tier)  # the probe fails too: the backoff doubles
+        assert not tier.health.healthy and tier.health.backoff_s == 0.2
+        tier.store.failure_rate = 0.0  # the backend comes back
+        time.sleep(0.25)
+        finish(tier)
+        assert tier.health.healthy
+        tier.submit_store(job(3, [4], [4], False))
+        assert [r.success for r in finish(tier)] == [True]
+        assert tier.lookup(key(4), CTX) is True
+    finally:
+        tier.shutdown()
+    assert caplog.text.count("unhealthy (") == 2  # tripped, then the failed probe
+    assert caplog.text.count("recovered") == 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import anyio
 import numpy as np
 
 from tiering.errors import CorruptObjectError, ObjectNotFoundError
+from tiering.health import TierHealth
 from tiering.keys import OffloadKey, ReqContext
 from tiering.object_format import layout_fingerprint, object_size
 from tiering.runtime import AsyncRuntime, RuntimeClosedError
@@ -54,14 +56,19 @@ class _Entry:
 
 @dataclass
 class _Done:
-    """A job's outcome, filled on the loop thread, applied on the scheduler thread."""
+    """An operation's outcome, filled on the loop thread, applied on the scheduler thread.
 
-    job_id: int
-    is_load: bool
+    `kind` is "store" or "load" (a job, reported), "probe" (an existence check of `keys[0]`,
+    found if in `ok`) or "ping" (a health probe).
+    """
+
+    kind: str
+    job_id: int | None
     keys: list[OffloadKey]
     complete: bool = True  # False if some block was refused before any I/O
     ok: set[OffloadKey] = field(default_factory=set)
     drop: set[OffloadKey] = field(default_factory=set)
+    errors: int = 0  # transient failures, counted by the health breaker
 
     @property
     def success(self) -> bool:
@@ -88,6 +95,11 @@ class BlockStoreTier(SecondaryTierManager):
         open_timeout_s: float = 120.0,
         shutdown_timeout_s: float = 30.0,
         batch_bytes: int = 4 << 20,
+        probe_misses: bool = False,
+        negative_ttl_s: float = 5.0,
+        failure_threshold: int = 5,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
     ):
         """Open the store and rebuild the index from what it holds (blocks the caller).
 
@@ -100,6 +112,11 @@ class BlockStoreTier(SecondaryTierManager):
             shutdown_timeout_s: seconds `shutdown` waits for jobs in flight.
             batch_bytes: a job's blocks reach the store (`put_many`/`get_many`) in batches
                 of about this many bytes, amortising the per-operation cost of small blocks.
+            probe_misses: a lookup of a key not in the index asks the store whether it
+                exists (once per key at a time; None until the answer), for stores that
+                other engines write to (a shared bucket or directory).
+            negative_ttl_s: how long a probe's "absent" is believed, seconds.
+            failure_threshold, backoff_s, max_backoff_s: the health breaker (`TierHealth`).
 
         Raises:
             ValueError: an option is out of range.
@@ -123,6 +140,10 @@ class BlockStoreTier(SecondaryTierManager):
         self.op_timeout_s = op_timeout_s
         self.failures: Counter[str] = Counter()
         self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self.health = TierHealth(tier_type, failure_threshold, backoff_s, max_backoff_s)
+        self._probe_misses = probe_misses
+        self._negative_ttl_s = negative_ttl_s
+        self._probes: dict[OffloadKey, float | None] = {}  # None: in flight; else absent until
         self._batch_blocks = max(1, batch_bytes // max(1, self.row_bytes))
         self._shutdown_timeout_s = shutdown_timeout_s
         self._index: OrderedDict[OffloadKey, _Entry] = OrderedDict()
@@ -147,11 +168,14 @@ class BlockStoreTier(SecondaryTierManager):
     # -- SecondaryTierManager (scheduler thread) -------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        """True if stored here, None while its store is in flight, else False."""
+        """True if stored here, None while its store (or an existence probe) is in flight,
+        else False. Always False while the tier is unhealthy."""
         entry = self._index.get(key)
-        if entry is None:
+        if not self.health.healthy:
             return False
-        return True if entry.stored else None
+        if entry is not None:
+            return True if entry.stored else None
+        return self._probe(key) if self._probe_misses else False
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Make the held `keys` the most recent for eviction (the first one most)."""
@@ -163,18 +187,20 @@ class BlockStoreTier(SecondaryTierManager):
     def submit_store(self, job_metadata: JobMetadata) -> None:
         """Reserve room for the blocks not held yet (evicting idle LRU blocks) and start
         writing them. A block that finds no room fails the job, the others still go."""
-        done = _Done(job_metadata.job_id, False, [])
+        done = _Done("store", job_metadata.job_id, [])
         items: list[tuple[OffloadKey, int]] = []
         evicted: list[OffloadKey] = []
+        refuse = self._closed or not self.health.healthy
         for key, block_id in zip(job_metadata.keys, job_metadata.block_ids, strict=True):
             if key in self._index:
                 continue
             size = self.object_bytes(key)
-            if self._closed or not self._make_room(size, evicted):
+            if refuse or not self._make_room(size, evicted):
                 done.complete = False
                 continue
             self._index[key] = _Entry(size)
             self.used_bytes += size
+            self._probes.pop(key, None)
             items.append((key, int(block_id)))
         done.keys = [key for key, _ in items]
         if evicted:
@@ -188,9 +214,10 @@ class BlockStoreTier(SecondaryTierManager):
         """Start reading the job's blocks into its primary rows; fails at once if a key is
         not stored here."""
         items = list(zip(job_metadata.keys, (int(b) for b in job_metadata.block_ids), strict=True))
-        done = _Done(job_metadata.job_id, True, [key for key, _ in items])
+        done = _Done("load", job_metadata.job_id, [key for key, _ in items])
         entries = [self._index.get(key) for key, _ in items]
-        if self._closed or any(entry is None or not entry.stored for entry in entries):
+        refuse = self._closed or not self.health.healthy
+        if refuse or any(entry is None or not entry.stored for entry in entries):
             done.keys = []
             done.complete = False
             self._outbox.append(done)
@@ -206,15 +233,26 @@ class BlockStoreTier(SecondaryTierManager):
         results = []
         while outbox:
             done = outbox.popleft()
-            if done.is_load:
+            if done.kind == "ping":
+                self.health.probe_result(done.errors == 0)
+                continue
+            self.health.record(len(done.ok), done.errors)
+            if done.kind == "store":
+                self._apply_store(done)
+            elif done.kind == "load":
                 self._apply_load(done)
             else:
-                self._apply_store(done)
-            results.append(JobResult(done.job_id, done.success))
+                self._apply_probe(done)
+            if done.job_id is not None:
+                results.append(JobResult(done.job_id, done.success))
         return results
 
     def on_schedule_end(self) -> None:
-        """Start the jobs submitted during the step (one wake-up of the loop)."""
+        """Start the work submitted during the step (one wake-up of the loop), and, when an
+        unhealthy tier's backoff has passed, its health probe."""
+        if not self.health.healthy and not self._closed and self.health.probe_due():
+            done = _Done("ping", None, [])
+            self._submit_task(partial(self._spawn, done, partial(self._ping, done)))
         self._runtime.flush()
 
     def has_pending_work(self) -> bool:
@@ -298,6 +336,35 @@ class BlockStoreTier(SecondaryTierManager):
             else:
                 del self._index[key]
                 self.used_bytes -= entry.size
+
+    def _probe(self, key: OffloadKey) -> bool | None:
+        state = self._probes.get(key, 0.0)
+        if state is None:
+            return None
+        if state > time.monotonic():
+            return False
+        if len(self._probes) >= 65536:
+            now = time.monotonic()
+            self._probes = {k: v for k, v in self._probes.items() if v is None or v > now}
+        self._probes[key] = None
+        done = _Done("probe", None, [key])
+        self._submit_task(partial(self._spawn, done, partial(self._exists, done, key)))
+        return None
+
+    def _apply_probe(self, done: _Done) -> None:
+        key = done.keys[0]
+        if key not in done.ok:
+            self._probes[key] = time.monotonic() + self._negative_ttl_s
+            return
+        self._probes.pop(key, None)
+        if key not in self._index:
+            size = self.object_bytes(key)
+            self._index[key] = _Entry(size, stored=True)
+            self.used_bytes += size
+            evicted: list[OffloadKey] = []
+            self._make_room(0, evicted)
+            if evicted:
+                self._submit_task(partial(self._spawn_delete, evicted))
 
     def _apply_load(self, done: _Done) -> None:
         index = self._index
@@ -399,6 +466,7 @@ class BlockStoreTier(SecondaryTierManager):
                 done.ok.add(key)
             else:
                 self._failed("store", error)
+                done.errors += 1
 
     async def _load_batch(self, done: _Done, batch: list[tuple[OffloadKey, int]]) -> None:
         corrupt = []
@@ -414,6 +482,7 @@ class BlockStoreTier(SecondaryTierManager):
                 corrupt.append(key)
             else:
                 self._failed("load", error)
+                done.errors += 1
         if corrupt:
             await self._delete_blocks(corrupt, None)
 
@@ -426,6 +495,24 @@ class BlockStoreTier(SecondaryTierManager):
                     return await operation([(key, memoryview(self._rows[block_id])) for key, block_id in batch])
         except Exception as exc:
             return [exc] * len(batch)
+
+    async def _exists(self, done: _Done, key: OffloadKey) -> None:
+        try:
+            async with self._limiter:
+                with anyio.fail_after(self.op_timeout_s):
+                    if await self.store.exists(key):
+                        done.ok.add(key)
+        except Exception as exc:
+            self._failed("probe", exc)
+            done.errors += 1
+
+    async def _ping(self, done: _Done) -> None:
+        try:
+            with anyio.fail_after(self.op_timeout_s):
+                await self.store.ping()
+        except Exception as exc:
+            self._failed("ping", exc)
+            done.errors += 1
 
     async def _delete_blocks(self, keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
         try:

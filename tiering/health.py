@@ -1,0 +1,91 @@
+"""`TierHealth`: a circuit breaker over a tier's I/O outcomes (scheduler thread only).
+
+Healthy: I/O flows. After `failure_threshold` consecutive failed operations the tier turns
+unhealthy for `backoff_s` seconds: no I/O is sent, lookups miss, jobs fail fast. When the
+backoff has passed, one probe is sent; success makes the tier healthy again, failure doubles
+the backoff (up to `max_backoff_s`). One log line per state change, never one per block.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class HealthState(enum.Enum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    PROBING = "probing"
+
+
+class TierHealth:
+    """Consecutive-failure breaker with exponential backoff.
+
+    Attributes:
+        healthy: True while I/O may be sent (read it on every call: it is a plain bool).
+        state: the `HealthState`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        failure_threshold: int = 5,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """
+        Raises:
+            ValueError: `failure_threshold` < 1 or a backoff is not positive.
+        """
+        if failure_threshold < 1 or backoff_s <= 0 or max_backoff_s < backoff_s:
+            raise ValueError(
+                f"need failure_threshold >= 1 and 0 < backoff_s <= max_backoff_s, "
+                f"got {failure_threshold}, {backoff_s}, {max_backoff_s}"
+            )
+        self.name = name
+        self.failure_threshold = failure_threshold
+        self.initial_backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._clock = clock
+        self.healthy = True
+        self.state = HealthState.HEALTHY
+        self.consecutive_failures = 0
+        self.backoff_s = backoff_s
+        self._retry_at = 0.0
+
+    def record(self, successes: int, failures: int) -> None:
+        """Count the outcomes of finished operations; may trip the breaker."""
+        if failures:
+            self.consecutive_failures += failures
+        elif successes:
+            self.consecutive_failures = 0
+        if self.healthy and self.consecutive_failures >= self.failure_threshold:
+            self._pause(f"{self.consecutive_failures} consecutive failures")
+
+    def probe_due(self) -> bool:
+        """True once per backoff period when a probe should be sent (the state becomes PROBING)."""
+        if self.state is HealthState.UNHEALTHY and self._clock() >= self._retry_at:
+            self.state = HealthState.PROBING
+            return True
+        return False
+
+    def probe_result(self, ok: bool) -> None:
+        """Apply the outcome of the probe sent after `probe_due`."""
+        if ok:
+            logger.warning("tier %s recovered; resuming I/O", self.name)
+            self.healthy, self.state = True, HealthState.HEALTHY
+            self.consecutive_failures = 0
+            self.backoff_s = self.initial_backoff_s
+        else:
+            self.backoff_s = min(self.backoff_s * 2, self.max_backoff_s)
+            self._pause("its probe failed")
+
+    def _pause(self, reason: str) -> None:
+        logger.warning("tier %s unhealthy (%s); no I/O for %.1f s", self.name, reason, self.backoff_s)
+        self.healthy, self.state = False, HealthState.UNHEALTHY
+        self._retry_at = self._clock() + self.backoff_s
