@@ -1,8 +1,21 @@
 import threading
+import uuid
 
 import pytest
 
+from tests.s3_server import MotoServer
 from tiering import ReqContext
+
+# Test credentials for the local S3 server, and no other source of them: no config files,
+# no instance metadata service (botocore would otherwise try an address off this machine).
+S3_ENVIRONMENT = {
+    "AWS_ACCESS_KEY_ID": "test-access-key",
+    "AWS_SECRET_ACCESS_KEY": "test-secret-key-never-printed",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_CONFIG_FILE": "/nonexistent/aws-config",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
+}
 
 
 @pytest.fixture
@@ -20,3 +33,30 @@ def no_leaked_threads():
             thread.join(5)  # pools wind down asynchronously after shutdown(wait=False)
     leaked = [t.name for t in threading.enumerate() if t not in before and t.name.startswith("tiering")]
     assert leaked == [], f"threads left running: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def s3_environment():
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in S3_ENVIRONMENT.items():
+            patch.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+            patch.delenv(name, raising=False)
+        yield S3_ENVIRONMENT
+
+
+@pytest.fixture(scope="session")
+def s3_server(s3_environment):
+    """One moto S3 server for the session, on a free loopback port."""
+    server = MotoServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> str:
+    """A fresh, empty bucket for one test."""
+    name = f"test-{uuid.uuid4().hex[:16]}"
+    s3_server.create_bucket(name)
+    return name

@@ -22,6 +22,7 @@ _BUILTIN_TIERS: dict[str, tuple[str, str]] = {
     "example": ("backends.example", "ExampleSecondaryTierManager"),
     "file": ("backends.file", "FileTier"),
     "memory": ("backends.memory", "MemoryTier"),
+    "s3": ("backends.s3", "S3Tier"),
 }
 
 

@@ -1,0 +1,343 @@
+"""The ``s3`` tier: one object per block in an S3-compatible bucket, through aiobotocore.
+
+Objects are ``<prefix><layout fingerprint hex>/<key hex>``, in the stored format of
+`tiering.object_format`, so any engine of the same layout reading the bucket shares the
+blocks (a cross-instance cache): the tier probes keys it has not seen (one HEAD per key, a
+short negative cache) and rebuilds its index from a paginated listing at start.
+
+One long-lived client per tier, created and closed on the runtime's loop; its connection
+pool is as large as the tier's concurrency; standard retries with backoff; connect and read
+timeouts. Uploads stream the header and the primary row without joining them; downloads
+stream into the primary row. Credentials come from the standard AWS chain only (the
+environment, config files, an instance role): this module never takes, logs or prints them.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+from collections.abc import Collection, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+from aiobotocore.session import get_session
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+from backends.store import BlockStore
+from tiering.async_tier import BlockStoreTier
+from tiering.errors import CorruptObjectError, ObjectNotFoundError
+from tiering.keys import OffloadKey
+from tiering.object_format import encode_header, header_size, parse_header, verify_payload
+
+_DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+
+
+class _PartsReader(io.RawIOBase):
+    """A seekable, read-only file over several buffers, so an upload reads the header and
+    the payload in place (seekable, so retries and checksums can rewind it)."""
+
+    def __init__(self, parts: Sequence[bytes | memoryview]):
+        super().__init__()
+        self._parts = [memoryview(part).cast("B") for part in parts]
+        self.size = sum(part.nbytes for part in self._parts)
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        copied, skip = 0, self._position
+        for part in self._parts:
+            if skip >= part.nbytes:
+                skip -= part.nbytes
+                continue
+            count = min(part.nbytes - skip, out.nbytes - copied)
+            out[copied : copied + count] = part[skip : skip + count]
+            copied += count
+            skip = 0
+            if copied == out.nbytes:
+                break
+        self._position += copied
+        return copied
+
+
+class S3BlockStore(BlockStore):
+    """Objects in ``bucket`` under ``prefix``.
+
+    Args:
+        fingerprint: the layout fingerprint; it names the namespace under the prefix.
+        bucket: the bucket (must exist unless `create_bucket`).
+        prefix: key prefix of this cache inside the bucket, for example ``"prod/"``.
+        endpoint_url: an S3-compatible endpoint, or None for AWS.
+        region_name: the region, or None for the chain's default.
+        create_bucket: create the bucket at open if it is missing.
+        verify_tls: verify the endpoint's TLS certificate.
+        max_pool_connections: HTTP connections kept (at least the tier's concurrency).
+        connect_timeout_s, read_timeout_s: per request, seconds.
+        max_attempts: attempts per request, retries with backoff ("standard" mode).
+    """
+
+    def __init__(
+        self,
+        fingerprint: bytes,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        create_bucket: bool = False,
+        verify_tls: bool = True,
+        max_pool_connections: int = 64,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 30.0,
+        max_attempts: int = 3,
+    ):
+        super().__init__(fingerprint)
+        self.bucket = bucket
+        self.prefix = prefix
+        self.endpoint_url = endpoint_url
+        self.region_name = region_name
+        self.create_bucket = create_bucket
+        self.verify_tls = verify_tls
+        self._namespace = f"{prefix}{fingerprint.hex()}/"
+        self._config = Config(
+            max_pool_connections=max_pool_connections,
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            request_checksum_calculation="when_required",  # our own CRC32C covers the payload
+            response_checksum_validation="when_required",
+        )
+        self._stack: AsyncExitStack | None = None
+        self._client: Any = None
+
+    def __repr__(self) -> str:
+        return f"S3BlockStore(bucket={self.bucket!r}, prefix={self.prefix!r}, endpoint_url={self.endpoint_url!r})"
+
+    def object_name(self, key: OffloadKey) -> str:
+        """The S3 key of the object of `key`."""
+        return self._namespace + key.hex()
+
+    async def open(self) -> None:
+        """Create the client and check that the bucket is there and ours to use.
+
+        Raises:
+            FileNotFoundError: the bucket does not exist (and `create_bucket` is false).
+            PermissionError: no credentials in the chain, or access denied.
+            ConnectionError: the endpoint cannot be reached.
+        """
+        stack = AsyncExitStack()
+        try:
+            self._client = await stack.enter_async_context(
+                get_session().create_client(
+                    "s3",
+                    endpoint_url=self.endpoint_url,
+                    region_name=self.region_name,
+                    verify=self.verify_tls,
+                    config=self._config,
+                )
+            )
+            if self.create_bucket:
+                await self._create_bucket()
+            await self._client.head_bucket(Bucket=self.bucket)
+        except BaseException as exc:
+            await stack.aclose()
+            if isinstance(exc, ClientError | BotoCoreError):
+                raise self._open_error(exc) from exc
+            raise
+        self._stack = stack
+        await super().open()
+
+    async def _create_bucket(self) -> None:
+        try:
+            await self._client.create_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+
+    def _open_error(self, exc: Exception) -> OSError:
+        where = f"s3 tier: bucket {self.bucket!r} at {self.endpoint_url or 'AWS'}"
+        if isinstance(exc, NoCredentialsError):
+            return PermissionError(errno.EACCES, f"{where}: no credentials in the AWS chain (environment, files, role)")
+        if isinstance(exc, ClientError):
+            code = str(exc.response.get("Error", {}).get("Code"))
+            if code in ("404", "NoSuchBucket"):
+                return FileNotFoundError(errno.ENOENT, f"{where} does not exist; create it or set create_bucket: true")
+            if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                return PermissionError(errno.EACCES, f"{where}: access denied ({code}); check the credentials")
+            return OSError(errno.EIO, f"{where}: {code}")
+        return ConnectionError(errno.ECONNREFUSED, f"{where}: cannot reach the endpoint ({type(exc).__name__})")
+
+    async def close(self) -> None:
+        await super().close()
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def put(self, key: OffloadKey, payload: memoryview) -> None:
+        self.check_open()
+        body = _PartsReader([encode_header(key, payload, self.fingerprint), payload])
+        await self._client.put_object(Bucket=self.bucket, Key=self.object_name(key), Body=body, ContentLength=body.size)
+
+    async def get(self, key: OffloadKey, into: memoryview) -> None:
+        self.check_open()
+        into = into.cast("B")
+        try:
+            response = await self._client.get_object(Bucket=self.bucket, Key=self.object_name(key))
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code")) in _NOT_FOUND:
+                raise ObjectNotFoundError(key) from None
+            raise
+        header_buf = memoryview(bytearray(header_size(len(key))))
+        size = response["ContentLength"]
+        async with response["Body"] as body:
+            if size != header_buf.nbytes + into.nbytes:
+                raise CorruptObjectError(
+                    f"object of {size} bytes; a block of this layout takes {header_buf.nbytes + into.nbytes}"
+                )
+            received = 0
+            async for chunk in body.iter_chunks(1 << 20):
+                received += _scatter(chunk, received, (header_buf, into))
+        if received < header_buf.nbytes:
+            raise CorruptObjectError(f"object of {received} bytes, shorter than its header")
+        header = parse_header(header_buf, self.fingerprint, key)
+        verify_payload(header, into, received - header.size)
+
+    async def exists(self, key: OffloadKey) -> bool:
+        self.check_open()
+        try:
+            await self._client.head_object(Bucket=self.bucket, Key=self.object_name(key))
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code")) in _NOT_FOUND:
+                return False
+            raise
+        return True
+
+    async def delete_many(self, keys: Collection[OffloadKey]) -> None:
+        self.check_open()
+        names = [self.object_name(key) for key in keys]
+        for start in range(0, len(names), _DELETE_BATCH):
+            objects = [{"Key": name} for name in names[start : start + _DELETE_BATCH]]
+            response = await self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True})
+            if response.get("Errors"):
+                raise OSError(errno.EIO, f"s3 tier: {len(response['Errors'])} deletes failed: {response['Errors'][0]}")
+
+    async def recover(self) -> list[tuple[OffloadKey, int]]:
+        """Objects under the namespace, oldest first, from a paginated listing (headers are
+        checked when a block is loaded, not here: that would be one GET per object)."""
+        self.check_open()
+        found = []
+        paginator = self._client.get_paginator("list_objects_v2")
+        async for page in paginator.paginate(Bucket=self.bucket, Prefix=self._namespace):
+            for obj in page.get("Contents", ()):
+                try:
+                    key = OffloadKey(bytes.fromhex(obj["Key"][len(self._namespace) :]))
+                except ValueError:
+                    continue  # not one of ours
+                found.append((obj["LastModified"], key, obj["Size"]))
+        found.sort(key=lambda item: item[0])
+        return [(key, size) for _, key, size in found]
+
+    async def ping(self) -> None:
+        self.check_open()
+        await self._client.head_bucket(Bucket=self.bucket)
+
+
+def _scatter(chunk: bytes, offset: int, buffers: Sequence[memoryview]) -> int:
+    """Copy `chunk`, which starts `offset` bytes into the stream, into the consecutive
+    `buffers`; bytes past their end are dropped. Returns len(chunk)."""
+    data = memoryview(chunk)
+    for buffer in buffers:
+        if offset >= buffer.nbytes:
+            offset -= buffer.nbytes
+            continue
+        count = min(buffer.nbytes - offset, data.nbytes)
+        buffer[offset : offset + count] = data[:count]
+        data = data[count:]
+        offset = 0
+        if not data.nbytes:
+            break
+    return len(chunk)
+
+
+class S3Tier(BlockStoreTier):
+    """Tier type ``s3``: an `S3BlockStore` behind the async-tier adapter, probing unknown keys."""
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str = "s3",
+        bucket: str | None = None,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        capacity_bytes: int | None = None,
+        max_concurrency: int = 64,
+        create_bucket: bool = False,
+        verify_tls: bool = True,
+        op_timeout_s: float = 60.0,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 30.0,
+        max_attempts: int = 3,
+        negative_ttl_s: float = 5.0,
+        failure_threshold: int = 5,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+    ):
+        """
+        Args:
+            bucket, prefix, endpoint_url, region_name, create_bucket, verify_tls,
+            connect_timeout_s, read_timeout_s, max_attempts: see `S3BlockStore`.
+            capacity_bytes: bytes of objects this engine keeps at most (None: no limit).
+            max_concurrency: requests in flight at once (also the connection pool size).
+            op_timeout_s: seconds one block operation may take, retries included.
+            negative_ttl_s: how long a probe's "absent" is believed.
+            failure_threshold, backoff_s, max_backoff_s: the health breaker.
+
+        Raises:
+            ValueError: `bucket` is missing or an option is out of range.
+            FileNotFoundError, PermissionError, ConnectionError: see `S3BlockStore.open`.
+        """
+        if not bucket:
+            raise ValueError("the s3 tier needs bucket")
+        store_options = {
+            "bucket": bucket,
+            "prefix": prefix,
+            "endpoint_url": endpoint_url,
+            "region_name": region_name,
+            "create_bucket": create_bucket,
+            "verify_tls": verify_tls,
+            "max_pool_connections": max_concurrency,
+            "connect_timeout_s": connect_timeout_s,
+            "read_timeout_s": read_timeout_s,
+            "max_attempts": max_attempts,
+        }
+        super().__init__(
+            offloading_spec,
+            primary_kv_view,
+            tier_type,
+            store_factory=lambda fingerprint: S3BlockStore(fingerprint, **store_options),
+            capacity_bytes=capacity_bytes,
+            max_concurrency=max_concurrency,
+            op_timeout_s=op_timeout_s,
+            batch_bytes=1,  # one request per block: requests run concurrently, not in a batch
+            probe_misses=True,
+            negative_ttl_s=negative_ttl_s,
+            failure_threshold=failure_threshold,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+        )

@@ -1,0 +1,157 @@
+"""The S3 store and tier against a real S3-compatible server (moto) on 127.0.0.1."""
+
+import time
+
+import pytest
+
+from backends.s3 import S3BlockStore
+from tests.helpers import block_bytes, key, keys
+from tests.s3_server import MotoServer, free_port
+from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
+from tests.store_conformance import FINGERPRINT, StoreKit, opened
+from tests.test_async_tier import CTX, ROW, Engine
+
+
+@pytest.fixture
+def store_kit(s3_server, s3_bucket):
+    client = s3_server.client()
+
+    def read_raw(store, key):
+        return client.get_object(Bucket=s3_bucket, Key=store.object_name(key))["Body"].read()
+
+    def write_raw(store, key, raw):
+        client.put_object(Bucket=s3_bucket, Key=store.object_name(key), Body=raw)
+
+    return StoreKit(
+        make=lambda fingerprint: S3BlockStore(
+            fingerprint, s3_bucket, prefix="cache/", endpoint_url=s3_server.endpoint_url, max_attempts=1
+        ),
+        read_raw=read_raw,
+        write_raw=write_raw,
+    )
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(config, **kwargs):
+        made.append(Engine(config, **kwargs))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def s3_config(server, bucket, **extra):
+    return {"type": "s3", "bucket": bucket, "endpoint_url": server.endpoint_url, "prefix": "kv/", **extra}
+
+
+@pytest.mark.asyncio
+async def test_objects_live_under_prefix_and_layout(store_kit, s3_server, s3_bucket):
+    store = await opened(store_kit)
+    try:
+        await store.put(key(1), memoryview(bytearray(64)))
+        listed = s3_server.client().list_objects_v2(Bucket=s3_bucket)["Contents"]
+        assert [obj["Key"] for obj in listed] == [f"cache/{FINGERPRINT.hex()}/{key(1).hex()}"]
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_missing_bucket_is_a_clear_error_unless_created(s3_server, s3_bucket):
+    store = S3BlockStore(FINGERPRINT, "no-such-bucket-here", endpoint_url=s3_server.endpoint_url)
+    with pytest.raises(FileNotFoundError, match=r"'no-such-bucket-here' .* does not exist; create it or set"):
+        await store.open()
+    created = S3BlockStore(FINGERPRINT, "created-by-the-tier", endpoint_url=s3_server.endpoint_url, create_bucket=True)
+    await created.open()
+    await created.close()
+
+
+@pytest.mark.asyncio
+async def test_unreachable_endpoint_is_a_clear_error(s3_environment):
+    url = f"http://127.0.0.1:{free_port()}"
+    store = S3BlockStore(FINGERPRINT, "any-bucket", endpoint_url=url, max_attempts=1, connect_timeout_s=0.5)
+    with pytest.raises(ConnectionError, match="cannot reach the endpoint"):
+        await store.open()
+
+
+@pytest.mark.asyncio
+async def test_no_credentials_is_a_clear_error(s3_server, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    store = S3BlockStore(FINGERPRINT, "any-bucket", endpoint_url=s3_server.endpoint_url, max_attempts=1)
+    with pytest.raises(PermissionError, match="no credentials in the AWS chain"):
+        await store.open()
+
+
+def test_secrets_never_appear_in_reprs_or_logs(s3_server, s3_bucket, s3_environment, engines, caplog):
+    engine = engines(s3_config(s3_server, s3_bucket))
+    engine.store(0)
+    secret, key_id = s3_environment["AWS_SECRET_ACCESS_KEY"], s3_environment["AWS_ACCESS_KEY_ID"]
+    for text in (repr(engine.tier), repr(engine.tier.store), str(vars(engine.tier.store)), caplog.text):
+        assert secret not in text and key_id not in text
+
+
+def test_round_trip_through_the_manager(s3_server, s3_bucket, engines):
+    engine = engines(s3_config(s3_server, s3_bucket))
+    engine.store(0, 1, 2, 3)
+    engine.store(4, 5, 6, 7)  # evicts 0..3 from the primary tier
+    engine.rows[:] = 0
+    assert engine.lookup_until_done(0, 1, 2, 3) == [True] * 4
+    assert engine.loaded_bytes(0, 1, 2, 3) == [block_bytes(k, ROW) for k in keys(0, 1, 2, 3)]
+
+
+def test_a_second_engine_on_the_bucket_sees_what_the_first_wrote(s3_server, s3_bucket, engines):
+    early = engines(s3_config(s3_server, s3_bucket))  # started before anything was written
+    writer = engines(s3_config(s3_server, s3_bucket))
+    writer.store(0, 1)
+    late = engines(s3_config(s3_server, s3_bucket))  # started after: finds them in the listing
+    assert late.tier.num_blocks == 2
+    assert late.lookup_until_done(0, 1) == [True, True]
+    assert early.tier.lookup(key(0), CTX) is None  # unknown: probed once
+    assert early.lookup_until_done(0, 1, 9) == [True, True, False]
+    assert early.loaded_bytes(0, 1) == [block_bytes(k, ROW) for k in keys(0, 1)]
+
+
+def test_an_outage_fails_jobs_and_lookups_then_the_tier_recovers(engines, s3_environment, caplog):
+    server = MotoServer()
+    server.start()
+    try:
+        server.create_bucket("outage")
+        config = s3_config(
+            server,
+            "outage",
+            max_attempts=1,
+            connect_timeout_s=0.5,
+            read_timeout_s=2,
+            failure_threshold=2,
+            backoff_s=0.2,
+        )
+        engine = engines(config, num_blocks=8)
+        engine.store(0, 1)
+        server.stop()
+        out = engine.manager.prepare_store(keys(2, 3), CTX)
+        engine.manager.complete_store(out.keys_to_store, CTX)
+        engine.settle()  # both blocks fail: the breaker trips
+        assert engine.tier.failures["store"] == 2
+        assert not engine.tier.health.healthy
+        assert engine.tier.lookup(key(0), CTX) is False  # misses while unhealthy
+        assert engine.tier.lookup(key(2), CTX) is False
+        server.start()  # the server is back, empty
+        server.create_bucket("outage")
+        time.sleep(0.3)
+        engine.settle()  # the backoff has passed: the probe succeeds
+        engine.settle()
+        assert engine.tier.health.healthy
+        engine.store(4, 5)
+        assert engine.tier.lookup(key(4), CTX) is True
+        engine.store(6, 7)
+        engine.manager.reset_cache()  # the primary forgets; blocks must come from S3
+        engine.rows[:] = 0
+        assert engine.lookup_until_done(0, 4, 5) == [False, True, True]  # 0 was lost with the server
+        assert engine.loaded_bytes(4, 5) == [block_bytes(k, ROW) for k in keys(4, 5)]
+    finally:
+        server.stop()
+    assert "unhealthy" in caplog.text and "recovered" in caplog.text
