@@ -3,7 +3,7 @@ import uuid
 
 import pytest
 
-from tests.s3_server import MotoServer
+from benchmarks.s3_server import MotoServer
 from tiering import ReqContext
 
 # Test credentials for the local S3 server, and no other source of them: no config files,

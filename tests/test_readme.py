@@ -29,15 +29,6 @@ def test_main_job_runs_the_whole_walkthrough():
     assert done.stdout.rstrip().endswith("removed: True")
 
 
-def test_scheduler_cost_benchmark_runs(capsys):
-    from benchmarks import scheduler_cost
-
-    scheduler_cost.main(["--blocks", "64", "--repeats", "1"])
-    out = capsys.readouterr().out
-    for op in ("lookup, primary hit", "lookup, miss in every tier", "on_schedule_end, nothing to do"):
-        assert op in out
-
-
 def test_usage_example_runs():
     (example,) = re.findall(r"```python\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
     exec(compile(example, "README.md", "exec"), {})

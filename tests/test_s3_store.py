@@ -5,8 +5,8 @@ import time
 import pytest
 
 from backends.s3 import S3BlockStore
+from benchmarks.s3_server import MotoServer, free_port
 from tests.helpers import block_bytes, key, keys
-from tests.s3_server import MotoServer, free_port
 from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
 from tests.store_conformance import FINGERPRINT, StoreKit, opened
 from tests.test_async_tier import CTX, ROW, Engine

@@ -1,4 +1,5 @@
-"""A real S3-compatible server for tests: moto's server mode in a child process on loopback."""
+"""A local S3-compatible server for tests and benchmarks: moto's server mode in a child process
+on loopback (needs the `moto[server]` package, part of the test extra)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,178 @@
+"""S3 tier GB/s against a bare aiobotocore loop on the same server, side by side.
+
+Both move the same blocks (the same object bytes: header and payload) to the same bucket
+at the same concurrency, with the same client settings; interleaved `--repeats` times after
+an untimed round, best kept:
+
+- engine: an `S3Tier` fed store jobs of `--job-blocks` blocks, then load jobs back into
+  page-aligned rows, timed from the first submission to the last result;
+- raw: ``put_object`` of pre-joined bytes and ``get_object`` + ``read()`` under an
+  ``asyncio.Semaphore``, nothing else (no CRC, no index, no copy into rows).
+
+Without ``--endpoint-url`` it starts a local moto server (``moto[server]``); pass the URL of a
+real S3-compatible server to measure that instead (credentials from the AWS chain).
+
+    python -m benchmarks.s3_tier --total-mib 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+
+import numpy as np
+from aiobotocore.session import get_session
+from botocore.config import Config
+from rich.console import Console
+from rich.table import Table
+
+from backends.s3 import S3Tier
+from benchmarks.file_tier import aligned_rows
+from tiering import JobMetadata, ReqContext, make_offload_key
+from tiering.object_format import encode_header
+
+CTX = ReqContext("bench")
+
+
+def run_engine(rows: np.ndarray, endpoint: str, bucket: str, concurrency: int, job_blocks: int) -> dict[str, float]:
+    tier = S3Tier(
+        None,
+        memoryview(rows),
+        bucket=bucket,
+        prefix=f"engine-{uuid.uuid4().hex[:8]}/",
+        endpoint_url=endpoint,
+        max_concurrency=concurrency,
+    )
+    keys = [make_offload_key(i.to_bytes(16, "big"), 0) for i in range(len(rows))]
+    spans = [range(i, min(i + job_blocks, len(rows))) for i in range(0, len(rows), job_blocks)]
+    try:
+        seconds = {}
+        for direction, promotion in (("store", False), ("load", True)):
+            submit = tier.submit_load if promotion else tier.submit_store
+            start = time.perf_counter()
+            for job_id, span in enumerate(spans):
+                submit(JobMetadata(job_id, keys[span.start : span.stop], np.array(span), promotion, CTX))
+            tier.on_schedule_end()
+            if not tier.drain(600):
+                raise RuntimeError("s3 tier did not finish in 600 s")
+            seconds[direction] = time.perf_counter() - start
+            if not all(result.success for result in tier.get_finished()):
+                raise RuntimeError(f"s3 tier: a {direction} job failed")
+        return seconds
+    finally:
+        tier.shutdown()
+
+
+async def run_raw(rows: np.ndarray, endpoint: str, bucket: str, concurrency: int) -> dict[str, float]:
+    prefix = f"raw-{uuid.uuid4().hex[:8]}/"
+    config = Config(
+        max_pool_connections=concurrency,
+        retries={"mode": "standard", "max_attempts": 3},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    bodies = []
+    for i, row in enumerate(rows):
+        key = make_offload_key(i.to_bytes(16, "big"), 0)
+        bodies.append(encode_header(key, memoryview(row), b"\0" * 16) + row.tobytes())
+    limit = asyncio.Semaphore(concurrency)
+    async with get_session().create_client("s3", endpoint_url=endpoint, config=config) as client:
+
+        async def put(i: int) -> None:
+            async with limit:
+                await client.put_object(Bucket=bucket, Key=f"{prefix}{i}", Body=bodies[i])
+
+        async def get(i: int) -> None:
+            async with limit:
+                response = await client.get_object(Bucket=bucket, Key=f"{prefix}{i}")
+                async with response["Body"] as body:
+                    await body.read()
+
+        seconds = {}
+        for direction, op in (("store", put), ("load", get)):
+            start = time.perf_counter()
+            await asyncio.gather(*(op(i) for i in range(len(rows))))
+            seconds[direction] = time.perf_counter() - start
+    return seconds
+
+
+def measure(
+    block_bytes: int, total_bytes: int, endpoint: str, bucket: str, concurrency: int, job_blocks: int, repeats: int
+) -> dict[str, float]:
+    rows = aligned_rows(max(total_bytes // block_bytes, job_blocks), block_bytes)
+    sides = [
+        ("engine", lambda: run_engine(rows, endpoint, bucket, concurrency, job_blocks)),
+        ("raw", lambda: asyncio.run(run_raw(rows, endpoint, bucket, concurrency))),
+    ]
+    best: dict[str, float] = {"bytes": rows.nbytes}
+    for repeat in range(-1, repeats):
+        for name, run in sides if repeat % 2 == 0 else sides[::-1]:
+            for direction, seconds in run().items():
+                if repeat >= 0:
+                    best[f"{name} {direction}"] = min(best.get(f"{name} {direction}", float("inf")), seconds)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: start a local moto)")
+    parser.add_argument("--bucket", default=None, help="bucket to use (default: a new one)")
+    parser.add_argument("--block-sizes", default="2MiB,256KiB", help="comma-separated, e.g. 2MiB,256KiB")
+    parser.add_argument("--total-mib", type=int, default=128, help="data moved per measurement (default 128)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    parser.add_argument("--job-blocks", type=int, default=16, help="blocks per job (default 16)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs; the best is kept (default 3)")
+    args = parser.parse_args(argv)
+    sizes = {"2MiB": 2 << 20, "1MiB": 1 << 20, "256KiB": 256 << 10, "64KiB": 64 << 10}
+    with contextlib.ExitStack() as stack:
+        endpoint, bucket = args.endpoint_url, args.bucket
+        if endpoint is None:
+            from benchmarks.s3_server import MotoServer
+
+            for name, value in (
+                ("AWS_ACCESS_KEY_ID", "bench"),
+                ("AWS_SECRET_ACCESS_KEY", "bench"),
+                ("AWS_DEFAULT_REGION", "us-east-1"),
+                ("AWS_EC2_METADATA_DISABLED", "true"),
+            ):
+                os.environ.setdefault(name, value)
+            server = MotoServer()
+            server.start()
+            stack.callback(server.stop)
+            endpoint = server.endpoint_url
+        if bucket is None:
+            bucket = f"tiering-bench-{uuid.uuid4().hex[:8]}"
+            asyncio.run(_create_bucket(endpoint, bucket))
+        table = Table(
+            title=f"S3 tier vs bare aiobotocore at {endpoint}, {args.concurrency} in flight, best of {args.repeats}"
+        )
+        for column in ("block", "direction", "engine GB/s", "raw GB/s", "ratio"):
+            table.add_column(column, justify="left" if column in ("block", "direction") else "right")
+        for size_name in args.block_sizes.split(","):
+            best = measure(
+                sizes[size_name],
+                args.total_mib << 20,
+                endpoint,
+                bucket,
+                args.concurrency,
+                args.job_blocks,
+                args.repeats,
+            )
+            for direction in ("store", "load"):
+                engine = best["bytes"] / best[f"engine {direction}"]
+                raw = best["bytes"] / best[f"raw {direction}"]
+                table.add_row(size_name, direction, f"{engine / 1e9:.3f}", f"{raw / 1e9:.3f}", f"{engine / raw:.2f}x")
+    Console().print(table)
+
+
+async def _create_bucket(endpoint: str, bucket: str) -> None:
+    async with get_session().create_client("s3", endpoint_url=endpoint) as client:
+        await client.create_bucket(Bucket=bucket)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""Each benchmark runs end to end on tiny sizes, so none of them rots unnoticed."""
+
+from benchmarks import file_tier, s3_tier, scheduler_cost
+
+
+def test_scheduler_cost(capsys):
+    scheduler_cost.main(["--blocks", "64", "--repeats", "1"])
+    out = capsys.readouterr().out
+    for row in ("lookup, primary hit", "on_schedule_end, nothing to do", "AsyncRuntime.submit per job"):
+        assert row in out
+
+
+def test_file_tier(capsys, tmp_path):
+    file_tier.main(["--dir", str(tmp_path), "--total-mib", "1", "--repeats", "1", "--block-sizes", "64KiB"])
+    out = capsys.readouterr().out
+    for mode in ("buffered", "fsync", "direct"):
+        assert mode in out
+
+
+def test_s3_tier(capsys, s3_server, s3_bucket):
+    args = ["--endpoint-url", s3_server.endpoint_url, "--bucket", s3_bucket, "--total-mib", "1", "--repeats", "1"]
+    s3_tier.main([*args, "--block-sizes", "256KiB"])
+    out = capsys.readouterr().out
+    assert "256KiB" in out and "store" in out and "load" in out
