@@ -91,6 +91,7 @@ class S3BlockStore(BlockStore):
         max_pool_connections: HTTP connections kept (at least the tier's concurrency).
         connect_timeout_s, read_timeout_s: per request, seconds.
         max_attempts: attempts per request, retries with backoff ("standard" mode).
+        list_page_size: keys per listing request when recovering.
     """
 
     def __init__(
@@ -106,8 +107,10 @@ class S3BlockStore(BlockStore):
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 30.0,
         max_attempts: int = 3,
+        list_page_size: int = 1000,
     ):
         super().__init__(fingerprint)
+        self._list_page_size = list_page_size
         self.bucket = bucket
         self.prefix = prefix
         self.endpoint_url = endpoint_url
@@ -246,7 +249,10 @@ class S3BlockStore(BlockStore):
         self.check_open()
         found = []
         paginator = self._client.get_paginator("list_objects_v2")
-        async for page in paginator.paginate(Bucket=self.bucket, Prefix=self._namespace):
+        pages = paginator.paginate(
+            Bucket=self.bucket, Prefix=self._namespace, PaginationConfig={"PageSize": self._list_page_size}
+        )
+        async for page in pages:
             for obj in page.get("Contents", ()):
                 try:
                     key = OffloadKey(bytes.fromhex(obj["Key"][len(self._namespace) :]))

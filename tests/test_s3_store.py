@@ -155,3 +155,22 @@ def test_an_outage_fails_jobs_and_lookups_then_the_tier_recovers(engines, s3_env
     finally:
         server.stop()
     assert "unhealthy" in caplog.text and "recovered" in caplog.text
+
+
+@pytest.mark.asyncio
+async def test_recovery_reads_every_page_of_the_listing(s3_server, s3_bucket):
+    def make():
+        return S3BlockStore(FINGERPRINT, s3_bucket, endpoint_url=s3_server.endpoint_url, list_page_size=2)
+
+    writer = make()
+    await writer.open()
+    for i in range(5):
+        await writer.put(key(i), memoryview(bytearray(100)))
+    s3_server.client().put_object(Bucket=s3_bucket, Key=f"{FINGERPRINT.hex()}/not-hex", Body=b"x")
+    await writer.close()
+    reader = make()
+    await reader.open()
+    try:
+        assert sorted(k for k, _ in await reader.recover()) == keys(0, 1, 2, 3, 4)
+    finally:
+        await reader.close()
