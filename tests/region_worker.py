@@ -30,3 +30,31 @@ def race_to_create(instance_id, barrier, creators):
 def create_and_die(instance_id):
     SharedOffloadRegion(instance_id, 4, 4096)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def store_rank_blocks(instance_id, num_blocks, page_shape, num_workers, rank, barrier):
+    """As worker `rank`: fill a CPU-device KV cache with (rank, block) bytes and store its
+    GPU blocks 0..num_blocks-1 into CPU rows 0..num_blocks-1 of the shared region."""
+    import torch
+
+    from tiering import CPULoadStoreSpec, GPULoadStoreSpec, canonicalize_kv_caches
+    from tiering.cpu_gpu import CpuGpuOffloadingHandlers
+
+    cache = torch.empty((num_blocks, *page_shape), dtype=torch.int8)
+    for block in range(num_blocks):
+        cache[block] = 16 * (rank + 1) + block
+    caches = canonicalize_kv_caches([cache], num_blocks)
+    page = caches.tensors[0].page_size_bytes
+    region = SharedOffloadRegion(instance_id, num_blocks, page, num_workers, rank)
+    handlers = CpuGpuOffloadingHandlers(caches, 1, num_blocks, mmap_region=region)
+    ids = list(range(num_blocks))
+    assert handlers.gpu_to_cpu_handler.transfer_async(
+        rank, (GPULoadStoreSpec(ids, [num_blocks], [0]), CPULoadStoreSpec(ids))
+    )
+    handlers.gpu_to_cpu_handler.wait([rank])
+    (result,) = handlers.gpu_to_cpu_handler.get_finished()
+    assert result.success and result.transfer_size == num_blocks * page
+    handlers.shutdown()
+    barrier.wait(timeout=30)  # the scheduler reads while the region is still mapped
+    barrier.wait(timeout=30)
+    region.cleanup()

@@ -22,3 +22,11 @@ def test_s3_tier(capsys, s3_server, s3_bucket):
     s3_tier.main([*args, "--block-sizes", "256KiB"])
     out = capsys.readouterr().out
     assert "256KiB" in out and "store" in out and "load" in out
+
+
+def test_gpu_copy(capsys):
+    from benchmarks import gpu_copy
+
+    gpu_copy.main(["--total-mib", "1", "--repeats", "1", "--block-sizes", "64KiB,256KiB"])
+    out = capsys.readouterr().out
+    assert "64KiB" in out and "256KiB" in out and "one copy_" in out

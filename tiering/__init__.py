@@ -1,7 +1,11 @@
 """An asyncio-native KV-cache tiering engine: a CPU primary tier with secondary tiers.
 
-See DESIGN.md for the architecture; every public name is re-exported here.
+See DESIGN.md for the architecture; every public name is re-exported here. The worker-side
+names (canonical KV caches, transfer handlers) need torch, an optional dependency: they
+are imported on first use.
 """
+
+import importlib
 
 from tiering.abstract import OffloadingManager
 from tiering.async_tier import BlockStoreTier
@@ -41,7 +45,11 @@ __all__ = [
     "CPUOffloadingManager",
     "CPUPrimaryTierOffloadingManager",
     "CachePolicy",
+    "CanonicalKVCacheRef",
+    "CanonicalKVCacheTensor",
+    "CanonicalKVCaches",
     "CorruptObjectError",
+    "CpuGpuOffloadingHandlers",
     "GPULoadStoreSpec",
     "JobId",
     "JobMetadata",
@@ -52,6 +60,7 @@ __all__ = [
     "OffloadKey",
     "OffloadPolicy",
     "OffloadingEvent",
+    "OffloadingHandler",
     "OffloadingManager",
     "PrepareStoreOutput",
     "ReqContext",
@@ -62,6 +71,8 @@ __all__ = [
     "SharedOffloadRegion",
     "StoreClosedError",
     "TieringOffloadingManager",
+    "TransferResult",
+    "canonicalize_kv_caches",
     "get_offload_block_hash",
     "get_offload_group_idx",
     "layout_fingerprint",
@@ -69,3 +80,20 @@ __all__ = [
     "make_offload_key",
     "register_cache_policy",
 ]
+
+_TORCH_NAMES = {
+    "CanonicalKVCacheRef": "tiering.canonical",
+    "CanonicalKVCacheTensor": "tiering.canonical",
+    "CanonicalKVCaches": "tiering.canonical",
+    "CpuGpuOffloadingHandlers": "tiering.cpu_gpu",
+    "OffloadingHandler": "tiering.cpu_gpu",
+    "TransferResult": "tiering.cpu_gpu",
+    "canonicalize_kv_caches": "tiering.canonical",
+}
+
+
+def __getattr__(name: str):
+    """Import the torch-dependent names on first use."""
+    if name in _TORCH_NAMES:
+        return getattr(importlib.import_module(_TORCH_NAMES[name]), name)
+    raise AttributeError(f"module 'tiering' has no attribute {name!r}")

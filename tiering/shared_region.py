@@ -101,6 +101,11 @@ class SharedOffloadRegion:
         self._rows = np.frombuffer(self._mmap, dtype=np.int8).reshape(num_blocks, self.row_stride)
 
     @property
+    def address(self) -> int:
+        """Address of the mapping in this process (for `cudaHostRegister`)."""
+        return self._rows.ctypes.data
+
+    @property
     def total_size_bytes(self) -> int:
         """Size of the file: ``num_blocks * row_stride``."""
         return self.num_blocks * self.row_stride

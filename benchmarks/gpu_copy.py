@@ -1,0 +1,125 @@
+"""GPU<->CPU handler GB/s against one large ``copy_`` of the same bytes on the same device.
+
+For each offloaded-block size it builds a KV cache of `--layers` tensors holding
+`--total-mib` of blocks, and times, best of `--repeats`:
+
+- store (GPU->CPU), load (CPU->GPU), and both at once (half the blocks each way), as
+  transfers of `--job-blocks` blocks through `CpuGpuOffloadingHandlers`, block ids shuffled
+  as a paged cache hands them out;
+- baseline: one ``copy_`` of a contiguous tensor of the same total size between the same
+  two memories (pinned host memory under CUDA).
+
+Both sides copy into memory touched once before timing (first touch is slow on VMs).
+
+Runs on CUDA when present, else on the CPU device (host memory on both sides).
+
+    python -m benchmarks.gpu_copy --total-mib 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tiering import CpuGpuOffloadingHandlers, CPULoadStoreSpec, GPULoadStoreSpec, canonicalize_kv_caches
+
+SIZES = {"64KiB": 64 << 10, "256KiB": 256 << 10, "1MiB": 1 << 20, "2MiB": 2 << 20, "8MiB": 8 << 20}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_handlers(device: torch.device, block_bytes: int, total_bytes: int, layers: int, job_blocks: int) -> dict:
+    num_blocks = max(total_bytes // block_bytes, 2 * job_blocks)
+    page = block_bytes // layers
+    caches = canonicalize_kv_caches(
+        [torch.randint(-128, 127, (num_blocks, page), dtype=torch.int8, device=device) for _ in range(layers)],
+        num_blocks,
+    )
+    handlers = CpuGpuOffloadingHandlers(caches, 1, num_blocks)
+    generator = torch.Generator().manual_seed(0)
+    gpu_ids = torch.randperm(num_blocks, generator=generator).tolist()
+    cpu_ids = torch.randperm(num_blocks, generator=generator).tolist()
+    jobs = [(gpu_ids[i : i + job_blocks], cpu_ids[i : i + job_blocks]) for i in range(0, num_blocks, job_blocks)]
+
+    def run(plan):
+        job_ids = []
+        _sync(device)
+        start = time.perf_counter()
+        for job_id, (handler, gpu, cpu) in enumerate(plan):
+            gpu_spec, cpu_spec = GPULoadStoreSpec(gpu, [len(gpu)], [0]), CPULoadStoreSpec(cpu)
+            spec = (gpu_spec, cpu_spec) if handler is handlers.gpu_to_cpu_handler else (cpu_spec, gpu_spec)
+            assert handler.transfer_async(job_id, spec)
+            job_ids.append(job_id)
+        for handler in (handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler):
+            handler.wait(job_ids)
+        seconds = time.perf_counter() - start
+        results = handlers.gpu_to_cpu_handler.get_finished() + handlers.cpu_to_gpu_handler.get_finished()
+        assert len(results) == len(plan) and all(r.success for r in results)
+        return seconds
+
+    store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
+    try:
+        run([(store, gpu, cpu) for gpu, cpu in jobs])  # touch every CPU page once, untimed
+        half = len(jobs) // 2
+        return {
+            "store": run([(store, gpu, cpu) for gpu, cpu in jobs]),
+            "load": run([(load, gpu, cpu) for gpu, cpu in jobs]),
+            "both": run([(store, *jobs[i]) for i in range(half)] + [(load, *jobs[i]) for i in range(half, 2 * half)]),
+            "bytes": num_blocks * page * layers,
+            "both bytes": 2 * half * job_blocks * page * layers,
+        }
+    finally:
+        handlers.shutdown()
+
+
+def time_baseline(device: torch.device, nbytes: int) -> float:
+    """Seconds of one copy_ of `nbytes` from device memory to (pinned) host memory."""
+    source = torch.randint(-128, 127, (nbytes,), dtype=torch.int8, device=device)
+    target = torch.empty(nbytes, dtype=torch.int8, pin_memory=device.type == "cuda")
+    target.copy_(source)  # first touch of fresh memory is slow on VMs: keep it out of the timing
+    _sync(device)
+    start = time.perf_counter()
+    target.copy_(source, non_blocking=True)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block-sizes", default=",".join(SIZES), help=f"comma-separated from {', '.join(SIZES)}")
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement (default 256 MiB)")
+    parser.add_argument("--layers", type=int, default=8, help="KV tensors per block (default 8)")
+    parser.add_argument("--job-blocks", type=int, default=16, help="blocks per transfer (default 16)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs; the best is kept (default 3)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    table = Table(title=f"Handlers vs one copy_ on {device} ({args.layers} tensors, best of {args.repeats})")
+    for column in ("block", "store GB/s", "load GB/s", "both GB/s", "one copy_ GB/s", "store", "load", "both"):
+        table.add_column(column, justify="left" if column == "block" else "right")
+    for name in args.block_sizes.split(","):
+        runs = []
+        for _ in range(args.repeats + 1):
+            run = time_handlers(device, SIZES[name], args.total_mib << 20, args.layers, args.job_blocks)
+            run["copy"] = time_baseline(device, int(run["bytes"]))
+            runs.append(run)
+        runs = runs[1:]  # the first round only warms allocations up
+        best = {key: min(run[key] for run in runs) for key in ("store", "load", "both", "copy")}
+        rates = {key: runs[0]["bytes"] / best[key] / 1e9 for key in ("store", "load", "copy")}
+        rates["both"] = runs[0]["both bytes"] / best["both"] / 1e9
+        table.add_row(
+            name,
+            *(f"{rates[key]:.2f}" for key in ("store", "load", "both", "copy")),
+            *(f"{rates[key] / rates['copy']:.2f}x" for key in ("store", "load", "both")),
+        )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

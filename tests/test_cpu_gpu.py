@@ -1,0 +1,226 @@
+"""GPU<->CPU transfer handlers: on the CPU device here, on CUDA too wherever it is present."""
+
+import multiprocessing
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from tests import region_worker
+from tiering import (
+    CpuGpuOffloadingHandlers,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    SharedOffloadRegion,
+    canonicalize_kv_caches,
+)
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]
+NUM_GPU_BLOCKS = 12
+NUM_CPU_BLOCKS = 6
+LAYER_SHAPE = (4, 8)  # per block: 4 heads x 8 values, bfloat16 -> 64-byte pages
+
+
+class Worker:
+    """A worker's KV caches (random bfloat16), its handlers, and the scheduler's view of the rows."""
+
+    def __init__(self, device, factor, layers=2, flash=False, groups=None):
+        generator = torch.Generator().manual_seed(factor * 10 + layers)
+        shape = (2, NUM_GPU_BLOCKS, *LAYER_SHAPE) if flash else (NUM_GPU_BLOCKS, *LAYER_SHAPE)
+        self.raw = [torch.randn(shape, generator=generator).to(torch.bfloat16).to(device) for _ in range(layers)]
+        self.caches = canonicalize_kv_caches(self.raw, NUM_GPU_BLOCKS, groups)
+        self.pages = [entry.tensor for entry in self.caches.tensors]
+        self.factor = factor
+        slot = sum(factor * pages.shape[1] for pages in self.pages)
+        instance = f"test-{uuid.uuid4().hex[:12]}"
+        self.scheduler_region = SharedOffloadRegion(instance, NUM_CPU_BLOCKS, slot)
+        self.region = SharedOffloadRegion(instance, NUM_CPU_BLOCKS, slot, rank=0)
+        self.handlers = CpuGpuOffloadingHandlers(self.caches, factor, NUM_CPU_BLOCKS, mmap_region=self.region)
+        self.rows = np.asarray(self.scheduler_region.create_kv_memoryview())
+
+    def cpu_page(self, tensor_idx, row, sub):
+        """Bytes of page `sub` of tensor `tensor_idx` in CPU row `row`, read on the scheduler side."""
+        offset = sum(self.factor * pages.shape[1] for pages in self.pages[:tensor_idx])
+        width = self.pages[tensor_idx].shape[1]
+        start = offset + sub * width
+        return self.rows[row, start : start + width].tobytes()
+
+    def gpu_page(self, tensor_idx, block):
+        return self.pages[tensor_idx][block].cpu().numpy().tobytes()
+
+    def run(self, handler, job_id, spec):
+        assert handler.transfer_async(job_id, spec)
+        handler.wait([job_id])
+        return handler.get_finished()
+
+    def close(self):
+        self.handlers.shutdown()
+        self.region.cleanup()
+        self.scheduler_region.cleanup()
+
+
+@pytest.fixture
+def workers():
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(Worker(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for worker in made:
+        worker.close()
+
+
+def expected_placement(gpu_ids, cpu_ids, factor, first=0):
+    """(gpu block, cpu row, page) of each block, by the rule: position p = first + j lives in
+    page p % factor of the (p // factor - first // factor)-th CPU block."""
+    return [
+        (gpu, cpu_ids[(first + j) // factor - first // factor], (first + j) % factor) for j, gpu in enumerate(gpu_ids)
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("factor", "gpu_ids", "cpu_ids"), [(1, [7, 2, 9], [3, 0, 1]), (3, [7, 2, 9, 4, 11, 0], [5, 1])]
+)
+def test_store_then_load_is_byte_exact(workers, device, factor, gpu_ids, cpu_ids):
+    worker = workers(device, factor)
+    spec = (GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0]), CPULoadStoreSpec(cpu_ids))
+    (stored,) = worker.run(worker.handlers.gpu_to_cpu_handler, 1, spec)
+    page_bytes = worker.pages[0].shape[1]
+    assert (stored.job_id, stored.success, stored.transfer_type) == (1, True, ("GPU", "CPU"))
+    assert stored.transfer_size == len(gpu_ids) * page_bytes * len(worker.pages)
+    assert stored.transfer_time >= 0
+    placement = expected_placement(gpu_ids, cpu_ids, factor)
+    for tensor_idx in range(len(worker.pages)):
+        for gpu, row, sub in placement:
+            assert worker.cpu_page(tensor_idx, row, sub) == worker.gpu_page(tensor_idx, gpu)
+    originals = {(t, gpu): worker.gpu_page(t, gpu) for t in range(len(worker.pages)) for gpu in gpu_ids}
+    for pages in worker.pages:
+        pages.zero_()
+    (loaded,) = worker.run(worker.handlers.cpu_to_gpu_handler, 2, (spec[1], spec[0]))
+    assert (loaded.success, loaded.transfer_type, loaded.transfer_size) == (True, ("CPU", "GPU"), stored.transfer_size)
+    assert all(worker.gpu_page(t, gpu) == data for (t, gpu), data in originals.items())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_transfer_can_start_in_the_middle_of_an_offloaded_block(workers, device):
+    worker = workers(device, factor=3)
+    gpu_ids, cpu_ids, first = [5, 6, 7, 8], [2, 4], 4  # positions 4..7: pages 1, 2 of one block, 0, 1 of the next
+    spec = (GPULoadStoreSpec(gpu_ids, [4], [first]), CPULoadStoreSpec(cpu_ids))
+    assert worker.run(worker.handlers.gpu_to_cpu_handler, 1, spec)[0].success
+    for gpu, row, sub in expected_placement(gpu_ids, cpu_ids, 3, first):
+        assert worker.cpu_page(0, row, sub) == worker.gpu_page(0, gpu)
+    assert set(worker.cpu_page(0, 2, 0)) == {0}  # the page before the first position is untouched
+    assert set(worker.cpu_page(0, 4, 2)) == {0}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_groups_touch_only_their_tensors(workers, device):
+    worker = workers(device, factor=3, layers=2, groups=[[0], [1]])
+    spec = (GPULoadStoreSpec([0, 1, 6, 7, 8], [2, 3], [0, 3]), CPULoadStoreSpec([4, 5]))
+    (result,) = worker.run(worker.handlers.gpu_to_cpu_handler, 1, spec)
+    assert result.transfer_size == 5 * worker.pages[0].shape[1]  # each group copies its one tensor
+    for gpu, row, sub in expected_placement([0, 1], [4], 3):
+        assert worker.cpu_page(0, row, sub) == worker.gpu_page(0, gpu)
+        assert set(worker.cpu_page(1, row, sub)) == {0}
+    for gpu, row, sub in expected_placement([6, 7, 8], [5], 3, first=3):
+        assert worker.cpu_page(1, row, sub) == worker.gpu_page(1, gpu)
+        assert set(worker.cpu_page(0, row, sub)) == {0}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_attention_layout_is_split_into_k_and_v(workers, device):
+    worker = workers(device, factor=1, layers=2, flash=True)
+    assert len(worker.pages) == 4
+    assert worker.pages[0].data_ptr() == worker.raw[0].data_ptr()  # zero copy
+    spec = (GPULoadStoreSpec([3, 4], [2], [0]), CPULoadStoreSpec([0, 1]))
+    worker.run(worker.handlers.gpu_to_cpu_handler, 1, spec)
+    for layer in range(2):
+        for kv in range(2):
+            assert (
+                worker.cpu_page(2 * layer + kv, 0, 0)
+                == worker.raw[layer][kv, 3].cpu().view(torch.int8).numpy().tobytes()
+            )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_results_come_once_in_order_and_bad_specs_are_refused(workers, device):
+    worker = workers(device, factor=1)
+    handler = worker.handlers.gpu_to_cpu_handler
+    for job_id in range(5):
+        assert handler.transfer_async(job_id, (GPULoadStoreSpec([job_id], [1], [0]), CPULoadStoreSpec([job_id])))
+    handler.wait(range(5))
+    assert [r.job_id for r in handler.get_finished()] == [0, 1, 2, 3, 4]
+    assert handler.get_finished() == []
+    assert not handler.transfer_async(9, (CPULoadStoreSpec([0]), GPULoadStoreSpec([0], [1], [0])))  # reversed
+    assert not handler.transfer_async(9, (GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([0])))  # too few
+    assert not handler.transfer_async(9, (GPULoadStoreSpec([0], [1, 0], [0, 0]), CPULoadStoreSpec([0])))  # groups
+    assert handler.get_finished() == []
+    worker.handlers.shutdown()
+    worker.handlers.shutdown()
+    assert not handler.transfer_async(10, (GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0])))
+
+
+def test_without_a_region_the_handlers_use_a_private_buffer():
+    caches = canonicalize_kv_caches([torch.arange(4 * 16, dtype=torch.int8).view(4, 16)], 4)
+    handlers = CpuGpuOffloadingHandlers(caches, 2, 3)
+    try:
+        store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
+        assert store.transfer_async(1, (GPULoadStoreSpec([0, 1, 2, 3], [4], [0]), CPULoadStoreSpec([2, 0])))
+        store.wait([1])
+        caches.tensors[0].tensor.zero_()
+        assert load.transfer_async(2, (CPULoadStoreSpec([2, 0]), GPULoadStoreSpec([0, 1, 2, 3], [4], [0])))
+        load.wait([2])
+        assert [r.success for r in store.get_finished() + load.get_finished()] == [True, True]
+        assert caches.tensors[0].tensor.flatten().tolist() == list(range(64))
+    finally:
+        handlers.shutdown()
+
+
+def test_two_ranks_fill_their_slots_of_the_same_rows_from_two_processes():
+    spawn = multiprocessing.get_context("spawn")
+    instance, blocks, page_shape = f"test-{uuid.uuid4().hex[:12]}", 3, (2, 50)
+    page = 2 * 50
+    scheduler = SharedOffloadRegion(instance, blocks, page, num_workers=2)
+    barrier = spawn.Barrier(3)
+    procs = [
+        spawn.Process(
+            target=region_worker.store_rank_blocks, args=(instance, blocks, page_shape, 2, rank, barrier), daemon=True
+        )
+        for rank in (0, 1)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        barrier.wait(timeout=60)
+        rows = np.asarray(scheduler.create_kv_memoryview())
+        for block in range(blocks):
+            for rank in (0, 1):
+                assert set(rows[block, rank * page : (rank + 1) * page].tolist()) == {16 * (rank + 1) + block}
+        barrier.wait(timeout=30)
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        scheduler.cleanup()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+
+
+def test_canonicalize_shares_storage_and_dedupes_shared_tensors():
+    shared = torch.zeros((5, 2, 3), dtype=torch.float16)
+    caches = canonicalize_kv_caches([shared, shared, torch.zeros((5, 4))], 5, groups=[[0, 1], [2]])
+    assert len(caches.tensors) == 2
+    assert caches.tensors[0].tensor.shape == (5, 12) and caches.tensors[0].tensor.dtype == torch.int8
+    assert caches.tensors[0].tensor.data_ptr() == shared.data_ptr()
+    assert [[r.tensor_idx for r in refs] for refs in caches.group_data_refs] == [[0, 0], [1]]
+    with pytest.raises(ValueError, match=r"neither \(num_blocks, \.\.\.\)"):
+        canonicalize_kv_caches([torch.zeros((3, 5, 2))], 5)
+    with pytest.raises(ValueError, match="not contiguous"):
+        canonicalize_kv_caches([torch.zeros((2, 5)).t()], 5)

@@ -1,0 +1,335 @@
+"""GPU<->CPU transfer handlers: blocks between the paged KV cache and the canonical CPU rows.
+
+One offloaded (CPU) block holds ``block_size_factor`` consecutive GPU blocks of a request.
+For each KV tensor, a CPU row holds that tensor's pages of those GPU blocks side by side (a
+piece of this rank's slot of the row, carved by `SharedOffloadRegion.create_next_view`).
+
+Each direction is a FIFO of transfers, finished in order and polled without blocking:
+
+- CUDA: one stream per direction (loads at higher priority). A transfer first waits for
+  the current compute stream (a store must not read, and a load must not overwrite, KV
+  the model is still writing), then copies runs of consecutive pages with one `copy_`
+  each, between events that time it. Host memory is page-locked (`cudaHostRegister` on
+  the shared region, a pinned buffer otherwise).
+- CPU device (no CUDA: the "GPU" tensors live in host memory): one worker thread per
+  direction runs each transfer as one batched gather/scatter per tensor. Same API, same
+  ordering, real bytes; tests and the load generator use it on machines without a GPU.
+
+Handlers are used from the worker thread that owns the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Collection, Sequence
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tiering.canonical import CanonicalKVCaches
+from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+
+logger = logging.getLogger(__name__)
+
+TransferType = tuple[str, str]
+
+
+@dataclass
+class TransferResult:
+    """A finished transfer: ``transfer_size`` in bytes, ``transfer_time`` in seconds,
+    ``transfer_type`` ``("GPU", "CPU")`` for a store or ``("CPU", "GPU")`` for a load."""
+
+    job_id: int
+    success: bool
+    transfer_size: int
+    transfer_time: float
+    transfer_type: TransferType
+
+
+class OffloadingHandler(ABC):
+    """Moves blocks between two media asynchronously."""
+
+    @abstractmethod
+    def transfer_async(self, job_id: int, spec: tuple[LoadStoreSpec, LoadStoreSpec]) -> bool:
+        """Start moving (source spec, destination spec); False if the spec is unusable."""
+
+    @abstractmethod
+    def get_finished(self) -> list[TransferResult]:
+        """Transfers finished since the last call, in submission order; never blocks."""
+
+    @abstractmethod
+    def wait(self, job_ids: Collection[int]) -> None:
+        """Block until the given transfers have finished (for preemption)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Finish what is in flight and release streams and threads; idempotent."""
+
+
+@dataclass
+class PageCopy:
+    """Pages of one tensor to move: GPU block ``gpu_ids[i]`` <-> page ``cpu_subs[i]`` of CPU
+    row ``cpu_rows[i]`` (int64 tensors of one length)."""
+
+    tensor_idx: int
+    gpu_ids: torch.Tensor
+    cpu_rows: torch.Tensor
+    cpu_subs: torch.Tensor
+
+
+def plan_copies(
+    gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, factor: int, group_tensors: Sequence[Sequence[int]]
+) -> list[PageCopy]:
+    """Map GPU blocks to (CPU row, page) for every tensor of every group of the spec.
+
+    Group g has ``group_sizes[g]`` GPU blocks, logically contiguous from position
+    ``block_indices[g]`` of its request; position p lives in page ``p % factor`` of the
+    group's ``p // factor - block_indices[g] // factor``-th CPU block. CPU block ids are
+    listed group after group.
+
+    Raises:
+        ValueError: the CPU spec has not exactly the blocks the GPU spec needs, or a group
+            index is out of range.
+    """
+    gpu_ids = torch.as_tensor(gpu_spec.block_ids, dtype=torch.int64)
+    cpu_ids = torch.as_tensor(cpu_spec.block_ids, dtype=torch.int64)
+    sizes = list(gpu_spec.group_sizes) if gpu_spec.group_sizes is not None else [len(gpu_ids)]
+    firsts = list(gpu_spec.block_indices) if gpu_spec.block_indices is not None else [0] * len(sizes)
+    if len(sizes) > len(group_tensors):
+        raise ValueError(f"spec has {len(sizes)} KV groups; the cache has {len(group_tensors)}")
+    copies, gpu_at, cpu_at = [], 0, 0
+    for group, (size, first) in enumerate(zip(sizes, firsts, strict=True)):
+        skip = first % factor
+        positions = torch.arange(skip, skip + size, dtype=torch.int64)
+        num_cpu = -(-(skip + size) // factor) if size else 0
+        group_cpu = cpu_ids[cpu_at : cpu_at + num_cpu]
+        if len(group_cpu) != num_cpu:
+            raise ValueError(f"group {group} needs {num_cpu} CPU blocks; the CPU spec has {len(cpu_ids) - cpu_at} left")
+        rows, subs = group_cpu[positions // factor], positions % factor
+        for tensor_idx in group_tensors[group]:
+            copies.append(PageCopy(tensor_idx, gpu_ids[gpu_at : gpu_at + size], rows, subs))
+        gpu_at, cpu_at = gpu_at + size, cpu_at + num_cpu
+    if cpu_at != len(cpu_ids):
+        raise ValueError(f"the CPU spec has {len(cpu_ids)} blocks; the GPU spec needs {cpu_at}")
+    return copies
+
+
+@dataclass
+class _Pending:
+    job_id: int
+    nbytes: int
+    done: Any  # a Future (CPU device) or (start event, end event) (CUDA)
+
+
+class _DirectionHandler(OffloadingHandler):
+    """Transfers in one direction, in order."""
+
+    def __init__(
+        self,
+        gpu_pages: Sequence[torch.Tensor],
+        cpu_pages: Sequence[torch.Tensor],
+        factor: int,
+        group_tensors: Sequence[Sequence[int]],
+        to_cpu: bool,
+    ):
+        self._gpu, self._cpu = list(gpu_pages), list(cpu_pages)
+        self._factor = factor
+        self._group_tensors = group_tensors
+        self._to_cpu = to_cpu
+        self.transfer_type: TransferType = ("GPU", "CPU") if to_cpu else ("CPU", "GPU")
+        self._pending: deque[_Pending] = deque()
+        self._cuda = self._gpu[0].is_cuda
+        self._closed = False
+        if self._cuda:
+            low, high = torch.cuda.Stream.priority_range()
+            self._stream = torch.cuda.Stream(self._gpu[0].device, priority=low if to_cpu else high)
+        else:
+            name = "tiering-copy-store" if to_cpu else "tiering-copy-load"
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    def transfer_async(self, job_id: int, spec: tuple[LoadStoreSpec, LoadStoreSpec]) -> bool:
+        if self._closed:
+            logger.error("transfer %d refused: the handler is shut down", job_id)
+            return False
+        gpu_spec, cpu_spec = spec if self._to_cpu else spec[::-1]
+        if not isinstance(gpu_spec, GPULoadStoreSpec) or not isinstance(cpu_spec, CPULoadStoreSpec):
+            logger.error("transfer %d: expected GPU and CPU specs for %s, got %r", job_id, self.transfer_type, spec)
+            return False
+        try:
+            copies = plan_copies(gpu_spec, cpu_spec, self._factor, self._group_tensors)
+        except (ValueError, IndexError) as exc:
+            logger.error("transfer %d refused: %s", job_id, exc)
+            return False
+        nbytes = sum(len(copy.gpu_ids) * self._gpu[copy.tensor_idx].shape[1] for copy in copies)
+        done = self._launch_cuda(copies) if self._cuda else self._executor.submit(self._copy_on_host, copies)
+        self._pending.append(_Pending(job_id, nbytes, done))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        results = []
+        while self._pending and self._is_done(self._pending[0]):
+            results.append(self._result(self._pending.popleft()))
+        return results
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        wanted = set(job_ids)
+        for pending in list(self._pending):
+            if pending.job_id in wanted:
+                self._block_on(pending)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pending in list(self._pending):
+            self._block_on(pending)
+        if self._cuda:
+            self._stream.synchronize()
+        else:
+            self._executor.shutdown(wait=True)
+
+    # -- CPU device ------------------------------------------------------------------------
+
+    def _copy_on_host(self, copies: list[PageCopy]) -> float:
+        start = time.perf_counter()
+        self._copy_runs(copies)
+        return time.perf_counter() - start
+
+    # -- CUDA ------------------------------------------------------------------------------
+
+    def _launch_cuda(self, copies: list[PageCopy]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._stream.wait_stream(torch.cuda.current_stream(self._gpu[0].device))
+        with torch.cuda.stream(self._stream):
+            start.record(self._stream)
+            self._copy_runs(copies)
+            end.record(self._stream)
+        return start, end
+
+    def _copy_runs(self, copies: list[PageCopy]) -> None:
+        """One `copy_` per run of pages consecutive on both sides (asynchronous on CUDA)."""
+        for copy in copies:
+            gpu, cpu = self._gpu[copy.tensor_idx], self._cpu[copy.tensor_idx]
+            for gpu_first, row, sub_first, count in _runs(copy):
+                gpu_run = gpu[gpu_first : gpu_first + count]
+                cpu_run = cpu[row, sub_first : sub_first + count]
+                if self._to_cpu:
+                    cpu_run.copy_(gpu_run, non_blocking=True)
+                else:
+                    gpu_run.copy_(cpu_run, non_blocking=True)
+
+    # -- both ------------------------------------------------------------------------------
+
+    def _is_done(self, pending: _Pending) -> bool:
+        return pending.done[1].query() if self._cuda else pending.done.done()
+
+    def _block_on(self, pending: _Pending) -> None:
+        if self._cuda:
+            pending.done[1].synchronize()
+        else:
+            futures.wait([pending.done])
+
+    def _result(self, pending: _Pending) -> TransferResult:
+        if self._cuda:
+            start, end = pending.done
+            seconds = start.elapsed_time(end) / 1e3
+            return TransferResult(pending.job_id, True, pending.nbytes, seconds, self.transfer_type)
+        error = pending.done.exception()
+        if error is not None:
+            logger.error("transfer %d failed: %r", pending.job_id, error)
+            return TransferResult(pending.job_id, False, 0, 0.0, self.transfer_type)
+        return TransferResult(pending.job_id, True, pending.nbytes, pending.done.result(), self.transfer_type)
+
+
+def _runs(copy: PageCopy):
+    """(first GPU block, CPU row, first page, count) of maximal runs that are consecutive on
+    both sides: each run is one contiguous copy."""
+    gpu_ids, rows, subs = copy.gpu_ids.tolist(), copy.cpu_rows.tolist(), copy.cpu_subs.tolist()
+    start = 0
+    for i in range(1, len(gpu_ids) + 1):
+        if (
+            i == len(gpu_ids)
+            or gpu_ids[i] != gpu_ids[i - 1] + 1
+            or rows[i] != rows[i - 1]
+            or subs[i] != subs[i - 1] + 1
+        ):
+            yield gpu_ids[start], rows[start], subs[start], i - start
+            start = i
+
+
+class CpuGpuOffloadingHandlers:
+    """The two handlers of a worker: `gpu_to_cpu_handler` (store), `cpu_to_gpu_handler` (load).
+
+    CPU pages are this rank's views into `mmap_region` (one `create_next_view` per tensor,
+    ``block_size_factor`` pages each, in tensor order), or a private buffer (pinned under
+    CUDA) when there is no region.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        block_size_factor: int,
+        num_cpu_blocks: int,
+        mmap_region: Any = None,
+    ):
+        """
+        Args:
+            kv_caches: the worker's canonical KV caches (every tensor on one device).
+            block_size_factor: GPU blocks per offloaded block (>= 1).
+            num_cpu_blocks: rows of the CPU tier.
+            mmap_region: this rank's `SharedOffloadRegion`, or None.
+
+        Raises:
+            ValueError: a size is out of range, the tensors span devices, or the region has
+                another number of rows or too small a slot.
+        """
+        if block_size_factor < 1 or num_cpu_blocks < 1 or not kv_caches.tensors:
+            raise ValueError(
+                f"need block_size_factor >= 1, num_cpu_blocks >= 1 and a KV tensor, got "
+                f"{block_size_factor}, {num_cpu_blocks}, {len(kv_caches.tensors)} tensors"
+            )
+        gpu_pages = [entry.tensor for entry in kv_caches.tensors]
+        if len({pages.device for pages in gpu_pages}) != 1:
+            raise ValueError("KV tensors live on several devices")
+        if mmap_region is not None and mmap_region.num_blocks != num_cpu_blocks:
+            raise ValueError(f"region has {mmap_region.num_blocks} rows; num_cpu_blocks is {num_cpu_blocks}")
+        cuda = gpu_pages[0].is_cuda
+        self._registered: int | None = None
+        flat_cpu = []
+        for pages in gpu_pages:
+            width = block_size_factor * pages.shape[1]
+            if mmap_region is None:
+                flat_cpu.append(torch.zeros((num_cpu_blocks, width), dtype=torch.int8, pin_memory=cuda))
+            else:
+                flat_cpu.append(torch.from_numpy(mmap_region.create_next_view(width)))
+        if cuda and mmap_region is not None:
+            self._register_host_memory(mmap_region)
+        cpu_pages = [
+            flat.view(num_cpu_blocks, block_size_factor, pages.shape[1])
+            for flat, pages in zip(flat_cpu, gpu_pages, strict=True)
+        ]
+        group_tensors = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
+        self.gpu_to_cpu_handler = _DirectionHandler(gpu_pages, cpu_pages, block_size_factor, group_tensors, True)
+        self.cpu_to_gpu_handler = _DirectionHandler(gpu_pages, cpu_pages, block_size_factor, group_tensors, False)
+
+    def _register_host_memory(self, region: Any) -> None:
+        address, size = region.address, region.total_size_bytes
+        error = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+        if error == 0:
+            self._registered = address
+        else:
+            logger.warning("cudaHostRegister of %d bytes failed (error %s); copies use pageable memory", size, error)
+
+    def shutdown(self) -> None:
+        """Finish transfers in flight, stop both handlers and unpin the region; idempotent."""
+        self.gpu_to_cpu_handler.shutdown()
+        self.cpu_to_gpu_handler.shutdown()
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
