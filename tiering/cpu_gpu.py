@@ -146,9 +146,8 @@ class _DirectionHandler(OffloadingHandler):
         self._pending: deque[_Pending] = deque()
         self._cuda = self._gpu[0].is_cuda
         self._closed = False
-        if self._cuda:
-            low, high = torch.cuda.Stream.priority_range()
-            self._stream = torch.cuda.Stream(self._gpu[0].device, priority=low if to_cpu else high)
+        if self._cuda:  # lower is higher priority: -1 for loads, the default 0 for stores
+            self._stream = torch.cuda.Stream(self._gpu[0].device, priority=0 if to_cpu else -1)
         else:
             name = "tiering-copy-store" if to_cpu else "tiering-copy-load"
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
@@ -320,7 +319,7 @@ class CpuGpuOffloadingHandlers:
 
     def _register_host_memory(self, region: Any) -> None:
         address, size = region.address, region.total_size_bytes
-        error = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+        error = int(torch.cuda.cudart().cudaHostRegister(address, size, 1))  # 1: cudaHostRegisterPortable
         if error == 0:
             self._registered = address
         else:
