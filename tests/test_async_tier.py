@@ -255,7 +255,9 @@ def test_tiers_of_one_engine_share_one_runtime():
 @pytest.mark.parametrize(
     ("config", "error", "message"),
     [
-        ({"type": "memory", "capacity_bytes": 0}, ValueError, "capacity_bytes must be positive"),
+        ({"type": "memory", "capacity_bytes": 0}, ValueError, "capacity_bytes: Input should be greater than 0"),
+        ({"type": "memory", "capacity_bytes": "lots"}, ValueError, "capacity_bytes: could not parse"),
+        ({"type": "memory", "latency_s": "slow"}, ValueError, "latency_s: Input should be a valid number"),
         ({"type": "memory", "max_concurrency": 0}, ValueError, "max_concurrency must be >= 1"),
         ({"type": "memory", "failure_rate": 1.5}, ValueError, "failure_rate within"),
         ({"type": "file"}, ValueError, "the file tier needs root_dir"),
@@ -361,3 +363,12 @@ def test_repeated_failures_pause_the_tier_until_a_probe_succeeds(caplog):
         tier.shutdown()
     assert caplog.text.count("unhealthy (") == 2  # tripped, then the failed probe
     assert caplog.text.count("recovered") == 1
+
+
+def test_sizes_in_tier_options_may_be_strings():
+    view = RegionStandIn(2, ROW).create_kv_memoryview()
+    tier = SecondaryTierFactory.create_secondary_tier({"type": "memory", "capacity_bytes": "1MiB"}, view, None)
+    try:
+        assert tier.capacity_bytes == 1 << 20
+    finally:
+        tier.shutdown()

@@ -4,17 +4,31 @@ A type name resolves, in this order, to a class registered with `register_tier`,
 entry point of the group ``tiering.secondary_tiers`` (name = type, value =
 ``"package.module:ClassName"``), or, when the config carries ``module_path``, to the class
 ``class_name`` (default: the type name) of that module.
+
+A tier's options are checked against its schema: the class attribute ``config_model`` (a
+pydantic model) when it has one, else a model derived from its constructor's signature
+(type hints and defaults; options named ``*_bytes`` also take size strings such as
+``"8GiB"``). Unknown options are rejected.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
+import typing
 from collections.abc import Mapping
 from importlib.metadata import entry_points
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, create_model
 
 from tiering.secondary import SecondaryTierManager
+
+Size = Annotated[ByteSize, Field(gt=0)]
+"""Bytes: a positive integer, or a string such as ``"8GiB"`` or ``"512 MB"``."""
+
+_FIXED_PARAMETERS = {"self", "offloading_spec", "primary_kv_view", "tier_type"}
 
 ENTRY_POINT_GROUP = "tiering.secondary_tiers"
 
@@ -67,13 +81,28 @@ class SecondaryTierFactory:
             TypeError: the class is not a `SecondaryTierManager`, or the config has keys its
                 constructor does not take (the message lists the keys it takes).
         """
+        tier_type, tier_cls, options = cls.resolve(tier_config)
+        try:
+            options = validate_tier_options(tier_cls, options)
+        except ValidationError as exc:
+            raise _options_error(tier_type, tier_cls, exc) from None
+        return tier_cls(
+            offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **options
+        )
+
+    @classmethod
+    def resolve(cls, tier_config: Mapping[str, Any]) -> tuple[str, type[SecondaryTierManager], dict[str, Any]]:
+        """(type name, tier class, the other options) of a tier config.
+
+        Raises:
+            ValueError, ImportError, TypeError: as `create_secondary_tier`, for the type.
+        """
         config = dict(tier_config)
         tier_type = config.pop("type", None)
         if not isinstance(tier_type, str) or not tier_type:
             raise ValueError(f"secondary tier config needs a 'type' string; got {dict(tier_config)!r}")
         tier_cls = cls._resolve(tier_type, config.pop("module_path", None), config.pop("class_name", None))
-        _check_kwargs(tier_type, tier_cls, config)
-        return tier_cls(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **config)
+        return tier_type, tier_cls, config
 
     @classmethod
     def _resolve(cls, tier_type: str, module_path: str | None, class_name: str | None) -> type[SecondaryTierManager]:
@@ -100,15 +129,40 @@ class SecondaryTierFactory:
         return tier_cls
 
 
-def _check_kwargs(tier_type: str, tier_cls: type, config: dict[str, Any]) -> None:
-    params = inspect.signature(tier_cls).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    fixed = {"offloading_spec", "primary_kv_view", "tier_type"}
-    accepted = [name for name in params if name not in fixed]
-    unknown = sorted(set(config) - set(accepted))
+@functools.cache
+def tier_options_model(tier_cls: type[SecondaryTierManager]) -> type[BaseModel]:
+    """The pydantic model of `tier_cls`'s options (see the module docstring)."""
+    explicit = getattr(tier_cls, "config_model", None)
+    if explicit is not None:
+        return explicit
+    hints = typing.get_type_hints(tier_cls.__init__)
+    fields: dict[str, Any] = {}
+    for name, parameter in inspect.signature(tier_cls.__init__).parameters.items():
+        if name in _FIXED_PARAMETERS or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        default = ... if parameter.default is parameter.empty else parameter.default
+        annotation = hints.get(name, Any)
+        if name.endswith("_bytes"):
+            annotation = Size if default is not None else Size | None
+        fields[name] = (annotation, default)
+    settings = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    return create_model(f"{tier_cls.__name__}Options", __config__=settings, **fields)
+
+
+def validate_tier_options(tier_cls: type[SecondaryTierManager], options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` checked and converted (sizes to ints) by the tier's schema.
+
+    Raises:
+        pydantic.ValidationError: an option is unknown, missing or of the wrong type.
+    """
+    model = tier_options_model(tier_cls).model_validate(dict(options))
+    return {name: getattr(model, name) for name in model.model_fields_set}
+
+
+def _options_error(tier_type: str, tier_cls: type, exc: ValidationError) -> Exception:
+    unknown = sorted(str(e["loc"][0]) for e in exc.errors() if e["type"] == "extra_forbidden")
     if unknown:
-        raise TypeError(
-            f"tier type {tier_type!r} does not take {', '.join(unknown)}; "
-            f"it takes: {', '.join(accepted) or 'no options'}"
-        )
+        accepted = ", ".join(tier_options_model(tier_cls).model_fields) or "no options"
+        return TypeError(f"tier type {tier_type!r} does not take {', '.join(unknown)}; it takes: {accepted}")
+    details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+    return ValueError(f"tier type {tier_type!r}: {details}")
