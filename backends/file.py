@@ -299,7 +299,8 @@ class FileTier(BlockStoreTier):
         offloading_spec: Any,
         primary_kv_view: memoryview,
         tier_type: str = "file",
-        root_dir: str | os.PathLike | None = None,
+        *,
+        root_dir: str | os.PathLike,
         capacity_bytes: int | None = None,
         max_concurrency: int = 16,
         io_threads: int | None = None,
@@ -321,11 +322,9 @@ class FileTier(BlockStoreTier):
                 one hop per batch.
 
         Raises:
-            ValueError: `root_dir` is missing or an option is out of range.
+            ValueError: an option is out of range.
             OSError: `root_dir` cannot be created or written.
         """
-        if root_dir is None:
-            raise ValueError("the file tier needs root_dir")
         threads = io_threads or max_concurrency
         super().__init__(
             offloading_spec,

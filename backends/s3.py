@@ -292,7 +292,8 @@ class S3Tier(BlockStoreTier):
         offloading_spec: Any,
         primary_kv_view: memoryview,
         tier_type: str = "s3",
-        bucket: str | None = None,
+        *,
+        bucket: str,
         prefix: str = "",
         endpoint_url: str | None = None,
         region_name: str | None = None,
@@ -320,11 +321,9 @@ class S3Tier(BlockStoreTier):
             failure_threshold, backoff_s, max_backoff_s: the health breaker.
 
         Raises:
-            ValueError: `bucket` is missing or an option is out of range.
+            ValueError: an option is out of range.
             FileNotFoundError, PermissionError, ConnectionError: see `S3BlockStore.open`.
         """
-        if not bucket:
-            raise ValueError("the s3 tier needs bucket")
         store_options = {
             "bucket": bucket,
             "prefix": prefix,

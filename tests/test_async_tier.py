@@ -260,7 +260,7 @@ def test_tiers_of_one_engine_share_one_runtime():
         ({"type": "memory", "latency_s": "slow"}, ValueError, "latency_s: Input should be a valid number"),
         ({"type": "memory", "max_concurrency": 0}, ValueError, "max_concurrency must be >= 1"),
         ({"type": "memory", "failure_rate": 1.5}, ValueError, "failure_rate within"),
-        ({"type": "file"}, ValueError, "the file tier needs root_dir"),
+        ({"type": "file"}, ValueError, "root_dir: required key is missing"),
         ({"type": "file", "root_dir": "/proc/no/such"}, OSError, "file tier: cannot use /proc/no/such"),
         ({"type": "file", "root_dir": "/tmp", "bucket": "x"}, TypeError, "does not take bucket"),
     ],

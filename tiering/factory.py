@@ -159,10 +159,19 @@ def validate_tier_options(tier_cls: type[SecondaryTierManager], options: Mapping
     return {name: getattr(model, name) for name in model.model_fields_set}
 
 
+def describe_error(error: Mapping[str, Any], known: list[str]) -> str:
+    """What a pydantic validation error means, in a config's terms (`known`: the valid keys)."""
+    if error["type"] == "extra_forbidden":
+        return f"unknown key; expected one of {', '.join(known)}"
+    if error["type"] == "missing":
+        return "required key is missing"
+    return str(error["msg"]).removeprefix("Value error, ")
+
+
 def _options_error(tier_type: str, tier_cls: type, exc: ValidationError) -> Exception:
+    known = list(tier_options_model(tier_cls).model_fields)
     unknown = sorted(str(e["loc"][0]) for e in exc.errors() if e["type"] == "extra_forbidden")
     if unknown:
-        accepted = ", ".join(tier_options_model(tier_cls).model_fields) or "no options"
-        return TypeError(f"tier type {tier_type!r} does not take {', '.join(unknown)}; it takes: {accepted}")
-    details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return TypeError(f"tier type {tier_type!r} does not take {', '.join(unknown)}; it takes: {', '.join(known)}")
+    details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {describe_error(e, known)}" for e in exc.errors())
     return ValueError(f"tier type {tier_type!r}: {details}")

@@ -98,6 +98,11 @@ def register_cache_policy(name: str) -> Callable[[type[CachePolicy]], type[Cache
     return register
 
 
+def cache_policy_names() -> list[str]:
+    """Names of the registered policies, sorted."""
+    return sorted(_POLICIES)
+
+
 def make_cache_policy(name: str, capacity: int) -> CachePolicy:
     """Build the policy registered under `name` for `capacity` blocks.
 
@@ -107,7 +112,7 @@ def make_cache_policy(name: str, capacity: int) -> CachePolicy:
     try:
         cls = _POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown cache policy {name!r}; known policies: {', '.join(sorted(_POLICIES))}") from None
+        raise ValueError(f"unknown cache policy {name!r}; known policies: {', '.join(cache_policy_names())}") from None
     return cls(capacity)
 
 

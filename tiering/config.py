@@ -1,0 +1,158 @@
+"""The engine's YAML configuration, validated once at load.
+
+```yaml
+cpu_bytes_to_use: 8GiB          # int bytes or a size string
+block_size: 256                 # tokens per offloaded block, a multiple of the GPU block size
+eviction_policy: arc            # lru | arc
+secondary_tiers:                # looked up in this order
+  - type: file
+    root_dir: /mnt/nvme/kv-cache
+    capacity_bytes: 200GiB
+  - type: s3
+    bucket: kv-cache
+    endpoint_url: ${S3_ENDPOINT}   # environment variables are expanded
+```
+
+Every problem is reported at once, each with the file, the key path
+(``secondary_tiers[1].bucket``) and what was expected. YAML is parsed with
+``yaml.safe_load`` (no arbitrary objects); each tier's options are checked by its own
+schema (`tiering.factory.tier_options_model`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tiering.factory import SecondaryTierFactory, Size, describe_error, tier_options_model, validate_tier_options
+from tiering.policies import cache_policy_names
+
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used.
+
+    Attributes:
+        source: the file (or ``<string>``).
+        problems: (key path, what is wrong) pairs; the path is empty for the whole file.
+    """
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {path}: {message}" if path else f"{source}: {message}" for path, message in problems]
+        super().__init__("invalid configuration\n  " + "\n  ".join(lines))
+
+
+class TieringConfig(BaseModel):
+    """A validated configuration. ``secondary_tiers`` hold each tier's checked options
+    (sizes as ints) with its ``type`` (and ``module_path``/``class_name`` when given)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu_bytes_to_use: Size
+    block_size: int | None = Field(default=None, gt=0)
+    eviction_policy: str = "lru"
+    secondary_tiers: list[dict[str, Any]] = Field(default_factory=list)
+
+    @field_validator("eviction_policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in cache_policy_names():
+            raise ValueError(f"expected one of {', '.join(cache_policy_names())}")
+        return value
+
+
+def load_config(path: str | os.PathLike, environ: Mapping[str, str] | None = None) -> TieringConfig:
+    """Read and validate the YAML file at `path`.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed, or any value is invalid.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), [("", f"cannot read the file: {exc.strerror}")]) from None
+    return parse_config(text, str(path), environ)
+
+
+def parse_config(text: str, source: str = "<string>", environ: Mapping[str, str] | None = None) -> TieringConfig:
+    """Validate a YAML document; `source` names it in errors.
+
+    Raises:
+        ConfigError: as `load_config`.
+    """
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(source, [(where, f"not valid YAML: {getattr(exc, 'problem', None) or exc}")]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(source, [("", f"expected a mapping of settings, got {type(data).__name__}")])
+    problems: list[tuple[str, str]] = []
+    data = _expand(data, "", os.environ if environ is None else environ, problems)
+    tiers = data.get("secondary_tiers", [])
+    if not isinstance(tiers, list):
+        problems.append(("secondary_tiers", "expected a list of tier configurations"))
+        tiers = []
+    checked_tiers = [_check_tier(tier, f"secondary_tiers[{i}]", problems) for i, tier in enumerate(tiers)]
+    try:
+        config = TieringConfig.model_validate({**data, "secondary_tiers": [t for t in checked_tiers if t]})
+    except ValidationError as exc:
+        known = list(TieringConfig.model_fields)
+        problems.extend((_path(error["loc"]), describe_error(error, known)) for error in exc.errors())
+        config = None
+    if problems:
+        raise ConfigError(source, problems)
+    return config
+
+
+def _check_tier(tier: Any, path: str, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
+    if not isinstance(tier, dict):
+        problems.append((path, f"expected a mapping with a 'type', got {type(tier).__name__}"))
+        return None
+    try:
+        tier_type, tier_cls, options = SecondaryTierFactory.resolve(tier)
+        checked = validate_tier_options(tier_cls, options)
+    except ValidationError as exc:
+        known = list(tier_options_model(tier_cls).model_fields)
+        problems.extend((f"{path}.{_path(error['loc'])}", describe_error(error, known)) for error in exc.errors())
+        return None
+    except (ValueError, ImportError, TypeError) as exc:
+        problems.append((f"{path}.type", str(exc)))
+        return None
+    locators = {key: tier[key] for key in ("module_path", "class_name") if key in tier}
+    return {"type": tier_type, **locators, **checked}
+
+
+def _expand(value: Any, path: str, environ: Mapping[str, str], problems: list[tuple[str, str]]) -> Any:
+    """Replace ``${VAR}`` in every string; a variable that is not set is a problem."""
+    if isinstance(value, dict):
+        return {key: _expand(item, _join(path, key), environ, problems) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_expand(item, f"{path}[{i}]", environ, problems) for i, item in enumerate(value)]
+    if isinstance(value, str):
+        for name in _VARIABLE.findall(value):
+            if name not in environ:
+                problems.append((path, f"environment variable {name} is not set"))
+        return _VARIABLE.sub(lambda match: environ.get(match.group(1), match.group(0)), value)
+    return value
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        path = f"{path}[{part}]" if isinstance(part, int) else _join(path, part)
+    return path
