@@ -9,6 +9,7 @@ import importlib
 
 from tiering.abstract import OffloadingManager
 from tiering.async_tier import BlockStoreTier
+from tiering.config import ConfigError, TieringConfig, load_config, parse_config
 from tiering.cpu_manager import CPUOffloadingManager, CPUPrimaryTierOffloadingManager
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, StoreClosedError
 from tiering.factory import SecondaryTierFactory
@@ -27,6 +28,7 @@ from tiering.policies import ARCCachePolicy, CachePolicy, LRUCachePolicy, make_c
 from tiering.runtime import AsyncRuntime, RuntimeClosedError
 from tiering.secondary import JobId, JobMetadata, JobResult, SecondaryTierManager
 from tiering.shared_region import SharedOffloadRegion
+from tiering.spec import KVLayout, TieringOffloadingSpec
 from tiering.specs import (
     BlockIDsLoadStoreSpec,
     CPULoadStoreSpec,
@@ -48,12 +50,14 @@ __all__ = [
     "CanonicalKVCacheRef",
     "CanonicalKVCacheTensor",
     "CanonicalKVCaches",
+    "ConfigError",
     "CorruptObjectError",
     "CpuGpuOffloadingHandlers",
     "GPULoadStoreSpec",
     "JobId",
     "JobMetadata",
     "JobResult",
+    "KVLayout",
     "LRUCachePolicy",
     "LoadStoreSpec",
     "ObjectNotFoundError",
@@ -70,14 +74,18 @@ __all__ = [
     "SecondaryTierManager",
     "SharedOffloadRegion",
     "StoreClosedError",
+    "TieringConfig",
     "TieringOffloadingManager",
+    "TieringOffloadingSpec",
     "TransferResult",
     "canonicalize_kv_caches",
     "get_offload_block_hash",
     "get_offload_group_idx",
     "layout_fingerprint",
+    "load_config",
     "make_cache_policy",
     "make_offload_key",
+    "parse_config",
     "register_cache_policy",
 ]
 

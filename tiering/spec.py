@@ -1,0 +1,221 @@
+"""`TieringOffloadingSpec`: builds the whole engine from a config and a KV layout.
+
+Sizing: an offloaded block is ``block_size`` tokens of KV for every layer; its bytes are
+``kv_bytes_per_token * block_size``, split evenly between the ``world_size`` workers (each
+fills its slot of every CPU row). The primary tier has ``cpu_bytes_to_use // bytes_per_block``
+rows. The layout fingerprint (model, block size, bytes per block, dtype, world size) names
+the secondary tiers' namespace, so engines of another layout never read these blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tiering.config import TieringConfig
+from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
+from tiering.factory import SecondaryTierFactory
+from tiering.manager import TieringOffloadingManager
+from tiering.object_format import layout_fingerprint
+from tiering.runtime import AsyncRuntime
+from tiering.secondary import SecondaryTierManager
+from tiering.shared_region import SharedOffloadRegion
+from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+
+logger = logging.getLogger(__name__)
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1, "int8": 1}
+MODEL_PRESETS = {  # layers, KV heads, head dimension
+    "llama-3.1-8b": (32, 8, 128),
+    "llama-3.1-70b": (80, 8, 128),
+    "mistral-7b": (32, 8, 128),
+    "qwen2.5-7b": (28, 4, 128),
+}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV cache of one model on one engine.
+
+    Attributes:
+        model: a name, part of the layout fingerprint.
+        num_layers: attention layers.
+        kv_bytes_per_token_per_layer: K and V of one token in one layer, all heads, bytes.
+        gpu_block_size: tokens per GPU (paged-attention) block.
+        dtype: KV dtype name, part of the fingerprint.
+        world_size: tensor-parallel workers sharing each CPU row.
+    """
+
+    model: str
+    num_layers: int
+    kv_bytes_per_token_per_layer: int
+    gpu_block_size: int = 16
+    dtype: str = "bfloat16"
+    world_size: int = 1
+
+    @classmethod
+    def from_preset(
+        cls, model: str, gpu_block_size: int = 16, dtype: str = "bfloat16", world_size: int = 1
+    ) -> KVLayout:
+        """The layout of a known model (see `MODEL_PRESETS`).
+
+        Raises:
+            ValueError: unknown model or dtype (the message lists the known ones).
+        """
+        if model not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {model!r}; known presets: {', '.join(sorted(MODEL_PRESETS))}")
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {dtype!r}; known dtypes: {', '.join(sorted(DTYPE_BYTES))}")
+        layers, kv_heads, head_dim = MODEL_PRESETS[model]
+        return cls(model, layers, 2 * kv_heads * head_dim * DTYPE_BYTES[dtype], gpu_block_size, dtype, world_size)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer, bytes."""
+        return self.num_layers * self.kv_bytes_per_token_per_layer
+
+
+class TieringOffloadingSpec:
+    """Everything an engine needs, sized from `config` and `layout`.
+
+    Attributes:
+        block_size: tokens per offloaded block.
+        block_size_factor: GPU blocks per offloaded block.
+        bytes_per_block: bytes of one offloaded block (one CPU row, all workers).
+        cpu_page_size_per_worker: bytes of one worker's slot of a row.
+        num_blocks: rows of the primary tier.
+        layout_fingerprint: 16 bytes naming the layout (read by the secondary tiers).
+        async_runtime: the event loop the secondary tiers share.
+    """
+
+    def __init__(self, config: TieringConfig, layout: KVLayout, instance_id: str, enable_events: bool = False):
+        """
+        Args:
+            config: the validated configuration.
+            layout: the model's KV layout.
+            instance_id: names the shared-memory region; every process of the engine uses it.
+            enable_events: collect KV events for `take_events`.
+
+        Raises:
+            ValueError: ``block_size`` is not a multiple of the GPU block size, a block does not
+                split evenly between workers, or ``cpu_bytes_to_use`` holds no whole block.
+        """
+        self.config, self.layout, self.instance_id = config, layout, instance_id
+        self.enable_events = enable_events
+        self.gpu_block_size = layout.gpu_block_size
+        self.block_size = config.block_size or layout.gpu_block_size
+        if self.block_size % self.gpu_block_size:
+            raise ValueError(
+                f"block_size {self.block_size} is not a multiple of the GPU block size {self.gpu_block_size}"
+            )
+        self.block_size_factor = self.block_size // self.gpu_block_size
+        self.bytes_per_block = layout.kv_bytes_per_token * self.block_size
+        if self.bytes_per_block % layout.world_size:
+            raise ValueError(
+                f"a block of {self.bytes_per_block} bytes does not split between {layout.world_size} workers"
+            )
+        self.cpu_page_size_per_worker = self.bytes_per_block // layout.world_size
+        self.num_blocks = config.cpu_bytes_to_use // self.bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"cpu_bytes_to_use ({config.cpu_bytes_to_use} bytes) is smaller than one block "
+                f"({self.bytes_per_block} bytes: {self.block_size} tokens of {layout.kv_bytes_per_token} bytes)"
+            )
+        self.layout_fingerprint = layout_fingerprint(
+            f"model={layout.model};block_size={self.block_size};bytes_per_block={self.bytes_per_block};"
+            f"dtype={layout.dtype};world_size={layout.world_size}"
+        )
+        self.async_runtime = AsyncRuntime("tiering-io")
+        self._manager: TieringOffloadingManager | None = None
+        self._workers: list[tuple[Any, SharedOffloadRegion]] = []
+
+    def get_manager(self) -> TieringOffloadingManager:
+        """The scheduler-side manager, built on first call: the shared region, the primary
+        tier, then the secondary tiers in config order. On failure everything already made
+        is released before the error propagates.
+
+        Raises:
+            OSError: the region cannot be created, or a tier cannot open its storage.
+            ValueError, TypeError, ImportError: a tier's options or type (see the factory).
+        """
+        if self._manager is not None:
+            return self._manager
+        region = primary = None
+        tiers: list[SecondaryTierManager] = []
+        try:
+            region = SharedOffloadRegion(
+                self.instance_id, self.num_blocks, self.cpu_page_size_per_worker, self.layout.world_size
+            )
+            primary = CPUPrimaryTierOffloadingManager(
+                self.num_blocks, region, self.config.eviction_policy, self.enable_events
+            )
+            view = primary.get_kv_memoryview()
+            for index, tier_config in enumerate(self.config.secondary_tiers):
+                try:
+                    tiers.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
+                except Exception:
+                    logger.error("could not create secondary_tiers[%d] (type %s)", index, tier_config.get("type"))
+                    raise
+        except BaseException:
+            for tier in tiers:
+                tier.shutdown()
+            if primary is not None:
+                primary.shutdown()
+            elif region is not None:
+                region.cleanup()
+            self.async_runtime.shutdown()
+            raise
+        self._manager = TieringOffloadingManager(primary, tiers, self.enable_events)
+        logger.info(
+            "engine ready: %d CPU blocks of %d bytes (%s), %d secondary tier(s)",
+            self.num_blocks,
+            self.bytes_per_block,
+            self.config.eviction_policy,
+            len(tiers),
+        )
+        return self._manager
+
+    def create_handlers(self, kv_caches: Any, rank: int = 0) -> Any:
+        """Worker side: `CpuGpuOffloadingHandlers` for `kv_caches` (a `CanonicalKVCaches`),
+        copying into rank `rank`'s slot of the shared region (needs torch).
+
+        Raises:
+            ValueError: the caches' pages do not fill the worker's slot exactly.
+        """
+        from tiering.cpu_gpu import CpuGpuOffloadingHandlers
+
+        pages = sum(entry.page_size_bytes for entry in kv_caches.tensors) * self.block_size_factor
+        if pages != self.cpu_page_size_per_worker:
+            raise ValueError(
+                f"the KV caches hold {pages} bytes per offloaded block; the layout gives each worker "
+                f"{self.cpu_page_size_per_worker}"
+            )
+        region = SharedOffloadRegion(
+            self.instance_id, self.num_blocks, self.cpu_page_size_per_worker, self.layout.world_size, rank
+        )
+        try:
+            handlers = CpuGpuOffloadingHandlers(kv_caches, self.block_size_factor, self.num_blocks, mmap_region=region)
+        except BaseException:
+            region.cleanup()
+            raise
+        self._workers.append((handlers, region))
+        return handlers
+
+    def get_handlers(self, kv_caches: Any, rank: int = 0) -> Iterator[tuple[type, type, Any]]:
+        """(source spec type, destination spec type, handler) for both directions."""
+        handlers = self.create_handlers(kv_caches, rank)
+        yield GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler
+        yield CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler
+
+    def shutdown(self) -> None:
+        """Stop the handlers, the manager (tiers, primary tier, shared memory) and the
+        runtime. Safe to call more than once."""
+        for handlers, region in self._workers:
+            handlers.shutdown()
+            region.cleanup()
+        self._workers.clear()
+        if self._manager is not None:
+            self._manager.shutdown()
+        self.async_runtime.shutdown()
