@@ -139,6 +139,7 @@ class BlockStoreTier(SecondaryTierManager):
         self.used_bytes = 0
         self.op_timeout_s = op_timeout_s
         self.failures: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter()  # blocks and bytes stored and loaded, evictions
         self._limiter = anyio.CapacityLimiter(max_concurrency)
         self.health = TierHealth(tier_type, failure_threshold, backoff_s, max_backoff_s)
         self._probe_misses = probe_misses
@@ -324,6 +325,7 @@ class BlockStoreTier(SecondaryTierManager):
                 return False
             self.used_bytes -= index.pop(victim).size
             evicted.append(victim)
+            self.stats["evictions"] += 1
         return True
 
     def _apply_store(self, done: _Done) -> None:
@@ -333,6 +335,8 @@ class BlockStoreTier(SecondaryTierManager):
                 continue
             if key in done.ok:
                 entry.stored = True
+                self.stats["blocks_stored"] += 1
+                self.stats["bytes_stored"] += entry.size
             else:
                 del self._index[key]
                 self.used_bytes -= entry.size
@@ -378,6 +382,8 @@ class BlockStoreTier(SecondaryTierManager):
                 self.used_bytes -= entry.size
             elif key in done.ok:
                 index.move_to_end(key)
+                self.stats["blocks_loaded"] += 1
+                self.stats["bytes_loaded"] += entry.size
 
     def _submit_task(self, spawn: Callable[[], None]) -> None:
         self._tasks_submitted += 1

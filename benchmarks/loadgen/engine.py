@@ -1,0 +1,146 @@
+"""The simulated serving engine around the real tiering engine.
+
+A paged GPU KV cache of `gpu_blocks` blocks (CUDA when present, else host memory), kept as
+an LRU prefix cache; the real `TieringOffloadingSpec` (manager, tiers, shared region) and
+the real GPU<->CPU handlers move its blocks. One block id of a request is one offloaded
+block and one GPU block.
+
+Payloads are a deterministic function of the key: each layer's page is a slice of a fixed
+random pool, chosen by the key's hash, with the key's digest stamped on its first 16 bytes.
+Verifying a loaded block is one comparison per page, and a block loaded under the wrong
+key, or with any corrupted byte, fails it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from tiering import (
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    KVLayout,
+    TieringConfig,
+    TieringOffloadingSpec,
+    TransferResult,
+    canonicalize_kv_caches,
+)
+
+_STAMP = 16
+
+
+class Payloads:
+    """The expected bytes of every block, per layer page."""
+
+    def __init__(self, page_bytes: int, seed: int = 0):
+        self.page_bytes = page_bytes
+        self._pool = np.random.default_rng(seed).integers(0, 256, page_bytes + 65536, dtype=np.uint8)
+
+    def page(self, key: bytes, layer: int) -> np.ndarray:
+        digest = hashlib.blake2b(key + layer.to_bytes(4, "big"), digest_size=_STAMP).digest()
+        offset = int.from_bytes(digest[:2], "big")
+        page = self._pool[offset : offset + self.page_bytes].copy()
+        page[:_STAMP] = np.frombuffer(digest, dtype=np.uint8)[: min(_STAMP, self.page_bytes)]
+        return page
+
+
+class SimulatedEngine:
+    """A GPU prefix cache over real KV tensors, offloading through a real spec."""
+
+    def __init__(self, config: TieringConfig, layout: KVLayout, gpu_blocks: int, instance_id: str, seed: int = 0):
+        """
+        Raises:
+            ValueError, OSError, ...: as `TieringOffloadingSpec` and `get_manager`.
+        """
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.spec = TieringOffloadingSpec(config, layout, instance_id)
+        try:
+            self.manager = self.spec.get_manager()
+            page = layout.kv_bytes_per_token_per_layer // layout.world_size * layout.gpu_block_size
+            self.layers = [
+                torch.zeros((gpu_blocks, page), dtype=torch.int8, device=self.device) for _ in range(layout.num_layers)
+            ]
+            self.handlers = self.spec.create_handlers(canonicalize_kv_caches(self.layers, gpu_blocks))
+        except BaseException:
+            self.spec.shutdown()
+            raise
+        self.payloads = Payloads(page, seed)
+        self.gpu_blocks = gpu_blocks
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # cached key -> GPU block, LRU order
+        self._free = list(range(gpu_blocks - 1, -1, -1))
+        self._job_ids = iter(range(1 << 62))
+        self.transfers: list[TransferResult] = []
+
+    # -- the GPU prefix cache --------------------------------------------------------------
+
+    def gpu_prefix(self, keys: list[bytes]) -> int:
+        """How many leading `keys` the GPU cache holds (they become the most recent)."""
+        count = 0
+        for key in keys:
+            if key not in self._slots:
+                break
+            self._slots.move_to_end(key)
+            count += 1
+        return count
+
+    def allocate(self, keys: list[bytes], keep: set[bytes]) -> list[int] | None:
+        """GPU blocks for `keys`, evicting least recent blocks not in `keep`; None if the
+        cache cannot fit them. A key already cached (outside the request's leading prefix)
+        gives its block back first: it is about to be rewritten."""
+        self.forget(keys)
+        while len(self._free) < len(keys):
+            victim = next((key for key in self._slots if key not in keep), None)
+            if victim is None:
+                return None
+            self._free.append(self._slots.pop(victim))
+        slots = [self._free.pop() for _ in keys]
+        self._slots.update(zip(keys, slots, strict=True))
+        return slots
+
+    # -- data movement ---------------------------------------------------------------------
+
+    def compute(self, keys: list[bytes], slots: list[int]) -> None:
+        """Write the blocks' payloads into their GPU blocks, as a prefill would."""
+        for layer, pages in enumerate(self.layers):
+            data = np.stack([self.payloads.page(key, layer) for key in keys])
+            pages[torch.as_tensor(slots, device=self.device)] = torch.from_numpy(data).view(torch.int8).to(self.device)
+
+    def store(self, slots: list[int], cpu_block_ids: np.ndarray) -> bool:
+        spec = (GPULoadStoreSpec(slots, [len(slots)], [0]), CPULoadStoreSpec(cpu_block_ids))
+        return self._transfer(self.handlers.gpu_to_cpu_handler, spec)
+
+    def load(self, cpu_block_ids: np.ndarray, slots: list[int]) -> bool:
+        spec = (CPULoadStoreSpec(cpu_block_ids), GPULoadStoreSpec(slots, [len(slots)], [0]))
+        return self._transfer(self.handlers.cpu_to_gpu_handler, spec)
+
+    def _transfer(self, handler, spec) -> bool:
+        job_id = next(self._job_ids)
+        if not handler.transfer_async(job_id, spec):
+            return False
+        handler.wait([job_id])
+        results = handler.get_finished()
+        self.transfers.extend(results)
+        return all(result.success for result in results)
+
+    def verify(self, keys: list[bytes], slots: list[int]) -> int:
+        """Blocks among `keys` whose GPU bytes differ from their payload."""
+        failures = 0
+        for key, slot in zip(keys, slots, strict=True):
+            for layer, pages in enumerate(self.layers):
+                if not np.array_equal(pages[slot].cpu().numpy().view(np.uint8), self.payloads.page(key, layer)):
+                    failures += 1
+                    break
+        return failures
+
+    def forget(self, keys: list[bytes]) -> None:
+        """Drop blocks from the GPU cache (a failed load leaves them unusable)."""
+        for key in keys:
+            slot = self._slots.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def shutdown(self) -> None:
+        self.spec.shutdown()

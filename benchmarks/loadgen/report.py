@@ -1,0 +1,133 @@
+"""The load generator's results: a JSON document, a summary table, a plot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.loadgen.engine import SimulatedEngine
+from benchmarks.loadgen.run import RunStats
+
+
+def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, float], inputs: dict[str, Any]) -> dict:
+    """Everything measured, as a JSON-ready dict (durations in seconds unless named _us/_ms)."""
+    total = max(1, sum(stats.tokens.values()))
+    sources = ["gpu", "cpu", *(tier.tier_type for tier in engine.manager.secondary_tiers)]
+    hit_rate = {source: stats.tokens[source] / total for source in sources}
+    hit_rate["total"] = 1 - stats.tokens["miss"] / total
+    tiers = {}
+    for tier in engine.manager.secondary_tiers:
+        counters = getattr(tier, "stats", {})
+        tiers[tier.tier_type] = {
+            "store_bytes": counters.get("bytes_stored", 0),
+            "load_bytes": counters.get("bytes_loaded", 0),
+            "store_gbps": counters.get("bytes_stored", 0) / stats.wall_s / 1e9,
+            "load_gbps": counters.get("bytes_loaded", 0) / stats.wall_s / 1e9,
+            "evictions": counters.get("evictions", 0),
+            "failures": dict(getattr(tier, "failures", {})),
+        }
+    transfers = {}
+    for direction, name in ((("GPU", "CPU"), "gpu_to_cpu"), (("CPU", "GPU"), "cpu_to_gpu")):
+        done = [t for t in engine.transfers if t.transfer_type == direction and t.success]
+        moved, busy = sum(t.transfer_size for t in done), sum(t.transfer_time for t in done)
+        transfers[name] = {"bytes": moved, "gbps_while_copying": moved / busy / 1e9 if busy else 0.0}
+    trace_span = inputs["trace_span_s"]
+    return {
+        "inputs": inputs,
+        "requests": stats.requests,
+        "wall_s": stats.wall_s,
+        "requests_per_s": stats.requests / stats.wall_s,
+        "realtime_factor": trace_span / stats.wall_s if stats.wall_s else None,
+        "max_lag_s": max(stats.lag_s, default=0.0),
+        "hit_rate": hit_rate,
+        "unbounded_hit_rate": bounds["unbounded"],
+        "belady_hit_rate": bounds["belady"],
+        "belady_capacity_blocks": engine.spec.num_blocks,
+        "verify_failures": stats.verify_failures,
+        "store_refused_blocks": stats.store_refused_blocks,
+        "failed_jobs": stats.failed_loads + sum(sum(t["failures"].values()) for t in tiers.values()),
+        "tiers": tiers,
+        "transfers": transfers,
+        "latency_us": {name: _percentiles(samples, 1e3) for name, samples in sorted(stats.calls_ns.items())},
+        "promotion_latency_ms": _percentiles(stats.promotion_s, 1e-3),
+    }
+
+
+def _percentiles(samples: list[float], per_unit: float) -> dict[str, float]:
+    if not samples:
+        return {"count": 0}
+    values = np.asarray(samples, dtype=np.float64) / per_unit
+    return {"count": len(values), "p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+
+def print_summary(report: dict, console: Console) -> None:
+    """The report as tables: hit rates with their bounds, tiers, scheduler-call latencies."""
+    hits = Table(title=f"{report['requests']} requests in {report['wall_s']:.1f} s")
+    hits.add_column("hit rate (tokens)")
+    hits.add_column("value", justify="right")
+    for source, rate in report["hit_rate"].items():
+        hits.add_row(source, f"{rate:.1%}")
+    hits.add_row("unbounded bound", f"{report['unbounded_hit_rate']:.1%}")
+    hits.add_row(f"Belady bound ({report['belady_capacity_blocks']} blocks)", f"{report['belady_hit_rate']:.1%}")
+    hits.add_row("verify failures", str(report["verify_failures"]))
+    hits.add_row("failed jobs", str(report["failed_jobs"]))
+    hits.add_row("blocks not stored (no room in the CPU tier)", str(report["store_refused_blocks"]))
+    if report["realtime_factor"] is not None:
+        hits.add_row("replay speed vs the trace's clock", f"{report['realtime_factor']:.1f}x")
+    console.print(hits)
+    tiers = Table(title="Tiers and transfers")
+    for column in ("tier", "stored", "loaded", "store GB/s", "load GB/s", "evictions"):
+        tiers.add_column(column, justify="left" if column == "tier" else "right")
+    for name, tier in report["tiers"].items():
+        tiers.add_row(
+            name,
+            _size(tier["store_bytes"]),
+            _size(tier["load_bytes"]),
+            f"{tier['store_gbps']:.3f}",
+            f"{tier['load_gbps']:.3f}",
+            str(tier["evictions"]),
+        )
+    for name, transfer in report["transfers"].items():
+        tiers.add_row(name, _size(transfer["bytes"]), "", f"{transfer['gbps_while_copying']:.2f} (copying)", "", "")
+    console.print(tiers)
+    calls = Table(title="Scheduler-thread calls and promotions")
+    for column in ("call", "count", "p50", "p99"):
+        calls.add_column(column, justify="left" if column == "call" else "right")
+    for name, latency in report["latency_us"].items():
+        calls.add_row(name, str(latency["count"]), f"{latency['p50']:.1f} us", f"{latency['p99']:.1f} us")
+    promotion = report["promotion_latency_ms"]
+    if promotion["count"]:
+        calls.add_row("promotion", str(promotion["count"]), f"{promotion['p50']:.2f} ms", f"{promotion['p99']:.2f} ms")
+    console.print(calls)
+
+
+def _size(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def plot(stats: RunStats, sources: list[str], path: str) -> None:
+    """Cumulative hit rate per source over the run, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    requests = [index for index, _ in stats.timeline]
+    for source in [*sources, "miss"]:
+        rates = [tokens.get(source, 0) / max(1, sum(tokens.values())) for _, tokens in stats.timeline]
+        axes.plot(requests, rates, label=source)
+    axes.set_xlabel("requests replayed")
+    axes.set_ylabel("share of prompt tokens (cumulative)")
+    axes.set_ylim(0, 1)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

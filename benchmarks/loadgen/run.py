@@ -1,0 +1,180 @@
+"""The scheduler loop: replay requests through a `SimulatedEngine`, one step at a time.
+
+For each request: blocks already in the GPU prefix cache are GPU hits; the rest of the
+prefix is looked up in the offloading manager (an answer of None ends the step, as a real
+scheduler would delay the request, and is retried the next step); hits are loaded into GPU
+blocks (and verified), the remaining blocks are computed and stored. Every manager call is
+timed; hits are counted in tokens by the tier that served them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.loadgen.engine import SimulatedEngine
+from benchmarks.loadgen.workload import Request
+from tiering import ReqContext, make_offload_key
+
+
+@dataclass
+class RunStats:
+    """What a run measured. Durations in seconds; call latencies in nanoseconds."""
+
+    requests: int = 0
+    tokens: Counter = field(default_factory=Counter)  # by source: gpu, cpu, a tier name, miss
+    verify_failures: int = 0
+    failed_loads: int = 0
+    store_refused_blocks: int = 0  # prepare_store found no evictable room
+    calls_ns: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    promotion_s: list[float] = field(default_factory=list)
+    lag_s: list[float] = field(default_factory=list)
+    timeline: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (request, tokens so far)
+    wall_s: float = 0.0
+
+
+class SchedulerLoop:
+    """Drives one engine over a request stream."""
+
+    def __init__(self, engine: SimulatedEngine, verify: bool = False, step_s: float = 0.0005, max_steps: int = 2000):
+        """
+        Args:
+            verify: compare every loaded block with its payload.
+            step_s: the pause standing for a model step while a lookup waits (None).
+            max_steps: steps a lookup may wait before the block counts as a miss.
+        """
+        self.engine = engine
+        self.manager = engine.manager
+        self.verify = verify
+        self.step_s = step_s
+        self.max_steps = max_steps
+        self.stats = RunStats()
+
+    def _call(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
+        start = time.perf_counter_ns()
+        result = function(*args)
+        self.stats.calls_ns[name].append(time.perf_counter_ns() - start)
+        return result
+
+    def run(self, requests: Sequence[Request], time_scale: float = 0.0, on_request: Callable[[], None] | None = None):
+        """Replay `requests`; with `time_scale` > 0, request i starts no earlier than
+        ``timestamp_ms / 1000 * time_scale`` seconds after the first. Returns `RunStats`."""
+        start = time.perf_counter()
+        for index, request in enumerate(requests):
+            if time_scale > 0:
+                due = start + request.timestamp_ms / 1000.0 * time_scale
+                wait = due - time.perf_counter()
+                if wait > 0:
+                    time.sleep(wait)
+                self.stats.lag_s.append(max(0.0, -wait))
+            self._serve(index, request)
+            if index % 50 == 0 or index == len(requests) - 1:
+                self.stats.timeline.append((index + 1, dict(self.stats.tokens)))
+            if on_request is not None:
+                on_request()
+        self._settle()
+        self.stats.wall_s = time.perf_counter() - start
+        return self.stats
+
+    def _serve(self, index: int, request: Request) -> None:
+        engine, stats = self.engine, self.stats
+        context = ReqContext(f"req-{index}")
+        self._call("on_new_request", self.manager.on_new_request, context)
+        keys = [make_offload_key(block.to_bytes(8, "big"), 0) for block in request.hash_ids]
+        tokens = request.block_tokens()
+        gpu_hits = engine.gpu_prefix(keys)
+        offload_hits, sources = self._lookup_prefix(keys[gpu_hits:], context)
+        hit_keys = keys[gpu_hits : gpu_hits + offload_hits]
+        if hit_keys and not self._load(hit_keys, keys, context):
+            offload_hits = 0
+            hit_keys = []
+        missed = keys[gpu_hits + offload_hits :]
+        self._compute_and_store(missed, keys, context)
+        self._call("touch", self.manager.touch, keys, context)
+        self._call("on_schedule_end", self.manager.on_schedule_end)
+        self._call("on_request_finished", self.manager.on_request_finished, context)
+        stats.requests += 1
+        stats.tokens["gpu"] += sum(tokens[:gpu_hits])
+        for position, source in enumerate(sources[:offload_hits], start=gpu_hits):
+            stats.tokens[source] += tokens[position]
+        stats.tokens["miss"] += sum(tokens[gpu_hits + offload_hits :])
+
+    def _lookup_prefix(self, keys: list[bytes], context: ReqContext) -> tuple[int, list[str]]:
+        """How many leading `keys` are offload hits, and which tier served each.
+
+        As a scheduler does: the whole prefix is looked up again every step until no lookup
+        answers None; only then are the hits final (a promotion queued in an earlier step
+        may have evicted a block that answered True before it).
+        """
+        holders: dict[bytes, str] = {}
+        waiting_since: float | None = None
+        for step in range(self.max_steps + 1):
+            sources, waiting = [], False
+            for key in keys:
+                if key not in holders:
+                    holders[key] = self._holder(key, context)
+                answer = self._call("lookup", self.manager.lookup, key, context)
+                if answer is None:
+                    waiting = True
+                    break
+                if not answer:
+                    break
+                sources.append(holders[key])
+            if not waiting or step == self.max_steps:
+                break
+            waiting_since = waiting_since or time.perf_counter()
+            time.sleep(self.step_s)  # a model step passes
+            self._call("on_schedule_end", self.manager.on_schedule_end)
+        if waiting_since is not None and not waiting:
+            self.stats.promotion_s.append(time.perf_counter() - waiting_since)
+        return len(sources), sources
+
+    def _holder(self, key: bytes, context: ReqContext) -> str:
+        """The tier a hit on `key` would come from: the CPU tier, or the first secondary
+        tier that holds it."""
+        if self.manager.primary_tier.lookup(key, context) is not False:
+            return "cpu"
+        for tier in self.manager.secondary_tiers:
+            if tier.lookup(key, context):
+                return tier.tier_type
+        return "cpu"
+
+    def _load(self, hit_keys: list[bytes], keys: list[bytes], context: ReqContext) -> bool:
+        slots = self.engine.allocate(hit_keys, keep=set(keys))
+        if slots is None:
+            return False
+        spec = self._call("prepare_load", self.manager.prepare_load, hit_keys, context)
+        loaded = self.engine.load(spec.block_ids, slots)
+        self._call("complete_load", self.manager.complete_load, hit_keys, context)
+        if self.verify and loaded:
+            self.stats.verify_failures += self.engine.verify(hit_keys, slots)
+        if not loaded:
+            self.stats.failed_loads += 1
+            self.engine.forget(hit_keys)
+        return loaded
+
+    def _compute_and_store(self, missed: list[bytes], keys: list[bytes], context: ReqContext) -> None:
+        slots = self.engine.allocate(missed, keep=set(keys))
+        if not missed or slots is None:
+            return
+        self.engine.compute(missed, slots)
+        out = self._call("prepare_store", self.manager.prepare_store, missed, context)
+        if out is None:
+            self.stats.store_refused_blocks += len(missed)
+            return
+        if not out.keys_to_store:
+            return
+        slot_of = dict(zip(missed, slots, strict=True))
+        stored = self.engine.store([slot_of[key] for key in out.keys_to_store], out.store_spec.block_ids)
+        self._call("complete_store", self.manager.complete_store, out.keys_to_store, context, stored)
+
+    def _settle(self, timeout_s: float = 60.0) -> None:
+        """Let the cascades in flight land, so the tiers' counters are complete."""
+        deadline = time.perf_counter() + timeout_s
+        while self.manager.has_pending_work() and time.perf_counter() < deadline:
+            for tier in self.manager.secondary_tiers:
+                tier.drain(0.05)
+            self.manager.on_schedule_end()

@@ -1,0 +1,134 @@
+"""The load generator: trace reading, workloads, bounds, and runs of the real CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.loadgen import cli
+from benchmarks.loadgen.bounds import belady_hit_rate, unbounded_hit_rate
+from benchmarks.loadgen.workload import Request, read_trace, synthetic
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+REAL_LINES = """\
+{"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]}
+{"timestamp": 0, "input_length": 7322, "output_length": 490, "hash_ids": [0, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]}
+{"timestamp": 0, "input_length": 2290, "output_length": 316, "hash_ids": [0, 42, 43, 44, 45]}
+"""
+
+
+def test_trace_reader_on_real_lines(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text(REAL_LINES)
+    first, second, third = read_trace(path)
+    assert (first.timestamp_ms, first.input_length, first.output_length) == (0, 6758, 500)
+    assert first.hash_ids == tuple(range(14))
+    assert first.block_tokens() == [512] * 13 + [6758 - 13 * 512]
+    assert second.hash_ids[0] == 0 and third.block_tokens() == [512] * 4 + [242]
+    assert len(read_trace(path, max_requests=2)) == 2
+
+
+def test_a_bad_trace_line_is_named(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text(REAL_LINES + '{"timestamp": 5}\n')
+    with pytest.raises(ValueError, match=r"trace\.jsonl:4: not a trace record"):
+        read_trace(path)
+
+
+@pytest.mark.parametrize("name", ["multi-turn", "long-doc", "zipf"])
+def test_synthetic_workloads_are_deterministic_and_reuse_prefixes(name):
+    requests = synthetic(name, 200, seed=1)
+    assert requests == synthetic(name, 200, seed=1) and requests != synthetic(name, 200, seed=2)
+    assert len(requests) == 200 and all(r.input_length <= 512 * len(r.hash_ids) for r in requests)
+    assert 0.2 < unbounded_hit_rate(requests) < 1.0
+    with pytest.raises(ValueError, match="unknown workload 'chat'"):
+        synthetic("chat", 1)
+
+
+def blocks(*ids):
+    return [Request(0, 512, 1, (block,)) for block in ids]
+
+
+def test_bounds_on_hand_checked_sequences():
+    a, b, c, d = 1, 2, 3, 4
+    # ABCABC: every second reference hits with no limit; Belady with 2 blocks keeps A and B
+    # and never caches C (needed last): A and B hit once each.
+    assert unbounded_hit_rate(blocks(a, b, c, a, b, c)) == pytest.approx(3 / 6)
+    assert belady_hit_rate(blocks(a, b, c, a, b, c), 2) == pytest.approx(2 / 6)
+    # ABCDABCD with 3 blocks: A, B, C cached, D never (its next use is last), so A, B, C hit.
+    assert belady_hit_rate(blocks(a, b, c, d, a, b, c, d), 3) == pytest.approx(3 / 8)
+    # ABACAB with 1 block: A is kept (needed at 2, then 4); B and C bypass it.
+    assert belady_hit_rate(blocks(a, b, a, c, a, b), 1) == pytest.approx(2 / 6)
+    assert belady_hit_rate(blocks(a, a), 0) == 0.0
+    # A partial last block counts its own tokens: 700 tokens = 512 + 188.
+    assert unbounded_hit_rate([Request(0, 700, 1, (a, b)), Request(0, 700, 1, (a, c))]) == pytest.approx(512 / 1400)
+
+
+def test_the_default_run_verifies_every_byte_and_writes_its_report(tmp_path, capsys):
+    output, picture = tmp_path / "run.json", tmp_path / "run.png"
+    assert cli.main(["--verify", "--max-requests", "80", "--output", str(output), "--plot", str(picture)]) == 0
+    report = json.loads(output.read_text())
+    assert report["requests"] == 80 and report["verify_failures"] == 0 and report["failed_jobs"] == 0
+    assert set(report["hit_rate"]) == {"gpu", "cpu", "file", "total"}
+    assert 0 < report["hit_rate"]["total"] <= report["unbounded_hit_rate"] + 1e-9
+    assert 0 < report["belady_hit_rate"] <= report["unbounded_hit_rate"]
+    assert report["tiers"]["file"]["store_bytes"] > 0
+    assert report["transfers"]["gpu_to_cpu"]["bytes"] > 0
+    assert {"p50", "p99"} <= set(report["latency_us"]["lookup"])
+    assert report["inputs"]["config"]["secondary_tiers"][0]["type"] == "file"
+    assert picture.stat().st_size > 0
+    assert "hit rate (tokens)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--config", "/nonexistent/engine.yaml"], "engine.yaml: cannot read the file"),
+        (["--block-bytes", "1000"], "--block-bytes must be a positive multiple of 2048"),
+        (["--gpu-blocks", "2"], "--gpu-blocks 2 cannot hold the longest prompt"),
+        (["--model", "gpt-9"], "unknown model preset 'gpt-9'"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_status_2(argv, message, capsys):
+    assert cli.main([*argv, "--max-requests", "5"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_bad_config_file_names_the_key(tmp_path, capsys):
+    config = tmp_path / "engine.yaml"
+    config.write_text("cpu_bytes_to_use: 4MiB\nsecondary_tiers:\n  - type: file\n")
+    assert cli.main(["--config", str(config), "--max-requests", "5"]) == 2
+    assert "secondary_tiers[0].root_dir: required key is missing" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"the Mooncake conversation trace is not at {TRACE}")
+def test_replay_of_the_first_2000_requests_of_the_conversation_trace(tmp_path):
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        f"cpu_bytes_to_use: 2MiB\nsecondary_tiers:\n  - type: file\n    root_dir: {tmp_path}\n    capacity_bytes: 32MiB\n"
+    )
+    output = tmp_path / "run.json"
+    argv = ["--config", str(config), "--trace", str(TRACE), "--max-requests", "2000", "--block-bytes", "8KiB"]
+    assert cli.main([*argv, "--verify", "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    assert report["requests"] == 2000 and report["verify_failures"] == 0
+    assert report["hit_rate"]["file"] > 0
+    assert report["hit_rate"]["total"] <= report["unbounded_hit_rate"] + 1e-9
+
+
+def test_gpu_blocks_are_never_leaked_when_a_cached_block_is_rewritten():
+    from benchmarks.loadgen.engine import SimulatedEngine
+    from tiering import KVLayout, parse_config
+
+    engine = SimulatedEngine(parse_config("cpu_bytes_to_use: 64KiB"), KVLayout("t", 1, 4, 512), 4, "test-leak")
+    try:
+        a, b, c = b"a" * 12, b"b" * 12, b"c" * 12
+        assert engine.allocate([a, b], keep=set()) is not None
+        assert engine.gpu_prefix([c, b]) == 0  # b is cached but not a leading block
+        assert engine.allocate([c, b], keep={c, b}) is not None  # b is recomputed in place of its old block
+        assert len(engine._slots) + len(engine._free) == 4
+        assert engine.allocate([b"d" * 12, b"e" * 12], keep={c, b}) is not None  # a's block and the spare
+        assert engine.allocate([b"f" * 12], keep={c, b, b"d" * 12, b"e" * 12}) is None
+    finally:
+        engine.shutdown()
