@@ -132,3 +132,22 @@ def test_gpu_blocks_are_never_leaked_when_a_cached_block_is_rewritten():
         assert engine.allocate([b"f" * 12], keep={c, b, b"d" * 12, b"e" * 12}) is None
     finally:
         engine.shutdown()
+
+
+def test_a_request_touches_its_blocks_before_storing_the_new_ones():
+    from benchmarks.loadgen.engine import SimulatedEngine
+    from benchmarks.loadgen.run import SchedulerLoop
+    from tiering import KVLayout, make_offload_key, parse_config
+
+    config = parse_config("cpu_bytes_to_use: 64KiB\neviction_policy: arc")
+    engine = SimulatedEngine(config, KVLayout("t", 1, 4, 512), 3, "test-touch")
+    try:
+        loop = SchedulerLoop(engine)
+        arc = engine.manager.primary_tier._policy
+        key = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(3)]
+        loop.run([Request(0, 1024, 1, (0, 1))])
+        assert set(arc._t1) == {key[0], key[1]} and not arc._t2  # stored once: recency list
+        loop.run([Request(1, 1536, 1, (0, 1, 2))])
+        assert set(arc._t2) == {key[0], key[1]} and set(arc._t1) == {key[2]}  # used again: frequency list
+    finally:
+        engine.shutdown()

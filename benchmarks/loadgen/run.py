@@ -87,13 +87,15 @@ class SchedulerLoop:
         tokens = request.block_tokens()
         gpu_hits = engine.gpu_prefix(keys)
         offload_hits, sources = self._lookup_prefix(keys[gpu_hits:], context)
+        # The request uses its blocks now; blocks stored below are new, not a second use
+        # (touching them afterwards would promote every new block to ARC's frequent list).
+        self._call("touch", self.manager.touch, keys, context)
         hit_keys = keys[gpu_hits : gpu_hits + offload_hits]
         if hit_keys and not self._load(hit_keys, keys, context):
             offload_hits = 0
             hit_keys = []
         missed = keys[gpu_hits + offload_hits :]
         self._compute_and_store(missed, keys, context)
-        self._call("touch", self.manager.touch, keys, context)
         self._call("on_schedule_end", self.manager.on_schedule_end)
         self._call("on_request_finished", self.manager.on_request_finished, context)
         stats.requests += 1
