@@ -4,6 +4,7 @@ import uuid
 import pytest
 
 from benchmarks.s3_server import MotoServer
+from tests import helpers
 from tiering import ReqContext
 
 # Test credentials for the local S3 server, and no other source of them: no config files,
@@ -60,3 +61,16 @@ def s3_bucket(s3_server) -> str:
     name = f"test-{uuid.uuid4().hex[:16]}"
     s3_server.create_bucket(name)
     return name
+
+
+@pytest.fixture
+def engine_factory():
+    engines = []
+
+    def make(config, **kwargs):
+        engines.append(helpers.Engine(config, **kwargs))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.close()

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Collection
 
+import numpy as np
+
 from tiering import (
+    CPUPrimaryTierOffloadingManager,
     JobMetadata,
     JobResult,
     OffloadKey,
     ReqContext,
+    SecondaryTierFactory,
     SecondaryTierManager,
+    SharedOffloadRegion,
+    TieringOffloadingManager,
     make_offload_key,
 )
 
@@ -116,3 +123,48 @@ def block_bytes(key: OffloadKey, size: int) -> bytes:
         out += hashlib.blake2b(seed + counter.to_bytes(8, "big"), digest_size=64).digest()
         counter += 1
     return bytes(out[:size])
+
+
+ROW = 4096  # bytes of one primary row in the engine tests
+CTX = ReqContext("req-0")
+
+
+class Engine:
+    """A manager over `num_blocks` primary rows and one tier built from `config`."""
+
+    def __init__(self, config, num_blocks=4, spec=None):
+        region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", num_blocks, ROW)  # page-aligned rows
+        self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region)
+        self.rows = np.asarray(self.primary.get_kv_memoryview())
+        self.tier = SecondaryTierFactory.create_secondary_tier(config, self.primary.get_kv_memoryview(), spec)
+        self.manager = TieringOffloadingManager(self.primary, [self.tier])
+
+    def store(self, *ids):
+        """Store blocks as the GPU would (rows filled with their bytes), then let the cascade land."""
+        out = self.manager.prepare_store(keys(*ids), CTX)
+        for k, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+            self.rows[row] = np.frombuffer(block_bytes(k, ROW), dtype=self.rows.dtype)
+        self.manager.complete_store(out.keys_to_store, CTX)
+        self.settle()
+        return out
+
+    def settle(self):
+        assert self.tier.drain(10)
+        self.manager.on_schedule_end()
+
+    def lookup_until_done(self, *ids, steps=5):
+        for _ in range(steps):
+            answers = [self.manager.lookup(k, CTX) for k in keys(*ids)]
+            self.settle()
+            if None not in answers:
+                return answers
+        raise AssertionError(f"still in flight after {steps} steps")
+
+    def loaded_bytes(self, *ids):
+        spec = self.manager.prepare_load(keys(*ids), CTX)
+        data = [self.rows[row].tobytes() for row in spec.block_ids]
+        self.manager.complete_load(keys(*ids), CTX)
+        return data
+
+    def close(self):
+        self.manager.shutdown()

@@ -3,89 +3,28 @@
 import os
 import threading
 import time
-import uuid
 
 import anyio
 import numpy as np
 import pytest
 
 from backends import MemoryBlockStore
-from tests.helpers import RegionStandIn, block_bytes, key, keys
+from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
 from tiering import (
     AsyncRuntime,
     BlockStoreTier,
-    CPUPrimaryTierOffloadingManager,
     JobMetadata,
-    ReqContext,
     SecondaryTierFactory,
-    SharedOffloadRegion,
-    TieringOffloadingManager,
 )
 from tiering.object_format import object_size
 
-ROW = 4096
 OBJECT = object_size(len(key(0)), ROW)  # a memory-tier object (64-byte header)
 FILE_OBJECT = object_size(len(key(0)), ROW, align=4096)  # the file tier pads headers to a page
-CTX = ReqContext("req-0")
-
-
-class Engine:
-    """A manager over `num_blocks` primary rows and one tier built from `config`."""
-
-    def __init__(self, config, num_blocks=4, spec=None):
-        region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", num_blocks, ROW)  # page-aligned rows
-        self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region)
-        self.rows = np.asarray(self.primary.get_kv_memoryview())
-        self.tier = SecondaryTierFactory.create_secondary_tier(config, self.primary.get_kv_memoryview(), spec)
-        self.manager = TieringOffloadingManager(self.primary, [self.tier])
-
-    def store(self, *ids):
-        """Store blocks as the GPU would (rows filled with their bytes), then let the cascade land."""
-        out = self.manager.prepare_store(keys(*ids), CTX)
-        for k, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
-            self.rows[row] = np.frombuffer(block_bytes(k, ROW), dtype=self.rows.dtype)
-        self.manager.complete_store(out.keys_to_store, CTX)
-        self.settle()
-        return out
-
-    def settle(self):
-        assert self.tier.drain(10)
-        self.manager.on_schedule_end()
-
-    def lookup_until_done(self, *ids, steps=5):
-        for _ in range(steps):
-            answers = [self.manager.lookup(k, CTX) for k in keys(*ids)]
-            self.settle()
-            if None not in answers:
-                return answers
-        raise AssertionError(f"still in flight after {steps} steps")
-
-    def loaded_bytes(self, *ids):
-        spec = self.manager.prepare_load(keys(*ids), CTX)
-        data = [self.rows[row].tobytes() for row in spec.block_ids]
-        self.manager.complete_load(keys(*ids), CTX)
-        return data
-
-    def close(self):
-        self.manager.shutdown()
 
 
 @pytest.fixture(params=["memory", "file"])
 def config(request, tmp_path):
     return {"type": "memory"} if request.param == "memory" else {"type": "file", "root_dir": str(tmp_path)}
-
-
-@pytest.fixture
-def engine_factory():
-    engines = []
-
-    def make(config, **kwargs):
-        engines.append(Engine(config, **kwargs))
-        return engines[-1]
-
-    yield make
-    for engine in engines:
-        engine.close()
 
 
 def job(job_id, ids, block_ids, promotion):

@@ -6,10 +6,9 @@ import pytest
 
 from backends.s3 import S3BlockStore
 from benchmarks.s3_server import MotoServer, free_port
-from tests.helpers import block_bytes, key, keys
+from tests.helpers import CTX, ROW, block_bytes, key, keys
 from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
 from tests.store_conformance import FINGERPRINT, StoreKit, opened
-from tests.test_async_tier import CTX, ROW, Engine
 
 
 @pytest.fixture
@@ -29,19 +28,6 @@ def store_kit(s3_server, s3_bucket):
         read_raw=read_raw,
         write_raw=write_raw,
     )
-
-
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(config, **kwargs):
-        made.append(Engine(config, **kwargs))
-        return made[-1]
-
-    yield make
-    for engine in made:
-        engine.close()
 
 
 def s3_config(server, bucket, **extra):
@@ -86,16 +72,16 @@ async def test_no_credentials_is_a_clear_error(s3_server, monkeypatch):
         await store.open()
 
 
-def test_secrets_never_appear_in_reprs_or_logs(s3_server, s3_bucket, s3_environment, engines, caplog):
-    engine = engines(s3_config(s3_server, s3_bucket))
+def test_secrets_never_appear_in_reprs_or_logs(s3_server, s3_bucket, s3_environment, engine_factory, caplog):
+    engine = engine_factory(s3_config(s3_server, s3_bucket))
     engine.store(0)
     secret, key_id = s3_environment["AWS_SECRET_ACCESS_KEY"], s3_environment["AWS_ACCESS_KEY_ID"]
     for text in (repr(engine.tier), repr(engine.tier.store), str(vars(engine.tier.store)), caplog.text):
         assert secret not in text and key_id not in text
 
 
-def test_round_trip_through_the_manager(s3_server, s3_bucket, engines):
-    engine = engines(s3_config(s3_server, s3_bucket))
+def test_round_trip_through_the_manager(s3_server, s3_bucket, engine_factory):
+    engine = engine_factory(s3_config(s3_server, s3_bucket))
     engine.store(0, 1, 2, 3)
     engine.store(4, 5, 6, 7)  # evicts 0..3 from the primary tier
     engine.rows[:] = 0
@@ -103,11 +89,11 @@ def test_round_trip_through_the_manager(s3_server, s3_bucket, engines):
     assert engine.loaded_bytes(0, 1, 2, 3) == [block_bytes(k, ROW) for k in keys(0, 1, 2, 3)]
 
 
-def test_a_second_engine_on_the_bucket_sees_what_the_first_wrote(s3_server, s3_bucket, engines):
-    early = engines(s3_config(s3_server, s3_bucket))  # started before anything was written
-    writer = engines(s3_config(s3_server, s3_bucket))
+def test_a_second_engine_on_the_bucket_sees_what_the_first_wrote(s3_server, s3_bucket, engine_factory):
+    early = engine_factory(s3_config(s3_server, s3_bucket))  # started before anything was written
+    writer = engine_factory(s3_config(s3_server, s3_bucket))
     writer.store(0, 1)
-    late = engines(s3_config(s3_server, s3_bucket))  # started after: finds them in the listing
+    late = engine_factory(s3_config(s3_server, s3_bucket))  # started after: finds them in the listing
     assert late.tier.num_blocks == 2
     assert late.lookup_until_done(0, 1) == [True, True]
     assert early.tier.lookup(key(0), CTX) is None  # unknown: probed once
@@ -115,7 +101,7 @@ def test_a_second_engine_on_the_bucket_sees_what_the_first_wrote(s3_server, s3_b
     assert early.loaded_bytes(0, 1) == [block_bytes(k, ROW) for k in keys(0, 1)]
 
 
-def test_an_outage_fails_jobs_and_lookups_then_the_tier_recovers(engines, s3_environment, caplog):
+def test_an_outage_fails_jobs_and_lookups_then_the_tier_recovers(engine_factory, s3_environment, caplog):
     server = MotoServer()
     server.start()
     try:
@@ -129,7 +115,7 @@ def test_an_outage_fails_jobs_and_lookups_then_the_tier_recovers(engines, s3_env
             failure_threshold=2,
             backoff_s=0.2,
         )
-        engine = engines(config, num_blocks=8)
+        engine = engine_factory(config, num_blocks=8)
         engine.store(0, 1)
         server.stop()
         out = engine.manager.prepare_store(keys(2, 3), CTX)

@@ -303,13 +303,8 @@ class BlockStoreTier(SecondaryTierManager):
 
     def _adopt(self, recovered: list[tuple[OffloadKey, int]]) -> None:
         for key, size in recovered:
-            self._index[key] = _Entry(size, stored=True)
-            self.used_bytes += size
-        evicted: list[OffloadKey] = []
-        self._make_room(0, evicted)
-        if evicted:
-            self._submit_task(partial(self._spawn_delete, evicted))
-            self._runtime.flush()
+            self._add_stored(key, size)
+        self._runtime.flush()
         logger.info("tier %s: recovered %d blocks (%d bytes)", self.tier_type, len(self._index), self.used_bytes)
 
     def _make_room(self, size: int, evicted: list[OffloadKey]) -> bool:
@@ -362,13 +357,17 @@ class BlockStoreTier(SecondaryTierManager):
             return
         self._probes.pop(key, None)
         if key not in self._index:
-            size = self.object_bytes(key)
-            self._index[key] = _Entry(size, stored=True)
-            self.used_bytes += size
-            evicted: list[OffloadKey] = []
-            self._make_room(0, evicted)
-            if evicted:
-                self._submit_task(partial(self._spawn_delete, evicted))
+            self._add_stored(key, self.object_bytes(key))
+
+    def _add_stored(self, key: OffloadKey, size: int) -> None:
+        """Index an object that already exists (recovered or found by a probe) as the most
+        recent, evicting the least recent ones if the tier is now over capacity."""
+        self._index[key] = _Entry(size, stored=True)
+        self.used_bytes += size
+        evicted: list[OffloadKey] = []
+        self._make_room(0, evicted)
+        if evicted:
+            self._submit_task(partial(self._spawn_delete, evicted))
 
     def _apply_load(self, done: _Done) -> None:
         index = self._index
