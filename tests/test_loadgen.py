@@ -151,3 +151,22 @@ def test_a_request_touches_its_blocks_before_storing_the_new_ones():
         assert set(arc._t2) == {key[0], key[1]} and set(arc._t1) == {key[2]}  # used again: frequency list
     finally:
         engine.shutdown()
+
+
+def test_a_terminated_run_shuts_down_and_leaves_no_shared_memory(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "benchmarks.loadgen.cli", "--workload", "zipf", "--max-requests", "100000"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    region = Path("/dev/shm") / f"tiering-bench-{process.pid}.kv"
+    deadline = time.monotonic() + 30
+    while not region.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert region.exists(), "the run never started its engine"
+    os.kill(process.pid, signal.SIGTERM)
+    assert process.wait(30) == 128 + signal.SIGTERM
+    assert not region.exists()

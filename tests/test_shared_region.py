@@ -97,7 +97,7 @@ def test_leftover_of_a_killed_creator_is_replaced(instance_id, run, caplog):
     try:
         assert region.is_creator
         assert os.path.getsize(region.path) == 8 * 4096
-        assert "replacing a leftover region" in caplog.text
+        assert "removing a leftover region" in caplog.text
     finally:
         region.cleanup()
 
@@ -163,3 +163,17 @@ def test_unsafe_instance_ids_cannot_escape_the_directory():
     path = region_path("../../etc/passwd\0x")
     assert path.parent == region_path("x").parent
     assert "/" not in path.name and ".." not in path.name
+
+
+def test_remove_stale_deletes_only_regions_nobody_maps(instance_id, run):
+    proc = run(region_worker.create_and_die, instance_id + "-dead")
+    proc.join(30)
+    live = SharedOffloadRegion(instance_id + "-live", 2, 4096)
+    try:
+        removed = SharedOffloadRegion.remove_stale(instance_id)
+        assert removed == [region_path(instance_id + "-dead")]
+        assert live.path.exists() and not removed[0].exists()
+    finally:
+        live.cleanup()
+    with pytest.raises(ValueError, match="must be made of letters"):
+        SharedOffloadRegion.remove_stale("../x")

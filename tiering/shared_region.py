@@ -198,16 +198,11 @@ class SharedOffloadRegion:
             fd = os.open(self.path, os.O_RDWR)
         except FileNotFoundError:
             return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pass  # a live process holds it
-        else:
-            self._remove_leftover(fd)
+        if _unlink_if_abandoned(self.path, fd):
             os.close(fd)
             return None
         fcntl.flock(fd, fcntl.LOCK_SH)
-        if not self._is_current(fd):
+        if not _is_current(self.path, fd):
             os.close(fd)
             return None
         size = os.fstat(fd).st_size
@@ -220,13 +215,46 @@ class SharedOffloadRegion:
             )
         return fd
 
-    def _remove_leftover(self, fd: int) -> None:
-        if self._is_current(fd):
-            logger.warning("%s: replacing a leftover region of a crashed run", self.path)
-            os.unlink(self.path)
+    @staticmethod
+    def remove_stale(prefix: str, shm_dir: str | os.PathLike = "/dev/shm") -> list[Path]:
+        """Remove the files of regions whose instance id starts with `prefix` and that no
+        live process maps: leftovers of crashed runs whose ids will not come again (an id
+        holding a process id, say). Returns the removed paths.
 
-    def _is_current(self, fd: int) -> bool:
-        try:
-            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            return False
+        Raises:
+            ValueError: `prefix` is not made of ``[A-Za-z0-9_.-]``.
+        """
+        if not _SAFE_ID.fullmatch(prefix):
+            raise ValueError(f"prefix {prefix!r} must be made of letters, digits, '_', '.' and '-'")
+        removed = []
+        for path in Path(shm_dir).glob(f"tiering-{prefix}*.kv"):
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
+                if _unlink_if_abandoned(path, fd):
+                    removed.append(path)
+            finally:
+                os.close(fd)
+        return removed
+
+
+def _unlink_if_abandoned(path: Path, fd: int) -> bool:
+    """If no process holds a lock on `fd`'s file, it is a crashed run's leftover: unlink it
+    (if `path` still names it) and return True, keeping an exclusive lock until `fd` closes."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # a live process holds it
+    if _is_current(path, fd):
+        logger.warning("%s: removing a leftover region of a crashed run", path)
+        os.unlink(path)
+    return True
+
+
+def _is_current(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False

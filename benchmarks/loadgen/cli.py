@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +29,7 @@ from benchmarks.loadgen.engine import SimulatedEngine
 from benchmarks.loadgen.report import build_report, plot, print_summary
 from benchmarks.loadgen.run import SchedulerLoop
 from benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_trace, synthetic
-from tiering import ConfigError, KVLayout, load_config, parse_config
+from tiering import ConfigError, KVLayout, SharedOffloadRegion, load_config, parse_config
 from tiering.factory import Size
 
 DEFAULT_CONFIG = """\
@@ -137,11 +138,17 @@ def run(args: argparse.Namespace, console: Console) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(stderr=True)
+    # A terminated run still shuts the engine down (its shared memory, its tier threads),
+    # and a run that was killed outright leaves a region the next run removes.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    SharedOffloadRegion.remove_stale("bench-")
     try:
         report = run(args, console)
     except (ConfigError, ValueError, OSError) as exc:
         console.print(f"[bold red]tiering-bench: error:[/] {exc}", highlight=False)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_summary(report, Console())
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
