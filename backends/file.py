@@ -40,7 +40,7 @@ from backends.store import BlockStore
 from tiering.async_tier import BlockStoreTier
 from tiering.errors import CorruptObjectError, ObjectNotFoundError
 from tiering.keys import OffloadKey
-from tiering.object_format import encode_header, header_size, parse_header, verify_payload
+from tiering.object_format import ObjectHeader, check_length, encode_header, header_size, parse_header
 
 logger = logging.getLogger(__name__)
 
@@ -117,15 +117,15 @@ class FileBlockStore(BlockStore):
     async def put(self, key: OffloadKey, payload: memoryview) -> None:
         await self._run(_write_object, self.path(key), key, payload, self.fingerprint, self.fsync, self.direct_io)
 
-    async def get(self, key: OffloadKey, into: memoryview) -> None:
-        await self._run(_read_object, self.path(key), key, into, self.fingerprint, self.direct_io)
+    async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
+        return await self._run(_read_object, self.path(key), key, into, self.fingerprint, self.direct_io)
 
     async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
         """All puts in one hop, one after the other in one pool thread."""
         calls = [(self.path(key), key, data, self.fingerprint, self.fsync, self.direct_io) for key, data in items]
         return await self._run(_each, _write_object, calls)
 
-    async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
+    async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
         """All gets in one hop, one after the other in one pool thread."""
         calls = [(self.path(key), key, into, self.fingerprint, self.direct_io) for key, into in items]
         return await self._run(_each, _read_object, calls)
@@ -140,12 +140,12 @@ class FileBlockStore(BlockStore):
         return await self._run(_scan, self.directory, self.fingerprint)
 
 
-def _each(func: Callable[..., None], calls: list[tuple]) -> list[Exception | None]:
-    outcomes: list[Exception | None] = []
+def _each(func: Callable[..., Any], calls: list[tuple]) -> list[Any]:
+    """func(*args) for each call: its result, or the exception it raised."""
+    outcomes: list[Any] = []
     for args in calls:
         try:
-            func(*args)
-            outcomes.append(None)
+            outcomes.append(func(*args))
         except Exception as exc:
             outcomes.append(exc)
     return outcomes
@@ -216,7 +216,7 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
             buffers[0] = buffers[0][written:]
 
 
-def _read_object(path: Path, key: OffloadKey, into: memoryview, fingerprint: bytes, direct: bool) -> None:
+def _read_object(path: Path, key: OffloadKey, into: memoryview, fingerprint: bytes, direct: bool) -> ObjectHeader:
     into = into.cast("B")
     direct = direct and _is_aligned(into)
     header_buf = _header_buffer(None, direct)
@@ -232,7 +232,8 @@ def _read_object(path: Path, key: OffloadKey, into: memoryview, fingerprint: byt
     if received < len(header_buf):
         raise CorruptObjectError(f"{path}: {received} bytes, shorter than its header")
     header = parse_header(header_buf, fingerprint, key)
-    verify_payload(header, into, file_size - header.size)
+    check_length(header, file_size - header.size, into.nbytes)
+    return header
 
 
 def _read_all(fd: int, buffers: list[memoryview]) -> int:

@@ -17,7 +17,7 @@ from backends.store import BlockStore
 from tiering.async_tier import BlockStoreTier
 from tiering.errors import ObjectNotFoundError
 from tiering.keys import OffloadKey
-from tiering.object_format import encode_header, parse_header, verify_payload
+from tiering.object_format import ObjectHeader, check_length, encode_header, parse_header
 
 
 class MemoryBlockStore(BlockStore):
@@ -50,7 +50,7 @@ class MemoryBlockStore(BlockStore):
         await self._operation()
         self.objects[key] = bytearray(encode_header(key, payload, self.fingerprint)) + payload
 
-    async def get(self, key: OffloadKey, into: memoryview) -> None:
+    async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
         await self._operation()
         into = into.cast("B")
         stored = self.objects.get(key)
@@ -58,9 +58,9 @@ class MemoryBlockStore(BlockStore):
             raise ObjectNotFoundError(key)
         header = parse_header(stored, self.fingerprint, key)
         payload = memoryview(stored)[header.size :]
-        received = min(payload.nbytes, into.nbytes)
-        into[:received] = payload[:received]
-        verify_payload(header, into, payload.nbytes)
+        check_length(header, payload.nbytes, into.nbytes)
+        into[:] = payload
+        return header
 
     async def exists(self, key: OffloadKey) -> bool:
         await self._operation()

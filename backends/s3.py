@@ -20,7 +20,6 @@ from collections.abc import Collection, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
-import anyio.to_thread
 from aiobotocore.session import get_session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
@@ -29,10 +28,9 @@ from backends.store import BlockStore
 from tiering.async_tier import BlockStoreTier
 from tiering.errors import CorruptObjectError, ObjectNotFoundError
 from tiering.keys import OffloadKey
-from tiering.object_format import encode_header, header_size, parse_header, verify_payload
+from tiering.object_format import ObjectHeader, check_length, encode_header, header_size, parse_header
 
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
-_OFFLOAD_VERIFY_BYTES = 1 << 20  # payloads this large are CRC-checked in a worker thread
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 
 
@@ -197,7 +195,7 @@ class S3BlockStore(BlockStore):
         body = _PartsReader([encode_header(key, payload, self.fingerprint), payload])
         await self._client.put_object(Bucket=self.bucket, Key=self.object_name(key), Body=body, ContentLength=body.size)
 
-    async def get(self, key: OffloadKey, into: memoryview) -> None:
+    async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
         self.check_open()
         into = into.cast("B")
         try:
@@ -219,10 +217,8 @@ class S3BlockStore(BlockStore):
         if received < header_buf.nbytes:
             raise CorruptObjectError(f"object of {received} bytes, shorter than its header")
         header = parse_header(header_buf, self.fingerprint, key)
-        if into.nbytes >= _OFFLOAD_VERIFY_BYTES:  # keep a long CRC off the loop thread
-            await anyio.to_thread.run_sync(verify_payload, header, into, received - header.size)
-        else:
-            verify_payload(header, into, received - header.size)
+        check_length(header, received - header.size, into.nbytes)
+        return header
 
     async def exists(self, key: OffloadKey) -> bool:
         self.check_open()

@@ -1,9 +1,12 @@
 """`BlockStore`: the async interface a storage backend implements to become a tier.
 
 A store keeps one object per key in the format of `tiering.object_format` (it calls
-`encode_header` on put and `parse_header`/`verify_payload` on get), under the namespace of
-its layout fingerprint. All coroutines run on the tier's event loop; a store may move the
-blocking part of an operation to its own threads, one hop per operation. The adapter
+`encode_header` on put, and `parse_header` and `check_length` on get), under the namespace
+of its layout fingerprint. A store moves bytes; the payload's CRC is checked above every
+store layer, by the adapter, so a wrapping store (`backends.faulty`) is checked too.
+
+All coroutines run on the tier's event loop; a store may move the blocking part of an
+operation to its own threads, one hop per operation. The adapter
 `tiering.async_tier.BlockStoreTier` owns the index, capacity, eviction and concurrency, so
 a store does no bookkeeping of its own.
 
@@ -16,12 +19,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from typing import Any
 
 import anyio
 
 from tiering.errors import StoreClosedError
 from tiering.keys import OffloadKey
-from tiering.object_format import HEADER_ALIGN
+from tiering.object_format import HEADER_ALIGN, ObjectHeader
 
 
 class BlockStore(ABC):
@@ -62,14 +66,16 @@ class BlockStore(ABC):
         the old object, the new one, or none, never a mix. Replaces an existing object."""
 
     @abstractmethod
-    async def get(self, key: OffloadKey, into: memoryview) -> None:
-        """Read the object of `key` into `into` (exactly its payload length) and verify it.
+    async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
+        """Read the payload of `key`'s object into `into` (exactly its length) and return
+        the object's header. The header and the length are checked; the CRC is the
+        caller's to check (`tiering.object_format.verify_payload`).
 
-        `into` may hold garbage when this raises; the caller must not use it then.
+        `into` may hold garbage when this raises, and until the CRC is checked.
 
         Raises:
             ObjectNotFoundError: no object for `key`.
-            CorruptObjectError: the object failed verification.
+            CorruptObjectError: the header or the length is wrong.
         """
 
     async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
@@ -80,8 +86,8 @@ class BlockStore(ABC):
         """
         return await _each(self.put, items)
 
-    async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
-        """`get` each (key, into); returns, per item, None or the exception it raised."""
+    async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
+        """`get` each (key, into); returns, per item, its header or the exception it raised."""
         return await _each(self.get, items)
 
     @abstractmethod
@@ -111,13 +117,14 @@ class BlockStore(ABC):
 
 
 async def _each(
-    operation: Callable[[OffloadKey, memoryview], Awaitable[None]], items: Sequence[tuple[OffloadKey, memoryview]]
-) -> list[Exception | None]:
-    outcomes: list[Exception | None] = [None] * len(items)
+    operation: Callable[[OffloadKey, memoryview], Awaitable[Any]], items: Sequence[tuple[OffloadKey, memoryview]]
+) -> list[Any]:
+    """operation(*item) for each item, concurrently: its result, or the exception it raised."""
+    outcomes: list[Any] = [None] * len(items)
 
     async def run(i: int) -> None:
         try:
-            await operation(*items[i])
+            outcomes[i] = await operation(*items[i])
         except Exception as exc:
             outcomes[i] = exc
 

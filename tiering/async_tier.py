@@ -30,12 +30,13 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.to_thread
 import numpy as np
 
 from tiering.errors import CorruptObjectError, ObjectNotFoundError
 from tiering.health import TierHealth
 from tiering.keys import OffloadKey, ReqContext
-from tiering.object_format import layout_fingerprint, object_size
+from tiering.object_format import ObjectHeader, layout_fingerprint, object_size, verify_payload
 from tiering.runtime import AsyncRuntime, RuntimeClosedError
 from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
 
@@ -474,8 +475,14 @@ class BlockStoreTier(SecondaryTierManager):
                 done.errors += 1
 
     async def _load_batch(self, done: _Done, batch: list[tuple[OffloadKey, int]]) -> None:
+        outcomes = await self._io(self.store.get_many, batch)
+        read = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, ObjectHeader)]
+        if read:  # the CRC, checked above every store layer, off the loop thread
+            checks = [(outcomes[i], memoryview(self._rows[batch[i][1]])) for i in read]
+            for i, error in zip(read, await anyio.to_thread.run_sync(_verify_all, checks), strict=True):
+                outcomes[i] = error
         corrupt = []
-        for (key, _), error in zip(batch, await self._io(self.store.get_many, batch), strict=True):
+        for (key, _), error in zip(batch, outcomes, strict=True):
             if error is None:
                 done.ok.add(key)
             elif isinstance(error, ObjectNotFoundError):
@@ -537,3 +544,15 @@ class BlockStoreTier(SecondaryTierManager):
         count = self.failures[reason] = self.failures[reason] + 1
         if count & (count - 1) == 0:  # 1, 2, 4, 8, ...: a trace of every reason, never a flood
             logger.warning("tier %s: %s failed (%d so far): %r", self.tier_type, reason, count, exc)
+
+
+def _verify_all(checks: list[tuple[ObjectHeader, memoryview]]) -> list[CorruptObjectError | None]:
+    """`verify_payload` of each (header, row read into): None, or the error it raised."""
+    outcomes: list[CorruptObjectError | None] = []
+    for header, row in checks:
+        try:
+            verify_payload(header, row)
+            outcomes.append(None)
+        except CorruptObjectError as exc:
+            outcomes.append(exc)
+    return outcomes

@@ -12,8 +12,10 @@ by default; the file store uses 4096 so that payloads stay aligned for O_DIRECT)
     crc         I    CRC32C of the payload
     key         key_len bytes
 
-A reader verifies every field against what it expects, and the payload's length and CRC,
-before the payload counts as loaded.
+A store checks the header and the payload's length as it reads (`parse_header`,
+`check_length`); the CRC is checked by `verify_payload` after every store layer (in
+`BlockStoreTier`), so a corruption anywhere below it is caught before the payload counts
+as loaded.
 """
 
 from __future__ import annotations
@@ -95,15 +97,25 @@ def parse_header(buf: bytes | memoryview, fingerprint: bytes, key: OffloadKey | 
     return ObjectHeader(stored_key, length, crc, size)
 
 
-def verify_payload(header: ObjectHeader, payload: memoryview, received: int) -> None:
-    """Check that `received` payload bytes were read into `payload` and match the CRC.
+def check_length(header: ObjectHeader, received: int, expected: int) -> None:
+    """A store's check that it read the whole payload the header announces, and that it fits
+    the buffer of `expected` bytes.
 
     Raises:
-        CorruptObjectError: a short or long payload, or a CRC mismatch.
+        CorruptObjectError: a short or long payload.
     """
-    if received != header.payload_len or payload.nbytes != header.payload_len:
+    if received != header.payload_len or expected != header.payload_len:
         raise CorruptObjectError(
-            f"payload of {received} bytes; the header says {header.payload_len}, the row holds {payload.nbytes}"
+            f"payload of {received} bytes; the header says {header.payload_len}, the row holds {expected}"
         )
+
+
+def verify_payload(header: ObjectHeader, payload: memoryview) -> None:
+    """Check the payload read into `payload` against the header's length and CRC32C.
+
+    Raises:
+        CorruptObjectError: the length or the CRC differs.
+    """
+    check_length(header, payload.nbytes, payload.nbytes)
     if crc32c.crc32c(payload) != header.crc:
         raise CorruptObjectError("payload CRC32C mismatch")
