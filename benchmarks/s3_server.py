@@ -3,6 +3,7 @@ on loopback (needs the `moto[server]` package, part of the test extra)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -21,14 +22,19 @@ class MotoServer:
     """moto_server on 127.0.0.1:`port`; `stop` and `start` again to simulate an outage (the
     restarted server has lost every bucket and object)."""
 
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, environment: dict[str, str] | None = None):
+        """`environment`: extra variables for the server, for example
+        ``{"INITIAL_NO_AUTH_ACTION_COUNT": "0"}`` to make it check credentials."""
         self.port = port or free_port()
+        self.environment = environment or {}
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         self._process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 30.0) -> None:
         command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
-        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._process = subprocess.Popen(
+            command, env={**os.environ, **self.environment}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:

@@ -1,5 +1,6 @@
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -25,10 +26,14 @@ def ctx() -> ReqContext:
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_threads():
-    """Every test must stop the runtimes and thread pools it started."""
+def no_leaked_threads_or_shared_memory():
+    """Every test must stop the runtimes and thread pools it started, and release its
+    shared-memory regions."""
     before = set(threading.enumerate())
+    regions_before = set(Path("/dev/shm").glob("tiering-*"))
     yield
+    leftovers = sorted(str(p) for p in set(Path("/dev/shm").glob("tiering-*")) - regions_before)
+    assert leftovers == [], f"shared memory left behind: {leftovers}"
     for thread in threading.enumerate():
         if thread not in before and thread.name.startswith("tiering"):
             thread.join(5)  # pools wind down asynchronously after shutdown(wait=False)

@@ -58,3 +58,15 @@ def store_rank_blocks(instance_id, num_blocks, page_shape, num_workers, rank, ba
     barrier.wait(timeout=30)  # the scheduler reads while the region is still mapped
     barrier.wait(timeout=30)
     region.cleanup()
+
+
+def write_blocks_forever(root_dir, fingerprint, block_bytes):
+    """Write blocks through the file store's own write path, at its own paths, until killed."""
+    from backends.file import FileBlockStore, _write_object
+    from tests.helpers import block_bytes as payload_of
+    from tests.helpers import key
+
+    store = FileBlockStore(root_dir, fingerprint)  # only for its paths; nothing is opened
+    for i in range(1_000_000):
+        k = key(i)
+        _write_object(store.path(k), k, memoryview(payload_of(k, block_bytes)), fingerprint, False, False)

@@ -20,6 +20,7 @@ when the tier shuts down with it in flight (as failed).
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -70,6 +71,7 @@ class _Done:
     ok: set[OffloadKey] = field(default_factory=set)
     drop: set[OffloadKey] = field(default_factory=set)
     errors: int = 0  # transient failures, counted by the health breaker
+    no_space: int = 0  # stores refused by a full device (not a sign of a sick backend)
 
     @property
     def success(self) -> bool:
@@ -336,6 +338,14 @@ class BlockStoreTier(SecondaryTierManager):
             else:
                 del self._index[key]
                 self.used_bytes -= entry.size
+        if done.no_space and (self.capacity_bytes is None or self.used_bytes < self.capacity_bytes):
+            logger.warning(
+                "tier %s: device full at %d bytes; capacity lowered to that (was %s)",
+                self.tier_type,
+                self.used_bytes,
+                self.capacity_bytes,
+            )
+            self.capacity_bytes = max(self.used_bytes, 1)
 
     def _probe(self, key: OffloadKey) -> bool | None:
         state = self._probes.get(key, 0.0)
@@ -470,6 +480,9 @@ class BlockStoreTier(SecondaryTierManager):
         for (key, _), error in zip(batch, await self._io(self.store.put_many, batch), strict=True):
             if error is None:
                 done.ok.add(key)
+            elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._failed("store_no_space", error)
+                done.no_space += 1
             else:
                 self._failed("store", error)
                 done.errors += 1

@@ -28,12 +28,13 @@ from tiering.secondary import SecondaryTierManager
 Size = Annotated[ByteSize, Field(gt=0)]
 """Bytes: a positive integer, or a string such as ``"8GiB"`` or ``"512 MB"``."""
 
-_FIXED_PARAMETERS = {"self", "offloading_spec", "primary_kv_view", "tier_type"}
+_FIXED_PARAMETERS = {"self", "offloading_spec", "primary_kv_view", "tier_type", "fingerprint"}  # given, not configured
 
 ENTRY_POINT_GROUP = "tiering.secondary_tiers"
 
 _BUILTIN_TIERS: dict[str, tuple[str, str]] = {
     "example": ("backends.example", "ExampleSecondaryTierManager"),
+    "faulty": ("backends.faulty", "FaultyTier"),
     "file": ("backends.file", "FileTier"),
     "memory": ("backends.memory", "MemoryTier"),
     "s3": ("backends.s3", "S3Tier"),

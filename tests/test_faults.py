@@ -1,0 +1,135 @@
+"""Faults never crash the scheduler, never load wrong bytes, never leak."""
+
+import errno
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from backends import FileBlockStore
+from benchmarks.s3_server import MotoServer
+from tests import region_worker
+from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
+from tests.store_conformance import FINGERPRINT, read_verified
+from tiering import JobMetadata, SecondaryTierFactory
+
+
+def make_tier(config, num_blocks=8):
+    view = RegionStandIn(num_blocks, ROW).create_kv_memoryview()
+    return SecondaryTierFactory.create_secondary_tier(config, view, None), np.asarray(view)
+
+
+def job(job_id, ids, rows, promotion):
+    return JobMetadata(job_id, keys(*ids), np.array(rows, dtype=np.int64), promotion, CTX)
+
+
+def finish(tier):
+    tier.on_schedule_end()
+    assert tier.drain(30)
+    return {result.job_id: result.success for result in tier.get_finished()}
+
+
+def test_every_corrupted_read_is_rejected_and_the_key_dropped(engine_factory):
+    engine = engine_factory({"type": "faulty", "inner": {"type": "memory"}, "corruption_rate": 1.0})
+    engine.store(0, 1, 2, 3)
+    engine.store(4, 5, 6, 7)  # 0..3 now only in the faulty tier
+    assert engine.lookup_until_done(0, 1) == [False, False]  # every read was corrupted: never loaded
+    assert engine.tier.failures["load_corrupt"] == 2
+    assert engine.tier.lookup(key(0), CTX) is False
+    assert engine.primary.lookup(key(0), CTX) is False  # the row reserved for it was freed
+
+
+def test_a_hung_backend_times_out_into_failed_jobs():
+    tier, _ = make_tier({"type": "faulty", "inner": {"type": "memory"}, "hang_rate": 1.0, "op_timeout_s": 0.2})
+    try:
+        tier.submit_store(job(1, [0, 1], [0, 1], False))
+        assert finish(tier) == {1: False}
+        assert tier.failures["store"] == 2
+    finally:
+        tier.shutdown()
+
+
+def test_shutdown_returns_while_the_backend_hangs_and_reports_the_jobs_failed():
+    tier, _ = make_tier({"type": "faulty", "inner": {"type": "memory"}, "hang_rate": 1.0, "op_timeout_s": 300})
+    tier.submit_store(job(1, [0], [0], False))
+    tier.submit_store(job(2, [1], [1], False))
+    tier.on_schedule_end()
+    tier.shutdown()  # bounded by cancelling the hung operations, not by their 300 s timeout
+    assert {r.job_id: r.success for r in tier.get_finished()} == {1: False, 2: False}
+
+
+def test_a_full_disk_fails_stores_cleanly_lowers_capacity_and_keeps_serving_loads(tmp_path, monkeypatch, caplog):
+    tier, rows = make_tier({"type": "file", "root_dir": str(tmp_path), "direct_io": False})
+    try:
+        rows[:4] = np.frombuffer(b"".join(block_bytes(k, ROW) for k in keys(0, 1, 2, 3)), np.uint8).reshape(4, ROW)
+        tier.submit_store(job(1, [0, 1, 2, 3], [0, 1, 2, 3], False))
+        assert finish(tier) == {1: True}
+
+        def disk_full(fd, buffers):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "writev", disk_full)
+        tier.submit_store(job(2, [4, 5], [4, 5], False))
+        assert finish(tier) == {2: False}
+        assert tier.failures["store_no_space"] == 2 and tier.health.healthy
+        assert tier.capacity_bytes == tier.used_bytes == 4 * tier.object_bytes(key(0))
+        rows[6:8] = 0
+        tier.submit_load(job(3, [0, 1], [6, 7], True))  # loads are still served
+        assert finish(tier) == {3: True}
+        assert rows[6].tobytes() == block_bytes(key(0), ROW)
+        monkeypatch.undo()
+        tier.submit_store(job(4, [4], [4], False))  # space again: the least recent block makes room
+        assert finish(tier) == {4: True}
+        assert tier.lookup(key(4), CTX) is True and tier.num_blocks == 4
+        assert "device full" in caplog.text
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_process_killed_while_writing_leaves_only_intact_blocks(tmp_path):
+    store = FileBlockStore(tmp_path, FINGERPRINT, direct_io=False)
+    await store.open()  # creates the namespace and shard directories
+    await store.close()
+
+    def files():
+        return [name for _, _, names in os.walk(store.directory) for name in names]
+
+    spawn = multiprocessing.get_context("spawn")
+    writer = spawn.Process(
+        target=region_worker.write_blocks_forever, args=(tmp_path, FINGERPRINT, 256 << 10), daemon=True
+    )
+    writer.start()
+    deadline = time.monotonic() + 30
+    while len(files()) < 40 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(writer.pid, signal.SIGKILL)  # in the middle of some write
+    writer.join(30)
+    await store.open()
+    try:
+        recovered = await store.recover()
+        assert len(recovered) >= 20
+        for k, _ in recovered:
+            into = memoryview(bytearray(256 << 10))
+            await read_verified(store, k, into)  # every block a restart loads is whole and exact
+            assert bytes(into) == block_bytes(k, 256 << 10)
+        assert [name for name in files() if name.endswith(".tmp")] == []
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_wrong_credentials_are_a_clear_error(s3_environment):
+    from backends.s3 import S3BlockStore
+
+    server = MotoServer(environment={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})  # this server checks credentials
+    server.start()
+    try:
+        store = S3BlockStore(FINGERPRINT, "some-bucket", endpoint_url=server.endpoint_url, max_attempts=1)
+        with pytest.raises(PermissionError, match=r"access denied \(403\); check the credentials"):
+            await store.open()
+    finally:
+        server.stop()
