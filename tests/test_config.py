@@ -58,7 +58,7 @@ BAD = [
     ),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: nvme}]",
-        "secondary_tiers[0].type: unknown secondary tier type 'nvme'; supported types: example, file, memory, s3",
+        "secondary_tiers[0].type: unknown secondary tier type 'nvme'; supported types: example, faulty, file, memory, s3",
     ),
     ("cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file}]", "secondary_tiers[0].root_dir: required key is missing"),
     (
