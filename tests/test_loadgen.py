@@ -170,3 +170,23 @@ def test_a_terminated_run_shuts_down_and_leaves_no_shared_memory(tmp_path):
     os.kill(process.pid, signal.SIGTERM)
     assert process.wait(30) == 128 + signal.SIGTERM
     assert not region.exists()
+
+
+def test_a_run_over_a_faulty_tier_loads_no_wrong_byte(tmp_path):
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        "cpu_bytes_to_use: 1MiB\n"
+        "secondary_tiers:\n"
+        "  - type: faulty\n"
+        f"    inner: {{type: file, root_dir: {tmp_path}}}\n"
+        "    failure_rate: 0.1\n"
+        "    corruption_rate: 0.01\n"
+        "    seed: 7\n"
+    )
+    output = tmp_path / "run.json"
+    assert cli.main(["--config", str(config), "--max-requests", "300", "--verify", "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    failures = report["tiers"]["faulty"]["failures"]
+    assert report["verify_failures"] == 0
+    assert failures.get("store", 0) + failures.get("load", 0) > 0  # faults were injected...
+    assert report["hit_rate"]["faulty"] > 0  # ...and the tier still served hits
