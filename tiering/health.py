@@ -59,11 +59,15 @@ class TierHealth:
         self._retry_at = 0.0
 
     def record(self, successes: int, failures: int) -> None:
-        """Count the outcomes of finished operations; may trip the breaker."""
-        if failures:
-            self.consecutive_failures += failures
-        elif successes:
+        """Count the outcomes of one finished batch of operations; may trip the breaker.
+
+        A batch with any success shows the backend alive and resets the count, whatever
+        else failed in it: only batches that fail entirely add up.
+        """
+        if successes:
             self.consecutive_failures = 0
+        else:
+            self.consecutive_failures += failures
         if self.healthy and self.consecutive_failures >= self.failure_threshold:
             self._pause(f"{self.consecutive_failures} consecutive failures")
 
