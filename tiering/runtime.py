@@ -112,7 +112,7 @@ class AsyncRuntime:
         future = asyncio.run_coroutine_threadsafe(func(*args), loop)
         try:
             return future.result(timeout_s)
-        except TimeoutError:
+        except BaseException:  # a timeout, or the caller interrupted (SIGTERM, Ctrl-C): stop the coroutine too
             future.cancel()
             raise
 

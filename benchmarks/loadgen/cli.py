@@ -85,7 +85,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     Raises:
         ConfigError, ValueError, OSError: unusable input or storage.
     """
-    with tempfile.TemporaryDirectory(prefix="tiering-bench-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="tiering-bench-", ignore_cleanup_errors=True) as scratch:
         environ = {**os.environ, "TIERING_BENCH_DIR": scratch}
         if args.config:
             config = load_config(args.config, environ)
