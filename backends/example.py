@@ -69,6 +69,9 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         finished, self.completed_jobs = self.completed_jobs, []
         return finished
 
+    def get_stats(self) -> dict[str, Any]:
+        return {"counters": {}, "gauges": {"blocks": len(self.blocks)}}
+
     def get_num_blocks(self) -> int:
         """Number of keys held."""
         return len(self.blocks)

@@ -40,11 +40,22 @@ from tiering.keys import OffloadKey, ReqContext
 from tiering.object_format import ObjectHeader, layout_fingerprint, object_size, verify_payload
 from tiering.runtime import AsyncRuntime, RuntimeClosedError
 from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
+from tiering.stats import Histogram, TierStats
 
 if TYPE_CHECKING:
     from backends.store import BlockStore
 
 logger = logging.getLogger(__name__)
+
+_COUNTERS = (
+    "blocks_stored",
+    "bytes_stored",
+    "blocks_loaded",
+    "bytes_loaded",
+    "evictions",
+    "jobs_succeeded",
+    "jobs_failed",
+)
 
 
 class _Entry:
@@ -142,7 +153,10 @@ class BlockStoreTier(SecondaryTierManager):
         self.used_bytes = 0
         self.op_timeout_s = op_timeout_s
         self.failures: Counter[str] = Counter()
-        self.stats: Counter[str] = Counter()  # blocks and bytes stored and loaded, evictions
+        self._counters: Counter[str] = Counter()  # blocks and bytes stored and loaded, evictions, jobs
+        self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
+        self._job_started: dict[int, float] = {}
+        self._job_seconds = Histogram()
         self._limiter = anyio.CapacityLimiter(max_concurrency)
         self.health = TierHealth(tier_type, failure_threshold, backoff_s, max_backoff_s)
         self._probe_misses = probe_misses
@@ -176,10 +190,13 @@ class BlockStoreTier(SecondaryTierManager):
         else False. Always False while the tier is unhealthy."""
         entry = self._index.get(key)
         if not self.health.healthy:
-            return False
-        if entry is not None:
-            return True if entry.stored else None
-        return self._probe(key) if self._probe_misses else False
+            answer = False
+        elif entry is not None:
+            answer = True if entry.stored else None
+        else:
+            answer = self._probe(key) if self._probe_misses else False
+        self._lookups[answer] += 1
+        return answer
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Make the held `keys` the most recent for eviction (the first one most)."""
@@ -191,6 +208,7 @@ class BlockStoreTier(SecondaryTierManager):
     def submit_store(self, job_metadata: JobMetadata) -> None:
         """Reserve room for the blocks not held yet (evicting idle LRU blocks) and start
         writing them. A block that finds no room fails the job, the others still go."""
+        self._job_started[job_metadata.job_id] = time.perf_counter()
         done = _Done("store", job_metadata.job_id, [])
         items: list[tuple[OffloadKey, int]] = []
         evicted: list[OffloadKey] = []
@@ -217,6 +235,7 @@ class BlockStoreTier(SecondaryTierManager):
     def submit_load(self, job_metadata: JobMetadata) -> None:
         """Start reading the job's blocks into its primary rows; fails at once if a key is
         not stored here."""
+        self._job_started[job_metadata.job_id] = time.perf_counter()
         items = list(zip(job_metadata.keys, (int(b) for b in job_metadata.block_ids), strict=True))
         done = _Done("load", job_metadata.job_id, [key for key, _ in items])
         entries = [self._index.get(key) for key, _ in items]
@@ -249,7 +268,33 @@ class BlockStoreTier(SecondaryTierManager):
                 self._apply_probe(done)
             if done.job_id is not None:
                 results.append(JobResult(done.job_id, done.success))
+                self._counters["jobs_succeeded" if done.success else "jobs_failed"] += 1
+                started = self._job_started.pop(done.job_id, None)
+                if started is not None:
+                    self._job_seconds.observe(time.perf_counter() - started)
         return results
+
+    def get_stats(self) -> TierStats:
+        """Counters (lookups by answer, blocks and bytes stored and loaded, evictions, jobs
+        succeeded and failed, failures by reason), gauges (blocks and bytes held, capacity,
+        jobs in flight, health) and the job-duration histogram. Cheap; scheduler thread."""
+        counters = {
+            "lookups": sum(self._lookups.values()),
+            "hits": self._lookups[True],
+            "misses": self._lookups[False],
+            "lookups_in_flight": self._lookups[None],
+            **{name: self._counters[name] for name in _COUNTERS},
+            "failures": dict(self.failures),
+        }
+        gauges = {
+            "blocks": len(self._index),
+            "bytes": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "jobs_in_flight": len(self._job_started),
+            "healthy": self.health.healthy,
+            "state": self.health.state.value,
+        }
+        return {"counters": counters, "gauges": gauges, "job_seconds": self._job_seconds.snapshot()}
 
     def on_schedule_end(self) -> None:
         """Start the work submitted during the step (one wake-up of the loop), and, when an
@@ -323,7 +368,7 @@ class BlockStoreTier(SecondaryTierManager):
                 return False
             self.used_bytes -= index.pop(victim).size
             evicted.append(victim)
-            self.stats["evictions"] += 1
+            self._counters["evictions"] += 1
         return True
 
     def _apply_store(self, done: _Done) -> None:
@@ -333,8 +378,8 @@ class BlockStoreTier(SecondaryTierManager):
                 continue
             if key in done.ok:
                 entry.stored = True
-                self.stats["blocks_stored"] += 1
-                self.stats["bytes_stored"] += entry.size
+                self._counters["blocks_stored"] += 1
+                self._counters["bytes_stored"] += entry.size
             else:
                 del self._index[key]
                 self.used_bytes -= entry.size
@@ -392,8 +437,8 @@ class BlockStoreTier(SecondaryTierManager):
                 self.used_bytes -= entry.size
             elif key in done.ok:
                 index.move_to_end(key)
-                self.stats["blocks_loaded"] += 1
-                self.stats["bytes_loaded"] += entry.size
+                self._counters["blocks_loaded"] += 1
+                self._counters["bytes_loaded"] += entry.size
 
     def _submit_task(self, spawn: Callable[[], None]) -> None:
         self._tasks_submitted += 1

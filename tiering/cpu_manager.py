@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Collection
 from typing import Protocol
 
@@ -10,6 +11,7 @@ from tiering.abstract import OffloadingManager
 from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.policies import BlockStatus, make_cache_policy
 from tiering.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+from tiering.stats import TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._free_block_ids: list[int] = []
         self._num_ids_used = 0  # ids below this were handed out before
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
+        self._counters: Counter[str] = Counter()
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,9 +60,9 @@ class CPUOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """True if `key` is stored, None while its write is in flight, False otherwise."""
         block = self._policy.get(key)
-        if block is None:
-            return False
-        return True if block.ref_cnt >= 0 else None
+        answer = False if block is None else (True if block.ref_cnt >= 0 else None)
+        self._lookups[answer] += 1
+        return answer
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
         """Pin the rows of `keys` (one reader each) and return them in the order of `keys`.
@@ -69,6 +73,7 @@ class CPUOffloadingManager(OffloadingManager):
         blocks = [self._block(key, "prepare_load", lambda b: b.ref_cnt >= 0) for key in keys]
         for block in blocks:
             block.ref_cnt += 1
+        self._counters["blocks_loaded"] += len(blocks)
         return CPULoadStoreSpec([block.block_id for block in blocks])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -102,10 +107,12 @@ class CPUOffloadingManager(OffloadingManager):
         if shortfall > 0:
             victims = policy.evict(shortfall, protected=set(keys))
             if victims is None:
+                self._counters["stores_refused"] += 1
                 return None
             for key, block in victims:
                 self._free_block_ids.append(block.block_id)
                 evicted.append(key)
+            self._counters["evictions"] += len(victims)
             self._emit(evicted, removed=True)
         block_ids = [self._allocate_block_id() for _ in keys_to_store]
         for key, block_id in zip(keys_to_store, block_ids, strict=True):
@@ -135,11 +142,27 @@ class CPUOffloadingManager(OffloadingManager):
             else:
                 policy.remove(key)
                 self._free_block_ids.append(block.block_id)
+                self._counters["blocks_store_failed"] += 1
+        self._counters["blocks_stored"] += len(stored)
         self._emit(stored, removed=False)
         return stored
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def get_stats(self) -> TierStats:
+        """Counters (lookups by answer, blocks stored and loaded, evictions, refused stores)
+        and gauges (blocks held, capacity in blocks). Cheap; scheduler thread."""
+        counters = {
+            "lookups": sum(self._lookups.values()),
+            "hits": self._lookups[True],
+            "misses": self._lookups[False],
+            "lookups_in_flight": self._lookups[None],
+            **{name: self._counters[name] for name in ("blocks_stored", "blocks_loaded", "evictions")},
+            **self._counters,
+        }
+        gauges = {"blocks": len(self._policy), "capacity_blocks": self.num_blocks, "healthy": True}
+        return {"counters": counters, "gauges": gauges}
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call, oldest first; always empty if events are disabled."""

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +79,10 @@ class TieringOffloadingManager(OffloadingManager):
         self._promotions: dict[tuple[int, str], _QueuedPromotion] = {}
         self._polled_this_step = False
         self._shut_down = False
+        types = [tier.tier_type for tier in self.secondary_tiers]
+        self.tier_names = [t if types.count(t) == 1 else f"{t}-{i}" for i, t in enumerate(types)]
+        self._counters = {"promotions_submitted": 0, "cascades_submitted": 0}
+        self._listeners: list[list[Any]] = []  # [callback, interval_s, next due]
 
     # -- scheduler calls ------------------------------------------------------------------
 
@@ -140,6 +146,7 @@ class TieringOffloadingManager(OffloadingManager):
         for tier_idx in range(len(self.secondary_tiers)):
             spec = self.primary_tier.prepare_read(stored, req_context)
             self._submit(tier_idx, list(stored), spec.block_ids, False, req_context)
+            self._counters["cascades_submitted"] += 1
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return self.primary_tier.on_new_request(req_context)
@@ -166,13 +173,53 @@ class TieringOffloadingManager(OffloadingManager):
         for (tier_idx, _), queued in self._promotions.items():
             block_ids = np.array(queued.block_ids, dtype=np.int64)
             self._submit(tier_idx, queued.keys, block_ids, True, queued.req_context)
+            self._counters["promotions_submitted"] += 1
         self._promotions.clear()
         for tier in self.secondary_tiers:
             try:
                 tier.on_schedule_end()
             except Exception:
                 logger.exception("tier %s: on_schedule_end failed", tier.tier_type)
+        if self._listeners:
+            self._publish_stats()
         self._polled_this_step = False
+
+    def get_stats(self) -> dict[str, Any]:
+        """``{"primary": stats, "tiers": {name: stats}, "manager": {...}}``: the primary
+        tier's and each secondary tier's `get_stats()` (see `tiering.stats`), by name
+        (`tier_names`), and the manager's own counters and gauges. Scheduler thread."""
+        tiers = {}
+        for name, tier in zip(self.tier_names, self.secondary_tiers, strict=True):
+            try:
+                tiers[name] = tier.get_stats()
+            except Exception:
+                logger.exception("tier %s: get_stats failed", name)
+                tiers[name] = {"counters": {}, "gauges": {}}
+        manager = {
+            **self._counters,
+            "jobs_in_flight": len(self._jobs),
+            "promotions_queued": sum(len(queued.keys) for queued in self._promotions.values()),
+        }
+        return {"primary": self.primary_tier.get_stats(), "tiers": tiers, "manager": manager}
+
+    def add_stats_listener(self, callback: Callable[[dict[str, Any]], None], interval_s: float = 1.0) -> None:
+        """Call ``callback(get_stats())`` from `on_schedule_end`, at most every `interval_s`
+        seconds, on the scheduler thread (a metrics exporter publishes from there, so it
+        never reads the engine from its own thread). A raising callback is logged."""
+        self._listeners.append([callback, interval_s, 0.0])
+
+    def _publish_stats(self) -> None:
+        now = time.monotonic()
+        due = [listener for listener in self._listeners if now >= listener[2]]
+        if not due:
+            return
+        stats = self.get_stats()
+        for listener in due:
+            listener[2] = now + listener[1]
+            try:
+                listener[0](stats)
+            except Exception:
+                logger.exception("stats listener %r failed", listener[0])
 
     def has_pending_work(self) -> bool:
         """Whether a promotion is queued or a job has not been reported yet."""

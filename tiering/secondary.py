@@ -107,6 +107,11 @@ class SecondaryTierManager(ABC):
         """
         return True
 
+    def get_stats(self) -> dict[str, Any]:
+        """``{"counters": {...}, "gauges": {...}}`` of this tier (see `tiering.stats`);
+        cheap, scheduler thread. The default has none."""
+        return {"counters": {}, "gauges": {}}
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Keys this tier gained or dropped since the last call, for KV-event consumers."""
         return ()

@@ -20,14 +20,16 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
     hit_rate["total"] = 1 - stats.tokens["miss"] / total
     tiers = {}
     for tier in engine.manager.secondary_tiers:
-        counters = getattr(tier, "stats", {})
+        tier_stats = tier.get_stats()
+        counters = tier_stats["counters"]
         tiers[tier.tier_type] = {
             "store_bytes": counters.get("bytes_stored", 0),
             "load_bytes": counters.get("bytes_loaded", 0),
             "store_gbps": counters.get("bytes_stored", 0) / stats.wall_s / 1e9,
             "load_gbps": counters.get("bytes_loaded", 0) / stats.wall_s / 1e9,
             "evictions": counters.get("evictions", 0),
-            "failures": dict(getattr(tier, "failures", {})),
+            "failures": counters.get("failures", {}),
+            "stats": tier_stats,
         }
     transfers = {}
     for direction, name in ((("GPU", "CPU"), "gpu_to_cpu"), (("CPU", "GPU"), "cpu_to_gpu")):

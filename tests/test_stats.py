@@ -1,0 +1,47 @@
+"""Counters and gauges match what a scripted run did."""
+
+from tests.helpers import CTX, keys
+
+
+def test_counters_match_a_scripted_run(engine_factory):
+    engine = engine_factory({"type": "memory"}, num_blocks=4)
+    manager, tier = engine.manager, engine.tier
+    engine.store(0, 1, 2, 3)  # 4 blocks stored, cascaded in one job
+    assert manager.lookup(keys(9)[0], CTX) is False  # a miss everywhere
+    engine.store(4, 5, 6, 7)  # 4 more: evicts 0..3 from the primary tier, one more cascade
+    assert engine.lookup_until_done(0) == [True]  # promoted back: evicts one more block
+    stats = manager.get_stats()
+
+    primary = stats["primary"]
+    assert primary["counters"]["blocks_stored"] == 9  # 8 stores and 1 promotion
+    assert primary["counters"]["evictions"] == 5
+    assert primary["gauges"] == {"blocks": 4, "capacity_blocks": 4, "healthy": True}
+
+    memory = stats["tiers"]["memory"]
+    object_bytes = tier.object_bytes(keys(0)[0])
+    assert memory["counters"]["blocks_stored"] == 8
+    assert memory["counters"]["bytes_stored"] == 8 * object_bytes
+    assert memory["counters"]["blocks_loaded"] == 1
+    assert memory["counters"]["jobs_succeeded"] == 3 and memory["counters"]["jobs_failed"] == 0
+    assert memory["counters"]["misses"] >= 1 and memory["counters"]["hits"] >= 1
+    assert memory["gauges"]["blocks"] == 8 and memory["gauges"]["bytes"] == 8 * object_bytes
+    assert memory["gauges"]["jobs_in_flight"] == 0 and memory["gauges"]["healthy"] is True
+    assert memory["job_seconds"]["count"] == 3
+    assert memory["job_seconds"]["buckets"][-1] == ["+Inf", 3]
+
+    assert stats["manager"] == {
+        "cascades_submitted": 2,
+        "promotions_submitted": 1,
+        "jobs_in_flight": 0,
+        "promotions_queued": 0,
+    }
+
+
+def test_listeners_get_snapshots_at_most_every_interval(engine_factory):
+    engine = engine_factory({"type": "memory"})
+    seen = []
+    engine.manager.add_stats_listener(seen.append, interval_s=3600)
+    engine.manager.add_stats_listener(lambda stats: 1 / 0, interval_s=3600)  # logged, not raised
+    for _ in range(5):
+        engine.manager.on_schedule_end()
+    assert len(seen) == 1 and set(seen[0]) == {"primary", "tiers", "manager"}
