@@ -11,6 +11,8 @@ secondary_tiers:                # looked up in this order
   - type: s3
     bucket: kv-cache
     endpoint_url: ${S3_ENDPOINT}   # environment variables are expanded
+metrics:                        # optional: Prometheus on 127.0.0.1:9400/metrics
+  port: 9400
 ```
 
 Every problem is reported at once, each with the file, the key path
@@ -51,6 +53,16 @@ class ConfigError(ValueError):
         super().__init__("invalid configuration\n  " + "\n  ".join(lines))
 
 
+class MetricsConfig(BaseModel):
+    """``metrics``: serve the engine's stats for Prometheus (needs the ``metrics`` extra)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    port: int = Field(ge=0, le=65535)
+    address: str = "127.0.0.1"
+    interval_s: float = Field(default=1.0, gt=0)
+
+
 class TieringConfig(BaseModel):
     """A validated configuration. ``secondary_tiers`` hold each tier's checked options
     (sizes as ints) with its ``type`` (and ``module_path``/``class_name`` when given)."""
@@ -61,6 +73,7 @@ class TieringConfig(BaseModel):
     block_size: int | None = Field(default=None, gt=0)
     eviction_policy: str = "lru"
     secondary_tiers: list[dict[str, Any]] = Field(default_factory=list)
+    metrics: MetricsConfig | None = None
 
     @field_validator("eviction_policy")
     @classmethod

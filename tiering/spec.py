@@ -129,6 +129,7 @@ class TieringOffloadingSpec:
         )
         self.async_runtime = AsyncRuntime("tiering-io")
         self._manager: TieringOffloadingManager | None = None
+        self.exporter: Any = None  # a PrometheusExporter when the config has `metrics`
         self._workers: list[tuple[Any, SharedOffloadRegion]] = []
 
     def get_manager(self) -> TieringOffloadingManager:
@@ -168,6 +169,8 @@ class TieringOffloadingSpec:
             self.async_runtime.shutdown()
             raise
         self._manager = TieringOffloadingManager(primary, tiers, self.enable_events)
+        if self.config.metrics is not None:
+            self._start_exporter()
         logger.info(
             "engine ready: %d CPU blocks of %d bytes (%s), %d secondary tier(s)",
             self.num_blocks,
@@ -176,6 +179,21 @@ class TieringOffloadingSpec:
             len(tiers),
         )
         return self._manager
+
+    def _start_exporter(self) -> None:
+        metrics = self.config.metrics
+        try:
+            from tiering.metrics import PrometheusExporter
+        except ImportError:
+            self.shutdown()
+            raise ValueError("metrics: needs prometheus_client (pip install 'kv-tiering[metrics]')") from None
+        try:
+            self.exporter = PrometheusExporter(metrics.port, metrics.address)
+        except OSError:
+            self.shutdown()
+            raise
+        self.exporter.attach(self._manager, metrics.interval_s)
+        logger.info("metrics on http://%s:%d/metrics", metrics.address, self.exporter.port)
 
     def create_handlers(self, kv_caches: Any, rank: int = 0) -> Any:
         """Worker side: `CpuGpuOffloadingHandlers` for `kv_caches` (a `CanonicalKVCaches`),
@@ -216,6 +234,8 @@ class TieringOffloadingSpec:
             handlers.shutdown()
             region.cleanup()
         self._workers.clear()
+        if self.exporter is not None:
+            self.exporter.close()
         if self._manager is not None:
             self._manager.shutdown()
         self.async_runtime.shutdown()

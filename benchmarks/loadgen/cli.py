@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, help="write hit rates over the run as PNG")
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads and payloads")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
     return parser.parse_args(argv)
 
 
@@ -104,7 +105,14 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         if gpu_blocks < longest:
             raise ValueError(f"--gpu-blocks {gpu_blocks} cannot hold the longest prompt ({longest} blocks)")
         engine = SimulatedEngine(config, layout_for(args), gpu_blocks, f"bench-{os.getpid()}", args.seed)
+        exporter = None
         try:
+            if args.metrics_port is not None:
+                from tiering.metrics import PrometheusExporter
+
+                exporter = PrometheusExporter(args.metrics_port)
+                exporter.attach(engine.manager)
+                console.print(f"metrics on http://127.0.0.1:{exporter.port}/metrics", highlight=False)
             loop = SchedulerLoop(engine, verify=args.verify)
             columns = (TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
             with Progress(*columns, console=console, transient=True) as progress:
@@ -129,6 +137,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             }
             report = build_report(stats, engine, bounds, inputs)
         finally:
+            if exporter is not None:
+                exporter.close()
             engine.shutdown()
     if args.plot:
         plot(stats, list(report["hit_rate"])[:-1], str(args.plot))

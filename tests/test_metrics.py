@@ -1,0 +1,64 @@
+"""The Prometheus exporter serves the expected metrics on 127.0.0.1."""
+
+import urllib.request
+import uuid
+
+import pytest
+
+from tests.helpers import CTX, keys
+from tiering import KVLayout, TieringOffloadingSpec, parse_config
+from tiering.metrics import PrometheusExporter
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def test_the_exporter_serves_tier_and_manager_metrics(engine_factory):
+    engine = engine_factory({"type": "memory"})
+    exporter = PrometheusExporter(0)
+    try:
+        assert scrape(exporter.port).strip() == ""  # nothing published yet
+        engine.store(0, 1)
+        engine.manager.lookup(keys(9)[0], CTX)
+        exporter.attach(engine.manager)
+        text = scrape(exporter.port)
+    finally:
+        exporter.close()
+        exporter.close()
+    for line in (
+        'tiering_tier_blocks_stored_total{tier="memory"} 2.0',
+        'tiering_tier_blocks_stored_total{tier="cpu"} 2.0',
+        'tiering_tier_misses_total{tier="memory"} 1.0',
+        'tiering_tier_healthy{tier="memory"} 1.0',
+        'tiering_tier_blocks{tier="cpu"} 2.0',
+        'tiering_tier_job_duration_seconds_count{tier="memory"} 1.0',
+        "tiering_manager_cascades_submitted_total 1.0",
+        "tiering_manager_jobs_in_flight 0.0",
+    ):
+        assert line in text, line
+    assert 'tiering_tier_job_duration_seconds_bucket{le="+Inf",tier="memory"} 1.0' in text
+
+
+def test_a_config_with_metrics_starts_and_stops_the_exporter():
+    config = parse_config(
+        "cpu_bytes_to_use: 64KiB\nmetrics: {port: 0, interval_s: 0.01}\nsecondary_tiers: [{type: memory}]"
+    )
+    spec = TieringOffloadingSpec(config, KVLayout("tiny", 2, 64, 4), f"test-{uuid.uuid4().hex[:12]}")
+    manager = spec.get_manager()
+    try:
+        port = spec.exporter.port
+        manager.on_schedule_end()
+        assert 'tiering_tier_capacity_blocks{tier="cpu"} 128.0' in scrape(port)
+    finally:
+        spec.shutdown()
+    with pytest.raises(OSError):
+        scrape(port)
+
+
+def test_metrics_config_is_validated():
+    from tiering import ConfigError
+
+    with pytest.raises(ConfigError, match=r"metrics\.port: Input should be less than or equal to 65535"):
+        parse_config("cpu_bytes_to_use: 1MiB\nmetrics: {port: 70000}")
