@@ -13,7 +13,7 @@ from typing import Any
 from tiering.keys import OffloadKey, ReqContext
 from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"tiering.{__name__}")  # one logger tree: "tiering"
 
 
 class ExampleSecondaryTierManager(SecondaryTierManager):

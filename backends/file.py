@@ -42,7 +42,7 @@ from tiering.errors import CorruptObjectError, ObjectNotFoundError
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader, check_length, encode_header, header_size, parse_header
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"tiering.{__name__}")  # one logger tree: "tiering"
 
 T = TypeVar("T")
 _TMP_SUFFIX = ".tmp"

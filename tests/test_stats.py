@@ -45,3 +45,43 @@ def test_listeners_get_snapshots_at_most_every_interval(engine_factory):
     for _ in range(5):
         engine.manager.on_schedule_end()
     assert len(seen) == 1 and set(seen[0]) == {"primary", "tiers", "manager"}
+
+
+def test_every_logger_is_under_one_tree():
+    import importlib
+    import logging
+    import pkgutil
+
+    import backends
+    import tiering
+
+    for package in (tiering, backends):
+        for module in pkgutil.iter_modules(package.__path__, f"{package.__name__}."):
+            if module.name == "tiering.metrics":
+                continue  # imports prometheus_client only; no logger
+            loaded = importlib.import_module(module.name)
+            log = getattr(loaded, "logger", None)
+            if log is not None:
+                assert isinstance(log, logging.Logger) and log.name.startswith("tiering."), module.name
+
+
+def test_a_tier_state_change_is_one_log_line_not_one_per_block(caplog):
+    import numpy as np
+
+    from backends import MemoryBlockStore
+    from tests.helpers import ROW, RegionStandIn
+    from tiering import BlockStoreTier, JobMetadata
+
+    view = RegionStandIn(64, ROW).create_kv_memoryview()
+    tier = BlockStoreTier(None, view, "flaky", lambda fp: MemoryBlockStore(fp, failure_rate=1.0), failure_threshold=2)
+    try:
+        for job_id in range(8):  # 8 jobs of 8 blocks, every block failing
+            ids = list(range(job_id * 8, job_id * 8 + 8))
+            tier.submit_store(JobMetadata(job_id, keys(*ids), np.array(ids), False, CTX))
+            tier.on_schedule_end()
+            assert tier.drain(10)
+            tier.get_finished()
+    finally:
+        tier.shutdown()
+    assert caplog.text.count("unhealthy") == 1
+    assert caplog.text.count("store failed") <= 5  # the 1st, 2nd, 4th, 8th, 16th... failure, not 64 lines
