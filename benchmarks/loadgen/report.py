@@ -81,9 +81,10 @@ def print_summary(report: dict, console: Console) -> None:
         hits.add_row("replay speed vs the trace's clock", f"{report['realtime_factor']:.1f}x")
     console.print(hits)
     tiers = Table(title="Tiers and transfers")
-    for column in ("tier", "stored", "loaded", "store GB/s", "load GB/s", "evictions"):
+    for column in ("tier", "stored", "loaded", "store GB/s", "load GB/s", "evictions", "jobs ok / failed", "health"):
         tiers.add_column(column, justify="left" if column == "tier" else "right")
     for name, tier in report["tiers"].items():
+        counters, gauges = tier["stats"]["counters"], tier["stats"]["gauges"]
         tiers.add_row(
             name,
             _size(tier["store_bytes"]),
@@ -91,9 +92,13 @@ def print_summary(report: dict, console: Console) -> None:
             f"{tier['store_gbps']:.3f}",
             f"{tier['load_gbps']:.3f}",
             str(tier["evictions"]),
+            f"{counters.get('jobs_succeeded', 0)} / {counters.get('jobs_failed', 0)}",
+            str(gauges.get("state", "")),
         )
     for name, transfer in report["transfers"].items():
-        tiers.add_row(name, _size(transfer["bytes"]), "", f"{transfer['gbps_while_copying']:.2f} (copying)", "", "")
+        tiers.add_row(
+            name, _size(transfer["bytes"]), "", f"{transfer['gbps_while_copying']:.2f} (copying)", "", "", "", ""
+        )
     console.print(tiers)
     calls = Table(title="Scheduler-thread calls and promotions")
     for column in ("call", "count", "p50", "p99"):
