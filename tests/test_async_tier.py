@@ -311,3 +311,12 @@ def test_sizes_in_tier_options_may_be_strings():
         assert tier.capacity_bytes == 1 << 20
     finally:
         tier.shutdown()
+
+
+def test_a_shut_down_tier_raises_nothing_on_later_steps():
+    tier = make_tier(MemoryBlockStore, capacity_objects=2)
+    tier.shutdown()
+    tier.on_schedule_end()
+    assert tier.drain(1) is True
+    tier.submit_store(job(1, [0], [0], False))
+    assert [(r.job_id, r.success) for r in tier.get_finished()] == [(1, False)]

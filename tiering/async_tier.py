@@ -298,8 +298,10 @@ class BlockStoreTier(SecondaryTierManager):
 
     def on_schedule_end(self) -> None:
         """Start the work submitted during the step (one wake-up of the loop), and, when an
-        unhealthy tier's backoff has passed, its health probe."""
-        if not self.health.healthy and not self._closed and self.health.probe_due():
+        unhealthy tier's backoff has passed, its health probe. Nothing after shutdown."""
+        if self._closed:
+            return
+        if not self.health.healthy and self.health.probe_due():
             done = _Done("ping", None, [])
             self._submit_task(partial(self._spawn, done, partial(self._ping, done)))
         self._runtime.flush()
@@ -315,7 +317,8 @@ class BlockStoreTier(SecondaryTierManager):
         """
         if self._runtime.in_loop_thread():
             raise RuntimeError(f"tier {self.tier_type}: drain() from the loop thread would deadlock")
-        self._runtime.flush()
+        if not self._closed:  # after shutdown nothing new can start; only wait
+            self._runtime.flush()
         with self._done_cv:
             return self._done_cv.wait_for(lambda: self._tasks_done == self._tasks_submitted, timeout_s)
 

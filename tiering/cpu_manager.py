@@ -15,6 +15,8 @@ from tiering.stats import TierStats
 
 logger = logging.getLogger(__name__)
 
+_COUNTERS = ("blocks_stored", "blocks_store_failed", "blocks_loaded", "evictions", "stores_refused")
+
 
 class CPUOffloadingManager(OffloadingManager):
     """Bookkeeping of `num_blocks` CPU rows: which key is in which row, ref counts, eviction.
@@ -158,8 +160,7 @@ class CPUOffloadingManager(OffloadingManager):
             "hits": self._lookups[True],
             "misses": self._lookups[False],
             "lookups_in_flight": self._lookups[None],
-            **{name: self._counters[name] for name in ("blocks_stored", "blocks_loaded", "evictions")},
-            **self._counters,
+            **{name: self._counters[name] for name in _COUNTERS},
         }
         gauges = {"blocks": len(self._policy), "capacity_blocks": self.num_blocks, "healthy": True}
         return {"counters": counters, "gauges": gauges}

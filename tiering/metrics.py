@@ -44,7 +44,8 @@ class PrometheusExporter:
         return self._server.server_port
 
     def publish(self, stats: dict[str, Any]) -> None:
-        """Serve `stats` (a `TieringOffloadingManager.get_stats()` snapshot) from now on."""
+        """Serve `stats` (a `TieringOffloadingManager.get_stats()` snapshot) from now on; any
+        thread (a reference swap)."""
         self._snapshot = stats
 
     def attach(self, manager: Any, interval_s: float = 1.0) -> None:
