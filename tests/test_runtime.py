@@ -47,6 +47,24 @@ def test_callbacks_run_in_order_with_one_wakeup_per_flush(runtime):
     assert runtime.wakeups == 1
 
 
+def test_callbacks_run_inside_a_task_so_anyio_works_with_sniffio_installed(runtime):
+    # With sniffio importable, anyio asks it which library runs; from a bare loop callback
+    # it answers "none" and every anyio call raises (the cascade then never started).
+    import sniffio
+
+    done, seen = threading.Event(), []
+
+    def callback():
+        seen.append(sniffio.current_async_library())
+        seen.append(anyio.get_current_task().name)
+        done.set()
+
+    runtime.submit(callback)
+    runtime.flush()
+    assert done.wait(5)
+    assert seen[0] == "asyncio" and seen[1]
+
+
 def test_run_sync_returns_and_raises(runtime):
     async def add(a, b):
         await anyio.sleep(0)

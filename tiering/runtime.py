@@ -3,9 +3,10 @@
 The scheduler thread hands work to the loop with `submit(callback)`, a deque append, and
 rings the loop with `flush()` once per batch (a scheduler step): one `call_soon_threadsafe`,
 skipped when a wake-up is already pending. Waking the loop per job would cost a GIL handoff
-to the loop thread per job. Callbacks run on the loop thread in submission order; they
-typically start tasks in a task group. Blocking calls into the loop (`run_sync`) are for
-construction and shutdown only.
+to the loop thread per job. Callbacks run on the loop thread in submission order, inside
+the runtime's pump task (never as bare loop callbacks, where anyio cannot tell which async
+library runs once `sniffio` is installed); they typically start tasks in a task group.
+Blocking calls into the loop (`run_sync`) are for construction and shutdown only.
 
 Tiers share a runtime by reference counting: each tier `acquire`s it when built and
 `release`s it at shutdown; the last release stops the loop and joins the thread.
@@ -52,6 +53,7 @@ class AsyncRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task_group: TaskGroup | None = None
         self._stop: anyio.Event | None = None
+        self._wake: asyncio.Event | None = None
 
     # -- use from any thread but the loop's ------------------------------------------------
 
@@ -95,7 +97,7 @@ class AsyncRuntime:
         if self._inbox and not self._ring_pending:
             loop = self._loop or self._start()
             self._ring_pending = True
-            loop.call_soon_threadsafe(self._run_inbox)
+            loop.call_soon_threadsafe(self._wake.set)
 
     def run_sync(self, func: Callable[..., Awaitable[T]], *args: Any, timeout_s: float | None = None) -> T:
         """Run ``await func(*args)`` on the loop and block until it returns.
@@ -171,12 +173,22 @@ class AsyncRuntime:
 
     async def _main(self, started: threading.Event) -> None:
         self._stop = anyio.Event()
+        self._wake = asyncio.Event()
         async with anyio.create_task_group() as task_group:
             self._task_group = task_group
             self._loop = asyncio.get_running_loop()
+            task_group.start_soon(self._pump)
             started.set()
             await self._stop.wait()
             task_group.cancel_scope.cancel()
+
+    async def _pump(self) -> None:
+        """Run the inbox at every wake-up, as a task (see the module docstring)."""
+        wake = self._wake
+        while True:
+            await wake.wait()
+            wake.clear()
+            self._run_inbox()
 
     def _run_inbox(self) -> None:
         self._ring_pending = False
