@@ -7,7 +7,9 @@ short negative cache) and rebuilds its index from a paginated listing at start.
 
 One long-lived client per tier, created and closed on the runtime's loop; its connection
 pool is as large as the tier's concurrency; standard retries with backoff; connect and read
-timeouts. Uploads stream the header and the primary row without joining them; downloads
+timeouts (well below the operation timeout, and without the `Expect: 100-continue`
+handshake, whose wait no timeout bounds, so a frozen endpoint fails requests within
+seconds). Uploads stream the header and the primary row without joining them; downloads
 stream into the primary row. Credentials come from the standard AWS chain only (the
 environment, config files, an instance role): this module never takes, logs or prints them.
 """
@@ -102,9 +104,9 @@ class S3BlockStore(BlockStore):
         create_bucket: bool = False,
         verify_tls: bool = True,
         max_pool_connections: int = 64,
-        connect_timeout_s: float = 5.0,
-        read_timeout_s: float = 30.0,
-        max_attempts: int = 3,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 5.0,
+        max_attempts: int = 2,
         list_page_size: int = 1000,
     ):
         super().__init__(fingerprint)
@@ -153,6 +155,9 @@ class S3BlockStore(BlockStore):
                     config=self._config,
                 )
             )
+            # botocore asks for "Expect: 100-continue" on uploads, and aiohttp's wait for the
+            # interim answer has no timeout: a frozen endpoint would hang every store.
+            self._client.meta.events.register("before-send.s3.PutObject", _no_expect_continue)
             if self.create_bucket:
                 await self._create_bucket()
             await self._client.head_bucket(Bucket=self.bucket)
@@ -182,7 +187,7 @@ class S3BlockStore(BlockStore):
             if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 return PermissionError(errno.EACCES, f"{where}: access denied ({code}); check the credentials")
             return OSError(errno.EIO, f"{where}: {code}")
-        return ConnectionError(errno.ECONNREFUSED, f"{where}: cannot reach the endpoint ({type(exc).__name__})")
+        return ConnectionError(errno.ECONNREFUSED, f"{where}: cannot reach the endpoint ({type(exc).__name__}: {exc})")
 
     async def close(self) -> None:
         await super().close()
@@ -263,6 +268,10 @@ class S3BlockStore(BlockStore):
         await self._client.head_bucket(Bucket=self.bucket)
 
 
+def _no_expect_continue(request: Any, **_: Any) -> None:
+    request.headers.pop("Expect", None)
+
+
 def _scatter(chunk: bytes, offset: int, buffers: Sequence[memoryview]) -> int:
     """Copy `chunk`, which starts `offset` bytes into the stream, into the consecutive
     `buffers`; bytes past their end are dropped. Returns len(chunk)."""
@@ -297,10 +306,10 @@ class S3Tier(BlockStoreTier):
         max_concurrency: int = 64,
         create_bucket: bool = False,
         verify_tls: bool = True,
-        op_timeout_s: float = 60.0,
-        connect_timeout_s: float = 5.0,
-        read_timeout_s: float = 30.0,
-        max_attempts: int = 3,
+        op_timeout_s: float = 20.0,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 5.0,
+        max_attempts: int = 2,
         negative_ttl_s: float = 5.0,
         failure_threshold: int = 5,
         backoff_s: float = 1.0,
@@ -313,13 +322,22 @@ class S3Tier(BlockStoreTier):
             capacity_bytes: bytes of objects this engine keeps at most (None: no limit).
             max_concurrency: requests in flight at once (also the connection pool size).
             op_timeout_s: seconds one block operation may take, retries included.
+                `connect_timeout_s` and `read_timeout_s` (the longest silence of the
+                endpoint) must be below it, so that a frozen endpoint fails requests (and
+                trips the breaker) within seconds, not when the operation times out.
             negative_ttl_s: how long a probe's "absent" is believed.
             failure_threshold, backoff_s, max_backoff_s: the health breaker.
 
         Raises:
-            ValueError: an option is out of range.
+            ValueError: an option is out of range, or a client timeout is not below
+                `op_timeout_s`.
             FileNotFoundError, PermissionError, ConnectionError: see `S3BlockStore.open`.
         """
+        if not max(connect_timeout_s, read_timeout_s) < op_timeout_s:
+            raise ValueError(
+                f"connect_timeout_s ({connect_timeout_s}) and read_timeout_s ({read_timeout_s}) must be below "
+                f"op_timeout_s ({op_timeout_s})"
+            )
         store_options = {
             "bucket": bucket,
             "prefix": prefix,

@@ -1,14 +1,18 @@
 """The S3 store and tier against a real S3-compatible server (moto) on 127.0.0.1."""
 
+import os
+import signal
+import socket
 import time
 
 import pytest
 
 from backends.s3 import S3BlockStore
 from benchmarks.s3_server import MotoServer, free_port
-from tests.helpers import CTX, ROW, block_bytes, key, keys
+from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
 from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
 from tests.store_conformance import FINGERPRINT, StoreKit, opened
+from tiering import SecondaryTierFactory
 
 
 @pytest.fixture
@@ -61,6 +65,53 @@ async def test_unreachable_endpoint_is_a_clear_error(s3_environment):
     store = S3BlockStore(FINGERPRINT, "any-bucket", endpoint_url=url, max_attempts=1, connect_timeout_s=0.5)
     with pytest.raises(ConnectionError, match="cannot reach the endpoint"):
         await store.open()
+
+
+def make_s3_tier(config):
+    return SecondaryTierFactory.create_secondary_tier(config, RegionStandIn(4, ROW).create_kv_memoryview(), None)
+
+
+def test_an_endpoint_that_never_answers_fails_construction_in_bounded_time_naming_it(s3_environment):
+    with socket.socket() as silent:  # accepts connections (the backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        config = {"type": "s3", "bucket": "b", "endpoint_url": url, "read_timeout_s": 0.5, "connect_timeout_s": 0.5}
+        with pytest.raises(ConnectionError, match=f"bucket 'b' at {url}: cannot reach the endpoint .*timeout"):
+            make_s3_tier(config)  # 2 attempts of 0.5 s, where open_timeout_s would be 120 s
+
+
+def test_client_timeouts_must_be_below_the_operation_timeout(s3_environment):
+    with pytest.raises(ValueError, match=r"read_timeout_s \(30.0\) must be below op_timeout_s \(20.0\)"):
+        make_s3_tier({"type": "s3", "bucket": "b", "read_timeout_s": 30, "op_timeout_s": 20})
+
+
+def test_a_frozen_endpoint_fails_requests_and_trips_the_breaker_within_the_client_timeouts(
+    engine_factory, s3_environment, caplog
+):
+    server = MotoServer()
+    server.start()
+    try:
+        server.create_bucket("frozen")
+        # op_timeout_s far beyond the test's own timeout: only the client's timeouts can end it.
+        config = s3_config(
+            server, "frozen", read_timeout_s=0.5, connect_timeout_s=0.5, failure_threshold=2, op_timeout_s=600
+        )
+        engine = engine_factory(config, num_blocks=8)
+        engine.store(0, 1)
+        os.kill(server._process.pid, signal.SIGSTOP)  # alive, listening, silent
+        try:
+            out = engine.manager.prepare_store(keys(2, 3), CTX)
+            engine.manager.complete_store(out.keys_to_store, CTX)
+            engine.manager.on_schedule_end()
+            assert engine.tier.drain(50)
+            engine.manager.on_schedule_end()
+        finally:
+            os.kill(server._process.pid, signal.SIGCONT)
+        assert engine.tier.failures["store"] == 2 and not engine.tier.health.healthy
+        assert "ReadTimeoutError" in caplog.text
+    finally:
+        server.stop()
 
 
 @pytest.mark.asyncio

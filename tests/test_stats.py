@@ -15,7 +15,7 @@ def test_counters_match_a_scripted_run(engine_factory):
     primary = stats["primary"]
     assert primary["counters"]["blocks_stored"] == 9  # 8 stores and 1 promotion
     assert primary["counters"]["evictions"] == 5
-    assert primary["gauges"] == {"blocks": 4, "capacity_blocks": 4, "healthy": True}
+    assert primary["gauges"] == {"blocks": 4, "capacity_blocks": 4, "rows_quarantined": 0, "healthy": True}
 
     memory = stats["tiers"]["memory"]
     object_bytes = tier.object_bytes(keys(0)[0])
@@ -33,6 +33,7 @@ def test_counters_match_a_scripted_run(engine_factory):
         "cascades_submitted": 2,
         "promotions_submitted": 1,
         "jobs_in_flight": 0,
+        "jobs_holding_rows": 0,
         "promotions_queued": 0,
     }
 

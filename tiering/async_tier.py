@@ -28,7 +28,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from backends.store import BlockStore
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _COUNTERS = (
     "blocks_stored",
@@ -72,17 +74,21 @@ class _Done:
     """An operation's outcome, filled on the loop thread, applied on the scheduler thread.
 
     `kind` is "store" or "load" (a job, reported), "probe" (an existence check of `keys[0]`,
-    found if in `ok`) or "ping" (a health probe).
+    found if in `ok`), "ping" (a health probe), or "released" (the store calls of job
+    `job_id` that had timed out have all returned: its primary rows may be reused).
     """
 
     kind: str
     job_id: int | None
     keys: list[OffloadKey]
-    complete: bool = True  # False if some block was refused before any I/O
+    complete: bool = True  # False if some block was refused before any I/O, or the job broke
     ok: set[OffloadKey] = field(default_factory=set)
     drop: set[OffloadKey] = field(default_factory=set)
-    errors: int = 0  # transient failures, counted by the health breaker
+    errors: int = 0  # failures that say the backend is sick, counted by the health breaker
     no_space: int = 0  # stores refused by a full device (not a sign of a sick backend)
+    hung: int = 0  # store calls that timed out and have not returned (loop thread only)
+    rows_in_use: bool = False  # set when reported: a timed-out call may still touch the rows
+    reported: bool = False
 
     @property
     def success(self) -> bool:
@@ -167,6 +173,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._index: OrderedDict[OffloadKey, _Entry] = OrderedDict()
         self._object_bytes: dict[int, int] = {}  # by key length
         self._outbox: deque[_Done] = deque()
+        self._released: list[int] = []
         self._done_cv = threading.Condition()
         self._tasks_submitted = 0
         self._tasks_done = 0
@@ -177,9 +184,11 @@ class BlockStoreTier(SecondaryTierManager):
         self._runtime = runtime.acquire()
         try:
             recovered = self._runtime.run_sync(self._open, timeout_s=open_timeout_s)
-        except BaseException:
+        except BaseException as exc:
             self._closed = True
             self._runtime.release()
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(f"tier {tier_type}: {self.store!r} did not open in {open_timeout_s} s") from None
             raise
         self._adopt(recovered)
 
@@ -226,9 +235,9 @@ class BlockStoreTier(SecondaryTierManager):
             items.append((key, int(block_id)))
         done.keys = [key for key, _ in items]
         if evicted:
-            self._submit_task(partial(self._spawn_delete, evicted))
+            self._submit_task(None, partial(self._delete_job, evicted))
         if items:
-            self._submit_task(partial(self._spawn_store, done, items))
+            self._submit_task(done, partial(self._store_job, done, items))
         else:
             self._outbox.append(done)
 
@@ -247,7 +256,7 @@ class BlockStoreTier(SecondaryTierManager):
             return
         for entry in entries:
             entry.readers += 1
-        self._submit_task(partial(self._spawn_load, done, items))
+        self._submit_task(done, lambda: partial(self._in_batches, self._load_batch, done, items))
 
     def get_finished(self) -> list[JobResult]:
         """Results of the jobs finished since the last call; applies their outcomes to the
@@ -257,7 +266,10 @@ class BlockStoreTier(SecondaryTierManager):
         while outbox:
             done = outbox.popleft()
             if done.kind == "ping":
-                self.health.probe_result(done.errors == 0)
+                self.health.probe_result(done.success)
+                continue
+            if done.kind == "released":
+                self._released.append(done.job_id)
                 continue
             self.health.record(len(done.ok), done.errors)
             if done.kind == "store":
@@ -267,12 +279,18 @@ class BlockStoreTier(SecondaryTierManager):
             else:
                 self._apply_probe(done)
             if done.job_id is not None:
-                results.append(JobResult(done.job_id, done.success))
+                results.append(JobResult(done.job_id, done.success, rows_in_use=done.rows_in_use))
                 self._counters["jobs_succeeded" if done.success else "jobs_failed"] += 1
                 started = self._job_started.pop(done.job_id, None)
                 if started is not None:
                     self._job_seconds.observe(time.perf_counter() - started)
         return results
+
+    def take_released_jobs(self) -> list[int]:
+        """Jobs reported with ``rows_in_use`` whose late store calls have returned since the
+        last call (their rows may be reused now). Call after `get_finished`."""
+        released, self._released = self._released, []
+        return released
 
     def get_stats(self) -> TierStats:
         """Counters (lookups by answer, blocks and bytes stored and loaded, evictions, jobs
@@ -303,7 +321,7 @@ class BlockStoreTier(SecondaryTierManager):
             return
         if not self.health.healthy and self.health.probe_due():
             done = _Done("ping", None, [])
-            self._submit_task(partial(self._spawn, done, partial(self._ping, done)))
+            self._submit_task(done, lambda: partial(self._ping, done))
         self._runtime.flush()
 
     def has_pending_work(self) -> bool:
@@ -324,19 +342,21 @@ class BlockStoreTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         """Cancel jobs in flight (each is reported as failed), close the store, release the
-        runtime. Waits up to ``shutdown_timeout_s``. Later calls do nothing."""
+        runtime. Returns within ``shutdown_timeout_s`` seconds, also while a thread is stuck
+        in a system call (it is left behind, logged). Later calls do nothing."""
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + self._shutdown_timeout_s
         try:
             self._runtime.flush()  # queued jobs reach the loop first, to be reported as failed
             self._runtime.run_sync(self._stop, timeout_s=self._shutdown_timeout_s)
         except TimeoutError:
-            logger.warning("tier %s: jobs still running %.1f s into shutdown", self.tier_type, self._shutdown_timeout_s)
+            logger.warning("tier %s: I/O still running %.1f s into shutdown", self.tier_type, self._shutdown_timeout_s)
         except RuntimeClosedError:
             logger.warning("tier %s: its runtime was shut down before the tier", self.tier_type)
         finally:
-            self._runtime.release()
+            self._runtime.release(timeout_s=max(0.1, deadline - time.monotonic()))
 
     def object_bytes(self, key: OffloadKey) -> int:
         """Bytes the stored object of `key` takes (header and payload), counted in capacity."""
@@ -406,7 +426,7 @@ class BlockStoreTier(SecondaryTierManager):
             self._probes = {k: v for k, v in self._probes.items() if v is None or v > now}
         self._probes[key] = None
         done = _Done("probe", None, [key])
-        self._submit_task(partial(self._spawn, done, partial(self._exists, done, key)))
+        self._submit_task(done, lambda: partial(self._exists, done, key))
         return None
 
     def _apply_probe(self, done: _Done) -> None:
@@ -426,7 +446,7 @@ class BlockStoreTier(SecondaryTierManager):
         evicted: list[OffloadKey] = []
         self._make_room(0, evicted)
         if evicted:
-            self._submit_task(partial(self._spawn_delete, evicted))
+            self._submit_task(None, partial(self._delete_job, evicted))
 
     def _apply_load(self, done: _Done) -> None:
         index = self._index
@@ -443,9 +463,10 @@ class BlockStoreTier(SecondaryTierManager):
                 self._counters["blocks_loaded"] += 1
                 self._counters["bytes_loaded"] += entry.size
 
-    def _submit_task(self, spawn: Callable[[], None]) -> None:
+    def _submit_task(self, done: _Done | None, make_job: Callable[[], Callable[[], Awaitable[None]]]) -> None:
+        """Hand a job to the loop thread, where ``make_job()`` builds it (see `_start`)."""
         self._tasks_submitted += 1
-        self._runtime.submit(spawn)
+        self._runtime.submit(partial(self._start, done, make_job))
 
     # -- loop thread -----------------------------------------------------------------------
 
@@ -478,37 +499,46 @@ class BlockStoreTier(SecondaryTierManager):
         self._stop_event.set()
         await self._stopped.wait()
 
-    def _spawn(self, done: _Done | None, job: Callable[[], Awaitable[None]]) -> None:
-        """Run `job` in the tier's task group, or, once stopped, report `done` at once."""
-        if self._task_group is None:
+    def _start(self, done: _Done | None, make_job: Callable[[], Callable[[], Awaitable[None]]]) -> None:
+        """Start ``make_job()`` in the tier's task group. If the tier is stopped, or anything
+        raises while starting, the job fails and is reported at once: never lost."""
+        try:
+            if self._task_group is None:
+                raise RuntimeClosedError(f"tier {self.tier_type} is shut down")
+            self._task_group.start_soon(self._run_task, done, make_job())
+        except Exception as exc:
+            if self._task_group is not None:
+                self._failed("start", exc)
+            if done is not None:
+                done.complete = False
             self._finish_task(done)
-        else:
-            self._task_group.start_soon(self._run_task, done, job)
 
     async def _run_task(self, done: _Done | None, job: Callable[[], Awaitable[None]]) -> None:
         try:
             await job()
+        except Exception as exc:  # a bug here or in a store: this job fails, the tier goes on
+            self._failed("internal", exc)
+            if done is not None:
+                done.complete = False
         finally:
             self._finish_task(done)
 
     def _finish_task(self, done: _Done | None) -> None:
         with self._done_cv:
             if done is not None:
+                done.rows_in_use, done.reported = done.hung > 0, True
                 self._outbox.append(done)
             self._tasks_done += 1
             self._done_cv.notify_all()
 
-    def _spawn_store(self, done: _Done, items: list[tuple[OffloadKey, int]]) -> None:
+    def _store_job(self, done: _Done, items: list[tuple[OffloadKey, int]]) -> Callable[[], Awaitable[None]]:
         waits = [self._deleting[key] for key, _ in items if key in self._deleting]
-        self._spawn(done, partial(self._store_blocks, done, items, waits))
+        return partial(self._store_blocks, done, items, waits)
 
-    def _spawn_load(self, done: _Done, items: list[tuple[OffloadKey, int]]) -> None:
-        self._spawn(done, partial(self._in_batches, self._load_batch, done, items))
-
-    def _spawn_delete(self, keys: list[OffloadKey]) -> None:
+    def _delete_job(self, keys: list[OffloadKey]) -> Callable[[], Awaitable[None]]:
         deleted = anyio.Event()
         self._deleting.update(dict.fromkeys(keys, deleted))
-        self._spawn(None, partial(self._delete_blocks, keys, deleted))
+        return partial(self._delete_blocks, keys, deleted)
 
     async def _store_blocks(self, done: _Done, items: list[tuple[OffloadKey, int]], waits: list[anyio.Event]) -> None:
         for deleted in waits:
@@ -525,7 +555,7 @@ class BlockStoreTier(SecondaryTierManager):
                 task_group.start_soon(run_batch, done, items[start : start + size])
 
     async def _store_batch(self, done: _Done, batch: list[tuple[OffloadKey, int]]) -> None:
-        for (key, _), error in zip(batch, await self._io(self.store.put_many, batch), strict=True):
+        for (key, _), error in zip(batch, await self._io(done, self.store.put_many, batch), strict=True):
             if error is None:
                 done.ok.add(key)
             elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -536,7 +566,7 @@ class BlockStoreTier(SecondaryTierManager):
                 done.errors += 1
 
     async def _load_batch(self, done: _Done, batch: list[tuple[OffloadKey, int]]) -> None:
-        outcomes = await self._io(self.store.get_many, batch)
+        outcomes = await self._io(done, self.store.get_many, batch)
         read = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, ObjectHeader)]
         if read:  # the CRC, checked above every store layer, off the loop thread
             checks = [(outcomes[i], memoryview(self._rows[batch[i][1]])) for i in read]
@@ -559,41 +589,79 @@ class BlockStoreTier(SecondaryTierManager):
         if corrupt:
             await self._delete_blocks(corrupt, None)
 
-    async def _io(self, operation, batch: list[tuple[OffloadKey, int]]) -> list[Exception | None]:
-        """One store call for a batch, under the concurrency limit and the timeout; if the
-        call itself fails, every block of the batch fails with its error."""
+    async def _io(self, done: _Done, operation, batch: list[tuple[OffloadKey, int]]) -> list[Any]:
+        """One store call for a batch (see `_call`); if the call itself fails, every block of
+        the batch fails with its error."""
+        outcome = await self._call(done, operation, [(key, memoryview(self._rows[row])) for key, row in batch])
+        if isinstance(outcome, Exception):
+            return [outcome] * len(batch)
+        if len(outcome) != len(batch):
+            raise RuntimeError(f"{type(self.store).__name__}: {len(outcome)} outcomes for {len(batch)} blocks")
+        return outcome
+
+    async def _call(self, done: _Done | None, operation: Callable[..., Awaitable[T]], *args: Any) -> T | Exception:
+        """``await operation(*args)`` under the concurrency limit, in a task of its own so
+        that the caller gets an answer within `op_timeout_s` whatever the store does: the
+        result, the exception it raised, or a `TimeoutError`.
+
+        At the timeout the call is cancelled. A call that does not end at once (its thread
+        is stuck in a system call, and may still write into the rows it was given) counts
+        in ``done.hung`` until it returns: the job is reported with ``rows_in_use``, and
+        released when the last such call returns.
+        """
+        finished, result, scope = anyio.Event(), [], anyio.CancelScope()
+
+        async def call() -> None:
+            try:
+                with scope:
+                    async with self._limiter:
+                        result.append(await operation(*args))
+            except Exception as exc:
+                result.append(exc)
+            finally:
+                finished.set()
+                if late and done is not None:
+                    self._hung_call_returned(done)
+
+        late = False
+        self._task_group.start_soon(call)
         try:
-            async with self._limiter:
-                with anyio.fail_after(self.op_timeout_s):
-                    return await operation([(key, memoryview(self._rows[block_id])) for key, block_id in batch])
-        except Exception as exc:
-            return [exc] * len(batch)
+            with anyio.move_on_after(self.op_timeout_s):
+                await finished.wait()
+        finally:
+            if not finished.is_set():  # timed out, or this job was cancelled (shutdown)
+                scope.cancel()
+                late = True
+                if done is not None:
+                    done.hung += 1
+        return result[0] if result else TimeoutError(f"no answer in {self.op_timeout_s} s")
+
+    def _hung_call_returned(self, done: _Done) -> None:
+        done.hung -= 1
+        if done.hung == 0 and done.reported and done.rows_in_use:
+            with self._done_cv:
+                self._outbox.append(_Done("released", done.job_id, done.keys))
 
     async def _exists(self, done: _Done, key: OffloadKey) -> None:
-        try:
-            async with self._limiter:
-                with anyio.fail_after(self.op_timeout_s):
-                    if await self.store.exists(key):
-                        done.ok.add(key)
-        except Exception as exc:
-            self._failed("probe", exc)
+        outcome = await self._call(done, self.store.exists, key)
+        if isinstance(outcome, Exception):
+            self._failed("probe", outcome)
             done.errors += 1
+        elif outcome:
+            done.ok.add(key)
 
     async def _ping(self, done: _Done) -> None:
-        try:
-            with anyio.fail_after(self.op_timeout_s):
-                await self.store.ping()
-        except Exception as exc:
-            self._failed("ping", exc)
+        outcome = await self._call(done, self.store.ping)
+        if isinstance(outcome, Exception):
+            self._failed("ping", outcome)
             done.errors += 1
+            done.complete = False
 
     async def _delete_blocks(self, keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
         try:
-            async with self._limiter:
-                with anyio.fail_after(self.op_timeout_s):
-                    await self.store.delete_many(keys)
-        except Exception as exc:
-            self._failed("delete", exc)
+            outcome = await self._call(None, self.store.delete_many, keys)
+            if isinstance(outcome, Exception):
+                self._failed("delete", outcome)
         finally:
             if deleted is not None:
                 deleted.set()

@@ -44,6 +44,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._cache_policy = cache_policy
         self._policy = make_cache_policy(cache_policy, num_blocks)
         self._free_block_ids: list[int] = []
+        self._quarantined: set[int] = set()  # rows a late I/O may still write (see quarantine_writes)
         self._num_ids_used = 0  # ids below this were handed out before
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
@@ -51,8 +52,8 @@ class CPUOffloadingManager(OffloadingManager):
 
     @property
     def num_free_blocks(self) -> int:
-        """Rows that hold no block."""
-        return self.num_blocks - len(self._policy)
+        """Rows that hold no block and are not quarantined."""
+        return self.num_blocks - len(self._policy) - len(self._quarantined)
 
     def ref_count(self, key: OffloadKey) -> int | None:
         """The ref count of `key`'s row, or None if the key is not resident."""
@@ -131,23 +132,50 @@ class CPUOffloadingManager(OffloadingManager):
         Returns:
             The keys that became loadable by this call (empty on failure).
         """
+        if not success:
+            self._free_block_ids.extend(self._drop_writes(keys))
+            return []
         policy = self._policy
         stored: list[OffloadKey] = []
         for key in keys:
             block = policy.get(key)
             if block is None or block.ref_cnt != -1:
                 continue
-            if success:
-                block.ref_cnt = 0
-                policy.mark_recent(key)
-                stored.append(key)
-            else:
-                policy.remove(key)
-                self._free_block_ids.append(block.block_id)
-                self._counters["blocks_store_failed"] += 1
+            block.ref_cnt = 0
+            policy.mark_recent(key)
+            stored.append(key)
         self._counters["blocks_stored"] += len(stored)
         self._emit(stored, removed=False)
         return stored
+
+    def quarantine_writes(self, keys: Collection[OffloadKey], req_context: ReqContext) -> list[int]:
+        """Fail the in-flight writes of `keys` as ``complete_store(success=False)`` does, but
+        keep their rows out of use: an I/O that timed out may still write into them. Other
+        keys are ignored.
+
+        Returns:
+            The quarantined row ids, to hand to `release_rows` once that I/O has returned.
+        """
+        rows = self._drop_writes(keys)
+        self._quarantined.update(rows)
+        return rows
+
+    def release_rows(self, block_ids: Collection[int]) -> None:
+        """Return rows quarantined by `quarantine_writes` to the free rows."""
+        for block_id in block_ids:
+            self._quarantined.remove(block_id)
+            self._free_block_ids.append(block_id)
+
+    def _drop_writes(self, keys: Collection[OffloadKey]) -> list[int]:
+        """Forget the keys whose write is in flight; returns their rows (not freed)."""
+        rows = []
+        for key in keys:
+            block = self._policy.get(key)
+            if block is not None and block.ref_cnt == -1:
+                self._policy.remove(key)
+                rows.append(block.block_id)
+        self._counters["blocks_store_failed"] += len(rows)
+        return rows
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -162,7 +190,12 @@ class CPUOffloadingManager(OffloadingManager):
             "lookups_in_flight": self._lookups[None],
             **{name: self._counters[name] for name in _COUNTERS},
         }
-        gauges = {"blocks": len(self._policy), "capacity_blocks": self.num_blocks, "healthy": True}
+        gauges = {
+            "blocks": len(self._policy),
+            "capacity_blocks": self.num_blocks,
+            "rows_quarantined": len(self._quarantined),
+            "healthy": True,
+        }
         return {"counters": counters, "gauges": gauges}
 
     def take_events(self) -> list[OffloadingEvent]:

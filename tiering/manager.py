@@ -76,6 +76,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._drain_timeout_s = drain_timeout_s
         self._job_ids = itertools.count()
         self._jobs: dict[JobId, _Job] = {}
+        self._held: dict[tuple[int, JobId], Callable[[], None]] = {}  # rows a late I/O still uses: release
         self._promotions: dict[tuple[int, str], _QueuedPromotion] = {}
         self._polled_this_step = False
         self._shut_down = False
@@ -198,6 +199,7 @@ class TieringOffloadingManager(OffloadingManager):
         manager = {
             **self._counters,
             "jobs_in_flight": len(self._jobs),
+            "jobs_holding_rows": len(self._held),
             "promotions_queued": sum(len(queued.keys) for queued in self._promotions.values()),
         }
         return {"primary": self.primary_tier.get_stats(), "tiers": tiers, "manager": manager}
@@ -297,20 +299,38 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _process_finished(self) -> None:
         self._polled_this_step = True
-        for tier in self.secondary_tiers:
+        for tier_idx, tier in enumerate(self.secondary_tiers):
             try:
                 results = list(tier.get_finished())
             except Exception:
                 logger.exception("tier %s: get_finished failed", tier.tier_type)
                 continue
             for result in results:
-                self._finish(result.job_id, result.success)
+                self._finish(result.job_id, result.success, tier_idx if result.rows_in_use else None)
+            try:
+                released = list(tier.take_released_jobs())
+            except Exception:
+                logger.exception("tier %s: take_released_jobs failed", tier.tier_type)
+                continue
+            for job_id in released:
+                release = self._held.pop((tier_idx, job_id), None)
+                if release is not None:
+                    release()
 
-    def _finish(self, job_id: JobId, success: bool) -> None:
+    def _finish(self, job_id: JobId, success: bool, held_by: int | None = None) -> None:
+        """Apply a job's end to the primary tier. `held_by`: the index of the tier whose late
+        I/O may still use the job's rows; they stay out of use until it releases them."""
         job = self._jobs.pop(job_id, None)
+        primary = self.primary_tier
         if job is None:
             logger.warning("job %d reported again or never submitted; ignored", job_id)
+        elif held_by is None or success:
+            if job.is_promotion:
+                primary.complete_write(job.keys, job.req_context, success)
+            else:
+                primary.complete_read(job.keys, job.req_context)
         elif job.is_promotion:
-            self.primary_tier.complete_write(job.keys, job.req_context, success)
-        else:
-            self.primary_tier.complete_read(job.keys, job.req_context)
+            rows = primary.quarantine_writes(job.keys, job.req_context)
+            self._held[(held_by, job_id)] = lambda: primary.release_rows(rows)
+        else:  # a cascade: its rows stay pinned
+            self._held[(held_by, job_id)] = lambda: primary.complete_read(job.keys, job.req_context)

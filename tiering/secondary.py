@@ -39,10 +39,18 @@ class JobMetadata:
 
 @dataclass
 class JobResult:
-    """How a job ended: ``success`` is True only if every block of the job was moved."""
+    """How a job ended: ``success`` is True only if every block of the job was moved.
+
+    ``rows_in_use`` (only with ``success`` False): an I/O of the job timed out but has not
+    returned (a thread stuck in a system call) and may still read or write the job's primary
+    rows. The manager keeps those rows out of use (a failed promotion's rows are
+    quarantined, a failed cascade's rows stay pinned) until the tier lists the job in
+    `SecondaryTierManager.take_released_jobs`.
+    """
 
     job_id: JobId
     success: bool
+    rows_in_use: bool = False
 
 
 class SecondaryTierManager(ABC):
@@ -106,6 +114,11 @@ class SecondaryTierManager(ABC):
         None waits without a limit. Returns True if nothing is left in flight.
         """
         return True
+
+    def take_released_jobs(self) -> Iterable[JobId]:
+        """Jobs reported with ``rows_in_use`` whose I/O has returned since the last call;
+        their rows may be reused. Called after `get_finished`. The default has none."""
+        return ()
 
     def get_stats(self) -> dict[str, Any]:
         """``{"counters": {...}, "gauges": {...}}`` of this tier (see `tiering.stats`);

@@ -1,0 +1,202 @@
+"""A storage call that never returns: the job fails within op_timeout_s, and no byte the late
+thread writes ever reaches a row that is loadable or reused."""
+
+import threading
+import uuid
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import pytest
+
+from backends import MemoryBlockStore
+from tests.helpers import CTX, ROW, block_bytes, key, keys
+from tiering import (
+    BlockStoreTier,
+    CPUPrimaryTierOffloadingManager,
+    SharedOffloadRegion,
+    TieringOffloadingManager,
+)
+
+LATE_BYTE = 0xEE
+
+
+class StuckThreadStore(MemoryBlockStore):
+    """A memory store whose reads or writes block a real thread (a dead NFS mount, a FIFO)
+    until `unstick` is set; a stuck read then scribbles over the rows it was given, as a
+    late DMA would. Like the file store, it never returns while its thread runs."""
+
+    def __init__(self, fingerprint, stuck: str):
+        super().__init__(fingerprint)
+        self.stuck = stuck
+        self.unstick = threading.Event()
+        self.entered = threading.Event()
+
+    def _block(self, buffers):
+        self.entered.set()
+        self.unstick.wait()
+        if self.stuck == "get":
+            for buffer in buffers:
+                buffer.cast("B")[:] = bytes([LATE_BYTE]) * buffer.nbytes
+        raise OSError("the device answered, too late")
+
+    async def _stuck_call(self, items):
+        with anyio.CancelScope(shield=True):
+            return await anyio.to_thread.run_sync(self._block, [buffer for _, buffer in items])
+
+    async def get_many(self, items):
+        if self.stuck == "get":
+            return await self._stuck_call(items)
+        return await super().get_many(items)
+
+    async def put_many(self, items):
+        if self.stuck == "put" and self.objects:  # the first job's puts go through
+            return await self._stuck_call(items)
+        return await super().put_many(items)
+
+
+@pytest.fixture
+def stuck_engine():
+    made = []
+
+    def make(stuck: str):
+        region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", 4, ROW)
+        primary = CPUPrimaryTierOffloadingManager(4, region)
+        stores = []
+
+        def store_factory(fingerprint):
+            stores.append(StuckThreadStore(fingerprint, stuck))
+            return stores[0]
+
+        tier = BlockStoreTier(
+            None,
+            primary.get_kv_memoryview(),
+            "stuck",
+            store_factory=store_factory,
+            op_timeout_s=0.2,
+            shutdown_timeout_s=0.5,
+            failure_threshold=100,
+        )
+        manager = TieringOffloadingManager(primary, [tier])
+        made.append((manager, stores[0]))
+        return manager, primary, tier, stores[0], np.asarray(primary.get_kv_memoryview())
+
+    yield make
+    for manager, store in made:
+        store.unstick.set()
+        manager.shutdown()
+
+
+def store(manager, rows, *ids):
+    out = manager.prepare_store(keys(*ids), CTX)
+    for k, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+        rows[row] = np.frombuffer(block_bytes(k, ROW), dtype=rows.dtype)
+    manager.complete_store(out.keys_to_store, CTX)
+    return out
+
+
+def step_until(manager, condition):
+    while not condition():
+        manager.on_schedule_end()
+        threading.Event().wait(0.01)
+
+
+def test_a_stuck_read_fails_its_promotion_and_its_row_stays_quarantined_until_the_thread_returns(stuck_engine):
+    manager, primary, tier, stuck, rows = stuck_engine("get")
+    store(manager, rows, 0, 1, 2, 3)
+    assert tier.drain(10)
+    manager.on_schedule_end()
+    store(manager, rows, 4, 5, 6, 7)  # evicts 0..3 from the primary; they stay in the tier
+    assert tier.drain(10)
+    manager.on_schedule_end()
+
+    assert manager.lookup(key(0), CTX) is None  # a promotion, whose read gets stuck
+    manager.on_schedule_end()
+    assert stuck.entered.wait(10)
+    step_until(manager, lambda: tier.get_stats()["counters"]["jobs_failed"] == 1)  # reported while stuck
+    assert not stuck.unstick.is_set()
+    assert primary.lookup(key(0), CTX) is False
+    assert tier.failures["load"] == 1
+    assert primary.get_stats()["gauges"]["rows_quarantined"] == 1
+    assert manager.get_stats()["manager"]["jobs_holding_rows"] == 1
+
+    # Every other row is reused by new GPU stores; the quarantined one is not.
+    assert manager.prepare_store(keys(10, 11, 12, 13), CTX) is None  # 3 rows only
+    new = store(manager, rows, 10, 11, 12)
+    (quarantined,) = set(range(4)) - {int(row) for row in new.store_spec.block_ids}
+
+    stuck.unstick.set()  # the late read lands, in the quarantined row only
+    step_until(manager, lambda: primary.get_stats()["gauges"]["rows_quarantined"] == 0)
+    assert rows[quarantined].tobytes() == bytes([LATE_BYTE]) * ROW
+    for k, row in zip(new.keys_to_store, new.store_spec.block_ids, strict=True):
+        assert rows[row].tobytes() == block_bytes(k, ROW)
+    assert manager.get_stats()["manager"]["jobs_holding_rows"] == 0
+    assert primary.num_free_blocks == 1  # back in use
+
+
+def test_a_stuck_write_fails_its_cascade_and_keeps_the_source_rows_pinned_until_it_returns(stuck_engine):
+    manager, primary, tier, stuck, rows = stuck_engine("put")
+    store(manager, rows, 0)
+    assert tier.drain(10)
+    manager.on_schedule_end()
+    store(manager, rows, 1)  # its cascade's write gets stuck
+    manager.on_schedule_end()
+    assert stuck.entered.wait(10)
+    step_until(manager, lambda: tier.get_stats()["counters"]["jobs_failed"] == 1)
+    assert primary.ref_count(key(1)) == 1  # still pinned: the thread reads the row
+    assert manager.get_stats()["manager"]["jobs_holding_rows"] == 1
+
+    stuck.unstick.set()
+    step_until(manager, lambda: primary.ref_count(key(1)) == 0)
+    assert manager.get_stats()["manager"]["jobs_holding_rows"] == 0
+
+
+def test_shutdown_returns_within_its_timeout_while_a_thread_is_stuck(stuck_engine):
+    manager, _, tier, stuck, rows = stuck_engine("put")
+    store(manager, rows, 0)
+    assert tier.drain(10)
+    store(manager, rows, 1)
+    manager.on_schedule_end()
+    assert stuck.entered.wait(10)
+    tier.shutdown()  # bounded by shutdown_timeout_s: the thread is still stuck here
+    assert not stuck.unstick.is_set()
+
+
+class MiscountingStore(MemoryBlockStore):
+    """A buggy third-party store: `put_many` answers for one block too few."""
+
+    async def put_many(self, items):
+        return (await super().put_many(items))[:-1]
+
+
+def test_a_job_that_breaks_while_running_or_starting_fails_once_and_the_tier_goes_on(monkeypatch):
+    region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", 8, ROW)
+    primary = CPUPrimaryTierOffloadingManager(8, region)
+    tier = BlockStoreTier(None, primary.get_kv_memoryview(), "buggy", store_factory=MiscountingStore)
+    manager = TieringOffloadingManager(primary, [tier])
+    rows = np.asarray(primary.get_kv_memoryview())
+    try:
+        store(manager, rows, 0, 1)
+        assert tier.drain(10)
+        manager.on_schedule_end()
+        assert tier.get_stats()["counters"]["jobs_failed"] == 1 and tier.failures["internal"] == 1
+        assert primary.ref_count(key(0)) == 0  # the cascade's pins were released
+
+        def broken(*args):
+            raise RuntimeError("bug while starting a job")
+
+        monkeypatch.setattr(tier, "_store_job", broken)
+        store(manager, rows, 2)
+        assert tier.drain(10)
+        manager.on_schedule_end()
+        assert tier.get_stats()["counters"]["jobs_failed"] == 2 and tier.failures["start"] == 1
+        assert primary.ref_count(key(2)) == 0
+        assert manager.get_stats()["manager"]["jobs_in_flight"] == 0
+        monkeypatch.undo()
+
+        store(manager, rows, 3)  # a single block: the store answers for none of it
+        assert tier.drain(10)
+        manager.on_schedule_end()
+        assert tier.lookup(key(0), CTX) is False and tier.health.healthy
+    finally:
+        manager.shutdown()
