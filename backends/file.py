@@ -1,8 +1,18 @@
 """The ``file`` tier: one file per block under a directory, written atomically.
 
-Layout: ``<root_dir>/<layout fingerprint hex>/<shard>/<key hex>``, where the shard is the
-first byte (hex) of a hash of the key, 256 shards. Names are hex, so no key can escape the
-directory. Directories are 0700, files 0600.
+Layout: ``<root_dir>/<layout fingerprint hex>/<shard>/<name>``, where the shard is the first
+byte (hex) of a hash of the key, 256 shards, and the name is the key in hex (a hash of it,
+``h<64 hex>``, for keys too long for a file name; the header holds the key either way). No
+key can name a path outside its shard. Objects a load cannot use for a reason of their own
+(a directory or FIFO in their place, EACCES, EIO) are deleted, or moved to
+``<namespace>/quarantine/`` when they cannot be deleted.
+
+Nothing outside ``root_dir`` is ever touched: every operation is relative to an open
+directory and refuses symbolic links (``O_NOFOLLOW``, ``dir_fd``); a link found where a
+shard directory belongs is replaced, its target left alone. ``root_dir`` must belong to the
+engine's user and not be writable by group or others (another user could plant blocks the
+engine would load as hits); directories the tier creates, parents included, are 0700
+whatever the umask, files 0600.
 
 I/O bypasses the page cache with O_DIRECT by default (``direct_io``): buffered writes would
 keep a second copy of every block in RAM, competing with the primary tier. Headers are
@@ -15,19 +25,22 @@ Each operation (or batch) is one function run in one hop on the tier's own threa
 thread, so a block costs one executor hop instead of one per system call. Writes go to a
 temporary name and are renamed into place (optionally after `fsync`), so a crash leaves a
 whole object or a temporary file that the next start removes. A thread already running an
-operation is never abandoned: the await is shielded from cancellation, so a load never
-reports while its thread may still write into the primary row.
+operation is never abandoned: the await is shielded from cancellation, so the coroutine
+does not return while its thread may still touch the row (the adapter times the call out
+around it and keeps the row out of use until then).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import mmap
 import os
+import stat
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,28 +51,48 @@ import numpy as np
 
 from backends.store import BlockStore
 from tiering.async_tier import BlockStoreTier
-from tiering.errors import CorruptObjectError, ObjectNotFoundError
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.keys import OffloadKey
-from tiering.object_format import ObjectHeader, check_length, encode_header, header_size, parse_header
+from tiering.object_format import MAX_KEY_BYTES, ObjectHeader, check_length, encode_header, header_size, parse_header
 
 logger = logging.getLogger(f"tiering.{__name__}")  # one logger tree: "tiering"
 
 T = TypeVar("T")
 _TMP_SUFFIX = ".tmp"
 _SHARDS = [f"{i:02x}" for i in range(256)]
+_QUARANTINE = "quarantine"
 _ALIGN = 4096  # O_DIRECT alignment of buffers, lengths and offsets
+_MAX_HEX_NAME = 200  # longer hex names (keys over 100 bytes) become hashes: names stay under 255
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link; a FIFO never blocks the open
+# Errors that say one object is unusable, not that the backend is sick.
+_OBJECT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.EIO})
 _thread_local = threading.local()
+
+
+def object_name(key: OffloadKey) -> str:
+    """The file name of `key`'s object: its hex, or ``h`` and a 256-bit hash of it for keys
+    whose hex would not fit a file name."""
+    hexed = key.hex()
+    return hexed if len(hexed) <= _MAX_HEX_NAME else "h" + hashlib.blake2b(key, digest_size=32).hexdigest()
+
+
+def _shard(key: OffloadKey) -> str:
+    return hashlib.blake2b(key, digest_size=1).hexdigest()
 
 
 class FileBlockStore(BlockStore):
     """Objects as files under ``root_dir/<fingerprint>``.
 
     Args:
-        root_dir: the tier's directory (created 0700 if missing).
+        root_dir: the tier's directory (created 0700 with its missing parents).
         fingerprint: the layout fingerprint; it names the namespace directory.
         io_threads: threads of the store's pool, that is block operations run at once.
         fsync: `fsync` each file before renaming it into place (durable across power loss).
         direct_io: use O_DIRECT where the filesystem supports it.
+
+    Raises:
+        ValueError: `root_dir` is empty or `io_threads` < 1.
     """
 
     header_align = _ALIGN
@@ -75,16 +108,19 @@ class FileBlockStore(BlockStore):
         super().__init__(fingerprint)
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
-        self.directory = Path(root_dir) / fingerprint.hex()
+        if not os.fspath(root_dir):
+            raise ValueError("root_dir must not be empty")
+        self.root_dir = Path(root_dir)
+        self.directory = self.root_dir / fingerprint.hex()
         self.fsync = fsync
         self.direct_io = direct_io
         self._io_threads = io_threads
         self._pool: ThreadPoolExecutor | None = None
+        self._fd = -1  # the namespace directory, open from `open` to `close`
 
     def path(self, key: OffloadKey) -> Path:
-        """The file of `key`."""
-        shard = hashlib.blake2b(key, digest_size=1).hexdigest()
-        return self.directory / shard / key.hex()
+        """The file of `key` (for operators and tests: the store itself never uses paths)."""
+        return self.directory / _shard(key) / object_name(key)
 
     async def _run(self, func: Callable[..., T], *args: Any) -> T:
         self.check_open()
@@ -92,16 +128,18 @@ class FileBlockStore(BlockStore):
             return await aiofiles.os.wrap(func)(*args, executor=self._pool)
 
     async def open(self) -> None:
-        """Create the namespace and shard directories.
+        """Create (or check) the directories and probe O_DIRECT.
 
         Raises:
-            PermissionError, OSError: `root_dir` cannot be created or written (message names it).
+            PermissionError: `root_dir` cannot be written, belongs to another user, or is
+                writable by group or others (the message names it and says what to do).
+            OSError: `root_dir` cannot be created or is not a directory.
         """
         self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tiering-file")
-        await super().open()
         try:
-            await self._run(_make_directories, self.directory)
-            if self.direct_io and not await self._run(_supports_direct_io, self.directory):
+            self._fd = await aiofiles.os.wrap(_open_namespace)(self.root_dir, self.directory.name, executor=self._pool)
+            await super().open()
+            if self.direct_io and not await self._run(_supports_direct_io, self._fd):
                 logger.warning("file tier %s: O_DIRECT is not supported here; using buffered I/O", self.directory)
                 self.direct_io = False
         except OSError as exc:
@@ -113,31 +151,34 @@ class FileBlockStore(BlockStore):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     async def put(self, key: OffloadKey, payload: memoryview) -> None:
-        await self._run(_write_object, self.path(key), key, payload, self.fingerprint, self.fsync, self.direct_io)
+        await self._run(_write_object, self._fd, key, payload, self.fingerprint, self.fsync, self.direct_io)
 
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
-        return await self._run(_read_object, self.path(key), key, into, self.fingerprint, self.direct_io)
+        return await self._run(_read_object, self._fd, key, into, self.fingerprint, self.direct_io)
 
     async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
         """All puts in one hop, one after the other in one pool thread."""
-        calls = [(self.path(key), key, data, self.fingerprint, self.fsync, self.direct_io) for key, data in items]
+        calls = [(self._fd, key, data, self.fingerprint, self.fsync, self.direct_io) for key, data in items]
         return await self._run(_each, _write_object, calls)
 
     async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
         """All gets in one hop, one after the other in one pool thread."""
-        calls = [(self.path(key), key, into, self.fingerprint, self.direct_io) for key, into in items]
+        calls = [(self._fd, key, into, self.fingerprint, self.direct_io) for key, into in items]
         return await self._run(_each, _read_object, calls)
 
     async def exists(self, key: OffloadKey) -> bool:
-        return await self._run(os.path.exists, self.path(key))
+        return await self._run(_exists, self._fd, key)
 
     async def delete_many(self, keys: Collection[OffloadKey]) -> None:
-        await self._run(_unlink_all, [self.path(key) for key in keys])
+        await self._run(_delete_all, self._fd, list(keys))
 
     async def recover(self) -> list[tuple[OffloadKey, int]]:
-        return await self._run(_scan, self.directory, self.fingerprint)
+        return await self._run(_scan, self._fd, self.directory, self.fingerprint)
 
 
 def _each(func: Callable[..., Any], calls: list[tuple]) -> list[Any]:
@@ -151,23 +192,108 @@ def _each(func: Callable[..., Any], calls: list[tuple]) -> list[Any]:
     return outcomes
 
 
-def _make_directories(directory: Path) -> None:
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for shard in _SHARDS:
-        (directory / shard).mkdir(mode=0o700, exist_ok=True)
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise PermissionError(13, "not writable")
+# -- directories ----------------------------------------------------------------------------
 
 
-def _supports_direct_io(directory: Path) -> bool:
-    probe = directory / f".direct-probe-{os.urandom(4).hex()}{_TMP_SUFFIX}"
+def _open_namespace(root: Path, name: str) -> int:
+    """Make `root` (missing parents too, 0700), check it is private, and open its private
+    subdirectory `name` with the shard and quarantine directories. Returns its fd."""
+    _make_private_parents(root)
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: links allowed
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        _check_private(root_fd, root)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, f"{root} is not writable")
+        ns_fd = _private_subdir(root_fd, name, root / name)
+    finally:
+        os.close(root_fd)
+    try:
+        for shard in [*_SHARDS, _QUARANTINE]:
+            os.close(_private_subdir(ns_fd, shard, root / name / shard))
+    except BaseException:
+        os.close(ns_fd)
+        raise
+    return ns_fd
+
+
+def _make_private_parents(root: Path) -> None:
+    missing = []
+    path = root.absolute()
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = path.parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # whatever the umask
+
+
+def _private_subdir(parent_fd: int, name: str, path: Path) -> int:
+    """Open (creating it 0700) the directory `name` under `parent_fd`, never through a link:
+    a link there is replaced by a directory, its target left alone."""
+    while True:
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+            created = True
+        except FileExistsError:
+            created = False
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as exc:
+            mode = os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(mode):
+                logger.warning("file tier: %s was a symbolic link; replaced by a directory (target untouched)", path)
+                os.unlink(name, dir_fd=parent_fd)
+                continue
+            raise
+        try:
+            if created:
+                os.fchmod(fd, 0o700)
+            _check_private(fd, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+def _check_private(fd: int, path: Path) -> None:
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid():
+        raise PermissionError(
+            errno.EACCES,
+            f"{path} belongs to uid {info.st_uid}, not to this engine's user (uid {os.geteuid()}): another user "
+            "could plant blocks the engine would load as cache hits; use a directory the engine's user owns",
+        )
+    if info.st_mode & 0o022:
+        raise PermissionError(
+            errno.EACCES,
+            f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}): another user could "
+            "plant blocks the engine would load as cache hits; chmod 700 it",
+        )
+
+
+@contextlib.contextmanager
+def _directory(parent_fd: int, name: str) -> Iterator[int]:
+    """The directory `name` under `parent_fd`, opened without following a link."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _supports_direct_io(ns_fd: int) -> bool:
+    probe = f".direct-probe-{os.urandom(4).hex()}{_TMP_SUFFIX}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | _OPEN_FLAGS, 0o600, dir_fd=ns_fd)
     except OSError:
         return False
     os.close(fd)
-    os.unlink(probe)
+    os.unlink(probe, dir_fd=ns_fd)
     return True
+
+
+# -- objects --------------------------------------------------------------------------------
 
 
 def _is_aligned(buffer: memoryview) -> bool:
@@ -186,25 +312,32 @@ def _header_buffer(header: bytes | None, direct: bool) -> memoryview:
     return memoryview(page)
 
 
-def _write_object(
-    path: Path, key: OffloadKey, payload: memoryview, fingerprint: bytes, fsync: bool, direct: bool
-) -> None:
+def _write_object(ns_fd: int, key: OffloadKey, payload: memoryview, fingerprint: bytes, fsync: bool, direct: bool):
     payload = payload.cast("B")
     direct = direct and _is_aligned(payload)
     header = encode_header(key, payload, fingerprint, _ALIGN)
-    tmp = f"{path}.{os.urandom(4).hex()}{_TMP_SUFFIX}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        _write_all(fd, [_header_buffer(header, direct), payload])
-        if fsync:
-            os.fsync(fd)
-    except BaseException:
+    tmp = f"{os.urandom(8).hex()}{_TMP_SUFFIX}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS | (os.O_DIRECT if direct else 0)
+    with _directory(ns_fd, _shard(key)) as dir_fd:
+        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+        try:
+            _write_all(fd, [_header_buffer(header, direct), payload])
+            if fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp, dir_fd=dir_fd)
+            raise
         os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.rename(tmp, path)
+        name = object_name(key)
+        try:
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except IsADirectoryError:  # a directory squats the name: set it aside, then retry
+            _quarantine(ns_fd, dir_fd, name)
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            os.unlink(tmp, dir_fd=dir_fd)
+            raise
 
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:
@@ -216,24 +349,41 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
             buffers[0] = buffers[0][written:]
 
 
-def _read_object(path: Path, key: OffloadKey, into: memoryview, fingerprint: bytes, direct: bool) -> ObjectHeader:
+def _read_object(ns_fd: int, key: OffloadKey, into: memoryview, fingerprint: bytes, direct: bool) -> ObjectHeader:
     into = into.cast("B")
     direct = direct and _is_aligned(into)
     header_buf = _header_buffer(None, direct)
+    with _directory(ns_fd, _shard(key)) as dir_fd:
+        name = object_name(key)
+        try:
+            fd = os.open(name, os.O_RDONLY | _OPEN_FLAGS | (os.O_DIRECT if direct else 0), dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise ObjectNotFoundError(key) from None
+        except OSError as exc:
+            if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                raise UnusableObjectError(f"{name}: not a regular file") from exc
+            raise _unusable(name, exc) from exc
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
-    except FileNotFoundError:
-        raise ObjectNotFoundError(key) from None
-    try:
-        file_size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnusableObjectError(f"{name}: not a regular file (mode {info.st_mode:o})")
         received = _read_all(fd, [header_buf, into])
+    except OSError as exc:
+        raise _unusable(name, exc) from exc
     finally:
         os.close(fd)
     if received < len(header_buf):
-        raise CorruptObjectError(f"{path}: {received} bytes, shorter than its header")
+        raise CorruptObjectError(f"{name}: {received} bytes, shorter than its header")
     header = parse_header(header_buf, fingerprint, key)
-    check_length(header, file_size - header.size, into.nbytes)
+    check_length(header, info.st_size - header.size, into.nbytes)
     return header
+
+
+def _unusable(name: str, exc: OSError) -> Exception:
+    """`exc` as an `UnusableObjectError` when it is about this object only, else as it is."""
+    if exc.errno in _OBJECT_ERRNOS:
+        return UnusableObjectError(f"{name}: {exc.strerror}")
+    return exc
 
 
 def _read_all(fd: int, buffers: list[memoryview]) -> int:
@@ -251,25 +401,46 @@ def _read_all(fd: int, buffers: list[memoryview]) -> int:
     return total
 
 
-def _unlink_all(paths: list[Path]) -> None:
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+def _exists(ns_fd: int, key: OffloadKey) -> bool:
+    with _directory(ns_fd, _shard(key)) as dir_fd:
+        try:
+            return stat.S_ISREG(os.stat(object_name(key), dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return False
 
 
-def _scan(directory: Path, fingerprint: bytes) -> list[tuple[OffloadKey, int]]:
-    """Objects under `directory`, oldest first; removes temporaries and objects whose
-    header is not ours."""
+def _delete_all(ns_fd: int, keys: list[OffloadKey]) -> None:
+    for key in keys:
+        with _directory(ns_fd, _shard(key)) as dir_fd:
+            name = object_name(key)
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            except (IsADirectoryError, PermissionError):
+                _quarantine(ns_fd, dir_fd, name)
+
+
+def _quarantine(ns_fd: int, dir_fd: int, name: str) -> None:
+    """Move what sits at `name` (a directory, say) out of the way, into the quarantine."""
+    with _directory(ns_fd, _QUARANTINE) as quarantine_fd:
+        os.rename(name, f"{name}.{os.urandom(4).hex()}", src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
+    logger.warning("file tier: moved an unusable %s to %s/ for inspection", name, _QUARANTINE)
+
+
+def _scan(ns_fd: int, directory: Path, fingerprint: bytes) -> list[tuple[OffloadKey, int]]:
+    """Objects in the namespace, oldest first; removes temporaries and regular files that
+    are not whole objects of ours. Never follows a link."""
     found: list[tuple[float, OffloadKey, int]] = []
     removed = 0
     for shard in _SHARDS:
-        with os.scandir(directory / shard) as entries:
+        with _directory(ns_fd, shard) as dir_fd, os.scandir(dir_fd) as entries:
             for entry in entries:
                 if not entry.is_file(follow_symlinks=False):
-                    continue
-                recovered = None if entry.name.endswith(_TMP_SUFFIX) else _check_header(entry, fingerprint)
+                    continue  # a link, directory or FIFO: never loaded; a load or put sets it aside
+                recovered = None if entry.name.endswith(_TMP_SUFFIX) else _check_header(dir_fd, entry.name, fingerprint)
                 if recovered is None:
-                    os.unlink(entry.path)
+                    os.unlink(entry.name, dir_fd=dir_fd)
                     removed += 1
                 else:
                     found.append(recovered)
@@ -279,17 +450,23 @@ def _scan(directory: Path, fingerprint: bytes) -> list[tuple[OffloadKey, int]]:
     return [(key, size) for _, key, size in found]
 
 
-def _check_header(entry: os.DirEntry, fingerprint: bytes) -> tuple[float, OffloadKey, int] | None:
+def _check_header(dir_fd: int, name: str, fingerprint: bytes) -> tuple[float, OffloadKey, int] | None:
     try:
-        key = OffloadKey(bytes.fromhex(entry.name))
-        stat = entry.stat(follow_symlinks=False)
-        with open(entry.path, "rb") as file:
-            header = parse_header(file.read(header_size(len(key), _ALIGN)), fingerprint, key)
-    except (ValueError, OSError):  # a name that is not hex, a bad header (CorruptObjectError)
+        fd = os.open(name, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError:
         return None
-    if stat.st_size != header.size + header.payload_len:
+    try:
+        info = os.fstat(fd)
+        header = parse_header(os.pread(fd, header_size(MAX_KEY_BYTES, _ALIGN), 0), fingerprint)
+    except (CorruptObjectError, OSError):
         return None
-    return stat.st_mtime, key, stat.st_size
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(info.st_mode) or object_name(header.key) != name:
+        return None
+    if info.st_size != header.size + header.payload_len:
+        return None
+    return info.st_mtime, header.key, info.st_size
 
 
 class FileTier(BlockStoreTier):

@@ -136,7 +136,11 @@ class Engine:
         region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", num_blocks, ROW)  # page-aligned rows
         self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region)
         self.rows = np.asarray(self.primary.get_kv_memoryview())
-        self.tier = SecondaryTierFactory.create_secondary_tier(config, self.primary.get_kv_memoryview(), spec)
+        try:
+            self.tier = SecondaryTierFactory.create_secondary_tier(config, self.primary.get_kv_memoryview(), spec)
+        except BaseException:
+            self.primary.shutdown()
+            raise
         self.manager = TieringOffloadingManager(self.primary, [self.tier])
 
     def store(self, *ids):

@@ -2,6 +2,7 @@
 
 import os
 import signal
+from pathlib import Path
 
 from tiering import SharedOffloadRegion
 
@@ -61,12 +62,12 @@ def store_rank_blocks(instance_id, num_blocks, page_shape, num_workers, rank, ba
 
 
 def write_blocks_forever(root_dir, fingerprint, block_bytes):
-    """Write blocks through the file store's own write path, at its own paths, until killed."""
-    from backends.file import FileBlockStore, _write_object
+    """Write blocks through the file store's own write path, in its own namespace, until killed."""
+    from backends.file import _open_namespace, _write_object
     from tests.helpers import block_bytes as payload_of
     from tests.helpers import key
 
-    store = FileBlockStore(root_dir, fingerprint)  # only for its paths; nothing is opened
+    namespace = _open_namespace(Path(root_dir), fingerprint.hex())
     for i in range(1_000_000):
         k = key(i)
-        _write_object(store.path(k), k, memoryview(payload_of(k, block_bytes)), fingerprint, False, False)
+        _write_object(namespace, k, memoryview(payload_of(k, block_bytes)), fingerprint, False, False)

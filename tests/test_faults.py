@@ -4,6 +4,7 @@ import errno
 import multiprocessing
 import os
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -61,7 +62,7 @@ def test_shutdown_returns_while_the_backend_hangs_and_reports_the_jobs_failed():
     assert {r.job_id: r.success for r in tier.get_finished()} == {1: False, 2: False}
 
 
-def test_a_full_disk_fails_stores_cleanly_lowers_capacity_and_keeps_serving_loads(tmp_path, monkeypatch, caplog):
+def test_a_full_disk_fails_stores_cleanly_holds_what_fits_and_keeps_serving_loads(tmp_path, monkeypatch, caplog):
     tier, rows = make_tier({"type": "file", "root_dir": str(tmp_path), "direct_io": False})
     try:
         rows[:4] = np.frombuffer(b"".join(block_bytes(k, ROW) for k in keys(0, 1, 2, 3)), np.uint8).reshape(4, ROW)
@@ -75,7 +76,8 @@ def test_a_full_disk_fails_stores_cleanly_lowers_capacity_and_keeps_serving_load
         tier.submit_store(job(2, [4, 5], [4, 5], False))
         assert finish(tier) == {2: False}
         assert tier.failures["store_no_space"] == 2 and tier.health.healthy
-        assert tier.capacity_bytes == tier.used_bytes == 4 * tier.object_bytes(key(0))
+        assert tier.room_bytes == tier.used_bytes == 4 * tier.object_bytes(key(0))
+        assert tier.capacity_bytes is None  # the configured capacity is kept, to come back to
         rows[6:8] = 0
         tier.submit_load(job(3, [0, 1], [6, 7], True))  # loads are still served
         assert finish(tier) == {3: True}
@@ -133,3 +135,67 @@ async def test_wrong_credentials_are_a_clear_error(s3_environment):
             await store.open()
     finally:
         server.stop()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real tmpfs of 1 MiB that fills up for real (needs the right to mount)."""
+    mount = tmp_path / "disk"
+    mount.mkdir(mode=0o700)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def fill(path) -> None:
+    with open(path, "wb", buffering=0) as filler:
+        try:
+            while True:
+                filler.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+
+
+def store_blocks(tier, rows, job_id, ids):
+    for i in ids:
+        rows[i % len(rows)] = np.frombuffer(block_bytes(key(i), ROW), np.uint8)
+    tier.submit_store(job(job_id, ids, [i % len(rows) for i in ids], False))
+    return finish(tier)[job_id]
+
+
+def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(small_disk, monkeypatch):
+    monkeypatch.setattr("tiering.async_tier._ROOM_BACKOFF_S", (0.2, 0.4))
+    tier, rows = make_tier({"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False})
+    try:
+        fill(small_disk / "someone-elses-file")
+        assert store_blocks(tier, rows, 1, [0, 1]) is False
+        assert tier.room_bytes == 0 and tier.health.healthy
+        assert store_blocks(tier, rows, 2, [2]) is False  # refused without I/O while full
+        assert tier.failures["store_no_space"] == 2
+        os.unlink(small_disk / "someone-elses-file")
+        time.sleep(0.25)  # the first retry is due
+        assert store_blocks(tier, rows, 3, [3, 4]) is True
+        assert tier.room_bytes is None and tier.num_blocks == 2
+    finally:
+        tier.shutdown()
+
+
+def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(small_disk, monkeypatch):
+    monkeypatch.setattr("tiering.async_tier._ROOM_BACKOFF_S", (0.2, 0.4))
+    config = {"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False, "capacity_bytes": "4MiB"}
+    tier, rows = make_tier(config)
+    try:
+        ids = iter(range(1000))
+        while store_blocks(tier, rows, next(ids), [next(ids)]):
+            pass
+        held = tier.room_bytes
+        assert held == tier.used_bytes and 0 < held <= 1 << 20
+        subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
+        time.sleep(0.25)
+        while tier.used_bytes <= held:  # stores go beyond what the small disk held
+            assert store_blocks(tier, rows, next(ids), [next(ids)])
+        assert tier.room_bytes is None
+    finally:
+        tier.shutdown()

@@ -97,17 +97,22 @@ async def test_unusable_root_dir_is_a_clear_error(tmp_path):
 def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monkeypatch):
     import backends.file
 
+    namespace = backends.file._open_namespace(tmp_path, FINGERPRINT.hex())
     opened_flags = []
     real_open = os.open
 
-    def recording_open(path, flags, *args):
-        opened_flags.append(bool(flags & os.O_DIRECT))
-        return real_open(path, flags, *args)
+    def recording_open(path, flags, *args, **kwargs):
+        if not flags & os.O_DIRECTORY:
+            opened_flags.append(bool(flags & os.O_DIRECT))
+        return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(backends.file.os, "open", recording_open)
     aligned, unaligned = payload(8192), memoryview(bytearray(8192))
-    backends.file._write_object(tmp_path / "a", key(1), aligned, FINGERPRINT, False, True)
-    backends.file._read_object(tmp_path / "a", key(1), buffer(8192), FINGERPRINT, True)
-    backends.file._write_object(tmp_path / "b", key(2), unaligned[1:4097], FINGERPRINT, False, True)
-    backends.file._write_object(tmp_path / "c", key(3), aligned, FINGERPRINT, False, False)
+    try:
+        backends.file._write_object(namespace, key(1), aligned, FINGERPRINT, False, True)
+        backends.file._read_object(namespace, key(1), buffer(8192), FINGERPRINT, True)
+        backends.file._write_object(namespace, key(2), unaligned[1:4097], FINGERPRINT, False, True)
+        backends.file._write_object(namespace, key(3), aligned, FINGERPRINT, False, False)
+    finally:
+        os.close(namespace)
     assert opened_flags == [True, True, False, False]

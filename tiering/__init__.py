@@ -11,7 +11,7 @@ from tiering.abstract import OffloadingManager
 from tiering.async_tier import BlockStoreTier
 from tiering.config import ConfigError, TieringConfig, load_config, parse_config
 from tiering.cpu_manager import CPUOffloadingManager, CPUPrimaryTierOffloadingManager
-from tiering.errors import CorruptObjectError, ObjectNotFoundError, StoreClosedError
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, StoreClosedError, UnusableObjectError
 from tiering.factory import SecondaryTierFactory
 from tiering.keys import (
     OffloadKey,
@@ -78,6 +78,7 @@ __all__ = [
     "TieringOffloadingManager",
     "TieringOffloadingSpec",
     "TransferResult",
+    "UnusableObjectError",
     "canonicalize_kv_caches",
     "get_offload_block_hash",
     "get_offload_group_idx",

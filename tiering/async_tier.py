@@ -34,7 +34,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from tiering.errors import CorruptObjectError, ObjectNotFoundError
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.health import TierHealth
 from tiering.keys import OffloadKey, ReqContext
 from tiering.object_format import ObjectHeader, layout_fingerprint, object_size, verify_payload
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_ROOM_BACKOFF_S = (1.0, 30.0)  # first and longest wait before a full device is tried again
 
 _COUNTERS = (
     "blocks_stored",
@@ -156,6 +157,9 @@ class BlockStoreTier(SecondaryTierManager):
         )
         self.store = store_factory(self.fingerprint)
         self.capacity_bytes = capacity_bytes
+        self.room_bytes: int | None = None  # while the device is full: what it was found to hold
+        self._room_retry_at = 0.0
+        self._room_backoff_s = _ROOM_BACKOFF_S[0]
         self.used_bytes = 0
         self.op_timeout_s = op_timeout_s
         self.failures: Counter[str] = Counter()
@@ -308,6 +312,7 @@ class BlockStoreTier(SecondaryTierManager):
             "blocks": len(self._index),
             "bytes": self.used_bytes,
             "capacity_bytes": self.capacity_bytes,
+            "room_bytes": self.room_bytes,
             "jobs_in_flight": len(self._job_started),
             "healthy": self.health.healthy,
             "state": self.health.state.value,
@@ -378,8 +383,21 @@ class BlockStoreTier(SecondaryTierManager):
         self._runtime.flush()
         logger.info("tier %s: recovered %d blocks (%d bytes)", self.tier_type, len(self._index), self.used_bytes)
 
+    def _limit(self) -> int | None:
+        """Bytes the tier may hold now: its capacity, or less while the device is full. The
+        full device's room is forgotten at ``_room_retry_at``, so the tier learns again,
+        from the next store's outcome, how much the device holds (space may have come back)."""
+        if self.room_bytes is not None and time.monotonic() >= self._room_retry_at:
+            logger.info(
+                "tier %s: retrying stores beyond the %d bytes a full device held", self.tier_type, self.room_bytes
+            )
+            self.room_bytes = None
+        if self.room_bytes is None or (self.capacity_bytes is not None and self.capacity_bytes < self.room_bytes):
+            return self.capacity_bytes
+        return self.room_bytes
+
     def _make_room(self, size: int, evicted: list[OffloadKey]) -> bool:
-        capacity = self.capacity_bytes
+        capacity = self._limit()
         if capacity is None:
             return True
         if size > capacity:
@@ -406,14 +424,20 @@ class BlockStoreTier(SecondaryTierManager):
             else:
                 del self._index[key]
                 self.used_bytes -= entry.size
-        if done.no_space and (self.capacity_bytes is None or self.used_bytes < self.capacity_bytes):
-            logger.warning(
-                "tier %s: device full at %d bytes; capacity lowered to that (was %s)",
-                self.tier_type,
-                self.used_bytes,
-                self.capacity_bytes,
-            )
-            self.capacity_bytes = max(self.used_bytes, 1)
+        if done.no_space:
+            if self.room_bytes is None:  # full again after a retry: wait longer before the next
+                backoff = self._room_backoff_s
+                self._room_backoff_s = min(backoff * 2, _ROOM_BACKOFF_S[1])
+                logger.warning(
+                    "tier %s: device full at %d bytes; holding at most that, retrying in %.0f s",
+                    self.tier_type,
+                    self.used_bytes,
+                    backoff,
+                )
+                self._room_retry_at = time.monotonic() + backoff
+            self.room_bytes = self.used_bytes
+        elif done.ok and self.room_bytes is None:
+            self._room_backoff_s = _ROOM_BACKOFF_S[0]
 
     def _probe(self, key: OffloadKey) -> bool | None:
         state = self._probes.get(key, 0.0)
@@ -579,8 +603,8 @@ class BlockStoreTier(SecondaryTierManager):
             elif isinstance(error, ObjectNotFoundError):
                 self._failed("load_missing", error)
                 done.drop.add(key)
-            elif isinstance(error, CorruptObjectError):
-                self._failed("load_corrupt", error)
+            elif isinstance(error, CorruptObjectError):  # or unusable: dropped, and no sign of a sick backend
+                self._failed("load_unusable" if isinstance(error, UnusableObjectError) else "load_corrupt", error)
                 done.drop.add(key)
                 corrupt.append(key)
             else:
