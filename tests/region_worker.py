@@ -4,7 +4,7 @@ import os
 import signal
 from pathlib import Path
 
-from tiering import SharedOffloadRegion
+from tiering import RegionInUseError, SharedOffloadRegion
 
 
 def fill_slot(instance_id, num_blocks, page_size, num_workers, rank, barrier):
@@ -20,12 +20,20 @@ def fill_slot(instance_id, num_blocks, page_size, num_workers, rank, barrier):
     region.cleanup()
 
 
-def race_to_create(instance_id, barrier, creators):
-    region = SharedOffloadRegion(instance_id, 4, 4096)
+def race_to_create(instance_id, rank, barrier, creators):
+    region = SharedOffloadRegion(instance_id, 4, 4096, num_workers=4, rank=rank)
     with creators.get_lock():
         creators.value += region.is_creator
     barrier.wait(timeout=30)  # nobody cleans up before everyone has joined
     region.cleanup()
+
+
+def attach_as_scheduler(instance_id):
+    """Exit 3 if the region's scheduler role is taken by a live engine."""
+    try:
+        SharedOffloadRegion(instance_id, 2, 4096).cleanup()
+    except RegionInUseError:
+        os._exit(3)
 
 
 def create_and_die(instance_id):

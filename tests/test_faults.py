@@ -137,18 +137,6 @@ async def test_wrong_credentials_are_a_clear_error(s3_environment):
         server.stop()
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real tmpfs of 1 MiB that fills up for real (needs the right to mount)."""
-    mount = tmp_path / "disk"
-    mount.mkdir(mode=0o700)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
-
-
 def fill(path) -> None:
     with open(path, "wb", buffering=0) as filler:
         try:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests import region_worker
-from tiering import SharedOffloadRegion
+from tiering import RegionInUseError, SharedOffloadRegion
 from tiering.shared_region import region_path
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -80,7 +80,7 @@ def test_two_worker_processes_fill_their_slots_of_the_same_rows(instance_id, run
 
 def test_exactly_one_of_racing_processes_creates(instance_id, run):
     barrier, creators = SPAWN.Barrier(4), SPAWN.Value("i", 0)
-    procs = [run(region_worker.race_to_create, instance_id, barrier, creators) for _ in range(4)]
+    procs = [run(region_worker.race_to_create, instance_id, rank, barrier, creators) for rank in range(4)]
     for proc in procs:
         proc.join(30)
     assert [proc.exitcode for proc in procs] == [0] * 4
@@ -177,3 +177,35 @@ def test_remove_stale_deletes_only_regions_nobody_maps(instance_id, run):
         live.cleanup()
     with pytest.raises(ValueError, match="must be made of letters"):
         SharedOffloadRegion.remove_stale("../x")
+
+
+def test_a_second_engine_with_a_live_instance_id_is_refused(instance_id, run):
+    first = SharedOffloadRegion(instance_id, 2, 4096)
+    try:
+        with pytest.raises(RegionInUseError, match=f"instance id '{instance_id}' already has a scheduler attached"):
+            SharedOffloadRegion(instance_id, 2, 4096)  # another engine's scheduler, same process
+        proc = run(region_worker.attach_as_scheduler, instance_id)  # or another process
+        proc.join(30)
+        assert proc.exitcode == 3
+        assert first.path.exists()
+    finally:
+        first.cleanup()
+    second = SharedOffloadRegion(instance_id, 2, 4096)  # the id is free again once released
+    second.cleanup()
+
+
+def test_each_worker_rank_attaches_once(instance_id):
+    scheduler = SharedOffloadRegion(instance_id, 2, 4096, num_workers=2)
+    ranks = [SharedOffloadRegion(instance_id, 2, 4096, num_workers=2, rank=r) for r in (0, 1)]
+    try:
+        with pytest.raises(RegionInUseError, match="already has worker rank 1 attached"):
+            SharedOffloadRegion(instance_id, 2, 4096, num_workers=2, rank=1)
+    finally:
+        for region in [*ranks, scheduler]:
+            region.cleanup()
+
+
+def test_a_region_larger_than_the_free_shared_memory_fails_at_start(instance_id, small_disk):
+    with pytest.raises(OSError, match=r"needs 4194304 bytes; .*disk has \d+ free: lower cpu_bytes_to_use"):
+        SharedOffloadRegion(instance_id, 1024, 4096, shm_dir=small_disk)
+    assert os.listdir(small_disk) == []

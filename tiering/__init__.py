@@ -27,7 +27,7 @@ from tiering.object_format import layout_fingerprint
 from tiering.policies import ARCCachePolicy, CachePolicy, LRUCachePolicy, make_cache_policy, register_cache_policy
 from tiering.runtime import AsyncRuntime, RuntimeClosedError
 from tiering.secondary import JobId, JobMetadata, JobResult, SecondaryTierManager
-from tiering.shared_region import SharedOffloadRegion
+from tiering.shared_region import RegionInUseError, SharedOffloadRegion
 from tiering.spec import KVLayout, TieringOffloadingSpec
 from tiering.specs import (
     BlockIDsLoadStoreSpec,
@@ -67,6 +67,7 @@ __all__ = [
     "OffloadingHandler",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "RegionInUseError",
     "ReqContext",
     "RequestOffloadingContext",
     "RuntimeClosedError",

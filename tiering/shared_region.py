@@ -16,17 +16,26 @@ Lifecycle, safe against races and crashes:
   process takes an exclusive lock on it, unlinks it and creates a fresh one, whatever its
   size was.
 - A live region of another size is an error, never silently reused.
+- Each role is held by one engine at a time: the scheduler side (rank None) and each worker
+  rank take an open-file-description lock on their own byte of the file for as long as they
+  map it. A second engine started with a live engine's instance id is refused with
+  `RegionInUseError`, instead of both overwriting each other's rows; the lock dies with its
+  process, so a crashed engine's id is free again at once.
+- The creator allocates the whole file up front (`posix_fallocate`): a region larger than
+  the free shared memory fails at start with ENOSPC, never with SIGBUS mid-run.
 - `cleanup()` unmaps and closes; the creator also unlinks the file.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
 import mmap
 import os
 import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +43,11 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class RegionInUseError(RuntimeError):
+    """Another live engine holds this role (scheduler, or worker rank) of the region with
+    the same instance id."""
 
 
 def region_path(instance_id: str, shm_dir: str | os.PathLike = "/dev/shm") -> Path:
@@ -75,7 +89,9 @@ class SharedOffloadRegion:
         Raises:
             ValueError: a size or the rank is out of range, or a live region with this id
                 has another size.
-            OSError: the file cannot be created or mapped (for example /dev/shm is full).
+            RegionInUseError: a live engine with this instance id already holds this role.
+            OSError: the file cannot be created or mapped; ENOSPC: the free shared memory
+                in `shm_dir` is smaller than the region (the message gives both sizes).
         """
         if num_blocks < 1 or cpu_page_size < 1 or num_workers < 1:
             raise ValueError(
@@ -92,8 +108,10 @@ class SharedOffloadRegion:
         self.row_stride = -(-self.row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
         self.path = region_path(instance_id, shm_dir)
         self._next_view_offset = 0
+        self.instance_id = instance_id
         self._fd, self.is_creator = self._open()
         try:
+            self._hold_role()
             self._mmap: mmap.mmap | None = mmap.mmap(self._fd, self.total_size_bytes)
         except BaseException:
             self._release_file()
@@ -175,12 +193,27 @@ class SharedOffloadRegion:
             if fd is not None:
                 return fd, False
 
+    def _hold_role(self) -> None:
+        """Lock this role's byte of the file (see the module docstring)."""
+        role = 0 if self.rank is None else 1 + self.rank
+        lock = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, role, 1, 0)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, lock)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            who = "a scheduler" if self.rank is None else f"worker rank {self.rank}"
+            raise RegionInUseError(
+                f"shared region {self.path}: a live engine with instance id {self.instance_id!r} already has "
+                f"{who} attached; give each engine its own instance id"
+            ) from None
+
     def _try_create(self) -> int | None:
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            os.ftruncate(fd, self.total_size_bytes)
+            self._allocate(fd)
             os.link(tmp, self.path)
         except FileExistsError:
             os.close(fd)
@@ -191,6 +224,19 @@ class SharedOffloadRegion:
         finally:
             os.unlink(tmp)
         return fd
+
+    def _allocate(self, fd: int) -> None:
+        try:
+            os.posix_fallocate(fd, 0, self.total_size_bytes)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            info = os.statvfs(self.path.parent)
+            raise OSError(
+                errno.ENOSPC,
+                f"shared region {self.path} needs {self.total_size_bytes} bytes; {self.path.parent} has "
+                f"{info.f_bavail * info.f_frsize} free: lower cpu_bytes_to_use or enlarge {self.path.parent}",
+            ) from None
 
     def _try_join(self) -> int | None:
         """Join the file under the name; None if it vanished or was a leftover (now removed)."""
