@@ -25,11 +25,11 @@ from collections.abc import Collection
 from typing import Any
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from backends.store import BlockStore
 from tiering.async_tier import BlockStoreTier
-from tiering.factory import Size, describe_error, tier_options_model
+from tiering.factory import Count, Delay, Probability, Seconds, Size, describe_error, tier_options_model
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader
 
@@ -38,8 +38,6 @@ STORES = {  # inner store types: module, class
     "file": ("backends.file", "FileBlockStore"),
     "s3": ("backends.s3", "S3BlockStore"),
 }
-
-Probability = Field(default=0.0, ge=0.0, le=1.0)
 
 
 class FaultyBlockStore(BlockStore):
@@ -123,17 +121,17 @@ def _store_class(store_type: str) -> type[BlockStore]:
 class FaultyOptions(BaseModel):
     """The ``faulty`` tier's schema: the inner store's options are checked by its own."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     inner: dict[str, Any]
-    failure_rate: float = Probability
-    corruption_rate: float = Probability
-    hang_rate: float = Probability
-    latency_s: float = Field(default=0.0, ge=0.0)
+    failure_rate: Probability = 0.0
+    corruption_rate: Probability = 0.0
+    hang_rate: Probability = 0.0
+    latency_s: Delay = 0.0
     seed: int | None = None
     capacity_bytes: Size | None = None
-    max_concurrency: int = Field(default=16, ge=1)
-    op_timeout_s: float = Field(default=5.0, gt=0)
+    max_concurrency: Count = 16
+    op_timeout_s: Seconds = 5.0
 
     @field_validator("inner")
     @classmethod

@@ -43,15 +43,17 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import aiofiles.os
 import anyio
 import numpy as np
+from pydantic import AfterValidator
 
 from backends.store import BlockStore
 from tiering.async_tier import BlockStoreTier
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
+from tiering.factory import Count, Seconds
 from tiering.keys import OffloadKey
 from tiering.object_format import MAX_KEY_BYTES, ObjectHeader, check_length, encode_header, header_size, parse_header
 
@@ -77,6 +79,39 @@ def object_name(key: OffloadKey) -> str:
     return hexed if len(hexed) <= _MAX_HEX_NAME else "h" + hashlib.blake2b(key, digest_size=32).hexdigest()
 
 
+def check_root_dir(value: str) -> str:
+    """`root_dir` as a config value, checked at load: not empty; an existing directory that
+    is private to the engine's user and writable, or creatable under a writable directory.
+
+    Raises:
+        ValueError: what is wrong, naming the path.
+    """
+    if not value:
+        raise ValueError("must not be empty")
+    path = Path(value)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        parent = path.absolute().parent
+        while not os.path.lexists(parent):
+            parent = parent.parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"{path} cannot be created: {parent} is not a writable directory") from None
+        return value
+    except OSError as exc:
+        raise ValueError(f"{path} cannot be used: {exc.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{path} is not a directory")
+    try:
+        _check_root(info, path)
+    except PermissionError as exc:
+        raise ValueError(exc.strerror) from None
+    return value
+
+
+RootDir = Annotated[str, AfterValidator(check_root_dir)]
+
+
 def _shard(key: OffloadKey) -> str:
     return hashlib.blake2b(key, digest_size=1).hexdigest()
 
@@ -99,9 +134,9 @@ class FileBlockStore(BlockStore):
 
     def __init__(
         self,
-        root_dir: str | os.PathLike,
+        root_dir: RootDir,
         fingerprint: bytes,
-        io_threads: int = 16,
+        io_threads: Count = 16,
         fsync: bool = False,
         direct_io: bool = True,
     ):
@@ -201,9 +236,7 @@ def _open_namespace(root: Path, name: str) -> int:
     _make_private_parents(root)
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: links allowed
     try:
-        _check_private(root_fd, root)
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, f"{root} is not writable")
+        _check_root(os.fstat(root_fd), root)
         ns_fd = _private_subdir(root_fd, name, root / name)
     finally:
         os.close(root_fd)
@@ -249,15 +282,20 @@ def _private_subdir(parent_fd: int, name: str, path: Path) -> int:
         try:
             if created:
                 os.fchmod(fd, 0o700)
-            _check_private(fd, path)
+            _check_private(os.fstat(fd), path)
         except BaseException:
             os.close(fd)
             raise
         return fd
 
 
-def _check_private(fd: int, path: Path) -> None:
-    info = os.fstat(fd)
+def _check_root(info: os.stat_result, path: Path) -> None:
+    _check_private(info, path)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{path} is not writable")
+
+
+def _check_private(info: os.stat_result, path: Path) -> None:
     if info.st_uid != os.geteuid():
         raise PermissionError(
             errno.EACCES,
@@ -478,13 +516,13 @@ class FileTier(BlockStoreTier):
         primary_kv_view: memoryview,
         tier_type: str = "file",
         *,
-        root_dir: str | os.PathLike,
+        root_dir: RootDir,
         capacity_bytes: int | None = None,
-        max_concurrency: int = 16,
-        io_threads: int | None = None,
+        max_concurrency: Count = 16,
+        io_threads: Count | None = None,
         fsync: bool = False,
         direct_io: bool = True,
-        op_timeout_s: float = 30.0,
+        op_timeout_s: Seconds = 30.0,
         batch_bytes: int = 4 << 20,
     ):
         """
@@ -503,7 +541,7 @@ class FileTier(BlockStoreTier):
             ValueError: an option is out of range.
             OSError: `root_dir` cannot be created or written.
         """
-        threads = io_threads or max_concurrency
+        threads = max_concurrency if io_threads is None else io_threads
         super().__init__(
             offloading_spec,
             primary_kv_view,

@@ -16,6 +16,7 @@ import anyio
 from backends.store import BlockStore
 from tiering.async_tier import BlockStoreTier
 from tiering.errors import ObjectNotFoundError
+from tiering.factory import Count, Delay, Probability, Seconds
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader, check_length, encode_header, parse_header
 
@@ -30,7 +31,9 @@ class MemoryBlockStore(BlockStore):
         seed: seed of the failure draws, or None for a random one.
     """
 
-    def __init__(self, fingerprint: bytes, latency_s: float = 0.0, failure_rate: float = 0.0, seed: int | None = None):
+    def __init__(
+        self, fingerprint: bytes, latency_s: Delay = 0.0, failure_rate: Probability = 0.0, seed: int | None = None
+    ):
         super().__init__(fingerprint)
         if latency_s < 0 or not 0.0 <= failure_rate <= 1.0:
             raise ValueError(f"latency_s must be >= 0 and failure_rate within 0..1, got {latency_s}, {failure_rate}")
@@ -85,10 +88,10 @@ class MemoryTier(BlockStoreTier):
         primary_kv_view: memoryview,
         tier_type: str = "memory",
         capacity_bytes: int | None = None,
-        max_concurrency: int = 64,
-        op_timeout_s: float = 30.0,
-        latency_s: float = 0.0,
-        failure_rate: float = 0.0,
+        max_concurrency: Count = 64,
+        op_timeout_s: Seconds = 30.0,
+        latency_s: Delay = 0.0,
+        failure_rate: Probability = 0.0,
         seed: int | None = None,
     ):
         """

@@ -29,6 +29,7 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 from backends.store import BlockStore
 from tiering.async_tier import BlockStoreTier
 from tiering.errors import CorruptObjectError, ObjectNotFoundError
+from tiering.factory import Count, Delay, Seconds
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader, check_length, encode_header, header_size, parse_header
 
@@ -103,11 +104,11 @@ class S3BlockStore(BlockStore):
         region_name: str | None = None,
         create_bucket: bool = False,
         verify_tls: bool = True,
-        max_pool_connections: int = 64,
-        connect_timeout_s: float = 2.0,
-        read_timeout_s: float = 5.0,
-        max_attempts: int = 2,
-        list_page_size: int = 1000,
+        max_pool_connections: Count = 64,
+        connect_timeout_s: Seconds = 2.0,
+        read_timeout_s: Seconds = 5.0,
+        max_attempts: Count = 2,
+        list_page_size: Count = 1000,
     ):
         super().__init__(fingerprint)
         self._list_page_size = list_page_size
@@ -303,17 +304,17 @@ class S3Tier(BlockStoreTier):
         endpoint_url: str | None = None,
         region_name: str | None = None,
         capacity_bytes: int | None = None,
-        max_concurrency: int = 64,
+        max_concurrency: Count = 64,
         create_bucket: bool = False,
         verify_tls: bool = True,
-        op_timeout_s: float = 20.0,
-        connect_timeout_s: float = 2.0,
-        read_timeout_s: float = 5.0,
-        max_attempts: int = 2,
-        negative_ttl_s: float = 5.0,
-        failure_threshold: int = 5,
-        backoff_s: float = 1.0,
-        max_backoff_s: float = 30.0,
+        op_timeout_s: Seconds = 20.0,
+        connect_timeout_s: Seconds = 2.0,
+        read_timeout_s: Seconds = 5.0,
+        max_attempts: Count = 2,
+        negative_ttl_s: Delay = 5.0,
+        failure_threshold: Count = 5,
+        backoff_s: Seconds = 1.0,
+        max_backoff_s: Seconds = 30.0,
     ):
         """
         Args:
@@ -333,11 +334,9 @@ class S3Tier(BlockStoreTier):
                 `op_timeout_s`.
             FileNotFoundError, PermissionError, ConnectionError: see `S3BlockStore.open`.
         """
-        if not max(connect_timeout_s, read_timeout_s) < op_timeout_s:
-            raise ValueError(
-                f"connect_timeout_s ({connect_timeout_s}) and read_timeout_s ({read_timeout_s}) must be below "
-                f"op_timeout_s ({op_timeout_s})"
-            )
+        self.check_options(
+            {"connect_timeout_s": connect_timeout_s, "read_timeout_s": read_timeout_s, "op_timeout_s": op_timeout_s}
+        )
         store_options = {
             "bucket": bucket,
             "prefix": prefix,
@@ -365,3 +364,16 @@ class S3Tier(BlockStoreTier):
             backoff_s=backoff_s,
             max_backoff_s=max_backoff_s,
         )
+
+    @staticmethod
+    def check_options(options: dict[str, Any]) -> None:
+        """Rules between options, checked when a config is loaded and when a tier is built.
+
+        Raises:
+            ValueError: a client timeout is not below ``op_timeout_s``.
+        """
+        connect, read, operation = (options[name] for name in ("connect_timeout_s", "read_timeout_s", "op_timeout_s"))
+        if not max(connect, read) < operation:
+            raise ValueError(
+                f"connect_timeout_s ({connect}) and read_timeout_s ({read}) must be below op_timeout_s ({operation})"
+            )

@@ -194,13 +194,14 @@ def test_tiers_of_one_engine_share_one_runtime():
 @pytest.mark.parametrize(
     ("config", "error", "message"),
     [
-        ({"type": "memory", "capacity_bytes": 0}, ValueError, "capacity_bytes: Input should be greater than 0"),
-        ({"type": "memory", "capacity_bytes": "lots"}, ValueError, "capacity_bytes: could not parse"),
+        ({"type": "memory", "capacity_bytes": 0}, ValueError, "capacity_bytes: expected a size from 1 byte to 1 EiB"),
+        ({"type": "memory", "capacity_bytes": 4096}, ValueError, r"capacity_bytes \(4096\) cannot hold one block"),
+        ({"type": "memory", "capacity_bytes": "lots"}, ValueError, "capacity_bytes: expected a size such as"),
         ({"type": "memory", "latency_s": "slow"}, ValueError, "latency_s: Input should be a valid number"),
-        ({"type": "memory", "max_concurrency": 0}, ValueError, "max_concurrency must be >= 1"),
-        ({"type": "memory", "failure_rate": 1.5}, ValueError, "failure_rate within"),
+        ({"type": "memory", "max_concurrency": 0}, ValueError, "max_concurrency: Input should be greater than or"),
+        ({"type": "memory", "failure_rate": 1.5}, ValueError, "failure_rate: Input should be less than or equal to 1"),
         ({"type": "file"}, ValueError, "root_dir: required key is missing"),
-        ({"type": "file", "root_dir": "/proc/no/such"}, OSError, "file tier: cannot use /proc/no/such"),
+        ({"type": "file", "root_dir": "/etc/hostname/x"}, ValueError, "root_dir: /etc/hostname/x cannot be used"),
         ({"type": "file", "root_dir": "/tmp", "bucket": "x"}, TypeError, "does not take bucket"),
     ],
 )

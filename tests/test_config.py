@@ -1,3 +1,6 @@
+import os
+import subprocess
+
 import pytest
 
 from tiering.config import ConfigError, load_config, parse_config
@@ -42,8 +45,8 @@ BAD = [
     ("cpu_bytes_to_use: [1, 2", "line 1, column 24: not valid YAML"),
     ("- just\n- a list", "expected a mapping of settings, got list"),
     ("eviction_policy: lru", "cpu_bytes_to_use: required key is missing"),
-    ("cpu_bytes_to_use: -5", "cpu_bytes_to_use: could not parse value and unit from byte string"),
-    ("cpu_bytes_to_use: 0", "cpu_bytes_to_use: Input should be greater than 0"),
+    ("cpu_bytes_to_use: -5", "cpu_bytes_to_use: expected a size from 1 byte to 1 EiB; got -5"),
+    ("cpu_bytes_to_use: 0", "cpu_bytes_to_use: expected a size from 1 byte to 1 EiB; got 0"),
     ("cpu_bytes_to_use: 1GiB\nblock_size: 0", "block_size: Input should be greater than 0"),
     ("cpu_bytes_to_use: 1GiB\neviction_policy: fifo", "eviction_policy: expected one of arc, lru"),
     ("cpu_bytes_to_use: 1GiB\ncolour: blue", "colour: unknown key; expected one of cpu_bytes_to_use, block_size"),
@@ -67,7 +70,7 @@ BAD = [
     ),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: /x, capacity_bytes: lots}]",
-        "secondary_tiers[0].capacity_bytes: could not parse value",
+        "secondary_tiers[0].capacity_bytes: expected a size such as 65536, 64KiB or 8GiB; got 'lots'",
     ),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: /x, speed: 9}]",
@@ -110,3 +113,145 @@ def test_load_config_reads_files_and_reports_unreadable_ones(tmp_path):
 def test_yaml_is_loaded_safely():
     with pytest.raises(ConfigError, match="not valid YAML"):
         parse_config("cpu_bytes_to_use: !!python/object/apply:os.system ['echo pwned']")
+
+
+BOMB = "a: &a ['x','x','x','x','x','x','x','x','x']\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
+    for i in range(8)
+)  # "billion laughs": 9 ** 9 strings once expanded
+
+HOSTILE = [
+    # sizes and numbers
+    ("cpu_bytes_to_use: 8EiB", "cpu_bytes_to_use: expected a size from 1 byte to 1 EiB; got 9223372036854775808"),
+    ("cpu_bytes_to_use: 1e30", "cpu_bytes_to_use: expected a size such as 65536, 64KiB or 8GiB; got '1e30'"),
+    (
+        "cpu_bytes_to_use: 1.0e+30",
+        "cpu_bytes_to_use: expected a size from 1 byte to 1 EiB; got 1000000000000000019884624838656",
+    ),
+    ("cpu_bytes_to_use: .nan", "cpu_bytes_to_use: expected a size such as 65536, 64KiB or 8GiB; got nan"),
+    ("cpu_bytes_to_use: 1.5", "cpu_bytes_to_use: expected a size such as 65536, 64KiB or 8GiB; got 1.5"),
+    ("cpu_bytes_to_use: true", "cpu_bytes_to_use: expected a size such as 65536, 64KiB or 8GiB; got True"),
+    (
+        "cpu_bytes_to_use: 1GiB\nmetrics: {port: 1, interval_s: .inf}",
+        "metrics.interval_s: Input should be a finite number",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, op_timeout_s: .nan}]",
+        "secondary_tiers[0].op_timeout_s: Input should be a finite number",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, op_timeout_s: 0}]",
+        "secondary_tiers[0].op_timeout_s: Input should be greater than 0",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, latency_s: -1}]",
+        "secondary_tiers[0].latency_s: Input should be greater than or equal to 0",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, failure_rate: 2}]",
+        "secondary_tiers[0].failure_rate: Input should be less than or equal to 1",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, max_concurrency: 0}]",
+        "secondary_tiers[0].max_concurrency: Input should be greater than or equal to 1",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, capacity_bytes: 1e30}]",
+        "secondary_tiers[0].capacity_bytes: expected a size such as 65536, 64KiB or 8GiB; got '1e30'",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: /tmp/t, io_threads: 0}]",
+        "secondary_tiers[0].io_threads: Input should be greater than or equal to 1",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: /tmp/t, batch_bytes: -1}]",
+        "secondary_tiers[0].batch_bytes: expected a size from 1 byte to 1 EiB; got -1",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: s3, bucket: b, max_attempts: 0}]",
+        "secondary_tiers[0].max_attempts: Input should be greater than or equal to 1",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: s3, bucket: b, read_timeout_s: 30}]",
+        "secondary_tiers[0]: connect_timeout_s (2.0) and read_timeout_s (30.0) must be below op_timeout_s (20.0)",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: faulty, inner: {type: memory}, latency_s: .inf}]",
+        "secondary_tiers[0].latency_s: Input should be a finite number",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: faulty, inner: {type: file, root_dir: /tmp/t, io_threads: 0}}]",
+        "secondary_tiers[0].inner: io_threads: Input should be greater than or equal to 1",
+    ),
+    # structure
+    (
+        "cpu_bytes_to_use: 1GiB\ncpu_bytes_to_use: 2GiB",
+        "line 2, column 1: not valid YAML: duplicate key 'cpu_bytes_to_use' (first given on line 1)",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, seed: 1, seed: 2}]",
+        "line 2, column 43: not valid YAML: duplicate key 'seed'",
+    ),
+    ("", "the file is empty"),
+    ("# only a comment\n", "the file is empty"),
+    ("cpu_bytes_to_use: 1GiB\n" + BOMB, "more than 100000 values once aliases are expanded (an alias bomb?)"),
+    ("cpu_bytes_to_use: 1GiB\nx: " + "[" * 5000 + "]" * 5000, "nested too deeply (at most 32 levels)"),
+    ("cpu_bytes_to_use: 1GiB\nx: " + "[" * 40 + "]" * 40, "x" + "[0]" * 32 + ": nested too deeply (at most 32 levels)"),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: ''}]",
+        "secondary_tiers[0].root_dir: must not be empty",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: /etc/hostname}]",
+        "secondary_tiers[0].root_dir: /etc/hostname is not a directory",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: /etc/hostname/kv}]",
+        "secondary_tiers[0].root_dir: /etc/hostname/kv cannot be used: Not a directory",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: /tmp}]",
+        "secondary_tiers[0].root_dir: /tmp is writable by group or others (mode 1777)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_configs_fail_at_load_with_one_clear_message(text, message):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "engine.yaml", environ={})
+    assert f"engine.yaml: {message}" in str(caught.value)
+
+
+def test_shared_tier_options_may_use_a_merge_key_and_override_it():
+    text = "cpu_bytes_to_use: 1GiB\nsecondary_tiers:\n  - &slow {type: memory, latency_s: 0.5}\n  - {<<: *slow, latency_s: 0.1}"
+    slow, fast = parse_config(text, environ={}).secondary_tiers
+    assert (slow["latency_s"], fast["latency_s"], fast["type"]) == (0.5, 0.1, "memory")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda path: path.write_bytes(b"cpu_bytes_to_use: \xff\xfe 1GiB"), "not UTF-8 text (byte 0xff at offset 18)"),
+        (lambda path: path.mkdir(), "not a regular file"),
+        (lambda path: os.mkfifo(path), "not a regular file"),  # reading it would block forever
+        (lambda path: None, "cannot read the file: No such file or directory"),
+        (lambda path: path.write_bytes(b"#" * (2 << 20)), "2097152 bytes; a configuration is at most 1048576"),
+    ],
+    ids=["non-utf8", "directory", "fifo", "missing", "huge"],
+)
+def test_unusable_config_files_name_the_file(tmp_path, make, message):
+    path = tmp_path / "engine.yaml"
+    make(path)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert f"{path}: {message}" in str(caught.value)
+
+
+def test_a_root_dir_that_cannot_be_created_fails_at_load(small_disk):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    text = f"cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{{type: file, root_dir: {small_disk}/kv}}]"
+    with pytest.raises(
+        ConfigError, match=f"root_dir: {small_disk}/kv cannot be created: {small_disk} is not a writable"
+    ):
+        parse_config(text, "engine.yaml", environ={})

@@ -8,6 +8,7 @@ import torch
 
 from tests.helpers import keys
 from tiering import (
+    ConfigError,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
     KVLayout,
@@ -94,11 +95,13 @@ secondary_tiers:
 
 
 def test_a_failing_tier_releases_everything_made_before_it(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    text = f"cpu_bytes_to_use: 64KiB\nsecondary_tiers:\n  - type: memory\n  - type: file\n    root_dir: {blocker}/sub\n"
-    spec = TieringOffloadingSpec(parse_config(text), KVLayout("tiny", 2, 64, 4), instance())
-    with pytest.raises(OSError, match="file tier: cannot use"):
+    root = tmp_path / "kv"
+    text = f"cpu_bytes_to_use: 64KiB\nsecondary_tiers:\n  - type: memory\n  - type: file\n    root_dir: {root}\n"
+    spec = TieringOffloadingSpec(parse_config(text, "engine.yaml"), KVLayout("tiny", 2, 64, 4), instance())
+    root.write_text("")  # valid when loaded, a file by the time the engine starts
+    with pytest.raises(
+        ConfigError, match=r"engine.yaml: secondary_tiers\[1\]: tier type 'file': root_dir: .*kv is not a directory"
+    ):
         spec.get_manager()
     assert not region_path(spec.instance_id).exists()
     assert not any(t.name.startswith("tiering") for t in threading.enumerate())

@@ -140,7 +140,7 @@ class BlockStoreTier(SecondaryTierManager):
             failure_threshold, backoff_s, max_backoff_s: the health breaker (`TierHealth`).
 
         Raises:
-            ValueError: an option is out of range.
+            ValueError: an option is out of range, or `capacity_bytes` cannot hold one block.
             OSError, TimeoutError: the store could not be opened or recovered in time.
         """
         if capacity_bytes is not None and capacity_bytes <= 0:
@@ -156,6 +156,12 @@ class BlockStoreTier(SecondaryTierManager):
             f"row_bytes={self.row_bytes}"
         )
         self.store = store_factory(self.fingerprint)
+        smallest = object_size(0, self.row_bytes, self.store.header_align)
+        if capacity_bytes is not None and capacity_bytes < smallest:
+            raise ValueError(
+                f"capacity_bytes ({capacity_bytes}) cannot hold one block: a block takes at least {smallest} bytes "
+                f"(a row of {self.row_bytes} and its header)"
+            )
         self.capacity_bytes = capacity_bytes
         self.room_bytes: int | None = None  # while the device is full: what it was found to hold
         self._room_retry_at = 0.0

@@ -16,26 +16,32 @@ metrics:                        # optional: Prometheus on 127.0.0.1:9400/metrics
 ```
 
 Every problem is reported at once, each with the file, the key path
-(``secondary_tiers[1].bucket``) and what was expected. YAML is parsed with
-``yaml.safe_load`` (no arbitrary objects); each tier's options are checked by its own
-schema (`tiering.factory.tier_options_model`).
+(``secondary_tiers[1].bucket``) and what was expected. YAML is parsed safely (no
+arbitrary objects), duplicate keys are errors (not "the last one wins"), and a document may
+hold at most `MAX_VALUES` values `MAX_DEPTH` levels deep, aliases expanded (an alias bomb
+fails at once); the file must be a regular UTF-8 file of at most `MAX_CONFIG_BYTES`. Each
+tier's options are checked by its own schema (`tiering.factory.tier_options_model`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from tiering.factory import SecondaryTierFactory, Size, describe_error, tier_options_model, validate_tier_options
 from tiering.policies import cache_policy_names
 
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+MAX_CONFIG_BYTES = 1 << 20
+MAX_VALUES = 100_000
+MAX_DEPTH = 32
 
 
 class ConfigError(ValueError):
@@ -56,7 +62,7 @@ class ConfigError(ValueError):
 class MetricsConfig(BaseModel):
     """``metrics``: serve the engine's stats for Prometheus (needs the ``metrics`` extra)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     port: int = Field(ge=0, le=65535)
     address: str = "127.0.0.1"
@@ -67,13 +73,19 @@ class TieringConfig(BaseModel):
     """A validated configuration. ``secondary_tiers`` hold each tier's checked options
     (sizes as ints) with its ``type`` (and ``module_path``/``class_name`` when given)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     cpu_bytes_to_use: Size
     block_size: int | None = Field(default=None, gt=0)
     eviction_policy: str = "lru"
     secondary_tiers: list[dict[str, Any]] = Field(default_factory=list)
     metrics: MetricsConfig | None = None
+    _source: str = PrivateAttr(default="<string>")
+
+    @property
+    def source(self) -> str:
+        """The file the configuration was read from (or ``<string>``), for error messages."""
+        return self._source
 
     @field_validator("eviction_policy")
     @classmethod
@@ -87,13 +99,25 @@ def load_config(path: str | os.PathLike, environ: Mapping[str, str] | None = Non
     """Read and validate the YAML file at `path`.
 
     Raises:
-        ConfigError: the file cannot be read or parsed, or any value is invalid.
+        ConfigError: the file is missing, not a regular file (a directory, a FIFO), larger
+            than `MAX_CONFIG_BYTES`, not UTF-8, or not valid YAML, or any value is invalid.
     """
+    source = str(path)
     try:
-        text = Path(path).read_text()
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(source, [("", "not a regular file (a directory, FIFO or device?)")])
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(source, [("", f"{info.st_size} bytes; a configuration is at most {MAX_CONFIG_BYTES}")])
+        data = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(str(path), [("", f"cannot read the file: {exc.strerror}")]) from None
-    return parse_config(text, str(path), environ)
+        raise ConfigError(source, [("", f"cannot read the file: {exc.strerror}")]) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        problem = f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+        raise ConfigError(source, [("", problem)]) from None
+    return parse_config(text, source, environ)
 
 
 def parse_config(text: str, source: str = "<string>", environ: Mapping[str, str] | None = None) -> TieringConfig:
@@ -103,15 +127,22 @@ def parse_config(text: str, source: str = "<string>", environ: Mapping[str, str]
         ConfigError: as `load_config`.
     """
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)  # a SafeLoader that also rejects duplicate keys
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(source, [(where, f"not valid YAML: {getattr(exc, 'problem', None) or exc}")]) from None
+    except RecursionError:
+        raise ConfigError(source, [("", f"nested too deeply (at most {MAX_DEPTH} levels)")]) from None
+    if data is None:
+        raise ConfigError(source, [("", "the file is empty; expected settings such as 'cpu_bytes_to_use: 8GiB'")])
     if not isinstance(data, dict):
         raise ConfigError(source, [("", f"expected a mapping of settings, got {type(data).__name__}")])
     problems: list[tuple[str, str]] = []
-    data = _expand(data, "", os.environ if environ is None else environ, problems)
+    try:
+        data = _Expander(os.environ if environ is None else environ, problems).expand(data, "", 0)
+    except _TooLarge as exc:
+        raise ConfigError(source, [(exc.path, exc.message)]) from None
     tiers = data.get("secondary_tiers", [])
     if not isinstance(tiers, list):
         problems.append(("secondary_tiers", "expected a list of tier configurations"))
@@ -125,6 +156,7 @@ def parse_config(text: str, source: str = "<string>", environ: Mapping[str, str]
         config = None
     if problems:
         raise ConfigError(source, problems)
+    config._source = source
     return config
 
 
@@ -137,7 +169,7 @@ def _check_tier(tier: Any, path: str, problems: list[tuple[str, str]]) -> dict[s
         checked = validate_tier_options(tier_cls, options)
     except ValidationError as exc:
         known = list(tier_options_model(tier_cls).model_fields)
-        problems.extend((f"{path}.{_path(error['loc'])}", describe_error(error, known)) for error in exc.errors())
+        problems.extend((_path((path, *error["loc"])), describe_error(error, known)) for error in exc.errors())
         return None
     except (ValueError, ImportError, TypeError) as exc:
         problems.append((f"{path}.type", str(exc)))
@@ -146,18 +178,59 @@ def _check_tier(tier: Any, path: str, problems: list[tuple[str, str]]) -> dict[s
     return {"type": tier_type, **locators, **checked}
 
 
-def _expand(value: Any, path: str, environ: Mapping[str, str], problems: list[tuple[str, str]]) -> Any:
-    """Replace ``${VAR}`` in every string; a variable that is not set is a problem."""
-    if isinstance(value, dict):
-        return {key: _expand(item, _join(path, key), environ, problems) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_expand(item, f"{path}[{i}]", environ, problems) for i, item in enumerate(value)]
-    if isinstance(value, str):
-        for name in _VARIABLE.findall(value):
-            if name not in environ:
-                problems.append((path, f"environment variable {name} is not set"))
-        return _VARIABLE.sub(lambda match: environ.get(match.group(1), match.group(0)), value)
-    return value
+class _Loader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that rejects a key given twice in one mapping."""
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # "<<: *defaults" may be overridden by the keys beside it
+        key = loader.construct_object(key_node)
+        try:
+            first = seen.get(key)
+        except TypeError:
+            continue  # an unhashable key: the constructor reports it
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first given on line {first})", key_node.start_mark
+            )
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+class _TooLarge(Exception):
+    def __init__(self, path: str, message: str):
+        self.path, self.message = path, message
+
+
+class _Expander:
+    """Copies the document, replacing ``${VAR}`` in every string (a variable that is not set
+    is a problem), within `MAX_VALUES` values and `MAX_DEPTH` levels."""
+
+    def __init__(self, environ: Mapping[str, str], problems: list[tuple[str, str]]):
+        self.environ, self.problems, self.values = environ, problems, 0
+
+    def expand(self, value: Any, path: str, depth: int) -> Any:
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise _TooLarge("", f"more than {MAX_VALUES} values once aliases are expanded (an alias bomb?)")
+        if depth > MAX_DEPTH:
+            raise _TooLarge(path, f"nested too deeply (at most {MAX_DEPTH} levels)")
+        if isinstance(value, dict):
+            return {key: self.expand(item, _join(path, key), depth + 1) for key, item in value.items()}
+        if isinstance(value, list):
+            return [self.expand(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+        if isinstance(value, str):
+            for name in _VARIABLE.findall(value):
+                if name not in self.environ:
+                    self.problems.append((path, f"environment variable {name} is not set"))
+            return _VARIABLE.sub(lambda match: self.environ.get(match.group(1), match.group(0)), value)
+        return value
 
 
 def _join(path: str, key: Any) -> str:

@@ -7,8 +7,11 @@ entry point of the group ``tiering.secondary_tiers`` (name = type, value =
 
 A tier's options are checked against its schema: the class attribute ``config_model`` (a
 pydantic model) when it has one, else a model derived from its constructor's signature
-(type hints and defaults; options named ``*_bytes`` also take size strings such as
-``"8GiB"``). Unknown options are rejected.
+(type hints, with their constraints, and defaults; options named ``*_bytes`` are sizes and
+take strings such as ``"8GiB"``; no float may be NaN or infinite). A class may also define
+``check_options(options: dict) -> None``, raising ValueError, for rules between options.
+Unknown options are rejected. The types below (`Size`, `Count`, `Seconds`, `Delay`,
+`Probability`) give a constructor's options their ranges.
 """
 
 from __future__ import annotations
@@ -16,17 +19,59 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import typing
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 
 from tiering.secondary import SecondaryTierManager
 
-Size = Annotated[ByteSize, Field(gt=0)]
-"""Bytes: a positive integer, or a string such as ``"8GiB"`` or ``"512 MB"``."""
+MAX_SIZE = 1 << 60
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an integer, an integral float or a string such as ``"8GiB"`` or ``"512 MB"``.
+
+    Raises:
+        ValueError: not a size, or not within 1 byte .. 1 EiB.
+    """
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, str):
+        try:
+            value = int(TypeAdapter(ByteSize).validate_python(value.strip()))
+        except ValidationError:
+            raise ValueError(f"expected a size such as 65536, 64KiB or 8GiB; got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected a size such as 65536, 64KiB or 8GiB; got {value!r}")
+    if not 0 < value <= MAX_SIZE:
+        raise ValueError(f"expected a size from 1 byte to 1 EiB; got {value}")
+    return value
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+"""Bytes: an integer from 1 to 1 EiB, or a string such as ``"8GiB"`` or ``"512 MB"``."""
+Count = Annotated[int, Field(ge=1)]
+"""How many of something (threads, attempts, operations at once): an integer >= 1."""
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+"""A timeout or a period: finite seconds > 0."""
+Delay = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+"""A delay that may be zero: finite seconds >= 0."""
+Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+"""A probability, 0..1."""
 
 _FIXED_PARAMETERS = {"self", "offloading_spec", "primary_kv_view", "tier_type", "fingerprint"}  # given, not configured
 
@@ -136,7 +181,7 @@ def tier_options_model(tier_cls: type[SecondaryTierManager]) -> type[BaseModel]:
     explicit = getattr(tier_cls, "config_model", None)
     if explicit is not None:
         return explicit
-    hints = typing.get_type_hints(tier_cls.__init__)
+    hints = typing.get_type_hints(tier_cls.__init__, include_extras=True)
     fields: dict[str, Any] = {}
     for name, parameter in inspect.signature(tier_cls.__init__).parameters.items():
         if name in _FIXED_PARAMETERS or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
@@ -146,8 +191,17 @@ def tier_options_model(tier_cls: type[SecondaryTierManager]) -> type[BaseModel]:
         if name.endswith("_bytes"):
             annotation = Size if default is not None else Size | None
         fields[name] = (annotation, default)
-    settings = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
-    return create_model(f"{tier_cls.__name__}Options", __config__=settings, **fields)
+    settings = ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
+    validators = {}
+    check = getattr(tier_cls, "check_options", None)
+    if check is not None:
+
+        def check_together(model: BaseModel) -> BaseModel:
+            check({name: getattr(model, name) for name in type(model).model_fields})
+            return model
+
+        validators["check_together"] = model_validator(mode="after")(check_together)
+    return create_model(f"{tier_cls.__name__}Options", __config__=settings, __validators__=validators, **fields)
 
 
 def validate_tier_options(tier_cls: type[SecondaryTierManager], options: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tiering.config import TieringConfig
+from tiering.config import ConfigError, TieringConfig
 from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
 from tiering.factory import SecondaryTierFactory
 from tiering.manager import TieringOffloadingManager
@@ -138,8 +138,11 @@ class TieringOffloadingSpec:
         is released before the error propagates.
 
         Raises:
-            OSError: the region cannot be created, or a tier cannot open its storage.
-            ValueError, TypeError, ImportError: a tier's options or type (see the factory).
+            OSError: the shared region cannot be created (ENOSPC: too little shared memory).
+            RegionInUseError: another live engine uses this instance id.
+            ConfigError: a secondary tier cannot be built (its storage cannot be opened, an
+                option does not fit the layout); names the file and the tier, and chains
+                the tier's own error.
         """
         if self._manager is not None:
             return self._manager
@@ -156,9 +159,8 @@ class TieringOffloadingSpec:
             for index, tier_config in enumerate(self.config.secondary_tiers):
                 try:
                     tiers.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
-                except Exception:
-                    logger.error("could not create secondary_tiers[%d] (type %s)", index, tier_config.get("type"))
-                    raise
+                except Exception as exc:
+                    raise ConfigError(self.config.source, [(f"secondary_tiers[{index}]", str(exc))]) from exc
         except BaseException:
             for tier in tiers:
                 tier.shutdown()
