@@ -1,6 +1,7 @@
 """The load generator: trace reading, workloads, bounds, and runs of the real CLI."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,102 @@ def test_a_run_over_a_faulty_tier_loads_no_wrong_byte(tmp_path):
     assert report["verify_failures"] == 0
     assert failures.get("store", 0) + failures.get("load", 0) > 0  # faults were injected...
     assert report["hit_rate"]["faulty"] > 0  # ...and the tier still served hits
+
+
+GOOD_LINE = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
+BAD_TRACES = [
+    (
+        '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [-1, 2]}\n',
+        ":1: block id -1 is not an integer in 0 .. 2**64 - 1",
+    ),
+    (
+        '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [18446744073709551616, 2]}\n',
+        ":1: block id 18446744073709551616 is not",
+    ),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [true, 2]}\n', ":1: block id True is not"),
+    (
+        '{"timestamp": 0, "input_length": 6, "output_length": 5, "hash_ids": []}\n',
+        ":1: hash_ids must be a non-empty list",
+    ),
+    (
+        '{"timestamp": 0, "input_length": 6000, "output_length": 5, "hash_ids": [1]}\n',
+        ":1: 6000 tokens do not fit 1 blocks of 512",
+    ),
+    ('{"timestamp": NaN, "input_length": 6, "output_length": 5, "hash_ids": [1]}\n', ":1: timestamp nan is not a time"),
+    (GOOD_LINE + "[1, 2, 3]\n", ":2: a JSON list, not an object; expected JSON Lines"),
+    (GOOD_LINE + '{"timestamp": 5}\n', ":2: not a trace record: input_length, output_length, hash_ids missing"),
+    ("timestamp,input_length,output_length,hash_ids\n0,600,5,1;2\n", ":1: not JSON ('timestamp,input_length"),
+    ("", "no requests to replay"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_TRACES, ids=range(len(BAD_TRACES)))
+def test_a_bad_trace_is_one_line_and_exit_status_2(tmp_path, capsys, text, message):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(text)
+    assert cli.main(["--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert message in " ".join(err.split()) and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda path: path.write_bytes(b'{"timestamp": 0, \xff}\n'), "not UTF-8 text; expected JSON Lines"),
+        (lambda path: path.mkdir(), "not a regular file"),
+        (lambda path: os.mkfifo(path), "not a regular file"),  # reading it would block
+        (lambda path: None, "No such file or directory"),
+    ],
+    ids=["non-utf8", "directory", "fifo", "missing"],
+)
+def test_an_unusable_trace_file_is_one_line_and_exit_status_2(tmp_path, capsys, make, message):
+    trace = tmp_path / "trace.jsonl"
+    make(trace)
+    assert cli.main(["--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert message in " ".join(err.split()) and "Traceback" not in err
+
+
+def test_outputs_are_checked_before_the_run(tmp_path, capsys):
+    for option in ("--output", "--plot"):
+        assert cli.main(["--max-requests", "5", option, str(tmp_path / "missing" / "run.out")]) == 2
+        captured = capsys.readouterr()
+        assert f"{option} {tmp_path}/missing/run.out: the directory {tmp_path}/missing does not exist" in " ".join(
+            captured.err.split()
+        )
+        assert captured.out == ""  # nothing was replayed
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--time-scale", "nan"],
+        ["--time-scale", "-1"],
+        ["--max-requests", "0"],
+        ["--gpu-blocks", "-3"],
+        ["--metrics-port", "70000"],
+        ["--block-bytes", "8EiB"],
+    ],
+)
+def test_bad_option_values_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_help_documents_the_exit_statuses(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "3  the engine failed while replaying" in out and "2  bad input" in out
+
+
+def test_an_engine_failure_mid_replay_is_one_line_and_exit_status_3(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise KeyError("prepare_load: key 00ff is not resident")
+
+    monkeypatch.setattr(cli.SchedulerLoop, "run", broken)
+    assert cli.main(["--max-requests", "5"]) == 3
+    err = capsys.readouterr().err
+    assert "engine failure: KeyError" in err and "Traceback" not in err

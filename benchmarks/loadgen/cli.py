@@ -6,21 +6,23 @@ directory) under a synthetic multi-turn chat workload, in well under a minute.
     tiering-bench                                       # the built-in default
     tiering-bench --config engine.yaml --trace conversation_trace.jsonl --verify --output run.json
 
-Exit status: 0, or 1 if a loaded block failed verification, or 2 for bad input (a config
-or trace that cannot be used; the message says what and where).
+Exit status: 0 ok; 1 a loaded block failed verification (a wrong byte); 2 bad input (a
+config, trace, option or storage that cannot be used: one line says what and where);
+3 the engine failed while replaying.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import os
 import signal
 import sys
 import tempfile
 from pathlib import Path
 
-from pydantic import TypeAdapter, ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -29,8 +31,8 @@ from benchmarks.loadgen.engine import SimulatedEngine
 from benchmarks.loadgen.report import build_report, plot, print_summary
 from benchmarks.loadgen.run import SchedulerLoop
 from benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_trace, synthetic
-from tiering import ConfigError, KVLayout, SharedOffloadRegion, load_config, parse_config
-from tiering.factory import Size
+from tiering import ConfigError, KVLayout, RegionInUseError, SharedOffloadRegion, load_config, parse_config
+from tiering.factory import parse_size
 
 DEFAULT_CONFIG = """\
 cpu_bytes_to_use: 4MiB
@@ -41,33 +43,96 @@ secondary_tiers:
     capacity_bytes: 48MiB
 """
 LAYERS = 4  # KV tensors of the simulated model when sizing by --block-bytes
+EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_ENGINE_FAILED = 0, 1, 2, 3
+EXIT_STATUS = """\
+exit status:
+  0  ok
+  1  a loaded block failed verification (a wrong byte)
+  2  bad input: a config, trace, option or storage that cannot be used
+  3  the engine failed while replaying
+"""
+logger = logging.getLogger("tiering.bench")
+
+
+class EngineFailure(Exception):
+    """The engine raised while replaying (exit status 3)."""
 
 
 def _size(text: str) -> int:
     try:
-        return int(TypeAdapter(Size).validate_python(text))
-    except ValidationError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 65536 or 64KiB") from None
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {text!r}")
+    return int(text)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tiering-bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="tiering-bench",
+        description=__doc__.split("\n\n")[0],
+        epilog=EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", type=Path, help="engine YAML (default: a CPU tier and a file tier)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", type=Path, help="Mooncake JSONL trace to replay")
     source.add_argument("--workload", choices=WORKLOADS, default="multi-turn", help="synthetic workload")
-    parser.add_argument("--max-requests", type=int, help="requests to replay (default: all; 300 synthetic)")
+    parser.add_argument("--max-requests", type=_positive, help="requests to replay (default: all; 300 synthetic)")
     sizing = parser.add_mutually_exclusive_group()
     sizing.add_argument("--block-bytes", type=_size, default=64 << 10, help="bytes per block (default 64KiB)")
     sizing.add_argument("--model", help="size blocks as this model's KV (for example llama-3.1-8b)")
-    parser.add_argument("--gpu-blocks", type=int, help="GPU prefix cache, blocks (default: max(64, longest prompt))")
-    parser.add_argument("--time-scale", type=float, default=0.0, help="trace seconds per replay second; 0: flat out")
+    parser.add_argument(
+        "--gpu-blocks", type=_positive, help="GPU prefix cache, blocks (default: max(64, longest prompt))"
+    )
+    parser.add_argument("--time-scale", type=_rate, default=0.0, help="trace seconds per replay second; 0: flat out")
     parser.add_argument("--verify", action="store_true", help="check every loaded byte")
     parser.add_argument("--output", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, help="write hit rates over the run as PNG")
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads and payloads")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
+    parser.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
     return parser.parse_args(argv)
+
+
+def check_output(path: Path | None, option: str) -> None:
+    """Fail before the run, not after it, if `path` cannot be written.
+
+    Raises:
+        ValueError: `path` is a directory, or its directory is missing or not writable.
+    """
+    if path is None:
+        return
+    parent = path.parent
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a directory; expected a file name")
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: the directory {parent} is not writable")
 
 
 def layout_for(args: argparse.Namespace) -> KVLayout:
@@ -84,8 +149,11 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     """Load inputs, build the engine, replay, and return the report.
 
     Raises:
-        ConfigError, ValueError, OSError: unusable input or storage.
+        ConfigError, ValueError, OSError, RegionInUseError: unusable input or storage.
+        EngineFailure: the engine raised while replaying.
     """
+    check_output(args.output, "--output")
+    check_output(args.plot, "--plot")
     with tempfile.TemporaryDirectory(prefix="tiering-bench-", ignore_cleanup_errors=True) as scratch:
         environ = {**os.environ, "TIERING_BENCH_DIR": scratch}
         if args.config:
@@ -115,9 +183,12 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                 console.print(f"metrics on http://127.0.0.1:{exporter.port}/metrics", highlight=False)
             loop = SchedulerLoop(engine, verify=args.verify)
             columns = (TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-            with Progress(*columns, console=console, transient=True) as progress:
-                task = progress.add_task("replay", total=len(requests))
-                stats = loop.run(requests, args.time_scale, on_request=lambda: progress.advance(task))
+            try:
+                with Progress(*columns, console=console, transient=True) as progress:
+                    task = progress.add_task("replay", total=len(requests))
+                    stats = loop.run(requests, args.time_scale, on_request=lambda: progress.advance(task))
+            except Exception as exc:
+                raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
             bounds = {
                 "unbounded": unbounded_hit_rate(requests),
                 "belady": belady_hit_rate(requests, engine.spec.num_blocks),
@@ -154,15 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     SharedOffloadRegion.remove_stale("bench-")
     try:
         report = run(args, console)
-    except (ConfigError, ValueError, OSError) as exc:
+    except (ConfigError, ValueError, OSError, RegionInUseError) as exc:
         console.print(f"[bold red]tiering-bench: error:[/] {exc}", highlight=False)
-        return 2
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # EngineFailure, or a bug: one line, the traceback at debug level
+        logger.debug("engine failure", exc_info=True)
+        console.print(f"[bold red]tiering-bench: engine failure:[/] {exc}", highlight=False)
+        return EXIT_ENGINE_FAILED
     finally:
         signal.signal(signal.SIGTERM, previous)
     print_summary(report, Console())
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
-    return 1 if report["verify_failures"] else 0
+    return EXIT_VERIFY_FAILED if report["verify_failures"] else EXIT_OK
 
 
 if __name__ == "__main__":

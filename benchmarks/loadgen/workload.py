@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,29 +37,70 @@ class Request:
         return [BLOCK_TOKENS] * (len(self.hash_ids) - 1) + [max(1, min(last, BLOCK_TOKENS))]
 
 
+TRACE_FORMAT = (
+    "JSON Lines, one request per line: "
+    '{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [block ids, 0 <= id < 2**64]}'
+)
+
+
 def read_trace(path: str | Path, max_requests: int | None = None) -> list[Request]:
-    """Requests of a Mooncake JSONL trace (``timestamp`` ms, ``input_length``,
-    ``output_length``, ``hash_ids``), in file order.
+    """Requests of a Mooncake JSONL trace (`TRACE_FORMAT`), in file order; blank lines are
+    skipped.
 
     Raises:
-        ValueError: a line is not a JSON object with those fields (the message names the line).
+        ValueError: the file is not a regular UTF-8 file, or a line is not a request of that
+            format (the message names the line and says what is expected).
+        OSError: the file cannot be read.
     """
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"{path}: not a regular file (a directory or FIFO?); expected {TRACE_FORMAT}")
     requests = []
-    with open(path) as lines:
-        for number, line in enumerate(itertools.islice(lines, max_requests), start=1):
-            try:
-                record = json.loads(line)
-                requests.append(
-                    Request(
-                        float(record["timestamp"]),
-                        int(record["input_length"]),
-                        int(record["output_length"]),
-                        tuple(int(block) for block in record["hash_ids"]),
-                    )
-                )
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{number}: not a trace record ({exc!r})") from None
+    with open(path, encoding="utf-8") as lines:
+        try:
+            for number, line in enumerate(lines, start=1):
+                if len(requests) == max_requests:
+                    break
+                if line.strip():
+                    requests.append(_request(line, f"{path}:{number}"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text; expected {TRACE_FORMAT}") from None
     return requests
+
+
+def _request(line: str, where: str) -> Request:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        raise ValueError(f"{where}: not JSON ({line[:40]!r}); expected {TRACE_FORMAT}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object; expected {TRACE_FORMAT}")
+    missing = [name for name in ("timestamp", "input_length", "output_length", "hash_ids") if name not in record]
+    if missing:
+        raise ValueError(f"{where}: not a trace record: {', '.join(missing)} missing; expected {TRACE_FORMAT}")
+    timestamp, input_length, output_length, hash_ids = (
+        record[name] for name in ("timestamp", "input_length", "output_length", "hash_ids")
+    )
+    if not _number(timestamp) or not math.isfinite(timestamp) or timestamp < 0:
+        raise ValueError(f"{where}: timestamp {timestamp!r} is not a time in ms >= 0")
+    if not _integer(input_length) or input_length < 1 or not _integer(output_length) or output_length < 0:
+        lengths = f"input_length {input_length!r}, output_length {output_length!r}"
+        raise ValueError(f"{where}: {lengths}: expected token counts (input >= 1, output >= 0)")
+    if not isinstance(hash_ids, list) or not hash_ids:
+        raise ValueError(f"{where}: hash_ids must be a non-empty list of block ids")
+    bad = next((block for block in hash_ids if not _integer(block) or not 0 <= block < 1 << 64), None)
+    if bad is not None:
+        raise ValueError(f"{where}: block id {bad!r} is not an integer in 0 .. 2**64 - 1")
+    if input_length > BLOCK_TOKENS * len(hash_ids):
+        raise ValueError(f"{where}: {input_length} tokens do not fit {len(hash_ids)} blocks of {BLOCK_TOKENS}")
+    return Request(float(timestamp), input_length, output_length, tuple(hash_ids))
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def synthetic(name: str, num_requests: int, seed: int = 0) -> list[Request]:
