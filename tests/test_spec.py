@@ -133,3 +133,14 @@ def test_worker_handlers_fill_the_rows_the_scheduler_cascades(tmp_path):
             spec.create_handlers(canonicalize_kv_caches(gpu[:1], 8))
     finally:
         spec.shutdown()
+
+
+@pytest.mark.parametrize("size", ["64TiB", "1EiB"])
+def test_more_cpu_memory_than_the_shared_memory_holds_fails_at_start_naming_the_key(size):
+    config = parse_config(f"cpu_bytes_to_use: {size}", "engine.yaml")
+    spec = TieringOffloadingSpec(config, KVLayout("tiny", 2, 64, 4), instance())
+    with pytest.raises(
+        ConfigError, match=r"engine.yaml: cpu_bytes_to_use: shared region .* needs \d+ bytes; /dev/shm has"
+    ):
+        spec.get_manager()
+    assert not region_path(spec.instance_id).exists()

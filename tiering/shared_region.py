@@ -226,16 +226,19 @@ class SharedOffloadRegion:
         return fd
 
     def _allocate(self, fd: int) -> None:
+        info = os.statvfs(self.path.parent)
+        free = info.f_bavail * info.f_frsize
         try:
+            if self.total_size_bytes > free:
+                raise OSError(errno.ENOSPC, "")
             os.posix_fallocate(fd, 0, self.total_size_bytes)
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
-            info = os.statvfs(self.path.parent)
             raise OSError(
                 errno.ENOSPC,
                 f"shared region {self.path} needs {self.total_size_bytes} bytes; {self.path.parent} has "
-                f"{info.f_bavail * info.f_frsize} free: lower cpu_bytes_to_use or enlarge {self.path.parent}",
+                f"{free} free: lower cpu_bytes_to_use or enlarge {self.path.parent}",
             ) from None
 
     def _try_join(self) -> int | None:

@@ -9,6 +9,7 @@ the secondary tiers' namespace, so engines of another layout never read these bl
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -138,9 +139,10 @@ class TieringOffloadingSpec:
         is released before the error propagates.
 
         Raises:
-            OSError: the shared region cannot be created (ENOSPC: too little shared memory).
+            OSError: the shared region cannot be created.
             RegionInUseError: another live engine uses this instance id.
-            ConfigError: a secondary tier cannot be built (its storage cannot be opened, an
+            ConfigError: ``cpu_bytes_to_use`` is more than the free shared memory, or a
+                secondary tier cannot be built (its storage cannot be opened, an
                 option does not fit the layout); names the file and the tier, and chains
                 the tier's own error.
         """
@@ -149,9 +151,14 @@ class TieringOffloadingSpec:
         region = primary = None
         tiers: list[SecondaryTierManager] = []
         try:
-            region = SharedOffloadRegion(
-                self.instance_id, self.num_blocks, self.cpu_page_size_per_worker, self.layout.world_size
-            )
+            try:
+                region = SharedOffloadRegion(
+                    self.instance_id, self.num_blocks, self.cpu_page_size_per_worker, self.layout.world_size
+                )
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise ConfigError(self.config.source, [("cpu_bytes_to_use", exc.strerror)]) from exc
             primary = CPUPrimaryTierOffloadingManager(
                 self.num_blocks, region, self.config.eviction_policy, self.enable_events
             )
