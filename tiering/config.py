@@ -136,6 +136,16 @@ def parse_config(text: str, source: str = "<string>", environ: Mapping[str, str]
         raise ConfigError(source, [("", f"nested too deeply (at most {MAX_DEPTH} levels)")]) from None
     if data is None:
         raise ConfigError(source, [("", "the file is empty; expected settings such as 'cpu_bytes_to_use: 8GiB'")])
+    return config_from_dict(data, source, environ)
+
+
+def config_from_dict(data: Any, source: str, environ: Mapping[str, str] | None = None) -> TieringConfig:
+    """Validate settings already parsed (a YAML document, or a serving engine's extra config:
+    see `tiering.integrations.vllm`); `source` names them in errors.
+
+    Raises:
+        ConfigError: as `load_config`.
+    """
     if not isinstance(data, dict):
         raise ConfigError(source, [("", f"expected a mapping of settings, got {type(data).__name__}")])
     problems: list[tuple[str, str]] = []

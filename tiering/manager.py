@@ -40,6 +40,7 @@ class _Job:
     keys: list[OffloadKey]
     is_promotion: bool
     req_context: ReqContext
+    tier_idx: int
 
 
 @dataclass
@@ -76,6 +77,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._drain_timeout_s = drain_timeout_s
         self._job_ids = itertools.count()
         self._jobs: dict[JobId, _Job] = {}
+        self._sources: dict[OffloadKey, str] = {}  # recently promoted keys -> tier name, oldest first
         self._held: dict[tuple[int, JobId], Callable[[], None]] = {}  # rows a late I/O still uses: release
         self._promotions: dict[tuple[int, str], _QueuedPromotion] = {}
         self._polled_this_step = False
@@ -144,6 +146,8 @@ class TieringOffloadingManager(OffloadingManager):
         stored = self.primary_tier.complete_store(keys, req_context, success)
         if not stored:
             return
+        for key in stored:
+            self._sources.pop(key, None)
         for tier_idx in range(len(self.secondary_tiers)):
             spec = self.primary_tier.prepare_read(stored, req_context)
             self._submit(tier_idx, list(stored), spec.block_ids, False, req_context)
@@ -184,6 +188,20 @@ class TieringOffloadingManager(OffloadingManager):
         if self._listeners:
             self._publish_stats()
         self._polled_this_step = False
+
+    def promotion_source(self, key: OffloadKey) -> str | None:
+        """The name (`tier_names`) of the secondary tier `key` was last promoted from, if it
+        was promoted recently (the last ``num_blocks`` promotions are remembered), else None:
+        the block reached the primary tier from the GPU."""
+        return self._sources.get(key)
+
+    def _remember_sources(self, keys: list[OffloadKey], tier_idx: int) -> None:
+        sources, name = self._sources, self.tier_names[tier_idx]
+        for key in keys:
+            sources.pop(key, None)
+            sources[key] = name
+        while len(sources) > self.primary_tier.num_blocks:
+            del sources[next(iter(sources))]
 
     def get_stats(self) -> dict[str, Any]:
         """``{"primary": stats, "tiers": {name: stats}, "manager": {...}}``: the primary
@@ -285,7 +303,7 @@ class TieringOffloadingManager(OffloadingManager):
         req_context: ReqContext,
     ) -> None:
         job_id = next(self._job_ids)
-        self._jobs[job_id] = _Job(keys, is_promotion, req_context)
+        self._jobs[job_id] = _Job(keys, is_promotion, req_context, tier_idx)
         tier = self.secondary_tiers[tier_idx]
         job = JobMetadata(job_id, keys, block_ids, is_promotion, req_context)
         try:
@@ -326,7 +344,8 @@ class TieringOffloadingManager(OffloadingManager):
             logger.warning("job %d reported again or never submitted; ignored", job_id)
         elif held_by is None or success:
             if job.is_promotion:
-                primary.complete_write(job.keys, job.req_context, success)
+                promoted = primary.complete_write(job.keys, job.req_context, success)
+                self._remember_sources(promoted, job.tier_idx)
             else:
                 primary.complete_read(job.keys, job.req_context)
         elif job.is_promotion:

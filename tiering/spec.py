@@ -133,6 +133,11 @@ class TieringOffloadingSpec:
         self.exporter: Any = None  # a PrometheusExporter when the config has `metrics`
         self._workers: list[tuple[Any, SharedOffloadRegion]] = []
 
+    @property
+    def manager(self) -> TieringOffloadingManager | None:
+        """The manager once `get_manager` has built it, else None (nothing is built)."""
+        return self._manager
+
     def get_manager(self) -> TieringOffloadingManager:
         """The scheduler-side manager, built on first call: the shared region, the primary
         tier, then the secondary tiers in config order. On failure everything already made

@@ -1,0 +1,60 @@
+"""The adapter's translations, without starting an engine."""
+
+import pytest
+from vllm.v1.kv_offload.base import LookupResult
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
+from tiering import ConfigError
+from tiering.integrations import vllm as adapter
+
+
+def offloading_config(extra, groups=1, engine_id="adapter-test"):
+    return OffloadingConfig(
+        groups=tuple(OffloadingGroupConfig(32, (f"layer.{g}",), g) for g in range(groups)),
+        worker_kv_bytes_per_block=32 << 10,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id=engine_id,
+        model=OffloadingModelConfig("tiny", "float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=2),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+    )
+
+
+def test_the_extra_config_is_validated_like_the_yaml_with_the_same_errors():
+    with pytest.raises(ConfigError) as caught:
+        adapter.KVTieringOffloadingSpec(
+            offloading_config({"cpu_bytes_to_use": "lots", "secondary_tiers": [{"type": "fs"}]})
+        )
+    text = str(caught.value)
+    assert "kv_connector_extra_config: secondary_tiers[0].root_dir: required key is missing" in text
+    assert "kv_connector_extra_config: cpu_bytes_to_use: expected a size such as 65536, 64KiB or 8GiB" in text
+
+
+def test_a_config_file_is_shared_with_tiering_bench_and_not_mixed_with_keys(tmp_path):
+    path = tmp_path / "engine.yaml"
+    path.write_text(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers:\n  - type: file\n    root_dir: {tmp_path / 'kv'}\n")
+    spec = adapter.KVTieringOffloadingSpec(offloading_config({"config_file": str(path)}))
+    try:
+        assert spec.engine.num_blocks == (1 << 20) // (64 << 10)  # rows of 2 GPU blocks of 32 KiB
+        assert spec.engine.block_size == 64
+        manager = spec.get_manager()
+        assert manager.lookup(b"\0" * 12, type("Ctx", (), {"req_id": "r"})()) is LookupResult.MISS
+    finally:
+        spec.shutdown()
+    with pytest.raises(ConfigError, match=r"config_file: give the engine's settings in .*engine.yaml or here"):
+        adapter.KVTieringOffloadingSpec(offloading_config({"config_file": str(path), "eviction_policy": "arc"}))
+
+
+def test_hybrid_models_and_unknown_versions_are_refused_at_start():
+    with pytest.raises(ValueError, match="supports one KV-cache group; this model has 2"):
+        adapter.KVTieringOffloadingSpec(offloading_config({"cpu_bytes_to_use": "1MiB"}, groups=2))
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0.32.x and 0.33.x; this is vLLM 0.34.1"):
+        adapter.check_version("0.34.1")
+    adapter.check_version("0.33.0+cpu")

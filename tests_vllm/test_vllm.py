@@ -1,0 +1,181 @@
+"""End to end with a real vLLM: every output is compared with a fresh engine's without
+offloading, and vLLM's own counters and the engine's stats prove blocks really moved."""
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests_vllm import tiny
+from tests_vllm.conftest import OTHERS, PROMPT
+from tiering.integrations.vllm import live_specs
+
+pytestmark = pytest.mark.timeout(600)
+FULL_BLOCKS = len(PROMPT) // tiny.BLOCK * tiny.BLOCK  # 192 of 200 tokens are in full blocks
+ROWS = 8  # the CPU tier holds 8 blocks: the other prompts evict the first one's
+
+
+def counters(llm) -> dict[str, float]:
+    return {m.name: getattr(m, "value", 0) for m in llm.get_metrics() if hasattr(m, "value")}
+
+
+def manager_stats() -> dict:
+    (spec,) = [spec for spec in live_specs() if spec.engine.manager is not None]
+    return spec.engine.manager.get_stats()
+
+
+def close(llm) -> None:
+    for spec in live_specs():
+        spec.shutdown()
+    del llm
+    gc.collect()
+
+
+BLOCK_BYTES = 32 << 10  # 2 layers x K,V x 2 heads x 32 dims x 4 bytes x 32 tokens
+CPU_BYTES = ROWS * BLOCK_BYTES
+
+
+def evict_and_reload(llm, baseline):
+    """Fill the CPU tier with other prompts, forget vLLM's prefix cache, run PROMPT again."""
+    for other in OTHERS:
+        assert tiny.generate(llm, [other])[0][:2] == baseline[tuple(other)][:2]
+    assert llm.reset_prefix_cache()
+    return tiny.generate(llm, [PROMPT])[0]
+
+
+def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(model, baseline, tmp_path):
+    config = {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv")}]}
+    llm = tiny.make_llm(model, config, disable_log_stats=False)
+    try:
+        # 1. computed, stored in the CPU tier and cascaded to the file tier
+        assert tiny.generate(llm, [PROMPT])[0] == (*baseline[tuple(PROMPT)][:2], 0)
+        stats = manager_stats()
+        assert stats["primary"]["counters"]["blocks_stored"] == FULL_BLOCKS // tiny.BLOCK
+        assert stats["tiers"]["file"]["counters"]["blocks_stored"] == FULL_BLOCKS // tiny.BLOCK
+        assert counters(llm)["vllm:kv_offload_store_bytes"] == FULL_BLOCKS // tiny.BLOCK * BLOCK_BYTES
+
+        # 2. vLLM's prefix cache forgets; the prefix comes back from the CPU tier
+        assert llm.reset_prefix_cache()
+        tokens, logprobs, cached = tiny.generate(llm, [PROMPT])[0]
+        assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
+        assert counters(llm)["vllm:kv_offload_load_bytes"] == FULL_BLOCKS // tiny.BLOCK * BLOCK_BYTES
+
+        # 3. other prompts evict it from the CPU tier; it is promoted back from the file tier
+        before = manager_stats()["primary"]["counters"]["lookups_in_flight"]
+        tokens, logprobs, cached = evict_and_reload(llm, baseline)
+        assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
+        stats = manager_stats()
+        assert stats["tiers"]["file"]["counters"]["blocks_loaded"] >= 1
+        assert stats["manager"]["promotions_submitted"] >= 1
+        assert stats["primary"]["counters"]["lookups_in_flight"] > before  # answered RETRY, then HIT
+    finally:
+        close(llm)
+
+
+def test_an_s3_tier_serves_promotions_the_same_way(model, baseline, monkeypatch):
+    from benchmarks.s3_server import MotoServer
+
+    credentials = {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for name, value in credentials.items():
+        monkeypatch.setenv(name, value)
+    server = MotoServer()
+    server.start()
+    try:
+        server.create_bucket("kv-vllm")
+        tier = {"type": "obj", "bucket": "kv-vllm", "endpoint_url": server.endpoint_url}
+        llm = tiny.make_llm(model, {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [tier]})
+        try:
+            assert tiny.generate(llm, [PROMPT])[0][:2] == baseline[tuple(PROMPT)][:2]
+            tokens, logprobs, cached = evict_and_reload(llm, baseline)
+            assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
+            s3 = manager_stats()["tiers"]["s3"]["counters"]
+            assert s3["blocks_stored"] >= FULL_BLOCKS // tiny.BLOCK and s3["blocks_loaded"] >= 1
+        finally:
+            close(llm)
+    finally:
+        server.stop()
+
+
+def test_a_corrupted_object_is_never_loaded_and_the_block_is_recomputed(model, baseline, tmp_path):
+    root = tmp_path / "kv"
+    llm = tiny.make_llm(
+        model, {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [{"type": "file", "root_dir": str(root)}]}
+    )
+    try:
+        tiny.generate(llm, [PROMPT])
+        objects = [path for path in root.rglob("*") if path.is_file()]
+        assert len(objects) == FULL_BLOCKS // tiny.BLOCK
+        for path in objects:  # flip a payload byte of every object: the header stays valid
+            data = bytearray(path.read_bytes())
+            data[-100] ^= 0xFF
+            path.write_bytes(data)
+        tokens, logprobs, cached = evict_and_reload(llm, baseline)
+        assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2]
+        assert cached < FULL_BLOCKS  # recomputed, not loaded
+        assert manager_stats()["tiers"]["file"]["counters"]["failures"]["load_corrupt"] >= 1
+    finally:
+        close(llm)
+
+
+def test_negative_control_wrong_bytes_loaded_above_the_checks_change_the_output(model, baseline):
+    """Proves the comparisons above can fail: a test-only tier scribbles on every row it
+    promotes, after the CRC check."""
+    tier = {"type": "scribbler", "module_path": "tests_vllm.scribbler", "class_name": "ScribblingTier"}
+    llm = tiny.make_llm(model, {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [tier]})
+    try:
+        tiny.generate(llm, [PROMPT])
+        tokens, logprobs, cached = evict_and_reload(llm, baseline)
+        assert cached == FULL_BLOCKS
+        assert (tokens, logprobs) != baseline[tuple(PROMPT)][:2]
+    finally:
+        close(llm)
+
+
+SCRIPT = """
+import json, sys
+from pathlib import Path
+from tests_vllm import tiny
+from tests_vllm.conftest import PROMPT
+
+if __name__ == "__main__":
+    model, root = Path(sys.argv[1]), Path(sys.argv[2])
+    config = {"cpu_bytes_to_use": 256 << 10, "secondary_tiers": [{"type": "file", "root_dir": str(root)}]}
+    llm = tiny.make_llm(model, config)
+    first = tiny.generate(llm, [PROMPT])[0]
+    assert llm.reset_prefix_cache()
+    second = tiny.generate(llm, [PROMPT])[0]
+    print("RESULT", json.dumps([first, second]))
+    del llm  # no shutdown: what is left must go at exit
+"""
+
+
+def run_script(model, root, multiprocessing: str) -> tuple[list, str]:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(model), str(root)], env=env, capture_output=True, text=True, timeout=500
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT ")), done.stderr
+
+
+@pytest.mark.parametrize("multiprocessing", ["1", "0"], ids=["engine-core-in-its-own-process", "in-process"])
+def test_a_process_leaves_no_shared_memory_temp_files_or_stuck_exit(model, baseline, tmp_path, multiprocessing):
+    regions_before = set(Path("/dev/shm").glob("tiering-*"))
+    (first, second), _ = run_script(model, tmp_path / "kv", multiprocessing)
+    expected = list(baseline[tuple(PROMPT)][:2])
+    assert first[:2] == expected and second[:2] == expected
+    assert first[2] == 0 and second[2] == FULL_BLOCKS
+    assert set(Path("/dev/shm").glob("tiering-*")) - regions_before == set()
+    files = [path for path in (tmp_path / "kv").rglob("*") if path.is_file()]
+    assert len(files) == FULL_BLOCKS // tiny.BLOCK and not any(path.name.endswith(".tmp") for path in files)

@@ -1,0 +1,79 @@
+"""A tiny Llama made locally (no downloads) and a vLLM engine over it, for the vLLM stage."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+BLOCK = 32  # tokens per vLLM block (a multiple of 32 on the CPU attention backend)
+
+
+def make_model(directory: Path, seed: int = 0) -> Path:
+    """Save a 2-layer Llama with N(0, 0.2) weights (vLLM's dummy weights are so small that
+    attention is flat and a wrong KV block would not change the output)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.2)
+    model.save_pretrained(directory)
+    return directory
+
+
+def make_llm(model: Path, extra_config: dict | None = None, **kwargs):
+    from vllm import LLM
+
+    options = {
+        "model": str(model),
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "enforce_eager": True,
+        "block_size": BLOCK,
+        "max_model_len": 1024,
+        "seed": 0,
+        "distributed_executor_backend": "uni",
+        "gpu_memory_utilization": 0.5,
+    }
+    if extra_config is not None:
+        options["kv_transfer_config"] = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "KVTieringOffloadingSpec",
+                "spec_module_path": "tiering.integrations.vllm",
+                **extra_config,
+            },
+        }
+    options.update(kwargs)
+    return LLM(**options)
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int = 8):
+    """(token ids, logprobs of the chosen tokens, cached prompt tokens) per prompt, greedy."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    results = []
+    for out in outputs:
+        completion = out.outputs[0]
+        chosen = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids, strict=True)]
+        results.append((list(completion.token_ids), chosen, out.num_cached_tokens or 0))
+    return results

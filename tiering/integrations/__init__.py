@@ -1,0 +1,1 @@
+"""Adapters to serving engines (optional extras; importing `tiering` imports none of them)."""

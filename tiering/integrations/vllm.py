@@ -1,0 +1,285 @@
+"""vLLM adapter: this engine behind vLLM's `OffloadingConnector` (the ``vllm`` extra).
+
+A vLLM user switches to it by naming the spec in the connector's extra config::
+
+    kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "KVTieringOffloadingSpec",
+            "spec_module_path": "tiering.integrations.vllm",
+            "cpu_bytes_to_use": 8 << 30, "eviction_policy": "arc",
+            "secondary_tiers": [{"type": "file", "root_dir": "/mnt/nvme/kv"}]}}
+
+The engine keys are those of the YAML configuration, validated by the same code with the
+same errors (the source is ``kv_connector_extra_config``); ``config_file: engine.yaml``
+reads them from a file instead (the one `tiering-bench` uses), and vLLM's tier names ``fs``
+and ``obj`` are accepted for ``file`` and ``s3``.
+
+What it translates between vLLM's API (0.32.x and 0.33.x) and the engine's (the seeds'):
+
+- sizing from `OffloadingConfig`: a CPU row holds ``blocks_per_chunk`` GPU blocks of
+  ``worker_kv_bytes_per_block`` bytes per worker; the shared-memory id is ``engine_id``;
+  the layout fingerprint covers model, dtype, tokens per row, bytes per row, world size;
+- lookups: True, False, None become ``HIT``, ``MISS``, ``RETRY``; `get_load_source` says
+  ``HOST`` for blocks stored from the GPU, ``DISK`` for blocks promoted from a file tier;
+- vLLM's spec classes (int32 ids) both ways, ``ScheduleEndContext``, ``CHUNK_LEVEL``
+  requests, events with vLLM's ``Medium``;
+- the worker: an `OffloadingWorker` over the engine's GPU<->CPU handlers. vLLM asserts that
+  every transfer it submits succeeds; the handlers refuse only malformed specs, which is
+  raised as a bug, never returned as a failure. Their results carry bytes and seconds, so
+  vLLM's ``vllm:kv_offload_*`` byte and time counters count them. Secondary-tier failures
+  stay inside the manager (a failed promotion is a miss).
+
+Not supported (refused at start with a message): several KV-cache groups (hybrid models),
+vLLM versions outside `SUPPORTED_VERSIONS`.
+
+The class is `KVTieringOffloadingSpec`: vLLM's factory looks ``spec_name`` up in its own
+registry before it reads ``spec_module_path``, and vLLM registers a ``TieringOffloadingSpec``
+of its own, so a spec of that name here would never be loaded. `TieringOffloadingSpec` is
+an alias for imports.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from collections.abc import Collection, Iterable
+from pathlib import Path
+from typing import Any
+
+import vllm
+from packaging.version import Version
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec as VllmGPUSpec,
+)
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadPolicy,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.base import (
+    OffloadingEvent as VllmEvent,
+)
+from vllm.v1.kv_offload.base import (
+    PrepareStoreOutput as VllmPrepareStoreOutput,
+)
+from vllm.v1.kv_offload.base import (
+    TransferResult as VllmTransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPUSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tiering.config import ConfigError, config_from_dict, load_config
+from tiering.keys import OffloadKey
+from tiering.manager import TieringOffloadingManager
+from tiering.spec import KVLayout
+from tiering.spec import TieringOffloadingSpec as EngineSpec
+from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = ("0.32", "0.33")
+"""vLLM release series whose offloading API this adapter speaks."""
+SOURCE = "kv_connector_extra_config"
+VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "offload_prompt_only", "self_describing_kv_events"})
+"""Extra-config keys that are vLLM's own, not the engine's."""
+TIER_ALIASES = {"fs": "file", "obj": "s3"}
+_LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
+_SOURCES = {"file": CacheHitSource.DISK}
+_LIVE: weakref.WeakSet[KVTieringOffloadingSpec] = weakref.WeakSet()
+
+
+def live_specs() -> list[KVTieringOffloadingSpec]:
+    """The specs vLLM built in this process and not shut down yet (for tests and in-process
+    introspection: ``spec.engine.manager.get_stats()`` on the scheduler's)."""
+    return [spec for spec in _LIVE if not spec._closed]
+
+
+def check_version(version: str = vllm.__version__) -> None:
+    """Raises RuntimeError, naming the supported series, for a vLLM this adapter does not know."""
+    release = Version(version).release
+    if f"{release[0]}.{release[1]}" not in SUPPORTED_VERSIONS:
+        raise RuntimeError(
+            f"tiering.integrations.vllm supports vLLM {' and '.join(f'{v}.x' for v in SUPPORTED_VERSIONS)}; "
+            f"this is vLLM {version}"
+        )
+
+
+def engine_config(extra_config: dict[str, Any], tokens_per_row: int) -> Any:
+    """The engine's `TieringConfig` from vLLM's extra config (see the module docstring).
+
+    Raises:
+        ConfigError: a key is unknown or invalid, or ``config_file`` is given with engine keys.
+    """
+    settings = {key: value for key, value in extra_config.items() if key not in VLLM_KEYS}
+    path = settings.pop("config_file", None)
+    if path is not None:
+        if settings.keys() - {"block_size"}:
+            raise ConfigError(SOURCE, [("config_file", f"give the engine's settings in {path} or here, not both")])
+        config = load_config(Path(path))
+        if config.block_size not in (None, tokens_per_row):
+            raise ConfigError(str(path), [("block_size", f"vLLM offloads blocks of {tokens_per_row} tokens")])
+        return config
+    tiers = settings.get("secondary_tiers")
+    if isinstance(tiers, list):
+        settings["secondary_tiers"] = [
+            {**tier, "type": TIER_ALIASES.get(tier.get("type"), tier.get("type"))} if isinstance(tier, dict) else tier
+            for tier in tiers
+        ]
+    return config_from_dict(settings, SOURCE)
+
+
+class KVTieringOffloadingSpec(OffloadingSpec):
+    """vLLM's `OffloadingSpec` for this engine. Built once by the scheduler (`get_manager`)
+    and once by each worker (`get_worker`), in their processes.
+
+    Raises (at construction):
+        RuntimeError: an unsupported vLLM version.
+        ConfigError: the extra config is invalid (file or ``kv_connector_extra_config``, key
+            path, problem).
+        ValueError: several KV-cache groups, or a block that does not split into tokens.
+    """
+
+    def __init__(self, config: OffloadingConfig):
+        check_version()
+        super().__init__(config)
+        if len(config.groups) != 1:
+            raise ValueError(
+                f"tiering.integrations.vllm supports one KV-cache group; this model has {len(config.groups)} "
+                "(hybrid models are not supported yet)"
+            )
+        tokens = config.groups[0].tokens_per_block
+        world_size = max(1, config.parallel.world_size)
+        block_bytes = config.worker_kv_bytes_per_block * world_size
+        if block_bytes % tokens:
+            raise ValueError(f"a GPU block of {block_bytes} bytes does not split into {tokens} tokens")
+        layout = KVLayout(config.model.name, 1, block_bytes // tokens, tokens, str(config.model.dtype), world_size)
+        tiering_config = engine_config(dict(config.extra_config), tokens * self.blocks_per_chunk)
+        tiering_config = tiering_config.model_copy(update={"block_size": tokens * self.blocks_per_chunk})
+        self.engine = EngineSpec(tiering_config, layout, config.engine_id, config.enable_kv_cache_events)
+        self._closed = False
+        _LIVE.add(self)
+        atexit.register(self.shutdown)  # a forgotten shutdown still releases shared memory and threads
+
+    def get_manager(self) -> OffloadingManager:
+        """The scheduler-side manager (built on first call)."""
+        return _Manager(self.engine.get_manager(), self)
+
+    def get_worker(self, kv_caches: Any) -> OffloadingWorker:
+        """This worker's transfers, over vLLM's canonical KV caches (duck-typed)."""
+        return _Worker(self.engine.create_handlers(kv_caches, self.config.parallel.rank), self)
+
+    def shutdown(self) -> None:
+        """Stop everything this spec built (safe to call more than once)."""
+        if not self._closed:
+            self._closed = True
+            atexit.unregister(self.shutdown)
+            self.engine.shutdown()
+
+
+class _Manager(OffloadingManager):
+    """vLLM's manager API over `TieringOffloadingManager` (scheduler thread)."""
+
+    def __init__(self, manager: TieringOffloadingManager, spec: KVTieringOffloadingSpec):
+        self.manager, self.spec = manager, spec
+
+    def lookup(self, key: OffloadKey, req_context: Any) -> LookupResult:
+        return _LOOKUP[self.manager.lookup(key, req_context)]
+
+    def get_load_source(self, key: OffloadKey, req_context: Any) -> CacheHitSource:
+        tier = self.manager.promotion_source(key)
+        if tier is None:
+            return CacheHitSource.HOST
+        return _SOURCES.get(tier.split("-")[0], CacheHitSource.EXTERNAL_UNSPECIFIED)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: Any) -> VllmCPUSpec:
+        return VllmCPUSpec(self.manager.prepare_load(keys, req_context).block_ids.tolist())
+
+    def touch(self, keys: Collection[OffloadKey], req_context: Any) -> None:
+        self.manager.touch(keys, req_context)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: Any) -> None:
+        self.manager.complete_load(keys, req_context)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: Any) -> VllmPrepareStoreOutput | None:
+        out = self.manager.prepare_store(keys, req_context)
+        if out is None:
+            return None
+        spec = VllmCPUSpec(out.store_spec.block_ids.tolist())
+        return VllmPrepareStoreOutput(out.keys_to_store, spec, out.evicted_keys)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: Any, success: bool = True) -> None:
+        self.manager.complete_store(keys, req_context, success)
+
+    def on_new_request(self, req_context: Any) -> RequestOffloadingContext:
+        self.manager.on_new_request(req_context)
+        return RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)
+
+    def on_request_finished(self, req_context: Any) -> None:
+        self.manager.on_request_finished(req_context)
+
+    def take_events(self) -> Iterable[VllmEvent]:
+        for event in self.manager.take_events():
+            medium = Medium.CPU if event.medium == "CPU" else Medium.STORAGE
+            yield VllmEvent(keys=list(event.keys), medium=medium, removed=event.removed)
+
+    def on_schedule_end(self, context: ScheduleEndContext | None = None) -> None:
+        self.manager.on_schedule_end()
+
+    def has_pending_work(self) -> bool:
+        return self.manager.has_pending_work()
+
+    def reset_cache(self) -> None:
+        self.manager.reset_cache()
+
+    def get_stats(self) -> None:
+        return None  # transfer bytes and seconds reach vLLM's metrics through the worker's results
+
+    def shutdown(self) -> None:
+        self.spec.shutdown()
+
+
+class _Worker(OffloadingWorker):
+    """vLLM's worker API over the engine's `CpuGpuOffloadingHandlers` (worker thread)."""
+
+    def __init__(self, handlers: Any, spec: KVTieringOffloadingSpec):
+        self.handlers, self.spec = handlers, spec
+
+    def submit_store(self, job_id: int, src_spec: VllmGPUSpec, dst_spec: Any) -> bool:
+        return self._submit(self.handlers.gpu_to_cpu_handler, job_id, (_gpu(src_spec), _cpu(dst_spec)))
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: VllmGPUSpec) -> bool:
+        return self._submit(self.handlers.cpu_to_gpu_handler, job_id, (_cpu(src_spec), _gpu(dst_spec)))
+
+    @staticmethod
+    def _submit(handler: Any, job_id: int, specs: tuple[Any, Any]) -> bool:
+        if not handler.transfer_async(job_id, specs):  # only a malformed spec: a bug, not a failure
+            raise RuntimeError(f"transfer {job_id}: the specs {specs!r} do not fit this engine's layout")
+        return True
+
+    def get_finished(self) -> list[VllmTransferResult]:
+        results = self.handlers.gpu_to_cpu_handler.get_finished() + self.handlers.cpu_to_gpu_handler.get_finished()
+        return [VllmTransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time) for r in results]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.handlers.gpu_to_cpu_handler.wait(job_ids)
+        self.handlers.cpu_to_gpu_handler.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.spec.shutdown()
+
+
+def _gpu(spec: Any) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(spec.block_ids, list(spec.group_sizes), list(spec.block_indices))
+
+
+def _cpu(spec: Any) -> CPULoadStoreSpec:
+    return CPULoadStoreSpec(spec.block_ids)
+
+
+TieringOffloadingSpec = KVTieringOffloadingSpec
