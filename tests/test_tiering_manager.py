@@ -165,6 +165,22 @@ def test_failed_promotion_frees_the_rows(policy, ctx):
     assert manager.primary_tier.num_free_blocks == 4
 
 
+def test_the_source_of_a_promoted_block_is_remembered_until_the_gpu_stores_it_again(policy, ctx):
+    disk, other = ManualTier("file"), ManualTier("s3")
+    other.present[key(1)] = True
+    disk.present[key(0)] = True
+    manager, _ = build(policy, [disk, other])
+    store(manager, ctx, 2)
+    promote(manager, ctx, 0, 1)
+    disk.finish_all()
+    other.finish_all()
+    manager.lookup(key(0), ctx)  # results are applied before the step's first lookup
+    assert [manager.promotion_source(k) for k in keys(0, 1, 2)] == ["file", "s3", None]
+    manager.reset_cache()
+    store(manager, ctx, 0)  # back from the GPU: no longer a promotion
+    assert manager.promotion_source(key(0)) is None
+
+
 # -- cascade --------------------------------------------------------------------------------
 
 

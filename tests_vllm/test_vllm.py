@@ -179,3 +179,25 @@ def test_a_process_leaves_no_shared_memory_temp_files_or_stuck_exit(model, basel
     assert set(Path("/dev/shm").glob("tiering-*")) - regions_before == set()
     files = [path for path in (tmp_path / "kv").rglob("*") if path.is_file()]
     assert len(files) == FULL_BLOCKS // tiny.BLOCK and not any(path.name.endswith(".tmp") for path in files)
+
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def test_a_trace_replayed_through_vllm_hits_in_the_engine(model, tmp_path):
+    from benchmarks.loadgen.workload import read_trace, synthetic
+    from tiering.integrations.vllm_replay import prompts, replay
+
+    requests = read_trace(TRACE, 40) if TRACE.exists() else synthetic("multi-turn", 40)
+    config = {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [{"type": "file", "root_dir": str(tmp_path / "kv")}]}
+    llm = tiny.make_llm(model, config, disable_log_stats=False)
+    try:
+        report = replay(llm, prompts(requests, tiny.BLOCK, 1000, 1024))
+    finally:
+        close(llm)
+    assert report["requests"] == 40 and 0 < report["cached_tokens"] < report["prompt_tokens"]
+    assert report["vllm"]["vllm:kv_offload_store_bytes"] > 0
+    engine = report["engine"]
+    assert (
+        engine["primary"]["counters"]["blocks_stored"] > 0 and engine["tiers"]["file"]["counters"]["blocks_stored"] > 0
+    )
