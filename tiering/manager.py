@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -33,6 +33,8 @@ from tiering.secondary import JobId, JobMetadata, SecondaryTierManager
 from tiering.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -122,10 +124,7 @@ class TieringOffloadingManager(OffloadingManager):
         """Record a use of `keys` in the primary tier and in every secondary tier."""
         self.primary_tier.touch(keys, req_context)
         for tier in self.secondary_tiers:
-            try:
-                tier.touch(keys, req_context)
-            except Exception:
-                logger.exception("tier %s: touch failed", tier.tier_type)
+            _guarded(tier, "touch", lambda tier=tier: tier.touch(keys, req_context), None)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Unpin rows pinned by `prepare_load`.
@@ -166,10 +165,7 @@ class TieringOffloadingManager(OffloadingManager):
         empty unless the manager was built with ``enable_events=True``."""
         events = list(self.primary_tier.take_events())
         for tier in self.secondary_tiers:
-            try:
-                events.extend(tier.take_events())
-            except Exception:
-                logger.exception("tier %s: take_events failed", tier.tier_type)
+            events.extend(_guarded(tier, "take_events", lambda tier=tier: list(tier.take_events()), []))
         return events if self._enable_events else []
 
     def on_schedule_end(self) -> None:
@@ -181,10 +177,7 @@ class TieringOffloadingManager(OffloadingManager):
             self._counters["promotions_submitted"] += 1
         self._promotions.clear()
         for tier in self.secondary_tiers:
-            try:
-                tier.on_schedule_end()
-            except Exception:
-                logger.exception("tier %s: on_schedule_end failed", tier.tier_type)
+            _guarded(tier, "on_schedule_end", tier.on_schedule_end, None)
         if self._listeners:
             self._publish_stats()
         self._polled_this_step = False
@@ -207,13 +200,10 @@ class TieringOffloadingManager(OffloadingManager):
         """``{"primary": stats, "tiers": {name: stats}, "manager": {...}}``: the primary
         tier's and each secondary tier's `get_stats()` (see `tiering.stats`), by name
         (`tier_names`), and the manager's own counters and gauges. Scheduler thread."""
-        tiers = {}
-        for name, tier in zip(self.tier_names, self.secondary_tiers, strict=True):
-            try:
-                tiers[name] = tier.get_stats()
-            except Exception:
-                logger.exception("tier %s: get_stats failed", name)
-                tiers[name] = {"counters": {}, "gauges": {}}
+        tiers = {
+            name: _guarded(tier, "get_stats", tier.get_stats, {"counters": {}, "gauges": {}})
+            for name, tier in zip(self.tier_names, self.secondary_tiers, strict=True)
+        }
         manager = {
             **self._counters,
             "jobs_in_flight": len(self._jobs),
@@ -250,11 +240,8 @@ class TieringOffloadingManager(OffloadingManager):
         promotions and empty the primary tier. Secondary tiers keep their blocks. Blocks
         whose transfer is still in flight after the drain stay in the primary tier."""
         for tier in self.secondary_tiers:
-            try:
-                if not tier.drain(self._drain_timeout_s):
-                    logger.warning("tier %s: jobs still in flight after %.1f s", tier.tier_type, self._drain_timeout_s)
-            except Exception:
-                logger.exception("tier %s: drain failed", tier.tier_type)
+            if not _guarded(tier, "drain", lambda tier=tier: tier.drain(self._drain_timeout_s), True):
+                logger.warning("tier %s: jobs still in flight after %.1f s", tier.tier_type, self._drain_timeout_s)
         self._process_finished()
         self._drop_queued_promotions()
         self.primary_tier.reset_cache()
@@ -267,10 +254,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._shut_down = True
         self._drop_queued_promotions()
         for tier in self.secondary_tiers:
-            try:
-                tier.shutdown()
-            except Exception:
-                logger.exception("tier %s: shutdown failed", tier.tier_type)
+            _guarded(tier, "shutdown", tier.shutdown, None)
         self._process_finished()
         if self._jobs:
             logger.warning("%d jobs were never reported by their tiers", len(self._jobs))
@@ -318,19 +302,9 @@ class TieringOffloadingManager(OffloadingManager):
     def _process_finished(self) -> None:
         self._polled_this_step = True
         for tier_idx, tier in enumerate(self.secondary_tiers):
-            try:
-                results = list(tier.get_finished())
-            except Exception:
-                logger.exception("tier %s: get_finished failed", tier.tier_type)
-                continue
-            for result in results:
+            for result in _guarded(tier, "get_finished", lambda tier=tier: list(tier.get_finished()), []):
                 self._finish(result.job_id, result.success, tier_idx if result.rows_in_use else None)
-            try:
-                released = list(tier.take_released_jobs())
-            except Exception:
-                logger.exception("tier %s: take_released_jobs failed", tier.tier_type)
-                continue
-            for job_id in released:
+            for job_id in _guarded(tier, "take_released_jobs", lambda tier=tier: list(tier.take_released_jobs()), []):
                 release = self._held.pop((tier_idx, job_id), None)
                 if release is not None:
                     release()
@@ -353,3 +327,13 @@ class TieringOffloadingManager(OffloadingManager):
             self._held[(held_by, job_id)] = lambda: primary.release_rows(rows)
         else:  # a cascade: its rows stay pinned
             self._held[(held_by, job_id)] = lambda: primary.complete_read(job.keys, job.req_context)
+
+
+def _guarded(tier: SecondaryTierManager, what: str, call: Callable[[], T], default: T) -> T:
+    """``call()``, or `default` if it raises: a tier's exception is logged, never passed on
+    to the scheduler. (`lookup` keeps its own try, being the hottest call.)"""
+    try:
+        return call()
+    except Exception:
+        logger.exception("tier %s: %s failed", tier.tier_type, what)
+        return default
