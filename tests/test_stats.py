@@ -13,7 +13,9 @@ def test_counters_match_a_scripted_run(engine_factory):
     stats = manager.get_stats()
 
     primary = stats["primary"]
-    assert primary["counters"]["blocks_stored"] == 9  # 8 stores and 1 promotion
+    assert primary["counters"]["blocks_stored"] == 8 and primary["counters"]["blocks_promoted"] == 1
+    assert primary["counters"]["blocks_loaded"] == 0  # by the GPU; the cascades read 8
+    assert primary["counters"]["blocks_read_by_tiers"] == 8
     assert primary["counters"]["evictions"] == 5
     assert primary["gauges"] == {"blocks": 4, "capacity_blocks": 4, "rows_quarantined": 0, "healthy": True}
 

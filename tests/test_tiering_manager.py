@@ -165,6 +165,13 @@ def test_failed_promotion_frees_the_rows(policy, ctx):
     assert manager.primary_tier.num_free_blocks == 4
 
 
+def test_the_primary_counts_gpu_loads_apart_from_cascade_reads(policy, ctx):
+    manager, _ = build(policy, [ManualTier("a"), ManualTier("b")])
+    store(manager, ctx, 0, 1, 2)  # cascaded to both tiers: 6 reads, no GPU load
+    counters = manager.get_stats()["primary"]["counters"]
+    assert (counters["blocks_stored"], counters["blocks_loaded"], counters["blocks_read_by_tiers"]) == (3, 0, 6)
+
+
 def test_the_source_of_a_promoted_block_is_remembered_until_the_gpu_stores_it_again(policy, ctx):
     disk, other = ManualTier("file"), ManualTier("s3")
     other.present[key(1)] = True

@@ -6,6 +6,7 @@ are imported on first use.
 """
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 
 from tiering.abstract import OffloadingManager
 from tiering.async_tier import BlockStoreTier
@@ -37,6 +38,11 @@ from tiering.specs import (
     OffloadingEvent,
     PrepareStoreOutput,
 )
+
+try:
+    __version__ = version("kv-tiering")
+except PackageNotFoundError:  # imported from a checkout that was not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ARCCachePolicy",

@@ -15,8 +15,6 @@ from tiering.stats import TierStats
 
 logger = logging.getLogger(__name__)
 
-_COUNTERS = ("blocks_stored", "blocks_store_failed", "blocks_loaded", "evictions", "stores_refused")
-
 
 class CPUOffloadingManager(OffloadingManager):
     """Bookkeeping of `num_blocks` CPU rows: which key is in which row, ref counts, eviction.
@@ -27,6 +25,13 @@ class CPUOffloadingManager(OffloadingManager):
     """
 
     medium = CPULoadStoreSpec.medium()
+    counter_names: tuple[str, ...] = (
+        "blocks_stored",
+        "blocks_store_failed",
+        "blocks_loaded",
+        "evictions",
+        "stores_refused",
+    )
 
     def __init__(self, num_blocks: int, cache_policy: str = "lru", enable_events: bool = False):
         """
@@ -73,10 +78,13 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             KeyError: a key is not resident or its write is still in flight; nothing is pinned.
         """
-        blocks = [self._block(key, "prepare_load", lambda b: b.ref_cnt >= 0) for key in keys]
+        return self._pin(keys, "prepare_load", "blocks_loaded")
+
+    def _pin(self, keys: Collection[OffloadKey], caller: str, counter: str) -> CPULoadStoreSpec:
+        blocks = [self._block(key, caller, lambda b: b.ref_cnt >= 0) for key in keys]
         for block in blocks:
             block.ref_cnt += 1
-        self._counters["blocks_loaded"] += len(blocks)
+        self._counters[counter] += len(blocks)
         return CPULoadStoreSpec([block.block_id for block in blocks])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -103,6 +111,9 @@ class CPUOffloadingManager(OffloadingManager):
             The keys to copy with their rows and the evicted keys, or None (changing
             nothing) if fewer rows than needed can be freed.
         """
+        return self._reserve(keys, "stores_refused")
+
+    def _reserve(self, keys: Collection[OffloadKey], refused_counter: str) -> PrepareStoreOutput | None:
         policy = self._policy
         keys_to_store = [key for key in dict.fromkeys(keys) if policy.get(key) is None]
         evicted: list[OffloadKey] = []
@@ -110,7 +121,7 @@ class CPUOffloadingManager(OffloadingManager):
         if shortfall > 0:
             victims = policy.evict(shortfall, protected=set(keys))
             if victims is None:
-                self._counters["stores_refused"] += 1
+                self._counters[refused_counter] += 1
                 return None
             for key, block in victims:
                 self._free_block_ids.append(block.block_id)
@@ -132,6 +143,9 @@ class CPUOffloadingManager(OffloadingManager):
         Returns:
             The keys that became loadable by this call (empty on failure).
         """
+        return self._complete_writes(keys, success, "blocks_stored")
+
+    def _complete_writes(self, keys: Collection[OffloadKey], success: bool, counter: str) -> list[OffloadKey]:
         if not success:
             self._free_block_ids.extend(self._drop_writes(keys))
             return []
@@ -144,7 +158,7 @@ class CPUOffloadingManager(OffloadingManager):
             block.ref_cnt = 0
             policy.mark_recent(key)
             stored.append(key)
-        self._counters["blocks_stored"] += len(stored)
+        self._counters[counter] += len(stored)
         self._emit(stored, removed=False)
         return stored
 
@@ -188,7 +202,7 @@ class CPUOffloadingManager(OffloadingManager):
             "hits": self._lookups[True],
             "misses": self._lookups[False],
             "lookups_in_flight": self._lookups[None],
-            **{name: self._counters[name] for name in _COUNTERS},
+            **{name: self._counters[name] for name in self.counter_names},
         }
         gauges = {
             "blocks": len(self._policy),
@@ -252,10 +266,18 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
     """The CPU manager as the primary tier of a `TieringOffloadingManager`.
 
     Its rows live in `mmap_region`; secondary tiers read and write them through
-    `get_kv_memoryview()`. The read/write aliases name the direction as a secondary tier
-    sees it: `prepare_read`/`complete_read` pin rows for a cascade (= load), and
-    `prepare_write`/`complete_write` reserve rows for a promotion (= store).
+    `get_kv_memoryview()`. Besides the GPU's loads and stores, it serves the secondary tiers'
+    two roles, counted apart from the GPU's: `prepare_read`/`complete_read` pin rows for a
+    cascade (``blocks_read_by_tiers``), `prepare_write`/`complete_write` reserve rows for a
+    promotion (``blocks_promoted``, ``promotions_refused``).
     """
+
+    counter_names = (
+        *CPUOffloadingManager.counter_names,
+        "blocks_read_by_tiers",
+        "blocks_promoted",
+        "promotions_refused",
+    )
 
     def __init__(
         self,
@@ -276,10 +298,25 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         self._region: KVRegion | None = mmap_region
         self._kv_view = kv_view
 
-    prepare_read = CPUOffloadingManager.prepare_load
+    def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        """Pin rows for a cascade: as `prepare_load`, counted as read by tiers.
+
+        Raises:
+            KeyError: as `prepare_load`.
+        """
+        return self._pin(keys, "prepare_read", "blocks_read_by_tiers")
+
     complete_read = CPUOffloadingManager.complete_load
-    prepare_write = CPUOffloadingManager.prepare_store
-    complete_write = CPUOffloadingManager.complete_store
+
+    def prepare_write(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        """Reserve rows for a promotion: as `prepare_store`, a refusal counted apart."""
+        return self._reserve(keys, "promotions_refused")
+
+    def complete_write(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> list[OffloadKey]:
+        """Finish a promotion: as `complete_store`, counted as promoted."""
+        return self._complete_writes(keys, success, "blocks_promoted")
 
     def get_kv_memoryview(self) -> memoryview:
         """The primary rows, a 2-D memoryview of shape ``(num_blocks, row_bytes)``."""
