@@ -160,7 +160,8 @@ class FileBlockStore(BlockStore):
     async def _run(self, func: Callable[..., T], *args: Any) -> T:
         self.check_open()
         with anyio.CancelScope(shield=True):
-            return await aiofiles.os.wrap(func)(*args, executor=self._pool)
+            result = await aiofiles.os.wrap(func)(*args, executor=self._pool)
+        return result
 
     async def open(self) -> None:
         """Create (or check) the directories and probe O_DIRECT.

@@ -51,12 +51,15 @@ class OffloadingManager(ABC):
             Which keys to copy and where, or None if there is not enough evictable room.
         """
 
-    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> list[OffloadKey] | None:
         """Mark blocks reserved by `prepare_store` as stored (loadable from now on).
 
-        With ``success=False`` the blocks not yet stored are dropped.
+        With ``success=False`` the blocks not yet stored are dropped. A manager may return
+        the keys this call made loadable; None says nothing about them.
         """
-        return
+        return None
 
     @abstractmethod
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

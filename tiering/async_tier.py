@@ -208,6 +208,7 @@ class BlockStoreTier(SecondaryTierManager):
         """True if stored here, None while its store (or an existence probe) is in flight,
         else False. Always False while the tier is unhealthy."""
         entry = self._index.get(key)
+        answer: bool | None
         if not self.health.healthy:
             answer = False
         elif entry is not None:
@@ -259,12 +260,13 @@ class BlockStoreTier(SecondaryTierManager):
         done = _Done("load", job_metadata.job_id, [key for key, _ in items])
         entries = [self._index.get(key) for key, _ in items]
         refuse = self._closed or not self.health.healthy
-        if refuse or any(entry is None or not entry.stored for entry in entries):
+        held = [entry for entry in entries if entry is not None and entry.stored]
+        if refuse or len(held) != len(entries):
             done.keys = []
             done.complete = False
             self._outbox.append(done)
             return
-        for entry in entries:
+        for entry in held:
             entry.readers += 1
         self._submit_task(done, lambda: partial(self._in_batches, self._load_batch, done, items))
 
@@ -279,7 +281,8 @@ class BlockStoreTier(SecondaryTierManager):
                 self.health.probe_result(done.success)
                 continue
             if done.kind == "released":
-                self._released.append(done.job_id)
+                if done.job_id is not None:
+                    self._released.append(done.job_id)
                 continue
             self.health.record(len(done.ok), done.errors)
             if done.kind == "store":
@@ -639,7 +642,8 @@ class BlockStoreTier(SecondaryTierManager):
         in ``done.hung`` until it returns: the job is reported with ``rows_in_use``, and
         released when the last such call returns.
         """
-        finished, result, scope = anyio.Event(), [], anyio.CancelScope()
+        finished, scope = anyio.Event(), anyio.CancelScope()
+        result: list[T | Exception] = []
 
         async def call() -> None:
             try:
@@ -654,6 +658,7 @@ class BlockStoreTier(SecondaryTierManager):
                     self._hung_call_returned(done)
 
         late = False
+        assert self._task_group is not None, "store calls run only while the tier serves"
         self._task_group.start_soon(call)
         try:
             with anyio.move_on_after(self.op_timeout_s):

@@ -163,7 +163,6 @@ def config_from_dict(data: Any, source: str, environ: Mapping[str, str] | None =
     except ValidationError as exc:
         known = list(TieringConfig.model_fields)
         problems.extend((_path(error["loc"]), describe_error(error, known)) for error in exc.errors())
-        config = None
     if problems:
         raise ConfigError(source, problems)
     config._source = source

@@ -227,7 +227,9 @@ class CPUOffloadingManager(OffloadingManager):
         """
         dropped = [key for key, block in self._policy.items() if block.ref_cnt == 0]
         for key in dropped:
-            self._free_block_ids.append(self._policy.remove(key).block_id)
+            removed = self._policy.remove(key)
+            assert removed is not None, "a key just listed is resident"
+            self._free_block_ids.append(removed.block_id)
         if len(self._policy):
             logger.warning("reset_cache kept %d blocks with transfers in flight", len(self._policy))
         else:
@@ -293,7 +295,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         """
         super().__init__(num_blocks, cache_policy, enable_events)
         kv_view = mmap_region.create_kv_memoryview()
-        if kv_view.ndim != 2 or kv_view.shape[0] != num_blocks:
+        if kv_view.ndim != 2 or kv_view.shape is None or kv_view.shape[0] != num_blocks:
             raise ValueError(f"region view has shape {kv_view.shape}; expected ({num_blocks}, row_bytes)")
         self._region: KVRegion | None = mmap_region
         self._kv_view = kv_view

@@ -192,7 +192,7 @@ def tier_options_model(tier_cls: type[SecondaryTierManager]) -> type[BaseModel]:
             annotation = Size if default is not None else Size | None
         fields[name] = (annotation, default)
     settings = ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
-    validators = {}
+    validators: dict[str, Any] = {}
     check = getattr(tier_cls, "check_options", None)
     if check is not None:
 

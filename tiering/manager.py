@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +33,6 @@ from tiering.secondary import JobId, JobMetadata, SecondaryTierManager
 from tiering.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -124,7 +122,7 @@ class TieringOffloadingManager(OffloadingManager):
         """Record a use of `keys` in the primary tier and in every secondary tier."""
         self.primary_tier.touch(keys, req_context)
         for tier in self.secondary_tiers:
-            _guarded(tier, "touch", lambda tier=tier: tier.touch(keys, req_context), None)
+            _guarded(tier, "touch", None, keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Unpin rows pinned by `prepare_load`.
@@ -165,7 +163,7 @@ class TieringOffloadingManager(OffloadingManager):
         empty unless the manager was built with ``enable_events=True``."""
         events = list(self.primary_tier.take_events())
         for tier in self.secondary_tiers:
-            events.extend(_guarded(tier, "take_events", lambda tier=tier: list(tier.take_events()), []))
+            events.extend(_guarded(tier, "take_events", []))
         return events if self._enable_events else []
 
     def on_schedule_end(self) -> None:
@@ -177,7 +175,7 @@ class TieringOffloadingManager(OffloadingManager):
             self._counters["promotions_submitted"] += 1
         self._promotions.clear()
         for tier in self.secondary_tiers:
-            _guarded(tier, "on_schedule_end", tier.on_schedule_end, None)
+            _guarded(tier, "on_schedule_end", None)
         if self._listeners:
             self._publish_stats()
         self._polled_this_step = False
@@ -201,7 +199,7 @@ class TieringOffloadingManager(OffloadingManager):
         tier's and each secondary tier's `get_stats()` (see `tiering.stats`), by name
         (`tier_names`), and the manager's own counters and gauges. Scheduler thread."""
         tiers = {
-            name: _guarded(tier, "get_stats", tier.get_stats, {"counters": {}, "gauges": {}})
+            name: _guarded(tier, "get_stats", {"counters": {}, "gauges": {}})
             for name, tier in zip(self.tier_names, self.secondary_tiers, strict=True)
         }
         manager = {
@@ -240,7 +238,7 @@ class TieringOffloadingManager(OffloadingManager):
         promotions and empty the primary tier. Secondary tiers keep their blocks. Blocks
         whose transfer is still in flight after the drain stay in the primary tier."""
         for tier in self.secondary_tiers:
-            if not _guarded(tier, "drain", lambda tier=tier: tier.drain(self._drain_timeout_s), True):
+            if not _guarded(tier, "drain", True, self._drain_timeout_s):
                 logger.warning("tier %s: jobs still in flight after %.1f s", tier.tier_type, self._drain_timeout_s)
         self._process_finished()
         self._drop_queued_promotions()
@@ -254,7 +252,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._shut_down = True
         self._drop_queued_promotions()
         for tier in self.secondary_tiers:
-            _guarded(tier, "shutdown", tier.shutdown, None)
+            _guarded(tier, "shutdown", None)
         self._process_finished()
         if self._jobs:
             logger.warning("%d jobs were never reported by their tiers", len(self._jobs))
@@ -302,9 +300,9 @@ class TieringOffloadingManager(OffloadingManager):
     def _process_finished(self) -> None:
         self._polled_this_step = True
         for tier_idx, tier in enumerate(self.secondary_tiers):
-            for result in _guarded(tier, "get_finished", lambda tier=tier: list(tier.get_finished()), []):
+            for result in _guarded(tier, "get_finished", []):
                 self._finish(result.job_id, result.success, tier_idx if result.rows_in_use else None)
-            for job_id in _guarded(tier, "take_released_jobs", lambda tier=tier: list(tier.take_released_jobs()), []):
+            for job_id in _guarded(tier, "take_released_jobs", []):
                 release = self._held.pop((tier_idx, job_id), None)
                 if release is not None:
                     release()
@@ -329,11 +327,13 @@ class TieringOffloadingManager(OffloadingManager):
             self._held[(held_by, job_id)] = lambda: primary.complete_read(job.keys, job.req_context)
 
 
-def _guarded(tier: SecondaryTierManager, what: str, call: Callable[[], T], default: T) -> T:
-    """``call()``, or `default` if it raises: a tier's exception is logged, never passed on
-    to the scheduler. (`lookup` keeps its own try, being the hottest call.)"""
+def _guarded(tier: SecondaryTierManager, method: str, default: Any, *args: Any) -> Any:
+    """``tier.<method>(*args)`` (as a list when `default` is a list), or `default` if it
+    raises: a tier's exception is logged, never passed on to the scheduler. (`lookup` keeps
+    its own try, being the hottest call.)"""
     try:
-        return call()
+        result = getattr(tier, method)(*args)
+        return list(result) if isinstance(default, list) else result
     except Exception:
-        logger.exception("tier %s: %s failed", tier.tier_type, what)
+        logger.exception("tier %s: %s failed", tier.tier_type, method)
         return default

@@ -94,8 +94,8 @@ def _tier_metrics(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
                 value = int(value)
             if not isinstance(value, int | float):
                 continue  # a state name; `healthy` carries it as a number
-            family = gauges.setdefault(name, GaugeMetricFamily(f"tiering_tier_{name}", name, labels=["tier"]))
-            family.add_metric([tier], value)
+            gauge = gauges.setdefault(name, GaugeMetricFamily(f"tiering_tier_{name}", name, labels=["tier"]))
+            gauge.add_metric([tier], value)
         histogram = stats.get("job_seconds")
         if histogram:
             buckets = [(str(bound), count) for bound, count in histogram["buckets"]]

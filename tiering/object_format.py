@@ -76,7 +76,9 @@ class ObjectHeader:
     """Bytes of the header itself."""
 
 
-def parse_header(buf: bytes | memoryview, fingerprint: bytes, key: OffloadKey | None = None) -> ObjectHeader:
+def parse_header(
+    buf: bytes | bytearray | memoryview, fingerprint: bytes, key: OffloadKey | None = None
+) -> ObjectHeader:
     """Read and check a header; `key`, when given, must be the stored key.
 
     Raises:

@@ -18,7 +18,8 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -31,6 +32,16 @@ T = TypeVar("T")
 
 class RuntimeClosedError(RuntimeError):
     """The runtime was shut down; no more work is accepted."""
+
+
+@dataclass(frozen=True)
+class _Running:
+    """What exists while the loop runs (made on the loop thread, all at once)."""
+
+    loop: asyncio.AbstractEventLoop
+    task_group: TaskGroup
+    stop: anyio.Event
+    wake: asyncio.Event
 
 
 class AsyncRuntime:
@@ -50,10 +61,7 @@ class AsyncRuntime:
         self._closed = False
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task_group: TaskGroup | None = None
-        self._stop: anyio.Event | None = None
-        self._wake: asyncio.Event | None = None
+        self._running: _Running | None = None
 
     # -- use from any thread but the loop's ------------------------------------------------
 
@@ -95,11 +103,11 @@ class AsyncRuntime:
         """
         self._check_caller()
         if self._inbox and not self._ring_pending:
-            loop = self._loop or self._start()
+            running = self._running or self._start()
             self._ring_pending = True
-            loop.call_soon_threadsafe(self._wake.set)
+            running.loop.call_soon_threadsafe(running.wake.set)
 
-    def run_sync(self, func: Callable[..., Awaitable[T]], *args: Any, timeout_s: float | None = None) -> T:
+    def run_sync(self, func: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout_s: float | None = None) -> T:
         """Run ``await func(*args)`` on the loop and block until it returns.
 
         Returns what it returns; raises what it raises.
@@ -109,9 +117,9 @@ class AsyncRuntime:
             RuntimeError: called from the loop thread itself (it would deadlock).
             TimeoutError: it took longer than `timeout_s` seconds (it is cancelled).
         """
-        loop = self._loop or self._start()
+        running = self._running or self._start()
         self._check_caller()
-        future = asyncio.run_coroutine_threadsafe(func(*args), loop)
+        future = asyncio.run_coroutine_threadsafe(func(*args), running.loop)
         try:
             return future.result(timeout_s)
         except BaseException:  # a timeout, or the caller interrupted (SIGTERM, Ctrl-C): stop the coroutine too
@@ -130,11 +138,12 @@ class AsyncRuntime:
             return
         self._check_caller()
         self._closed = True
-        if self._loop is None:
+        running, thread = self._running, self._thread
+        if running is None or thread is None:
             return
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        running.loop.call_soon_threadsafe(running.stop.set)
+        thread.join(timeout_s)
+        if thread.is_alive():
             logger.warning("runtime %s: loop thread still running after %.1f s", self.name, timeout_s)
 
     # -- use from the loop thread ----------------------------------------------------------
@@ -142,8 +151,8 @@ class AsyncRuntime:
     @property
     def task_group(self) -> TaskGroup:
         """The root task group, for tasks that live as long as the runtime (loop thread)."""
-        assert self._task_group is not None
-        return self._task_group
+        assert self._running is not None, "the runtime is not running"
+        return self._running.task_group
 
     def in_loop_thread(self) -> bool:
         """Whether the caller runs on the loop thread."""
@@ -157,34 +166,31 @@ class AsyncRuntime:
         if self.in_loop_thread():
             raise RuntimeError(f"runtime {self.name}: called from its own loop thread; use the loop directly")
 
-    def _start(self) -> asyncio.AbstractEventLoop:
+    def _start(self) -> _Running:
         with self._start_lock:
             if self._closed:
                 raise RuntimeClosedError(f"runtime {self.name} is shut down")
-            if self._loop is None:
+            if self._running is None:
                 started = threading.Event()
                 self._thread = threading.Thread(
                     target=anyio.run, args=(self._main, started), name=self.name, daemon=True
                 )
                 self._thread.start()
-                if not started.wait(self._start_timeout_s):
+                if not started.wait(self._start_timeout_s) or self._running is None:
                     raise RuntimeError(f"runtime {self.name}: loop did not start in {self._start_timeout_s} s")
-        return self._loop
+        return self._running
 
     async def _main(self, started: threading.Event) -> None:
-        self._stop = anyio.Event()
-        self._wake = asyncio.Event()
         async with anyio.create_task_group() as task_group:
-            self._task_group = task_group
-            self._loop = asyncio.get_running_loop()
-            task_group.start_soon(self._pump)
+            running = _Running(asyncio.get_running_loop(), task_group, anyio.Event(), asyncio.Event())
+            self._running = running
+            task_group.start_soon(self._pump, running.wake)
             started.set()
-            await self._stop.wait()
+            await running.stop.wait()
             task_group.cancel_scope.cancel()
 
-    async def _pump(self) -> None:
+    async def _pump(self, wake: asyncio.Event) -> None:
         """Run the inbox at every wake-up, as a task (see the module docstring)."""
-        wake = self._wake
         while True:
             await wake.wait()
             wake.clear()

@@ -134,7 +134,7 @@ class SharedOffloadRegion:
         Row ``b`` is ``np.asarray(view)[b]``. The view is strided when `row_bytes` is not a
         multiple of the page size.
         """
-        return memoryview(self._rows[:, : self.row_bytes])
+        return self._rows[:, : self.row_bytes].data
 
     def create_next_view(self, page_bytes: int) -> np.ndarray:
         """Carve the next `page_bytes` of this worker's slot out of every row.
@@ -167,7 +167,7 @@ class SharedOffloadRegion:
         if self._mmap is None:
             return
         mapping, self._mmap = self._mmap, None
-        self._rows = None
+        del self._rows  # the mapping can close once no array of ours exports it
         try:
             mapping.close()
         except BufferError:

@@ -163,7 +163,7 @@ class TieringOffloadingSpec:
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
-                raise ConfigError(self.config.source, [("cpu_bytes_to_use", exc.strerror)]) from exc
+                raise ConfigError(self.config.source, [("cpu_bytes_to_use", str(exc.strerror))]) from exc
             primary = CPUPrimaryTierOffloadingManager(
                 self.num_blocks, region, self.config.eviction_policy, self.enable_events
             )
@@ -196,6 +196,7 @@ class TieringOffloadingSpec:
 
     def _start_exporter(self) -> None:
         metrics = self.config.metrics
+        assert metrics is not None and self._manager is not None
         try:
             from tiering.metrics import PrometheusExporter
         except ImportError:

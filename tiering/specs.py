@@ -88,7 +88,7 @@ class PrepareStoreOutput:
     """
 
     keys_to_store: list[OffloadKey]
-    store_spec: LoadStoreSpec
+    store_spec: BlockIDsLoadStoreSpec
     evicted_keys: list[OffloadKey]
 
 

@@ -54,7 +54,7 @@ def read_trace(path: str | Path, max_requests: int | None = None) -> list[Reques
     """
     if not stat.S_ISREG(os.stat(path).st_mode):
         raise ValueError(f"{path}: not a regular file (a directory or FIFO?); expected {TRACE_FORMAT}")
-    requests = []
+    requests: list[Request] = []
     with open(path, encoding="utf-8") as lines:
         try:
             for number, line in enumerate(lines, start=1):

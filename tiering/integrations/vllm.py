@@ -44,7 +44,7 @@ import logging
 import weakref
 from collections.abc import Collection, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import vllm
 from packaging.version import Version
@@ -57,6 +57,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingManager,
     OffloadingSpec,
     OffloadingWorker,
+    OffloadKey,
     OffloadPolicy,
     RequestOffloadingContext,
     ScheduleEndContext,
@@ -75,7 +76,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPUSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiering.config import ConfigError, config_from_dict, load_config
-from tiering.keys import OffloadKey
+from tiering.keys import OffloadKey as Key
 from tiering.manager import TieringOffloadingManager
 from tiering.spec import KVLayout
 from tiering.spec import TieringOffloadingSpec as EngineSpec
@@ -127,11 +128,15 @@ def engine_config(extra_config: dict[str, Any], tokens_per_row: int) -> Any:
         return config
     tiers = settings.get("secondary_tiers")
     if isinstance(tiers, list):
-        settings["secondary_tiers"] = [
-            {**tier, "type": TIER_ALIASES.get(tier.get("type"), tier.get("type"))} if isinstance(tier, dict) else tier
-            for tier in tiers
-        ]
+        settings["secondary_tiers"] = [_unalias(tier) for tier in tiers]
     return config_from_dict(settings, SOURCE)
+
+
+def _unalias(tier: Any) -> Any:
+    """A tier config with vLLM's type name (``fs``, ``obj``) replaced by ours."""
+    if isinstance(tier, dict) and tier.get("type") in TIER_ALIASES:
+        return {**tier, "type": TIER_ALIASES[tier["type"]]}
+    return tier
 
 
 class KVTieringOffloadingSpec(OffloadingSpec):
@@ -189,32 +194,32 @@ class _Manager(OffloadingManager):
         self.manager, self.spec = manager, spec
 
     def lookup(self, key: OffloadKey, req_context: Any) -> LookupResult:
-        return _LOOKUP[self.manager.lookup(key, req_context)]
+        return _LOOKUP[self.manager.lookup(_ours(key), req_context)]
 
     def get_load_source(self, key: OffloadKey, req_context: Any) -> CacheHitSource:
-        tier = self.manager.promotion_source(key)
+        tier = self.manager.promotion_source(_ours(key))
         if tier is None:
             return CacheHitSource.HOST
         return _SOURCES.get(tier.split("-")[0], CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: Any) -> VllmCPUSpec:
-        return VllmCPUSpec(self.manager.prepare_load(keys, req_context).block_ids.tolist())
+        return VllmCPUSpec(self.manager.prepare_load(_all_ours(keys), req_context).block_ids.tolist())
 
     def touch(self, keys: Collection[OffloadKey], req_context: Any) -> None:
-        self.manager.touch(keys, req_context)
+        self.manager.touch(_all_ours(keys), req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: Any) -> None:
-        self.manager.complete_load(keys, req_context)
+        self.manager.complete_load(_all_ours(keys), req_context)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: Any) -> VllmPrepareStoreOutput | None:
-        out = self.manager.prepare_store(keys, req_context)
+        out = self.manager.prepare_store(_all_ours(keys), req_context)
         if out is None:
             return None
         spec = VllmCPUSpec(out.store_spec.block_ids.tolist())
-        return VllmPrepareStoreOutput(out.keys_to_store, spec, out.evicted_keys)
+        return VllmPrepareStoreOutput(_all_theirs(out.keys_to_store), spec, _all_theirs(out.evicted_keys))
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: Any, success: bool = True) -> None:
-        self.manager.complete_store(keys, req_context, success)
+        self.manager.complete_store(_all_ours(keys), req_context, success)
 
     def on_new_request(self, req_context: Any) -> RequestOffloadingContext:
         self.manager.on_new_request(req_context)
@@ -226,7 +231,7 @@ class _Manager(OffloadingManager):
     def take_events(self) -> Iterable[VllmEvent]:
         for event in self.manager.take_events():
             medium = Medium.CPU if event.medium == "CPU" else Medium.STORAGE
-            yield VllmEvent(keys=list(event.keys), medium=medium, removed=event.removed)
+            yield VllmEvent(keys=_all_theirs(event.keys), medium=medium, removed=event.removed)
 
     def on_schedule_end(self, context: ScheduleEndContext | None = None) -> None:
         self.manager.on_schedule_end()
@@ -272,6 +277,18 @@ class _Worker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self.spec.shutdown()
+
+
+def _ours(key: OffloadKey) -> Key:
+    return cast(Key, key)  # both are block hash + 4-byte group index
+
+
+def _all_ours(keys: Collection[OffloadKey]) -> Collection[Key]:
+    return cast(Collection[Key], keys)
+
+
+def _all_theirs(keys: Collection[Key]) -> list[OffloadKey]:
+    return cast(list[OffloadKey], list(keys))
 
 
 def _gpu(spec: Any) -> GPULoadStoreSpec:
