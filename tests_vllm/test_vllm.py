@@ -53,6 +53,7 @@ def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(m
     try:
         # 1. computed, stored in the CPU tier and cascaded to the file tier
         assert tiny.generate(llm, [PROMPT])[0] == (*baseline[tuple(PROMPT)][:2], 0)
+        tiny.settle(llm, lambda: manager_stats()["tiers"]["file"]["counters"]["blocks_stored"] == 6)
         stats = manager_stats()
         assert stats["primary"]["counters"]["blocks_stored"] == FULL_BLOCKS // tiny.BLOCK
         assert stats["tiers"]["file"]["counters"]["blocks_stored"] == FULL_BLOCKS // tiny.BLOCK
@@ -97,6 +98,7 @@ def test_an_s3_tier_serves_promotions_the_same_way(model, baseline, monkeypatch)
             assert tiny.generate(llm, [PROMPT])[0][:2] == baseline[tuple(PROMPT)][:2]
             tokens, logprobs, cached = evict_and_reload(llm, baseline)
             assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
+            tiny.settle(llm, lambda: manager_stats()["tiers"]["s3"]["gauges"]["jobs_in_flight"] == 0)
             s3 = manager_stats()["tiers"]["s3"]["counters"]
             assert s3["blocks_stored"] >= FULL_BLOCKS // tiny.BLOCK and s3["blocks_loaded"] >= 1
         finally:
@@ -112,6 +114,7 @@ def test_a_corrupted_object_is_never_loaded_and_the_block_is_recomputed(model, b
     )
     try:
         tiny.generate(llm, [PROMPT])
+        tiny.settle(llm, lambda: manager_stats()["tiers"]["file"]["counters"]["blocks_stored"] == 6)
         objects = [path for path in root.rglob("*") if path.is_file()]
         assert len(objects) == FULL_BLOCKS // tiny.BLOCK
         for path in objects:  # flip a payload byte of every object: the header stays valid
@@ -153,6 +156,7 @@ if __name__ == "__main__":
     first = tiny.generate(llm, [PROMPT])[0]
     assert llm.reset_prefix_cache()
     second = tiny.generate(llm, [PROMPT])[0]
+    tiny.settle(llm, lambda: sum(path.is_file() for path in root.rglob("*")) == 6)  # the cascade landed
     print("RESULT", json.dumps([first, second]))
     del llm  # no shutdown: what is left must go at exit
 """

@@ -77,3 +77,13 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = 8):
         chosen = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids, strict=True)]
         results.append((list(completion.token_ids), chosen, out.num_cached_tokens or 0))
     return results
+
+
+def settle(llm, done, tries: int = 300) -> None:
+    """Keep vLLM stepping (a prompt too short to store anything) until ``done()`` holds:
+    GPU stores and cascades finish after `generate` returns."""
+    for _ in range(tries):
+        if done():
+            return
+        generate(llm, [[7] * 8], max_tokens=1)
+    raise AssertionError("the engine did not settle")
