@@ -47,6 +47,17 @@ class MotoServer:
         self.stop()
         raise RuntimeError(f"moto server did not listen on port {self.port} in {timeout_s} s")
 
+    @property
+    def pid(self) -> int:
+        """The server's process id (to freeze it with SIGSTOP, say).
+
+        Raises:
+            RuntimeError: the server is not running.
+        """
+        if self._process is None:
+            raise RuntimeError("the moto server is not running")
+        return self._process.pid
+
     def stop(self) -> None:
         if self._process is not None:
             self._process.terminate()

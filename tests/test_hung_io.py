@@ -151,15 +151,17 @@ def test_a_stuck_write_fails_its_cascade_and_keeps_the_source_rows_pinned_until_
     assert manager.get_stats()["manager"]["jobs_holding_rows"] == 0
 
 
-def test_shutdown_returns_within_its_timeout_while_a_thread_is_stuck(stuck_engine):
+def test_shutdown_gives_up_on_a_stuck_thread_and_returns(stuck_engine, caplog):
+    # A shutdown that waited for the thread would deadlock here and fail on the test timeout.
     manager, _, tier, stuck, rows = stuck_engine("put")
     store(manager, rows, 0)
     assert tier.drain(10)
     store(manager, rows, 1)
     manager.on_schedule_end()
     assert stuck.entered.wait(10)
-    tier.shutdown()  # bounded by shutdown_timeout_s: the thread is still stuck here
-    assert not stuck.unstick.is_set()
+    tier.shutdown()
+    assert "I/O still running 0.5 s into shutdown" in caplog.text
+    assert any(thread.name == "tiering-stuck" and thread.is_alive() for thread in threading.enumerate())
 
 
 class MiscountingStore(MemoryBlockStore):

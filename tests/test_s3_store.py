@@ -99,7 +99,7 @@ def test_a_frozen_endpoint_fails_requests_and_trips_the_breaker_within_the_clien
         )
         engine = engine_factory(config, num_blocks=8)
         engine.store(0, 1)
-        os.kill(server._process.pid, signal.SIGSTOP)  # alive, listening, silent
+        os.kill(server.pid, signal.SIGSTOP)  # alive, listening, silent
         try:
             out = engine.manager.prepare_store(keys(2, 3), CTX)
             engine.manager.complete_store(out.keys_to_store, CTX)
@@ -107,7 +107,7 @@ def test_a_frozen_endpoint_fails_requests_and_trips_the_breaker_within_the_clien
             assert engine.tier.drain(50)
             engine.manager.on_schedule_end()
         finally:
-            os.kill(server._process.pid, signal.SIGCONT)
+            os.kill(server.pid, signal.SIGCONT)
         assert engine.tier.failures["store"] == 2 and not engine.tier.health.healthy
         assert "ReadTimeoutError" in caplog.text
     finally:

@@ -301,7 +301,8 @@ class BlockStoreTier(SecondaryTierManager):
 
     def take_released_jobs(self) -> list[int]:
         """Jobs reported with ``rows_in_use`` whose late store calls have returned since the
-        last call (their rows may be reused now). Call after `get_finished`."""
+        last call (their rows may be reused now). Scheduler thread, after `get_finished`;
+        never blocks."""
         released, self._released = self._released, []
         return released
 

@@ -167,6 +167,8 @@ class CPUOffloadingManager(OffloadingManager):
         keep their rows out of use: an I/O that timed out may still write into them. Other
         keys are ignored.
 
+        Scheduler thread.
+
         Returns:
             The quarantined row ids, to hand to `release_rows` once that I/O has returned.
         """
@@ -175,7 +177,11 @@ class CPUOffloadingManager(OffloadingManager):
         return rows
 
     def release_rows(self, block_ids: Collection[int]) -> None:
-        """Return rows quarantined by `quarantine_writes` to the free rows."""
+        """Return rows quarantined by `quarantine_writes` to the free rows. Scheduler thread.
+
+        Raises:
+            KeyError: a row is not quarantined (released twice, say).
+        """
         for block_id in block_ids:
             self._quarantined.remove(block_id)
             self._free_block_ids.append(block_id)

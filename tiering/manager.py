@@ -183,7 +183,7 @@ class TieringOffloadingManager(OffloadingManager):
     def promotion_source(self, key: OffloadKey) -> str | None:
         """The name (`tier_names`) of the secondary tier `key` was last promoted from, if it
         was promoted recently (the last ``num_blocks`` promotions are remembered), else None:
-        the block reached the primary tier from the GPU."""
+        the block reached the primary tier from the GPU. Scheduler thread; never raises."""
         return self._sources.get(key)
 
     def _remember_sources(self, keys: list[OffloadKey], tier_idx: int) -> None:

@@ -117,7 +117,8 @@ class SecondaryTierManager(ABC):
 
     def take_released_jobs(self) -> Iterable[JobId]:
         """Jobs reported with ``rows_in_use`` whose I/O has returned since the last call;
-        their rows may be reused. Called after `get_finished`. The default has none."""
+        their rows may be reused. Called from the scheduler thread after `get_finished`;
+        must not block. The default has none."""
         return ()
 
     def get_stats(self) -> dict[str, Any]:

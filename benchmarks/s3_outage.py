@@ -1,0 +1,111 @@
+"""How fast a frozen S3 endpoint is noticed: the s3 tier (default options) against a bare
+aiobotocore client (botocore's default timeouts), side by side, on a local moto server that
+is stopped with SIGSTOP (alive, listening, silent). Also: how long building a tier against
+an endpoint that never answers takes to fail.
+
+    python -m benchmarks.s3_outage [--limit-s 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import numpy as np
+
+from benchmarks.s3_server import MotoServer
+from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
+
+ROWS, ROW_BYTES = 64, 4096
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "benchmark",
+    "AWS_SECRET_ACCESS_KEY": "benchmark-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def make_tier(config: dict):
+    view = memoryview(bytearray(ROWS * ROW_BYTES)).cast("B", (ROWS, ROW_BYTES))
+    return SecondaryTierFactory.create_secondary_tier(config, view, None)
+
+
+def tier_seconds_to_breaker(server: MotoServer, limit_s: float) -> float | None:
+    """Seconds from the first store to the breaker opening, one store job every 50 ms."""
+    tier = make_tier({"type": "s3", "bucket": "outage", "endpoint_url": server.endpoint_url})
+    context, job = ReqContext("benchmark"), 0
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        while tier.health.healthy and time.monotonic() - start < limit_s:
+            key = make_offload_key(job.to_bytes(8, "big"), 0)
+            tier.submit_store(JobMetadata(job, [key], np.array([job % ROWS]), False, context))
+            tier.on_schedule_end()
+            tier.get_finished()
+            job += 1
+            time.sleep(0.05)
+        return None if tier.health.healthy else time.monotonic() - start
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        tier.shutdown()
+
+
+async def raw_seconds_to_error(server: MotoServer, limit_s: float) -> float | None:
+    """Seconds until a bare `put_object` (botocore's defaults) fails against the frozen server."""
+    from aiobotocore.session import get_session
+
+    async with get_session().create_client("s3", endpoint_url=server.endpoint_url) as client:
+        os.kill(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(client.put_object(Bucket="outage", Key="k", Body=b"x" * 4096), limit_s)
+        except TimeoutError:
+            return None
+        except Exception:
+            return time.monotonic() - start
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+    return None
+
+
+def silent_endpoint_seconds() -> tuple[float, str]:
+    """Seconds until building a tier against an endpoint that accepts and never answers fails."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        start = time.monotonic()
+        try:
+            make_tier({"type": "s3", "bucket": "b", "endpoint_url": f"http://127.0.0.1:{silent.getsockname()[1]}"})
+        except Exception as exc:
+            return time.monotonic() - start, f"{type(exc).__name__}: {exc}"
+    raise RuntimeError("a tier was built against a silent endpoint")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--limit-s", type=float, default=60.0, help="give up after this many seconds")
+    args = parser.parse_args()
+    os.environ.update(CREDENTIALS)
+
+    def show(what: str, seconds: float | None) -> None:
+        outcome = f"after {seconds:.1f} s" if seconds is not None else f"not within {args.limit_s:.0f} s"
+        print(f"{what} {outcome}")
+
+    server = MotoServer()
+    server.start()
+    try:
+        server.create_bucket("outage")
+        show("frozen endpoint, s3 tier: breaker open", tier_seconds_to_breaker(server, args.limit_s))
+        show("frozen endpoint, bare aiobotocore put: failed", asyncio.run(raw_seconds_to_error(server, args.limit_s)))
+    finally:
+        server.stop()
+    seconds, message = silent_endpoint_seconds()
+    print(f"silent endpoint, building the tier: failed after {seconds:.1f} s: {message}")
+
+
+if __name__ == "__main__":
+    main()
