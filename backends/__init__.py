@@ -1,10 +1,10 @@
 """Secondary tiers for the tiering engine, and the block-store interface behind them."""
 
-from backends.example import ExampleSecondaryTierManager
-from backends.faulty import FaultyBlockStore, FaultyTier
-from backends.file import FileBlockStore, FileTier
-from backends.memory import MemoryBlockStore, MemoryTier
-from backends.store import BlockStore
+from tiering.backends.example import ExampleSecondaryTierManager
+from tiering.backends.faulty import FaultyBlockStore, FaultyTier
+from tiering.backends.file import FileBlockStore, FileTier
+from tiering.backends.memory import MemoryBlockStore, MemoryTier
+from tiering.blockstore import BlockStore
 
 __all__ = [
     "BlockStore",

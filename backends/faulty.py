@@ -27,16 +27,15 @@ from typing import Any
 import anyio
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from backends.store import BlockStore
-from tiering.async_tier import BlockStoreTier
+from tiering.blockstore import BlockStore, BlockStoreTier
 from tiering.factory import Count, Delay, Probability, Seconds, Size, describe_error, tier_options_model
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader
 
 STORES = {  # inner store types: module, class
-    "memory": ("backends.memory", "MemoryBlockStore"),
-    "file": ("backends.file", "FileBlockStore"),
-    "s3": ("backends.s3", "S3BlockStore"),
+    "memory": ("tiering.backends.memory", "MemoryBlockStore"),
+    "file": ("tiering.backends.file", "FileBlockStore"),
+    "s3": ("tiering.backends.s3", "S3BlockStore"),
 }
 
 

@@ -50,8 +50,7 @@ import anyio
 import numpy as np
 from pydantic import AfterValidator
 
-from backends.store import BlockStore
-from tiering.async_tier import BlockStoreTier
+from tiering.blockstore import BlockStore, BlockStoreTier
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.factory import Count, Seconds
 from tiering.keys import OffloadKey

@@ -13,8 +13,7 @@ from typing import Any
 
 import anyio
 
-from backends.store import BlockStore
-from tiering.async_tier import BlockStoreTier
+from tiering.blockstore import BlockStore, BlockStoreTier
 from tiering.errors import ObjectNotFoundError
 from tiering.factory import Count, Delay, Probability, Seconds
 from tiering.keys import OffloadKey

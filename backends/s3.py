@@ -26,8 +26,7 @@ from aiobotocore.session import get_session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-from backends.store import BlockStore
-from tiering.async_tier import BlockStoreTier
+from tiering.blockstore import BlockStore, BlockStoreTier
 from tiering.errors import CorruptObjectError, ObjectNotFoundError
 from tiering.factory import Count, Delay, Seconds
 from tiering.keys import OffloadKey

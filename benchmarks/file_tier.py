@@ -15,7 +15,7 @@ and a rename, and CRC verification of every load. Both read back what they just 
 (page cache warm for both in the buffered modes). Rows are page-aligned, as in the shared
 region. It also reports the scheduler-thread cost of handing one job to the tier.
 
-    python -m benchmarks.file_tier --dir /path/on/the/disk
+    python -m tiering.benchmarks.file_tier --dir /path/on/the/disk
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from backends.file import FileTier
 from tiering import JobMetadata, ReqContext, make_offload_key
+from tiering.backends.file import FileTier
 
 CTX = ReqContext("bench")
 

@@ -13,7 +13,7 @@ Both sides copy into memory touched once before timing (first touch is slow on V
 
 Runs on CUDA when present, else on the CPU device (host memory on both sides).
 
-    python -m benchmarks.gpu_copy --total-mib 256
+    python -m tiering.benchmarks.gpu_copy --total-mib 256
 """
 
 from __future__ import annotations

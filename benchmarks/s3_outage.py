@@ -3,7 +3,7 @@ aiobotocore client (botocore's default timeouts), side by side, on a local moto 
 is stopped with SIGSTOP (alive, listening, silent). Also: how long building a tier against
 an endpoint that never answers takes to fail.
 
-    python -m benchmarks.s3_outage [--limit-s 60]
+    python -m tiering.benchmarks.s3_outage [--limit-s 60]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from benchmarks.s3_server import MotoServer
 from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
+from tiering.benchmarks.s3_server import MotoServer
 
 ROWS, ROW_BYTES = 64, 4096
 CREDENTIALS = {

@@ -12,7 +12,7 @@ an untimed round, best kept:
 Without ``--endpoint-url`` it starts a local moto server (``moto[server]``); pass the URL of a
 real S3-compatible server to measure that instead (credentials from the AWS chain).
 
-    python -m benchmarks.s3_tier --total-mib 128
+    python -m tiering.benchmarks.s3_tier --total-mib 128
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from botocore.config import Config
 from rich.console import Console
 from rich.table import Table
 
-from backends.s3 import S3Tier
-from benchmarks.file_tier import aligned_rows
 from tiering import JobMetadata, ReqContext, make_offload_key
+from tiering.backends.s3 import S3Tier
+from tiering.benchmarks.file_tier import aligned_rows
 from tiering.object_format import encode_header
 
 CTX = ReqContext("bench")
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         endpoint, bucket = args.endpoint_url, args.bucket
         if endpoint is None:
-            from benchmarks.s3_server import MotoServer
+            from tiering.benchmarks.s3_server import MotoServer
 
             for name, value in (
                 ("AWS_ACCESS_KEY_ID", "bench"),

@@ -13,7 +13,7 @@ A second table gives the cost of handing one job to an async tier on the schedul
 meanwhile), against a bare `AsyncRuntime.submit` and against one
 `asyncio.run_coroutine_threadsafe` per job to a loop thread.
 
-    python -m benchmarks.scheduler_cost --blocks 20000
+    python -m tiering.benchmarks.scheduler_cost --blocks 20000
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from backends.memory import MemoryTier
 from tiering import (
     AsyncRuntime,
     CPUPrimaryTierOffloadingManager,
@@ -42,6 +41,7 @@ from tiering import (
     TieringOffloadingManager,
     make_offload_key,
 )
+from tiering.backends.memory import MemoryTier
 
 CTX = ReqContext("bench")
 

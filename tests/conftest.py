@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.s3_server import MotoServer
 from tests import helpers
 from tiering import ReqContext
+from tiering.benchmarks.s3_server import MotoServer
 
 # Test credentials for the local S3 server, and no other source of them: no config files,
 # no instance metadata service (botocore would otherwise try an address off this machine).

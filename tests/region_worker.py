@@ -71,9 +71,9 @@ def store_rank_blocks(instance_id, num_blocks, page_shape, num_workers, rank, ba
 
 def write_blocks_forever(root_dir, fingerprint, block_bytes):
     """Write blocks through the file store's own write path, in its own namespace, until killed."""
-    from backends.file import _open_namespace, _write_object
     from tests.helpers import block_bytes as payload_of
     from tests.helpers import key
+    from tiering.backends.file import _open_namespace, _write_object
 
     namespace = _open_namespace(Path(root_dir), fingerprint.hex())
     for i in range(1_000_000):

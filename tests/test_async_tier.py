@@ -8,7 +8,6 @@ import anyio
 import numpy as np
 import pytest
 
-from backends import MemoryBlockStore
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
 from tiering import (
     AsyncRuntime,
@@ -16,6 +15,7 @@ from tiering import (
     JobMetadata,
     SecondaryTierFactory,
 )
+from tiering.backends import MemoryBlockStore
 from tiering.object_format import object_size
 
 OBJECT = object_size(len(key(0)), ROW)  # a memory-tier object (64-byte header)

@@ -1,6 +1,6 @@
 """Each benchmark runs end to end on tiny sizes, so none of them rots unnoticed."""
 
-from benchmarks import file_tier, s3_tier, scheduler_cost
+from tiering.benchmarks import file_tier, s3_tier, scheduler_cost
 
 
 def test_scheduler_cost(capsys):
@@ -25,7 +25,7 @@ def test_s3_tier(capsys, s3_server, s3_bucket):
 
 
 def test_gpu_copy(capsys):
-    from benchmarks import gpu_copy
+    from tiering.benchmarks import gpu_copy
 
     gpu_copy.main(["--total-mib", "1", "--repeats", "1", "--block-sizes", "64KiB,256KiB"])
     out = capsys.readouterr().out

@@ -3,9 +3,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from backends import ExampleSecondaryTierManager
 from tests.helpers import key, keys
 from tiering import JobMetadata, JobResult, ReqContext, SecondaryTierFactory
+from tiering.backends import ExampleSecondaryTierManager
 
 VIEW = memoryview(bytearray(64)).cast("B", (4, 16))
 

@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from backends import FileBlockStore
-from benchmarks.s3_server import MotoServer
 from tests import region_worker
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
 from tests.store_conformance import FINGERPRINT, read_verified
 from tiering import JobMetadata, SecondaryTierFactory
+from tiering.backends import FileBlockStore
+from tiering.benchmarks.s3_server import MotoServer
 
 
 def make_tier(config, num_blocks=8):
@@ -125,7 +125,7 @@ async def test_a_process_killed_while_writing_leaves_only_intact_blocks(tmp_path
 
 @pytest.mark.asyncio
 async def test_wrong_credentials_are_a_clear_error(s3_environment):
-    from backends.s3 import S3BlockStore
+    from tiering.backends.s3 import S3BlockStore
 
     server = MotoServer(environment={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})  # this server checks credentials
     server.start()
@@ -154,7 +154,7 @@ def store_blocks(tier, rows, job_id, ids):
 
 
 def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(small_disk, monkeypatch):
-    monkeypatch.setattr("tiering.async_tier._ROOM_BACKOFF_S", (0.2, 0.4))
+    monkeypatch.setattr("tiering.blockstore.tier._ROOM_BACKOFF_S", (0.2, 0.4))
     tier, rows = make_tier({"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False})
     try:
         fill(small_disk / "someone-elses-file")
@@ -171,7 +171,7 @@ def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(sm
 
 
 def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(small_disk, monkeypatch):
-    monkeypatch.setattr("tiering.async_tier._ROOM_BACKOFF_S", (0.2, 0.4))
+    monkeypatch.setattr("tiering.blockstore.tier._ROOM_BACKOFF_S", (0.2, 0.4))
     config = {"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False, "capacity_bytes": "4MiB"}
     tier, rows = make_tier(config)
     try:

@@ -6,10 +6,10 @@ import stat
 
 import pytest
 
-from backends import FileBlockStore
 from tests.helpers import CTX, ROW, block_bytes, key, keys
 from tests.store_conformance import FINGERPRINT, payload
 from tiering import ObjectNotFoundError, UnusableObjectError
+from tiering.backends import FileBlockStore
 from tiering.object_format import MAX_KEY_BYTES
 
 

@@ -3,10 +3,10 @@ import stat
 
 import pytest
 
-from backends import FileBlockStore
 from tests.helpers import key
 from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
 from tests.store_conformance import FINGERPRINT, StoreKit, buffer, opened, payload
+from tiering.backends import FileBlockStore
 
 
 @pytest.fixture(params=["direct", "buffered"])
@@ -95,9 +95,9 @@ async def test_unusable_root_dir_is_a_clear_error(tmp_path):
 
 
 def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monkeypatch):
-    import backends.file
+    import tiering.backends.file
 
-    namespace = backends.file._open_namespace(tmp_path, FINGERPRINT.hex())
+    namespace = tiering.backends.file._open_namespace(tmp_path, FINGERPRINT.hex())
     opened_flags = []
     real_open = os.open
 
@@ -106,13 +106,13 @@ def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monke
             opened_flags.append(bool(flags & os.O_DIRECT))
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(backends.file.os, "open", recording_open)
+    monkeypatch.setattr(tiering.backends.file.os, "open", recording_open)
     aligned, unaligned = payload(8192), memoryview(bytearray(8192))
     try:
-        backends.file._write_object(namespace, key(1), aligned, FINGERPRINT, False, True)
-        backends.file._read_object(namespace, key(1), buffer(8192), FINGERPRINT, True)
-        backends.file._write_object(namespace, key(2), unaligned[1:4097], FINGERPRINT, False, True)
-        backends.file._write_object(namespace, key(3), aligned, FINGERPRINT, False, False)
+        tiering.backends.file._write_object(namespace, key(1), aligned, FINGERPRINT, False, True)
+        tiering.backends.file._read_object(namespace, key(1), buffer(8192), FINGERPRINT, True)
+        tiering.backends.file._write_object(namespace, key(2), unaligned[1:4097], FINGERPRINT, False, True)
+        tiering.backends.file._write_object(namespace, key(3), aligned, FINGERPRINT, False, False)
     finally:
         os.close(namespace)
     assert opened_flags == [True, True, False, False]

@@ -9,7 +9,6 @@ import anyio.to_thread
 import numpy as np
 import pytest
 
-from backends import MemoryBlockStore
 from tests.helpers import CTX, ROW, block_bytes, key, keys
 from tiering import (
     BlockStoreTier,
@@ -17,6 +16,7 @@ from tiering import (
     SharedOffloadRegion,
     TieringOffloadingManager,
 )
+from tiering.backends import MemoryBlockStore
 
 LATE_BYTE = 0xEE
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-import backends
 import tiering
+import tiering.backends as backends
 from tiering import (
     BlockIDsLoadStoreSpec,
     CPULoadStoreSpec,

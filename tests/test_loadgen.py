@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.loadgen import cli
-from benchmarks.loadgen.bounds import belady_hit_rate, unbounded_hit_rate
-from benchmarks.loadgen.workload import Request, read_trace, synthetic
+from tiering.benchmarks.loadgen import cli
+from tiering.benchmarks.loadgen.bounds import belady_hit_rate, unbounded_hit_rate
+from tiering.benchmarks.loadgen.workload import Request, read_trace, synthetic
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 REAL_LINES = """\
@@ -119,8 +119,8 @@ def test_replay_of_the_first_2000_requests_of_the_conversation_trace(tmp_path):
 
 
 def test_gpu_blocks_are_never_leaked_when_a_cached_block_is_rewritten():
-    from benchmarks.loadgen.engine import SimulatedEngine
     from tiering import KVLayout, parse_config
+    from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
     engine = SimulatedEngine(parse_config("cpu_bytes_to_use: 64KiB"), KVLayout("t", 1, 4, 512), 4, "test-leak")
     try:
@@ -136,9 +136,9 @@ def test_gpu_blocks_are_never_leaked_when_a_cached_block_is_rewritten():
 
 
 def test_a_request_touches_its_blocks_before_storing_the_new_ones():
-    from benchmarks.loadgen.engine import SimulatedEngine
-    from benchmarks.loadgen.run import SchedulerLoop
     from tiering import KVLayout, make_offload_key, parse_config
+    from tiering.benchmarks.loadgen.engine import SimulatedEngine
+    from tiering.benchmarks.loadgen.run import SchedulerLoop
 
     config = parse_config("cpu_bytes_to_use: 64KiB\neviction_policy: arc")
     engine = SimulatedEngine(config, KVLayout("t", 1, 4, 512), 3, "test-touch")
@@ -161,7 +161,7 @@ def test_a_terminated_run_shuts_down_and_leaves_no_shared_memory(tmp_path):
     import sys
     import time
 
-    command = [sys.executable, "-m", "benchmarks.loadgen.cli", "--workload", "zipf", "--max-requests", "100000"]
+    command = [sys.executable, "-m", "tiering.benchmarks.loadgen.cli", "--workload", "zipf", "--max-requests", "100000"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     region = Path("/dev/shm") / f"tiering-bench-{process.pid}.kv"
     deadline = time.monotonic() + 30

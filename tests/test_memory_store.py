@@ -1,8 +1,8 @@
 import pytest
 
-from backends import MemoryBlockStore
 from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
 from tests.store_conformance import StoreKit
+from tiering.backends import MemoryBlockStore
 
 
 @pytest.fixture

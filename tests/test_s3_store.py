@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from backends.s3 import S3BlockStore
-from benchmarks.s3_server import MotoServer, free_port
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
 from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
 from tests.store_conformance import FINGERPRINT, StoreKit, opened
 from tiering import SecondaryTierFactory
+from tiering.backends.s3 import S3BlockStore
+from tiering.benchmarks.s3_server import MotoServer, free_port
 
 
 @pytest.fixture

@@ -55,8 +55,8 @@ def test_every_logger_is_under_one_tree():
     import logging
     import pkgutil
 
-    import backends
     import tiering
+    import tiering.backends as backends
 
     for package in (tiering, backends):
         for module in pkgutil.iter_modules(package.__path__, f"{package.__name__}."):
@@ -71,9 +71,9 @@ def test_every_logger_is_under_one_tree():
 def test_a_tier_state_change_is_one_log_line_not_one_per_block(caplog):
     import numpy as np
 
-    from backends import MemoryBlockStore
     from tests.helpers import ROW, RegionStandIn
     from tiering import BlockStoreTier, JobMetadata
+    from tiering.backends import MemoryBlockStore
 
     view = RegionStandIn(64, ROW).create_kv_memoryview()
     tier = BlockStoreTier(None, view, "flaky", lambda fp: MemoryBlockStore(fp, failure_rate=1.0), failure_threshold=2)

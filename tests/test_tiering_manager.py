@@ -4,7 +4,6 @@ import logging
 
 import pytest
 
-from backends import ExampleSecondaryTierManager
 from tests.helpers import ManualTier, RegionStandIn, key, keys
 from tiering import (
     CPUPrimaryTierOffloadingManager,
@@ -13,6 +12,7 @@ from tiering import (
     SecondaryTierManager,
     TieringOffloadingManager,
 )
+from tiering.backends import ExampleSecondaryTierManager
 
 
 @pytest.fixture(params=["lru", "arc"])

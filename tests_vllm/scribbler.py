@@ -3,7 +3,7 @@ overwrites the promoted rows with noise. The negative control of the vLLM stage.
 
 import numpy as np
 
-from backends.memory import MemoryTier
+from tiering.backends.memory import MemoryTier
 
 
 class ScribblingTier(MemoryTier):

@@ -78,7 +78,7 @@ def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(m
 
 
 def test_an_s3_tier_serves_promotions_the_same_way(model, baseline, monkeypatch):
-    from benchmarks.s3_server import MotoServer
+    from tiering.benchmarks.s3_server import MotoServer
 
     credentials = {
         "AWS_ACCESS_KEY_ID": "test",
@@ -189,7 +189,7 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversatio
 
 
 def test_a_trace_replayed_through_vllm_hits_in_the_engine(model, tmp_path):
-    from benchmarks.loadgen.workload import read_trace, synthetic
+    from tiering.benchmarks.loadgen.workload import read_trace, synthetic
     from tiering.integrations.vllm_replay import prompts, replay
 
     requests = read_trace(TRACE, 40) if TRACE.exists() else synthetic("multi-turn", 40)

@@ -9,7 +9,7 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 
 from tiering.abstract import OffloadingManager
-from tiering.async_tier import BlockStoreTier
+from tiering.blockstore import BlockStoreTier
 from tiering.config import ConfigError, TieringConfig, load_config, parse_config
 from tiering.cpu_manager import CPUOffloadingManager, CPUPrimaryTierOffloadingManager
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, StoreClosedError, UnusableObjectError

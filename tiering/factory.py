@@ -78,11 +78,11 @@ _FIXED_PARAMETERS = {"self", "offloading_spec", "primary_kv_view", "tier_type", 
 ENTRY_POINT_GROUP = "tiering.secondary_tiers"
 
 _BUILTIN_TIERS: dict[str, tuple[str, str]] = {
-    "example": ("backends.example", "ExampleSecondaryTierManager"),
-    "faulty": ("backends.faulty", "FaultyTier"),
-    "file": ("backends.file", "FileTier"),
-    "memory": ("backends.memory", "MemoryTier"),
-    "s3": ("backends.s3", "S3Tier"),
+    "example": ("tiering.backends.example", "ExampleSecondaryTierManager"),
+    "faulty": ("tiering.backends.faulty", "FaultyTier"),
+    "file": ("tiering.backends.file", "FileTier"),
+    "memory": ("tiering.backends.memory", "MemoryTier"),
+    "s3": ("tiering.backends.s3", "S3Tier"),
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from benchmarks.loadgen.workload import Request
+from tiering.benchmarks.loadgen.workload import Request
 
 
 def _references(requests: Sequence[Request]) -> tuple[list[int], list[int]]:

@@ -26,12 +26,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from benchmarks.loadgen.bounds import belady_hit_rate, unbounded_hit_rate
-from benchmarks.loadgen.engine import SimulatedEngine
-from benchmarks.loadgen.report import build_report, plot, print_summary
-from benchmarks.loadgen.run import SchedulerLoop
-from benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_trace, synthetic
 from tiering import ConfigError, KVLayout, RegionInUseError, SharedOffloadRegion, load_config, parse_config
+from tiering.benchmarks.loadgen.bounds import belady_hit_rate, unbounded_hit_rate
+from tiering.benchmarks.loadgen.engine import SimulatedEngine
+from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
+from tiering.benchmarks.loadgen.run import SchedulerLoop
+from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_trace, synthetic
 from tiering.factory import parse_size
 
 DEFAULT_CONFIG = """\

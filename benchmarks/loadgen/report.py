@@ -8,8 +8,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.loadgen.engine import SimulatedEngine
-from benchmarks.loadgen.run import RunStats
+from tiering.benchmarks.loadgen.engine import SimulatedEngine
+from tiering.benchmarks.loadgen.run import RunStats
 
 
 def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, float], inputs: dict[str, Any]) -> dict:

@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.loadgen.engine import SimulatedEngine
-from benchmarks.loadgen.workload import Request
 from tiering import ReqContext, make_offload_key
+from tiering.benchmarks.loadgen.engine import SimulatedEngine
+from tiering.benchmarks.loadgen.workload import Request
 
 
 @dataclass

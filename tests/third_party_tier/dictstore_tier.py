@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from backends import BlockStore
 from tiering import BlockStoreTier, ObjectNotFoundError, OffloadKey
+from tiering.backends import BlockStore
 from tiering.object_format import ObjectHeader, check_length, encode_header, parse_header
 
 

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loadgen.workload import Request, read_trace
+from tiering.benchmarks.loadgen.workload import Request, read_trace
 from tiering.integrations.vllm import live_specs
 
 COUNTERS = (

@@ -3,11 +3,11 @@
 A store keeps one object per key in the format of `tiering.object_format` (it calls
 `encode_header` on put, and `parse_header` and `check_length` on get), under the namespace
 of its layout fingerprint. A store moves bytes; the payload's CRC is checked above every
-store layer, by the adapter, so a wrapping store (`backends.faulty`) is checked too.
+store layer, by the adapter, so a wrapping store (`tiering.backends.faulty`) is checked too.
 
 All coroutines run on the tier's event loop; a store may move the blocking part of an
 operation to its own threads, one hop per operation. The adapter
-`tiering.async_tier.BlockStoreTier` owns the index, capacity, eviction and concurrency, so
+`tiering.blockstore.BlockStoreTier` owns the index, capacity, eviction and concurrency, so
 a store does no bookkeeping of its own.
 
 Errors: a missing object raises `ObjectNotFoundError`, one that fails verification

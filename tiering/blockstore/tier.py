@@ -43,7 +43,7 @@ from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
 from tiering.stats import Histogram, TierStats
 
 if TYPE_CHECKING:
-    from backends.store import BlockStore
+    from tiering.blockstore import BlockStore
 
 logger = logging.getLogger(__name__)
 
