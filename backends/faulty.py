@@ -5,38 +5,69 @@ For tests and load runs that must show the engine survives a bad backend:
 ```yaml
 secondary_tiers:
   - type: faulty
-    inner: {type: file, root_dir: /tmp/kv}   # memory, file or s3, with that store's options
+    inner: {type: file, root_dir: /tmp/kv}   # any block-store type, with that store's options
     failure_rate: 0.1        # each operation raises OSError with this probability
     corruption_rate: 0.01    # each successful read flips one byte of the block read
     latency_s: 0.002         # added to every operation
     hang_rate: 0.0           # each operation hangs (until its timeout) with this probability
 ```
 
-Corruption happens below the adapter's CRC check, so a corrupted block must be rejected,
-never loaded.
+Every block-store key (``capacity_bytes``, ``op_timeout_s`` ...) goes beside ``inner``, not in
+it. Corruption happens below the adapter's CRC check, so a corrupted block must be rejected,
+never loaded. Loop thread: the store's coroutines; the options are checked where the config
+is loaded.
 """
 
 from __future__ import annotations
 
 import errno
-import importlib
 import random
-from collections.abc import Collection
-from typing import Any
+from collections.abc import Collection, Mapping
+from typing import Any, ClassVar
 
 import anyio
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, field_validator
 
-from tiering.blockstore import BlockStore, BlockStoreTier
-from tiering.factory import Count, Delay, Probability, Seconds, Size, describe_error, tier_options_model
+from tiering.blockstore import BlockStore, BlockStoreSettings
+from tiering.errors import TierConfigError
+from tiering.factory import SecondaryTierFactory
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader
+from tiering.options import STRICT, Delay, Probability, validate_options
 
-STORES = {  # inner store types: module, class
-    "memory": ("tiering.backends.memory", "MemoryBlockStore"),
-    "file": ("tiering.backends.file", "FileBlockStore"),
-    "s3": ("tiering.backends.s3", "S3BlockStore"),
-}
+
+class FaultyOptions(BaseModel):
+    """Config keys of the ``faulty`` tier, besides every block-store tier's."""
+
+    model_config = STRICT
+
+    inner: dict[str, Any]
+    failure_rate: Probability = 0.0
+    corruption_rate: Probability = 0.0
+    hang_rate: Probability = 0.0
+    latency_s: Delay = 0.0
+    seed: int | None = None
+
+    @field_validator("inner")
+    @classmethod
+    def _inner_is_a_store(cls, inner: dict[str, Any]) -> dict[str, Any]:
+        try:
+            _inner_store(inner)
+        except TierConfigError as exc:
+            raise ValueError("; ".join(f"{path}: {message}" for path, message in exc.problems)) from None
+        return inner
+
+
+def _inner_store(inner: Mapping[str, Any]) -> tuple[type[BlockStore], BaseModel]:
+    """The block-store class and validated options of an ``inner`` config.
+
+    Raises:
+        TierConfigError: not a block-store type, or bad options.
+    """
+    inner_type, inner_cls, options = SecondaryTierFactory.resolve(inner)
+    if not issubclass(inner_cls, BlockStore):
+        raise TierConfigError(f"tier type {inner_type!r}", [("type", "is not a block store; cannot be wrapped")])
+    return inner_cls, validate_options(inner_cls.Options, options, f"tier type {inner_type!r}")
 
 
 class FaultyBlockStore(BlockStore):
@@ -48,6 +79,18 @@ class FaultyBlockStore(BlockStore):
         latency_s: seconds added to every operation.
         seed: seed of the fault draws, or None.
     """
+
+    Options = FaultyOptions
+    tier_defaults: ClassVar[dict[str, Any]] = {"max_concurrency": 16, "op_timeout_s": 5.0}
+
+    @classmethod
+    def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> FaultyBlockStore:
+        """The inner store of ``inner``'s type and options, faults around it."""
+        assert isinstance(options, FaultyOptions)
+        inner_cls, inner_options = _inner_store(options.inner)
+        inner = inner_cls.from_config(fingerprint, inner_options, settings)
+        faults = options.model_dump(exclude={"inner"})
+        return cls(inner, **faults)
 
     def __init__(
         self,
@@ -108,89 +151,3 @@ class FaultyBlockStore(BlockStore):
     async def ping(self) -> None:
         await self._fault()
         await self.inner.ping()
-
-
-def _store_class(store_type: str) -> type[BlockStore]:
-    if store_type not in STORES:
-        raise ValueError(f"unknown inner store type {store_type!r}; known types: {', '.join(STORES)}")
-    module, name = STORES[store_type]
-    return getattr(importlib.import_module(module), name)
-
-
-class FaultyOptions(BaseModel):
-    """The ``faulty`` tier's schema: the inner store's options are checked by its own."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    inner: dict[str, Any]
-    failure_rate: Probability = 0.0
-    corruption_rate: Probability = 0.0
-    hang_rate: Probability = 0.0
-    latency_s: Delay = 0.0
-    seed: int | None = None
-    capacity_bytes: Size | None = None
-    max_concurrency: Count = 16
-    op_timeout_s: Seconds = 5.0
-
-    @field_validator("inner")
-    @classmethod
-    def _inner_store(cls, inner: dict[str, Any]) -> dict[str, Any]:
-        options = dict(inner)
-        store_cls = _store_class(str(options.pop("type", "")))
-        model = tier_options_model(store_cls)
-        try:
-            checked = model.model_validate(options)
-        except ValidationError as exc:
-            known = list(model.model_fields)
-            problems = [f"{'.'.join(map(str, e['loc']))}: {describe_error(e, known)}" for e in exc.errors()]
-            raise ValueError("; ".join(problems)) from None
-        return {"type": inner["type"], **{name: getattr(checked, name) for name in checked.model_fields_set}}
-
-
-class FaultyTier(BlockStoreTier):
-    """Tier type ``faulty``: a `FaultyBlockStore` over a memory, file or s3 store."""
-
-    config_model = FaultyOptions
-
-    def __init__(
-        self,
-        offloading_spec: Any,
-        primary_kv_view: memoryview,
-        tier_type: str = "faulty",
-        *,
-        inner: dict[str, Any],
-        failure_rate: float = 0.0,
-        corruption_rate: float = 0.0,
-        hang_rate: float = 0.0,
-        latency_s: float = 0.0,
-        seed: int | None = None,
-        capacity_bytes: int | None = None,
-        max_concurrency: int = 16,
-        op_timeout_s: float = 5.0,
-    ):
-        """
-        Args:
-            inner: the inner store's ``type`` (memory, file, s3) and its options.
-            failure_rate, corruption_rate, hang_rate, latency_s, seed: see `FaultyBlockStore`.
-            capacity_bytes, max_concurrency, op_timeout_s: as for every block-store tier.
-
-        Raises:
-            ValueError: an unknown inner type or an option out of range.
-        """
-        options = dict(inner)
-        store_cls = _store_class(str(options.pop("type", "")))
-
-        def make_store(fingerprint: bytes) -> BlockStore:
-            return FaultyBlockStore(
-                store_cls(fingerprint=fingerprint, **options), failure_rate, latency_s, hang_rate, corruption_rate, seed
-            )
-
-        super().__init__(
-            offloading_spec,
-            primary_kv_view,
-            tier_type,
-            store_factory=make_store,
-            capacity_bytes=capacity_bytes,
-            max_concurrency=max_concurrency,
-            op_timeout_s=op_timeout_s,
-        )

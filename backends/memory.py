@@ -9,19 +9,29 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection
-from typing import Any
 
 import anyio
+from pydantic import BaseModel
 
-from tiering.blockstore import BlockStore, BlockStoreTier
+from tiering.blockstore import BlockStore
 from tiering.errors import ObjectNotFoundError
-from tiering.factory import Count, Delay, Probability, Seconds
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader, check_length, encode_header, parse_header
+from tiering.options import STRICT, Delay, Probability
+
+
+class MemoryOptions(BaseModel):
+    """Config keys of the ``memory`` tier, besides every block-store tier's."""
+
+    model_config = STRICT
+
+    latency_s: Delay = 0.0
+    failure_rate: Probability = 0.0
+    seed: int | None = None
 
 
 class MemoryBlockStore(BlockStore):
-    """Objects as `bytearray`s in a dict (on the loop thread only).
+    """Objects as `bytearray`s in a dict (on the loop thread only). Tier type ``memory``.
 
     Args:
         fingerprint: the layout fingerprint.
@@ -30,9 +40,9 @@ class MemoryBlockStore(BlockStore):
         seed: seed of the failure draws, or None for a random one.
     """
 
-    def __init__(
-        self, fingerprint: bytes, latency_s: Delay = 0.0, failure_rate: Probability = 0.0, seed: int | None = None
-    ):
+    Options = MemoryOptions
+
+    def __init__(self, fingerprint: bytes, latency_s: float = 0.0, failure_rate: float = 0.0, seed: int | None = None):
         super().__init__(fingerprint)
         if latency_s < 0 or not 0.0 <= failure_rate <= 1.0:
             raise ValueError(f"latency_s must be >= 0 and failure_rate within 0..1, got {latency_s}, {failure_rate}")
@@ -76,39 +86,3 @@ class MemoryBlockStore(BlockStore):
     async def recover(self) -> list[tuple[OffloadKey, int]]:
         self.check_open()
         return [(key, len(obj)) for key, obj in self.objects.items()]
-
-
-class MemoryTier(BlockStoreTier):
-    """Tier type ``memory``: a `MemoryBlockStore` behind the async-tier adapter."""
-
-    def __init__(
-        self,
-        offloading_spec: Any,
-        primary_kv_view: memoryview,
-        tier_type: str = "memory",
-        capacity_bytes: int | None = None,
-        max_concurrency: Count = 64,
-        op_timeout_s: Seconds = 30.0,
-        latency_s: Delay = 0.0,
-        failure_rate: Probability = 0.0,
-        seed: int | None = None,
-    ):
-        """
-        Args:
-            capacity_bytes: bytes of objects held at most (None: no limit).
-            max_concurrency: block operations in flight at once.
-            op_timeout_s: seconds one block operation may take before it fails.
-            latency_s, failure_rate, seed: see `MemoryBlockStore`.
-
-        Raises:
-            ValueError: an option is out of range.
-        """
-        super().__init__(
-            offloading_spec,
-            primary_kv_view,
-            tier_type,
-            store_factory=lambda fingerprint: MemoryBlockStore(fingerprint, latency_s, failure_rate, seed),
-            capacity_bytes=capacity_bytes,
-            max_concurrency=max_concurrency,
-            op_timeout_s=op_timeout_s,
-        )

@@ -5,6 +5,9 @@ Objects are ``<prefix><layout fingerprint hex>/<key hex>``, in the stored format
 blocks (a cross-instance cache): the tier probes keys it has not seen (one HEAD per key, a
 short negative cache) and rebuilds its index from a paginated listing at start.
 
+Loop thread: every coroutine of `S3BlockStore`; `S3Options` and the class methods run where
+the config is loaded.
+
 One long-lived client per tier, created and closed on the runtime's loop; its connection
 pool is as large as the tier's concurrency; standard retries with backoff; connect and read
 timeouts (well below the operation timeout, and without the `Expect: 100-continue`
@@ -20,17 +23,18 @@ import errno
 import io
 from collections.abc import Collection, Sequence
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, ClassVar
 
 from aiobotocore.session import get_session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from pydantic import BaseModel
 
-from tiering.blockstore import BlockStore, BlockStoreTier
+from tiering.blockstore import BlockStore, BlockStoreSettings
 from tiering.errors import CorruptObjectError, ObjectNotFoundError
-from tiering.factory import Count, Delay, Seconds
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader, check_length, encode_header, header_size, parse_header
+from tiering.options import STRICT, Count, Seconds
 
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
@@ -77,8 +81,26 @@ class _PartsReader(io.RawIOBase):
         return copied
 
 
+class S3Options(BaseModel):
+    """Config keys of the ``s3`` tier, besides every block-store tier's (see `S3BlockStore`)."""
+
+    model_config = STRICT
+
+    bucket: str
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region_name: str | None = None
+    create_bucket: bool = False
+    verify_tls: bool = True
+    connect_timeout_s: Seconds = 2.0
+    read_timeout_s: Seconds = 5.0
+    max_attempts: Count = 2
+
+
 class S3BlockStore(BlockStore):
-    """Objects in ``bucket`` under ``prefix``.
+    """Objects in ``bucket`` under ``prefix``. Tier type ``s3``: its tiers probe keys they
+    have not seen (other engines write the bucket) and send one request per block, at most
+    `max_concurrency` (64) at once, each within `op_timeout_s` (20 s).
 
     Args:
         fingerprint: the layout fingerprint; it names the namespace under the prefix.
@@ -94,6 +116,34 @@ class S3BlockStore(BlockStore):
         list_page_size: keys per listing request when recovering.
     """
 
+    Options = S3Options
+    tier_defaults: ClassVar[dict[str, Any]] = {
+        "max_concurrency": 64,
+        "op_timeout_s": 20.0,
+        "batch_bytes": 1,  # one request per block: requests run concurrently, not in a batch
+        "probe_misses": True,
+    }
+
+    @classmethod
+    def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> S3BlockStore:
+        """A store of the tier's config, with a connection pool as large as `max_concurrency`."""
+        return cls(fingerprint, **dict(options), max_pool_connections=settings.max_concurrency)
+
+    @classmethod
+    def check_config(cls, options: BaseModel, settings: BlockStoreSettings) -> None:
+        """Client timeouts must be below the operation timeout, so that a frozen endpoint
+        fails requests (and trips the breaker) within seconds, not when the call times out.
+
+        Raises:
+            ValueError: `connect_timeout_s` or `read_timeout_s` is not below `op_timeout_s`.
+        """
+        assert isinstance(options, S3Options)
+        connect, read, operation = options.connect_timeout_s, options.read_timeout_s, settings.op_timeout_s
+        if not max(connect, read) < operation:
+            raise ValueError(
+                f"connect_timeout_s ({connect}) and read_timeout_s ({read}) must be below op_timeout_s ({operation})"
+            )
+
     def __init__(
         self,
         fingerprint: bytes,
@@ -103,11 +153,11 @@ class S3BlockStore(BlockStore):
         region_name: str | None = None,
         create_bucket: bool = False,
         verify_tls: bool = True,
-        max_pool_connections: Count = 64,
-        connect_timeout_s: Seconds = 2.0,
-        read_timeout_s: Seconds = 5.0,
-        max_attempts: Count = 2,
-        list_page_size: Count = 1000,
+        max_pool_connections: int = 64,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 5.0,
+        max_attempts: int = 2,
+        list_page_size: int = 1000,
     ):
         super().__init__(fingerprint)
         self._list_page_size = list_page_size
@@ -287,92 +337,3 @@ def _scatter(chunk: bytes, offset: int, buffers: Sequence[memoryview]) -> int:
         if not data.nbytes:
             break
     return len(chunk)
-
-
-class S3Tier(BlockStoreTier):
-    """Tier type ``s3``: an `S3BlockStore` behind the async-tier adapter, probing unknown keys."""
-
-    def __init__(
-        self,
-        offloading_spec: Any,
-        primary_kv_view: memoryview,
-        tier_type: str = "s3",
-        *,
-        bucket: str,
-        prefix: str = "",
-        endpoint_url: str | None = None,
-        region_name: str | None = None,
-        capacity_bytes: int | None = None,
-        max_concurrency: Count = 64,
-        create_bucket: bool = False,
-        verify_tls: bool = True,
-        op_timeout_s: Seconds = 20.0,
-        connect_timeout_s: Seconds = 2.0,
-        read_timeout_s: Seconds = 5.0,
-        max_attempts: Count = 2,
-        negative_ttl_s: Delay = 5.0,
-        failure_threshold: Count = 5,
-        backoff_s: Seconds = 1.0,
-        max_backoff_s: Seconds = 30.0,
-    ):
-        """
-        Args:
-            bucket, prefix, endpoint_url, region_name, create_bucket, verify_tls,
-            connect_timeout_s, read_timeout_s, max_attempts: see `S3BlockStore`.
-            capacity_bytes: bytes of objects this engine keeps at most (None: no limit).
-            max_concurrency: requests in flight at once (also the connection pool size).
-            op_timeout_s: seconds one block operation may take, retries included.
-                `connect_timeout_s` and `read_timeout_s` (the longest silence of the
-                endpoint) must be below it, so that a frozen endpoint fails requests (and
-                trips the breaker) within seconds, not when the operation times out.
-            negative_ttl_s: how long a probe's "absent" is believed.
-            failure_threshold, backoff_s, max_backoff_s: the health breaker.
-
-        Raises:
-            ValueError: an option is out of range, or a client timeout is not below
-                `op_timeout_s`.
-            FileNotFoundError, PermissionError, ConnectionError: see `S3BlockStore.open`.
-        """
-        self.check_options(
-            {"connect_timeout_s": connect_timeout_s, "read_timeout_s": read_timeout_s, "op_timeout_s": op_timeout_s}
-        )
-        store_options = {
-            "bucket": bucket,
-            "prefix": prefix,
-            "endpoint_url": endpoint_url,
-            "region_name": region_name,
-            "create_bucket": create_bucket,
-            "verify_tls": verify_tls,
-            "max_pool_connections": max_concurrency,
-            "connect_timeout_s": connect_timeout_s,
-            "read_timeout_s": read_timeout_s,
-            "max_attempts": max_attempts,
-        }
-        super().__init__(
-            offloading_spec,
-            primary_kv_view,
-            tier_type,
-            store_factory=lambda fingerprint: S3BlockStore(fingerprint, **store_options),
-            capacity_bytes=capacity_bytes,
-            max_concurrency=max_concurrency,
-            op_timeout_s=op_timeout_s,
-            batch_bytes=1,  # one request per block: requests run concurrently, not in a batch
-            probe_misses=True,
-            negative_ttl_s=negative_ttl_s,
-            failure_threshold=failure_threshold,
-            backoff_s=backoff_s,
-            max_backoff_s=max_backoff_s,
-        )
-
-    @staticmethod
-    def check_options(options: dict[str, Any]) -> None:
-        """Rules between options, checked when a config is loaded and when a tier is built.
-
-        Raises:
-            ValueError: a client timeout is not below ``op_timeout_s``.
-        """
-        connect, read, operation = (options[name] for name in ("connect_timeout_s", "read_timeout_s", "op_timeout_s"))
-        if not max(connect, read) < operation:
-            raise ValueError(
-                f"connect_timeout_s ({connect}) and read_timeout_s ({read}) must be below op_timeout_s ({operation})"
-            )

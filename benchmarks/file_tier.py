@@ -33,8 +33,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from tiering import JobMetadata, ReqContext, make_offload_key
-from tiering.backends.file import FileTier
+from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
 
 CTX = ReqContext("bench")
 
@@ -47,11 +46,10 @@ MODES = {"buffered": (False, False), "fsync": (True, False), "direct": (False, T
 
 
 def run_engine(rows: np.ndarray, directory: Path, concurrency: int, mode: str, job_blocks: int) -> dict[str, float]:
-    """Seconds to store then load every row through a FileTier, and per-job handoff seconds."""
+    """Seconds to store then load every row through a file tier, and per-job handoff seconds."""
     fsync, direct = MODES[mode]
-    tier = FileTier(
-        None, memoryview(rows), root_dir=directory, max_concurrency=concurrency, fsync=fsync, direct_io=direct
-    )
+    config = {"type": "file", "root_dir": str(directory), "max_concurrency": concurrency, "fsync": fsync}
+    tier = SecondaryTierFactory.create_secondary_tier({**config, "direct_io": direct}, memoryview(rows), None)
     keys = _keys(len(rows))
     jobs = [
         (keys[i : i + job_blocks], np.arange(i, min(i + job_blocks, len(rows)), dtype=np.int64))

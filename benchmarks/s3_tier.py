@@ -30,8 +30,7 @@ from botocore.config import Config
 from rich.console import Console
 from rich.table import Table
 
-from tiering import JobMetadata, ReqContext, make_offload_key
-from tiering.backends.s3 import S3Tier
+from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
 from tiering.benchmarks.file_tier import aligned_rows
 from tiering.object_format import encode_header
 
@@ -39,13 +38,9 @@ CTX = ReqContext("bench")
 
 
 def run_engine(rows: np.ndarray, endpoint: str, bucket: str, concurrency: int, job_blocks: int) -> dict[str, float]:
-    tier = S3Tier(
-        None,
-        memoryview(rows),
-        bucket=bucket,
-        prefix=f"engine-{uuid.uuid4().hex[:8]}/",
-        endpoint_url=endpoint,
-        max_concurrency=concurrency,
+    config = {"type": "s3", "bucket": bucket, "prefix": f"engine-{uuid.uuid4().hex[:8]}/", "endpoint_url": endpoint}
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {**config, "max_concurrency": concurrency}, memoryview(rows), None
     )
     keys = [make_offload_key(i.to_bytes(16, "big"), 0) for i in range(len(rows))]
     spans = [range(i, min(i + job_blocks, len(rows))) for i in range(0, len(rows), job_blocks)]

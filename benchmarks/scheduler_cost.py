@@ -41,7 +41,6 @@ from tiering import (
     TieringOffloadingManager,
     make_offload_key,
 )
-from tiering.backends.memory import MemoryTier
 
 CTX = ReqContext("bench")
 
@@ -152,7 +151,8 @@ def measure(num_blocks: int, batch: int, repeats: int) -> dict[str, tuple[float,
 def time_handoff(num_jobs: int, job_blocks: int = 16) -> dict[str, float]:
     """Scheduler-thread seconds per job for three ways of handing a job to a loop thread."""
     rows = np.zeros((num_jobs * job_blocks, 64), dtype=np.uint8)
-    tier = MemoryTier(None, memoryview(rows), latency_s=60.0, max_concurrency=num_jobs)
+    config = {"type": "memory", "latency_s": 60.0, "max_concurrency": num_jobs}
+    tier = SecondaryTierFactory.create_secondary_tier(config, memoryview(rows), None)
     keys = _keys(0, num_jobs * job_blocks)
     spans = [range(j * job_blocks, (j + 1) * job_blocks) for j in range(num_jobs)]
     jobs = [JobMetadata(j, keys[s.start : s.stop], np.array(s), False, CTX) for j, s in enumerate(spans)]

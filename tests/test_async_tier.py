@@ -11,13 +11,16 @@ import pytest
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
 from tiering import (
     AsyncRuntime,
+    BlockStoreSettings,
     BlockStoreTier,
     JobMetadata,
     SecondaryTierFactory,
+    TierContext,
 )
 from tiering.backends import MemoryBlockStore
 from tiering.object_format import object_size
 
+S = BlockStoreSettings
 OBJECT = object_size(len(key(0)), ROW)  # a memory-tier object (64-byte header)
 FILE_OBJECT = object_size(len(key(0)), ROW, align=4096)  # the file tier pads headers to a page
 
@@ -78,7 +81,7 @@ def test_capacity_evicts_least_recent_and_deletes_the_objects(engine_factory):
 
 def make_tier(store_factory, capacity_objects, runtime_spec=None):
     view = RegionStandIn(8, ROW).create_kv_memoryview()
-    return BlockStoreTier(runtime_spec, view, "memory", store_factory, capacity_bytes=capacity_objects * OBJECT)
+    return BlockStoreTier(runtime_spec, view, "memory", store_factory, S(capacity_bytes=capacity_objects * OBJECT))
 
 
 def test_a_block_being_read_is_never_evicted():
@@ -179,12 +182,14 @@ def test_shutdown_reports_jobs_in_flight_as_failed_once(engine_factory):
 
 def test_tiers_of_one_engine_share_one_runtime():
     class Spec:
-        async_runtime = AsyncRuntime("tiering-shared")
-        layout_fingerprint = b"L" * 16
+        runtime = AsyncRuntime("tiering-shared")
+
+        def tier_context(self, view, name):
+            return TierContext(name, view, b"L" * 16, self.runtime, self)
 
     tiers = [make_tier(MemoryBlockStore, 2, runtime_spec=Spec()) for _ in range(2)]
     assert [t.name for t in threading.enumerate()].count("tiering-shared") == 1
-    assert tiers[0].fingerprint == b"L" * 16
+    assert tiers[0].context.layout_fingerprint == b"L" * 16
     tiers[0].shutdown()
     assert any(t.name == "tiering-shared" for t in threading.enumerate())
     tiers[1].shutdown()
@@ -202,7 +207,7 @@ def test_tiers_of_one_engine_share_one_runtime():
         ({"type": "memory", "failure_rate": 1.5}, ValueError, "failure_rate: Input should be less than or equal to 1"),
         ({"type": "file"}, ValueError, "root_dir: required key is missing"),
         ({"type": "file", "root_dir": "/etc/hostname/x"}, ValueError, "root_dir: /etc/hostname/x cannot be used"),
-        ({"type": "file", "root_dir": "/tmp", "bucket": "x"}, TypeError, "does not take bucket"),
+        ({"type": "file", "root_dir": "/tmp/unused", "bucket": "x"}, ValueError, "bucket: unknown key; expected one"),
     ],
 )
 def test_bad_options_fail_at_construction(config, error, message):
@@ -228,7 +233,7 @@ def shared_tiers(count=2, **options):
     backing: dict = {}
     view = RegionStandIn(8, ROW).create_kv_memoryview()
     return [
-        BlockStoreTier(None, view, "shared", lambda fp: CountingStore(fp, backing), probe_misses=True, **options)
+        BlockStoreTier(None, view, "shared", lambda fp: CountingStore(fp, backing), S(probe_misses=True, **options))
         for _ in range(count)
     ]
 
@@ -278,8 +283,7 @@ def test_repeated_failures_pause_the_tier_until_a_probe_succeeds(caplog):
         view,
         "flaky",
         lambda fp: MemoryBlockStore(fp, failure_rate=1.0),
-        failure_threshold=3,
-        backoff_s=0.1,
+        S(failure_threshold=3, backoff_s=0.1),
     )
     try:
         tier.submit_store(job(0, [0, 1, 2], [0, 1, 2], False))

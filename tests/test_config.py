@@ -29,6 +29,7 @@ def test_a_full_config_loads_with_sizes_and_variables_resolved():
     file_tier, s3_tier = config.secondary_tiers
     assert file_tier == {
         "type": "file",
+        "name": "file",
         "root_dir": "/mnt/nvme/kv-cache",
         "capacity_bytes": 200 << 30,
         "max_concurrency": 16,
@@ -57,11 +58,11 @@ BAD = [
     ("cpu_bytes_to_use: 1GiB\nsecondary_tiers: [7]", "secondary_tiers[0]: expected a mapping with a 'type', got int"),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{root_dir: /x}]",
-        "secondary_tiers[0].type: secondary tier config needs a 'type'",
+        "secondary_tiers[0].type: expected a tier type such as 'file'; got None",
     ),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: nvme}]",
-        "secondary_tiers[0].type: unknown secondary tier type 'nvme'; supported types: example, faulty, file, memory, s3",
+        "secondary_tiers[0].type: unknown tier type; known types: example, faulty, file, memory, s3",
     ),
     ("cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file}]", "secondary_tiers[0].root_dir: required key is missing"),
     (
@@ -74,7 +75,7 @@ BAD = [
     ),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: /x, speed: 9}]",
-        "secondary_tiers[0].speed: unknown key; expected one of root_dir, capacity_bytes",
+        "secondary_tiers[0].speed: unknown key; expected one of root_dir, io_threads, fsync, direct_io, capacity_bytes",
     ),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, max_concurrency: many}]",
@@ -248,3 +249,13 @@ def test_a_root_dir_that_cannot_be_created_fails_at_load(small_disk):
         ConfigError, match=f"root_dir: {small_disk}/kv cannot be created: {small_disk} is not a writable"
     ):
         parse_config(text, "engine.yaml", environ={})
+
+
+def test_tiers_get_distinct_names_and_a_given_name_is_checked():
+    text = "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory}, {type: memory}, {type: memory, name: slow}]"
+    assert [tier["name"] for tier in parse_config(text).secondary_tiers] == ["memory", "memory-2", "slow"]
+    clash = "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, name: a}, {type: example, name: a}]"
+    with pytest.raises(ConfigError, match="secondary_tiers: two tiers are named 'a'; names must differ"):
+        parse_config(clash)
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].name: expected 1-64 letters"):
+        parse_config("cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, name: 'a/b'}]")

@@ -1,10 +1,12 @@
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
 import pytest
 
 from tests.helpers import key, keys
-from tiering import JobMetadata, JobResult, ReqContext, SecondaryTierFactory
+from tiering import JobMetadata, JobResult, ReqContext, SecondaryTierFactory, TierConfigError
 from tiering.backends import ExampleSecondaryTierManager
 
 VIEW = memoryview(bytearray(64)).cast("B", (4, 16))
@@ -86,19 +88,55 @@ def test_register_tier_makes_a_type_available(plugin_dir):
 
 
 @pytest.mark.parametrize(
-    ("config", "error", "message"),
+    ("config", "message"),
     [
-        ({"custom_param": 1}, ValueError, "needs a 'type' string"),
-        ({"type": "nvme"}, ValueError, r"unknown secondary tier type 'nvme'; supported types: .*example"),
-        ({"type": "x", "module_path": "no_such_module_here"}, ImportError, "cannot load no_such_module_here:x"),
-        ({"type": "Missing", "module_path": "fancy_tier"}, ImportError, "cannot load fancy_tier:Missing"),
-        ({"type": "NotATier", "module_path": "fancy_tier"}, TypeError, "is not a SecondaryTierManager subclass"),
-        ({"type": "example", "bucket": "b"}, TypeError, "does not take bucket; it takes: custom_param"),
+        ({"custom_param": 1}, "type: expected a tier type such as 'file'; got None"),
+        ({"type": "nvme"}, r"tier type 'nvme': type: unknown tier type; known types: .*example"),
+        ({"type": "x", "module_path": "no_such_module_here"}, "type: cannot load no_such_module_here:x"),
+        ({"type": "Missing", "module_path": "fancy_tier"}, "type: cannot load fancy_tier:Missing"),
+        ({"type": "NotATier", "module_path": "fancy_tier"}, "neither a SecondaryTierManager nor a BlockStore subclass"),
+        ({"type": "example", "bucket": "b"}, "bucket: unknown key; expected one of custom_param"),
+        ({"type": "example", "name": "a b"}, "name: expected 1-64 letters, digits, '_', '.' or '-'; got 'a b'"),
+        ({"type": "example", "name": "cpu"}, "name: 'cpu' names the CPU in stats and reports"),
     ],
 )
-def test_errors_say_what_is_missing_and_what_is_supported(plugin_dir, config, error, message):
-    with pytest.raises(error, match=message):
+def test_errors_say_what_is_missing_and_what_is_supported(plugin_dir, config, message):
+    with pytest.raises(TierConfigError, match=message):
         SecondaryTierFactory.create_secondary_tier(config, VIEW, None)
+
+
+def test_every_block_store_option_works_for_every_block_store(tmp_path):
+    settings = {"probe_misses": True, "failure_threshold": 2, "batch_bytes": "1MiB", "capacity_bytes": "1MiB"}
+    configs = [
+        {"type": "memory"},
+        {"type": "file", "root_dir": str(tmp_path)},
+        {"type": "faulty", "inner": {"type": "memory"}},
+    ]
+    for config in configs:
+        tier = SecondaryTierFactory.create_secondary_tier({**config, **settings, "name": "t"}, VIEW, None)
+        try:
+            assert (tier.name, tier.settings.probe_misses, tier.settings.failure_threshold) == ("t", True, 2)
+            assert (tier.settings.batch_bytes, tier.capacity_bytes) == (1 << 20, 1 << 20)
+        finally:
+            tier.shutdown()
+
+
+def test_a_store_sets_its_own_defaults_of_the_adapter_settings(tmp_path):
+    file_tier = SecondaryTierFactory.create_secondary_tier({"type": "file", "root_dir": str(tmp_path)}, VIEW, None)
+    memory_tier = SecondaryTierFactory.create_secondary_tier({"type": "memory"}, VIEW, None)
+    try:
+        assert (file_tier.settings.max_concurrency, memory_tier.settings.max_concurrency) == (16, 64)
+    finally:
+        file_tier.shutdown()
+        memory_tier.shutdown()
+
+
+def test_the_engine_core_imports_no_backend():
+    code = (
+        "import sys, tiering, tiering.factory, tiering.spec; print(sorted(m for m in sys.modules if 'backends' in m))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def job(job_id, *ids, promotion=False):

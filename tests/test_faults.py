@@ -12,10 +12,10 @@ import pytest
 
 from tests import region_worker
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
-from tests.store_conformance import FINGERPRINT, read_verified
 from tiering import JobMetadata, SecondaryTierFactory
 from tiering.backends import FileBlockStore
 from tiering.benchmarks.s3_server import MotoServer
+from tiering.testing.block_store import FINGERPRINT, read_verified
 
 
 def make_tier(config, num_blocks=8):
@@ -154,7 +154,7 @@ def store_blocks(tier, rows, job_id, ids):
 
 
 def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(small_disk, monkeypatch):
-    monkeypatch.setattr("tiering.blockstore.tier._ROOM_BACKOFF_S", (0.2, 0.4))
+    monkeypatch.setattr("tiering.blockstore.index.ROOM_BACKOFF_S", (0.2, 0.4))
     tier, rows = make_tier({"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False})
     try:
         fill(small_disk / "someone-elses-file")
@@ -171,7 +171,7 @@ def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(sm
 
 
 def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(small_disk, monkeypatch):
-    monkeypatch.setattr("tiering.blockstore.tier._ROOM_BACKOFF_S", (0.2, 0.4))
+    monkeypatch.setattr("tiering.blockstore.index.ROOM_BACKOFF_S", (0.2, 0.4))
     config = {"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False, "capacity_bytes": "4MiB"}
     tier, rows = make_tier(config)
     try:

@@ -7,10 +7,10 @@ import stat
 import pytest
 
 from tests.helpers import CTX, ROW, block_bytes, key, keys
-from tests.store_conformance import FINGERPRINT, payload
 from tiering import ObjectNotFoundError, UnusableObjectError
 from tiering.backends import FileBlockStore
 from tiering.object_format import MAX_KEY_BYTES
+from tiering.testing.block_store import FINGERPRINT, payload
 
 
 async def opened_store(root, **options):

@@ -4,9 +4,9 @@ import stat
 import pytest
 
 from tests.helpers import key
-from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
-from tests.store_conformance import FINGERPRINT, StoreKit, buffer, opened, payload
 from tiering.backends import FileBlockStore
+from tiering.testing import BlockStoreSuite, StoreKit
+from tiering.testing.block_store import FINGERPRINT, buffer, opened, payload
 
 
 @pytest.fixture(params=["direct", "buffered"])
@@ -20,6 +20,10 @@ def store_kit(tmp_path, request):
         read_raw=lambda store, key: store.path(key).read_bytes(),
         write_raw=write_raw,
     )
+
+
+class TestBlockStoreConformance(BlockStoreSuite):
+    """Every test of `tiering.testing.BlockStoreSuite`, on this store."""
 
 
 @pytest.mark.asyncio
@@ -95,9 +99,9 @@ async def test_unusable_root_dir_is_a_clear_error(tmp_path):
 
 
 def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monkeypatch):
-    import tiering.backends.file
+    from tiering.backends import file_io
 
-    namespace = tiering.backends.file._open_namespace(tmp_path, FINGERPRINT.hex())
+    namespace = file_io.open_namespace(tmp_path, FINGERPRINT.hex())
     opened_flags = []
     real_open = os.open
 
@@ -106,13 +110,13 @@ def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monke
             opened_flags.append(bool(flags & os.O_DIRECT))
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(tiering.backends.file.os, "open", recording_open)
+    monkeypatch.setattr(file_io.os, "open", recording_open)
     aligned, unaligned = payload(8192), memoryview(bytearray(8192))
     try:
-        tiering.backends.file._write_object(namespace, key(1), aligned, FINGERPRINT, False, True)
-        tiering.backends.file._read_object(namespace, key(1), buffer(8192), FINGERPRINT, True)
-        tiering.backends.file._write_object(namespace, key(2), unaligned[1:4097], FINGERPRINT, False, True)
-        tiering.backends.file._write_object(namespace, key(3), aligned, FINGERPRINT, False, False)
+        file_io.write_object(namespace, key(1), aligned, FINGERPRINT, False, True)
+        file_io.read_object(namespace, key(1), buffer(8192), FINGERPRINT, True)
+        file_io.write_object(namespace, key(2), unaligned[1:4097], FINGERPRINT, False, True)
+        file_io.write_object(namespace, key(3), aligned, FINGERPRINT, False, False)
     finally:
         os.close(namespace)
     assert opened_flags == [True, True, False, False]

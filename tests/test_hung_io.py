@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import CTX, ROW, block_bytes, key, keys
 from tiering import (
+    BlockStoreSettings,
     BlockStoreTier,
     CPUPrimaryTierOffloadingManager,
     SharedOffloadRegion,
@@ -73,9 +74,7 @@ def stuck_engine():
             primary.get_kv_memoryview(),
             "stuck",
             store_factory=store_factory,
-            op_timeout_s=0.2,
-            shutdown_timeout_s=0.5,
-            failure_threshold=100,
+            settings=BlockStoreSettings(op_timeout_s=0.2, shutdown_timeout_s=0.5, failure_threshold=100),
         )
         manager = TieringOffloadingManager(primary, [tier])
         made.append((manager, stores[0]))
@@ -187,7 +186,7 @@ def test_a_job_that_breaks_while_running_or_starting_fails_once_and_the_tier_goe
         def broken(*args):
             raise RuntimeError("bug while starting a job")
 
-        monkeypatch.setattr(tier, "_store_job", broken)
+        monkeypatch.setattr(tier._worker, "_store_job", broken)
         store(manager, rows, 2)
         assert tier.drain(10)
         manager.on_schedule_end()

@@ -193,6 +193,24 @@ def test_a_run_over_a_faulty_tier_loads_no_wrong_byte(tmp_path):
     assert report["hit_rate"]["faulty"] > 0  # ...and the tier still served hits
 
 
+def test_two_tiers_of_one_type_are_reported_apart(tmp_path):
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        "cpu_bytes_to_use: 256KiB\n"
+        "secondary_tiers:\n"
+        "  - {type: memory, capacity_bytes: 512KiB}\n"
+        f"  - {{type: file, root_dir: {tmp_path / 'a'}, capacity_bytes: 1MiB}}\n"
+        f"  - {{type: file, root_dir: {tmp_path / 'b'}, name: archive}}\n"
+        "  - {type: memory}\n"
+    )
+    output = tmp_path / "run.json"
+    assert cli.main(["--config", str(config), "--max-requests", "300", "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    names = ["memory", "file", "archive", "memory-2"]
+    assert list(report["tiers"]) == names and set(names) <= set(report["hit_rate"])
+    assert report["tiers"]["memory-2"]["store_bytes"] > 0  # the second memory tier's numbers are its own
+
+
 GOOD_LINE = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
 BAD_TRACES = [
     (

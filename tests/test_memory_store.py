@@ -1,8 +1,7 @@
 import pytest
 
-from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
-from tests.store_conformance import StoreKit
 from tiering.backends import MemoryBlockStore
+from tiering.testing import BlockStoreSuite, StoreKit
 
 
 @pytest.fixture
@@ -19,6 +18,10 @@ def store_kit():
         read_raw=lambda store, key: bytes(store.objects[key]),
         write_raw=lambda store, key, raw: store.objects.__setitem__(key, bytearray(raw)),
     )
+
+
+class TestBlockStoreConformance(BlockStoreSuite):
+    """Every test of `tiering.testing.BlockStoreSuite`, on this store."""
 
 
 def test_rejects_bad_fault_options():

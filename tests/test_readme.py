@@ -37,5 +37,5 @@ def test_the_quickstart_example_runs_the_whole_walkthrough():
 
 
 def test_usage_example_runs():
-    (example,) = re.findall(r"```python\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+    (example,) = re.findall(r"^```python\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
     exec(compile(example, "README.md", "exec"), {})

@@ -8,11 +8,11 @@ import time
 import pytest
 
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
-from tests.store_conformance import *  # noqa: F403 - the shared conformance suite
-from tests.store_conformance import FINGERPRINT, StoreKit, opened
 from tiering import SecondaryTierFactory
 from tiering.backends.s3 import S3BlockStore
 from tiering.benchmarks.s3_server import MotoServer, free_port
+from tiering.testing import BlockStoreSuite, StoreKit
+from tiering.testing.block_store import FINGERPRINT, opened
 
 
 @pytest.fixture
@@ -32,6 +32,10 @@ def store_kit(s3_server, s3_bucket):
         read_raw=read_raw,
         write_raw=write_raw,
     )
+
+
+class TestBlockStoreConformance(BlockStoreSuite):
+    """Every test of `tiering.testing.BlockStoreSuite`, on this store."""
 
 
 def s3_config(server, bucket, **extra):

@@ -54,12 +54,12 @@ def test_the_fingerprint_changes_with_the_layout_only():
         (
             "cpu_bytes_to_use: 1GiB\nblock_size: 24",
             KVLayout("m", 1, 64, 16),
-            "block_size 24 is not a multiple of the GPU block size 16",
+            "block_size: 24 is not a multiple of the GPU block size 16",
         ),
         (
             "cpu_bytes_to_use: 100",
             KVLayout("m", 1, 64, 16),
-            r"cpu_bytes_to_use \(100 bytes\) is smaller than one block \(1024 bytes",
+            r"cpu_bytes_to_use: 100 bytes is smaller than one block \(1024 bytes",
         ),
         ("cpu_bytes_to_use: 1GiB", KVLayout("m", 1, 63, 1, world_size=2), "does not split between 2 workers"),
     ],
@@ -99,9 +99,7 @@ def test_a_failing_tier_releases_everything_made_before_it(tmp_path):
     text = f"cpu_bytes_to_use: 64KiB\nsecondary_tiers:\n  - type: memory\n  - type: file\n    root_dir: {root}\n"
     spec = TieringOffloadingSpec(parse_config(text, "engine.yaml"), KVLayout("tiny", 2, 64, 4), instance())
     root.write_text("")  # valid when loaded, a file by the time the engine starts
-    with pytest.raises(
-        ConfigError, match=r"engine.yaml: secondary_tiers\[1\]: tier type 'file': root_dir: .*kv is not a directory"
-    ):
+    with pytest.raises(ConfigError, match=r"engine.yaml: secondary_tiers\[1\].root_dir: .*kv is not a directory"):
         spec.get_manager()
     assert not region_path(spec.instance_id).exists()
     assert not any(t.name.startswith("tiering") for t in threading.enumerate())

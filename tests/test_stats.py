@@ -72,11 +72,12 @@ def test_a_tier_state_change_is_one_log_line_not_one_per_block(caplog):
     import numpy as np
 
     from tests.helpers import ROW, RegionStandIn
-    from tiering import BlockStoreTier, JobMetadata
+    from tiering import BlockStoreSettings, BlockStoreTier, JobMetadata
     from tiering.backends import MemoryBlockStore
 
     view = RegionStandIn(64, ROW).create_kv_memoryview()
-    tier = BlockStoreTier(None, view, "flaky", lambda fp: MemoryBlockStore(fp, failure_rate=1.0), failure_threshold=2)
+    settings = BlockStoreSettings(failure_threshold=2)
+    tier = BlockStoreTier(None, view, "flaky", lambda fp: MemoryBlockStore(fp, failure_rate=1.0), settings)
     try:
         for job_id in range(8):  # 8 jobs of 8 blocks, every block failing
             ids = list(range(job_id * 8, job_id * 8 + 8))

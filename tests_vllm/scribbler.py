@@ -3,12 +3,14 @@ overwrites the promoted rows with noise. The negative control of the vLLM stage.
 
 import numpy as np
 
-from tiering.backends.memory import MemoryTier
+from tiering import BlockStoreTier
+from tiering.backends import MemoryBlockStore
 
 
-class ScribblingTier(MemoryTier):
+class ScribblingTier(BlockStoreTier):
     def __init__(self, offloading_spec, primary_kv_view, tier_type="scribbler"):
-        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        super().__init__(offloading_spec, primary_kv_view, tier_type, MemoryBlockStore)
+        self._rows = np.asarray(self.context.primary_rows).view(np.uint8)
         self._rows_of_job: dict[int, list[int]] = {}
         self._noise = np.random.default_rng(0)
 

@@ -1,6 +1,7 @@
 """An asyncio-native KV-cache tiering engine: a CPU primary tier with secondary tiers.
 
-See DESIGN.md for the architecture; every public name is re-exported here. The worker-side
+See docs/architecture.md for the layout, the threads and the error tree; every public name is
+re-exported here. The worker-side
 names (canonical KV caches, transfer handlers) need torch, an optional dependency: they
 are imported on first use.
 """
@@ -9,10 +10,21 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 
 from tiering.abstract import OffloadingManager
-from tiering.blockstore import BlockStoreTier
-from tiering.config import ConfigError, TieringConfig, load_config, parse_config
+from tiering.blockstore import BlockStore, BlockStoreSettings, BlockStoreTier
+from tiering.config import TieringConfig, load_config, parse_config
+from tiering.context import TierContext
 from tiering.cpu_manager import CPUOffloadingManager, CPUPrimaryTierOffloadingManager
-from tiering.errors import CorruptObjectError, ObjectNotFoundError, StoreClosedError, UnusableObjectError
+from tiering.errors import (
+    ConfigError,
+    CorruptObjectError,
+    ObjectNotFoundError,
+    RegionInUseError,
+    RuntimeClosedError,
+    StoreClosedError,
+    TierConfigError,
+    TieringError,
+    UnusableObjectError,
+)
 from tiering.factory import SecondaryTierFactory
 from tiering.keys import (
     OffloadKey,
@@ -24,13 +36,7 @@ from tiering.keys import (
     make_offload_key,
 )
 from tiering.manager import TieringOffloadingManager
-from tiering.object_format import layout_fingerprint
-from tiering.policies import ARCCachePolicy, CachePolicy, LRUCachePolicy, make_cache_policy, register_cache_policy
-from tiering.runtime import AsyncRuntime, RuntimeClosedError
-from tiering.secondary import JobId, JobMetadata, JobResult, SecondaryTierManager
-from tiering.shared_region import RegionInUseError, SharedOffloadRegion
-from tiering.spec import KVLayout, TieringOffloadingSpec
-from tiering.specs import (
+from tiering.mediums import (
     BlockIDsLoadStoreSpec,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
@@ -38,6 +44,12 @@ from tiering.specs import (
     OffloadingEvent,
     PrepareStoreOutput,
 )
+from tiering.object_format import layout_fingerprint
+from tiering.policies import ARCCachePolicy, CachePolicy, LRUCachePolicy, make_cache_policy, register_cache_policy
+from tiering.runtime import AsyncRuntime
+from tiering.secondary import JobId, JobMetadata, JobResult, SecondaryTierManager
+from tiering.shared_region import SharedOffloadRegion
+from tiering.spec import KVLayout, TieringOffloadingSpec
 
 try:
     __version__ = version("kv-tiering")
@@ -48,6 +60,8 @@ __all__ = [
     "ARCCachePolicy",
     "AsyncRuntime",
     "BlockIDsLoadStoreSpec",
+    "BlockStore",
+    "BlockStoreSettings",
     "BlockStoreTier",
     "CPULoadStoreSpec",
     "CPUOffloadingManager",
@@ -81,7 +95,10 @@ __all__ = [
     "SecondaryTierManager",
     "SharedOffloadRegion",
     "StoreClosedError",
+    "TierConfigError",
+    "TierContext",
     "TieringConfig",
+    "TieringError",
     "TieringOffloadingManager",
     "TieringOffloadingSpec",
     "TransferResult",

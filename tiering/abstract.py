@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 
 from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
-from tiering.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+from tiering.mediums import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 
 
 class OffloadingManager(ABC):

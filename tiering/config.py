@@ -20,7 +20,10 @@ Every problem is reported at once, each with the file, the key path
 arbitrary objects), duplicate keys are errors (not "the last one wins"), and a document may
 hold at most `MAX_VALUES` values `MAX_DEPTH` levels deep, aliases expanded (an alias bomb
 fails at once); the file must be a regular UTF-8 file of at most `MAX_CONFIG_BYTES`. Each
-tier's options are checked by its own schema (`tiering.factory.tier_options_model`).
+tier's options are checked by its own schema (`tiering.factory.tier_options`), and every
+tier gets a distinct ``name`` (its type unless given; ``file-2`` for a second ``file``).
+
+Raised errors: `tiering.errors.ConfigError`. Any thread; nothing is built.
 """
 
 from __future__ import annotations
@@ -35,28 +38,16 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from tiering.factory import SecondaryTierFactory, Size, describe_error, tier_options_model, validate_tier_options
+from tiering.context import tier_name_problem, unique_names
+from tiering.errors import ConfigError, TierConfigError
+from tiering.factory import SecondaryTierFactory, check_tier_options
+from tiering.options import Size, describe_error, join_path, key_path, set_options
 from tiering.policies import cache_policy_names
 
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 MAX_CONFIG_BYTES = 1 << 20
 MAX_VALUES = 100_000
 MAX_DEPTH = 32
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used.
-
-    Attributes:
-        source: the file (or ``<string>``).
-        problems: (key path, what is wrong) pairs; the path is empty for the whole file.
-    """
-
-    def __init__(self, source: str, problems: list[tuple[str, str]]):
-        self.source = source
-        self.problems = problems
-        lines = [f"{source}: {path}: {message}" if path else f"{source}: {message}" for path, message in problems]
-        super().__init__("invalid configuration\n  " + "\n  ".join(lines))
 
 
 class MetricsConfig(BaseModel):
@@ -71,7 +62,8 @@ class MetricsConfig(BaseModel):
 
 class TieringConfig(BaseModel):
     """A validated configuration. ``secondary_tiers`` hold each tier's checked options
-    (sizes as ints) with its ``type`` (and ``module_path``/``class_name`` when given)."""
+    (sizes as ints) with its ``type``, its distinct ``name``, and ``module_path`` and
+    ``class_name`` when given."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -158,11 +150,12 @@ def config_from_dict(data: Any, source: str, environ: Mapping[str, str] | None =
         problems.append(("secondary_tiers", "expected a list of tier configurations"))
         tiers = []
     checked_tiers = [_check_tier(tier, f"secondary_tiers[{i}]", problems) for i, tier in enumerate(tiers)]
+    _name_tiers([tier for tier in checked_tiers if tier], problems)
     try:
         config = TieringConfig.model_validate({**data, "secondary_tiers": [t for t in checked_tiers if t]})
     except ValidationError as exc:
         known = list(TieringConfig.model_fields)
-        problems.extend((_path(error["loc"]), describe_error(error, known)) for error in exc.errors())
+        problems.extend((key_path(error["loc"]), describe_error(error, known)) for error in exc.errors())
     if problems:
         raise ConfigError(source, problems)
     config._source = source
@@ -175,16 +168,27 @@ def _check_tier(tier: Any, path: str, problems: list[tuple[str, str]]) -> dict[s
         return None
     try:
         tier_type, tier_cls, options = SecondaryTierFactory.resolve(tier)
-        checked = validate_tier_options(tier_cls, options)
-    except ValidationError as exc:
-        known = list(tier_options_model(tier_cls).model_fields)
-        problems.extend((_path((path, *error["loc"])), describe_error(error, known)) for error in exc.errors())
+        checked = set_options(check_tier_options(tier_type, tier_cls, options))
+    except TierConfigError as exc:
+        problems.extend(exc.located(path))
         return None
-    except (ValueError, ImportError, TypeError) as exc:
-        problems.append((f"{path}.type", str(exc)))
+    problem = tier_name_problem(tier["name"]) if "name" in tier else None
+    if problem is not None:
+        problems.append((f"{path}.name", problem))
         return None
-    locators = {key: tier[key] for key in ("module_path", "class_name") if key in tier}
+    locators = {key: tier[key] for key in ("name", "module_path", "class_name") if key in tier}
     return {"type": tier_type, **locators, **checked}
+
+
+def _name_tiers(tiers: list[dict[str, Any]], problems: list[tuple[str, str]]) -> None:
+    """Give every tier a distinct ``name``: the one it was given, else its type (``-2``,
+    ``-3`` ... for repeats). Two tiers given the same name are a problem."""
+    given = [tier["name"] for tier in tiers if "name" in tier]
+    for name in sorted({name for name in given if given.count(name) > 1}):
+        problems.append(("secondary_tiers", f"two tiers are named {name!r}; names must differ"))
+    names = unique_names([tier.get("name", tier["type"]) for tier in tiers])
+    for tier, name in zip(tiers, names, strict=True):
+        tier["name"] = name
 
 
 class _Loader(yaml.SafeLoader):
@@ -231,7 +235,7 @@ class _Expander:
         if depth > MAX_DEPTH:
             raise _TooLarge(path, f"nested too deeply (at most {MAX_DEPTH} levels)")
         if isinstance(value, dict):
-            return {key: self.expand(item, _join(path, key), depth + 1) for key, item in value.items()}
+            return {key: self.expand(item, join_path(path, key), depth + 1) for key, item in value.items()}
         if isinstance(value, list):
             return [self.expand(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
         if isinstance(value, str):
@@ -240,14 +244,3 @@ class _Expander:
                     self.problems.append((path, f"environment variable {name} is not set"))
             return _VARIABLE.sub(lambda match: self.environ.get(match.group(1), match.group(0)), value)
         return value
-
-
-def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
-
-
-def _path(loc: tuple) -> str:
-    path = ""
-    for part in loc:
-        path = f"{path}[{part}]" if isinstance(part, int) else _join(path, part)
-    return path

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from tiering.canonical import CanonicalKVCaches
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from tiering.mediums import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from typing import Protocol
 
 from tiering.abstract import OffloadingManager
 from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
+from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.policies import BlockStatus, make_cache_policy
-from tiering.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.stats import TierStats
 
 logger = logging.getLogger(__name__)

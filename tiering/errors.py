@@ -1,11 +1,65 @@
-"""Errors raised by block stores and the object format, caught by the async-tier adapter."""
+"""Every error the engine raises on purpose, in one tree rooted at `TieringError`.
+
+```
+TieringError
+├── ConfigError            a configuration that cannot be used (file, key paths, problems)
+│   └── TierConfigError    one tier's config: unknown type, a class that cannot be loaded,
+│                          bad options (key paths within the tier's config)
+├── ObjectNotFoundError    a block store has no object for the key (also a KeyError)
+├── CorruptObjectError     a stored object failed verification (also a ValueError)
+│   └── UnusableObjectError  unreadable for a reason of its own (EACCES, EIO, a FIFO ...)
+├── StoreClosedError       a block store used outside open .. close (also a RuntimeError)
+├── RuntimeClosedError     work submitted to a shut-down `AsyncRuntime` (also a RuntimeError)
+└── RegionInUseError       another live engine holds this shared region (also a RuntimeError)
+```
+
+Each also derives from the built-in exception it used to be, so ``except ValueError`` and the
+like keep working. Wrong arguments to a function (a programming error, such as a negative
+count passed in code) raise the built-in `ValueError` or `TypeError`; conditions of the
+configuration, the data or the environment raise the classes above. `OSError` from the
+operating system passes through unchanged, except where a docstring says otherwise.
+"""
+
+from __future__ import annotations
 
 
-class ObjectNotFoundError(KeyError):
+class TieringError(Exception):
+    """The root of every error the engine raises on purpose."""
+
+
+class ConfigError(TieringError, ValueError):
+    """A configuration that cannot be used; every problem is reported at once.
+
+    Attributes:
+        source: the file (or ``<string>``, or the serving engine's setting it came from).
+        problems: (key path, what is wrong) pairs; the path is empty for the whole file.
+    """
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {path}: {message}" if path else f"{source}: {message}" for path, message in problems]
+        super().__init__("invalid configuration\n  " + "\n  ".join(lines))
+
+    def __reduce__(self):  # picklable across processes despite the two-argument constructor
+        return type(self), (self.source, self.problems)
+
+
+class TierConfigError(ConfigError):
+    """One secondary tier's config cannot be built: its ``type`` names no known tier, the
+    class cannot be imported or is not a tier, or its options are wrong. `problems` hold key
+    paths within the tier's config (``root_dir``, ``inner.bucket``); `source` names the tier."""
+
+    def located(self, path: str) -> list[tuple[str, str]]:
+        """The problems with their key paths under `path`, the tier's place in a config."""
+        return [(f"{path}.{key}" if key else path, message) for key, message in self.problems]
+
+
+class ObjectNotFoundError(TieringError, KeyError):
     """The store has no object for the key."""
 
 
-class CorruptObjectError(ValueError):
+class CorruptObjectError(TieringError, ValueError):
     """A stored object failed verification (bad magic or version, foreign layout, another
     key, a short or long payload, a CRC mismatch); its bytes must not be used."""
 
@@ -17,5 +71,14 @@ class UnusableObjectError(CorruptObjectError):
     about the health of the tier."""
 
 
-class StoreClosedError(RuntimeError):
+class StoreClosedError(TieringError, RuntimeError):
     """The block store was used before `open()` or after `close()`."""
+
+
+class RuntimeClosedError(TieringError, RuntimeError):
+    """The `AsyncRuntime` was shut down; no more work is accepted."""
+
+
+class RegionInUseError(TieringError, RuntimeError):
+    """Another live engine holds this role (scheduler, or worker rank) of the shared region
+    with the same instance id."""

@@ -1,99 +1,54 @@
-"""`SecondaryTierFactory`: builds secondary tiers from config dicts by type name.
+"""`SecondaryTierFactory`: the one registry of tier types, and how a tier config is built.
 
-A type name resolves, in this order, to a class registered with `register_tier`, to an
-entry point of the group ``tiering.secondary_tiers`` (name = type, value =
-``"package.module:ClassName"``), or, when the config carries ``module_path``, to the class
-``class_name`` (default: the type name) of that module.
+A type name resolves, in this order, to a class given by the config itself (``module_path``
+and ``class_name``, default: the type name), to a class registered with `register_tier`, or
+to an entry point of the group ``tiering.secondary_tiers`` (name = type, value =
+``"package.module:ClassName"``). The built-in types are entry points of this package like any
+third party's, so the engine's core imports no backend.
 
-A tier's options are checked against its schema: the class attribute ``config_model`` (a
-pydantic model) when it has one, else a model derived from its constructor's signature
-(type hints, with their constraints, and defaults; options named ``*_bytes`` are sizes and
-take strings such as ``"8GiB"``; no float may be NaN or infinite). A class may also define
-``check_options(options: dict) -> None``, raising ValueError, for rules between options.
-Unknown options are rejected. The types below (`Size`, `Count`, `Seconds`, `Delay`,
-`Probability`) give a constructor's options their ranges.
+A registered class is either
+
+- a `BlockStore`: its tier is a `BlockStoreTier` whose keys are the adapter's
+  (`BlockStoreSettings`, with the store's `tier_defaults`) plus the store's own (`Options`);
+- or a `SecondaryTierManager`: its keys are its constructor's keyword arguments (see
+  `tiering.options.constructor_options`).
+
+Reserved keys of every tier config: ``type``, ``name`` (the tier's name in stats, metrics
+and logs; default: the type), ``module_path``, ``class_name``. Used at construction time,
+from any one thread.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import inspect
-import math
-import typing
 from collections.abc import Mapping
 from importlib.metadata import entry_points
-from typing import Annotated, Any, ClassVar
+from typing import Any, ClassVar
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ByteSize,
-    ConfigDict,
-    Field,
-    TypeAdapter,
-    ValidationError,
-    create_model,
-    model_validator,
-)
+from pydantic import BaseModel, create_model, model_validator
 
+from tiering.blockstore import BlockStore, BlockStoreSettings, BlockStoreTier
+from tiering.context import TierContext
+from tiering.errors import TierConfigError
+from tiering.options import STRICT, constructor_options, set_options, validate_options
 from tiering.secondary import SecondaryTierManager
 
-MAX_SIZE = 1 << 60
-
-
-def parse_size(value: Any) -> int:
-    """Bytes from an integer, an integral float or a string such as ``"8GiB"`` or ``"512 MB"``.
-
-    Raises:
-        ValueError: not a size, or not within 1 byte .. 1 EiB.
-    """
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    if isinstance(value, str):
-        try:
-            value = int(TypeAdapter(ByteSize).validate_python(value.strip()))
-        except ValidationError:
-            raise ValueError(f"expected a size such as 65536, 64KiB or 8GiB; got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected a size such as 65536, 64KiB or 8GiB; got {value!r}")
-    if not 0 < value <= MAX_SIZE:
-        raise ValueError(f"expected a size from 1 byte to 1 EiB; got {value}")
-    return value
-
-
-Size = Annotated[int, BeforeValidator(parse_size)]
-"""Bytes: an integer from 1 to 1 EiB, or a string such as ``"8GiB"`` or ``"512 MB"``."""
-Count = Annotated[int, Field(ge=1)]
-"""How many of something (threads, attempts, operations at once): an integer >= 1."""
-Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-"""A timeout or a period: finite seconds > 0."""
-Delay = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-"""A delay that may be zero: finite seconds >= 0."""
-Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
-"""A probability, 0..1."""
-
-_FIXED_PARAMETERS = {"self", "offloading_spec", "primary_kv_view", "tier_type", "fingerprint"}  # given, not configured
-
 ENTRY_POINT_GROUP = "tiering.secondary_tiers"
+RESERVED_KEYS = ("type", "name", "module_path", "class_name")
 
-_BUILTIN_TIERS: dict[str, tuple[str, str]] = {
-    "example": ("tiering.backends.example", "ExampleSecondaryTierManager"),
-    "faulty": ("tiering.backends.faulty", "FaultyTier"),
-    "file": ("tiering.backends.file", "FileTier"),
-    "memory": ("tiering.backends.memory", "MemoryTier"),
-    "s3": ("tiering.backends.s3", "S3Tier"),
-}
+TierClass = type[SecondaryTierManager] | type[BlockStore]
 
 
 class SecondaryTierFactory:
-    """Registry of secondary-tier types. Used at construction time, from any one thread."""
+    """The registry of secondary-tier types, and the builder of tiers from config dicts."""
 
-    _registry: ClassVar[dict[str, tuple[str, str]]] = dict(_BUILTIN_TIERS)
+    _registry: ClassVar[dict[str, tuple[str, str]]] = {}
 
     @classmethod
     def register_tier(cls, tier_type: str, module_path: str, class_name: str) -> None:
-        """Make `tier_type` build ``module_path.class_name`` (imported when first used).
+        """Make `tier_type` build ``module_path.class_name`` (imported when first used), a
+        `SecondaryTierManager` or a `BlockStore` subclass.
 
         Raises:
             ValueError: `tier_type` is already registered to another class.
@@ -115,118 +70,119 @@ class SecondaryTierFactory:
         """Build the tier described by `tier_config`.
 
         Args:
-            tier_config: ``type`` picks the class; ``module_path`` and ``class_name`` locate
-                an unregistered one; every other key is a constructor keyword argument.
+            tier_config: ``type`` picks the class (see the module docstring); the other keys
+                are its options.
             primary_kv_view: the primary rows, 2-D memoryview ``(num_blocks, row_bytes)``.
-            offloading_spec: the spec building the tier, or None.
+            offloading_spec: the spec building the tier, or None (see `TierContext.of`).
 
         Raises:
-            ValueError: ``type`` is missing, or names no known tier and no ``module_path``
-                is given (the message lists the supported types).
-            ImportError: the tier's module cannot be imported or lacks the class.
-            TypeError: the class is not a `SecondaryTierManager`, or the config has keys its
-                constructor does not take (the message lists the keys it takes).
+            TierConfigError: no ``type``, an unknown type (the message lists the known ones),
+                a class that cannot be imported or is not a tier, or bad options (one
+                problem per key, with the keys it takes).
+            OSError, TimeoutError, TieringError: the tier's storage cannot be opened.
         """
         tier_type, tier_cls, options = cls.resolve(tier_config)
+        checked = check_tier_options(tier_type, tier_cls, options)
+        context = TierContext.of(offloading_spec, primary_kv_view, tier_type)
         try:
-            options = validate_tier_options(tier_cls, options)
-        except ValidationError as exc:
-            raise _options_error(tier_type, tier_cls, exc) from None
+            context = context.named(tier_config.get("name", context.name))
+        except ValueError as exc:
+            raise TierConfigError(f"tier type {tier_type!r}", [("name", str(exc))]) from None
+        if issubclass(tier_cls, BlockStore):
+            store_cls = tier_cls
+            store_options, settings = _split(store_cls, checked)
+
+            def make_store(fingerprint: bytes) -> BlockStore:
+                return store_cls.from_config(fingerprint, store_options, settings)
+
+            return BlockStoreTier(context, primary_kv_view, tier_type, make_store, settings)
         return tier_cls(
-            offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **options
+            offloading_spec=context, primary_kv_view=primary_kv_view, tier_type=tier_type, **set_options(checked)
         )
 
     @classmethod
-    def resolve(cls, tier_config: Mapping[str, Any]) -> tuple[str, type[SecondaryTierManager], dict[str, Any]]:
-        """(type name, tier class, the other options) of a tier config.
+    def resolve(cls, tier_config: Mapping[str, Any]) -> tuple[str, TierClass, dict[str, Any]]:
+        """(type name, class, the options: every key but the reserved ones) of a tier config.
 
         Raises:
-            ValueError, ImportError, TypeError: as `create_secondary_tier`, for the type.
+            TierConfigError: as `create_secondary_tier`, for the type.
         """
-        config = dict(tier_config)
-        tier_type = config.pop("type", None)
+        options = dict(tier_config)
+        tier_type = options.pop("type", None)
+        for key in RESERVED_KEYS[1:]:
+            options.pop(key, None)
         if not isinstance(tier_type, str) or not tier_type:
-            raise ValueError(f"secondary tier config needs a 'type' string; got {dict(tier_config)!r}")
-        tier_cls = cls._resolve(tier_type, config.pop("module_path", None), config.pop("class_name", None))
-        return tier_type, tier_cls, config
+            raise TierConfigError(
+                "secondary tier", [("type", f"expected a tier type such as 'file'; got {tier_type!r}")]
+            )
+        return tier_type, cls._load(tier_type, tier_config.get("module_path"), tier_config.get("class_name")), options
 
     @classmethod
-    def _resolve(cls, tier_type: str, module_path: str | None, class_name: str | None) -> type[SecondaryTierManager]:
+    def _load(cls, tier_type: str, module_path: str | None, class_name: str | None) -> TierClass:
+        source = f"tier type {tier_type!r}"
         if module_path is not None:
-            target = (module_path, class_name or tier_type)
+            module_name, attr = module_path, class_name or tier_type
         elif tier_type in cls._registry:
-            target = cls._registry[tier_type]
+            module_name, attr = cls._registry[tier_type]
         else:
             found = entry_points(group=ENTRY_POINT_GROUP, name=tier_type)
             if not found:
-                raise ValueError(
-                    f"unknown secondary tier type {tier_type!r}; supported types: "
-                    f"{', '.join(cls.supported_types())} (or give 'module_path' for an out-of-tree class)"
-                )
-            module, _, attr = next(iter(found)).value.partition(":")
-            target = (module, attr)
-        module_name, attr = target
+                known = ", ".join(cls.supported_types())
+                problem = f"unknown tier type; known types: {known} (or give 'module_path' for an out-of-tree class)"
+                raise TierConfigError(source, [("type", problem)])
+            module_name, _, attr = next(iter(found)).value.partition(":")
         try:
             tier_cls = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
-            raise ImportError(f"tier type {tier_type!r}: cannot load {module_name}:{attr}: {exc}") from exc
-        if not (isinstance(tier_cls, type) and issubclass(tier_cls, SecondaryTierManager)):
-            raise TypeError(f"tier type {tier_type!r}: {module_name}:{attr} is not a SecondaryTierManager subclass")
+            raise TierConfigError(source, [("type", f"cannot load {module_name}:{attr}: {exc}")]) from exc
+        if not (isinstance(tier_cls, type) and issubclass(tier_cls, SecondaryTierManager | BlockStore)):
+            problem = f"{module_name}:{attr} is neither a SecondaryTierManager nor a BlockStore subclass"
+            raise TierConfigError(source, [("type", problem)])
         return tier_cls
 
 
-@functools.cache
-def tier_options_model(tier_cls: type[SecondaryTierManager]) -> type[BaseModel]:
-    """The pydantic model of `tier_cls`'s options (see the module docstring)."""
-    explicit = getattr(tier_cls, "config_model", None)
-    if explicit is not None:
-        return explicit
-    hints = typing.get_type_hints(tier_cls.__init__, include_extras=True)
-    fields: dict[str, Any] = {}
-    for name, parameter in inspect.signature(tier_cls.__init__).parameters.items():
-        if name in _FIXED_PARAMETERS or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            continue
-        default = ... if parameter.default is parameter.empty else parameter.default
-        annotation = hints.get(name, Any)
-        if name.endswith("_bytes"):
-            annotation = Size if default is not None else Size | None
-        fields[name] = (annotation, default)
-    settings = ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
-    validators: dict[str, Any] = {}
-    check = getattr(tier_cls, "check_options", None)
-    if check is not None:
-
-        def check_together(model: BaseModel) -> BaseModel:
-            check({name: getattr(model, name) for name in type(model).model_fields})
-            return model
-
-        validators["check_together"] = model_validator(mode="after")(check_together)
-    return create_model(f"{tier_cls.__name__}Options", __config__=settings, __validators__=validators, **fields)
-
-
-def validate_tier_options(tier_cls: type[SecondaryTierManager], options: Mapping[str, Any]) -> dict[str, Any]:
-    """`options` checked and converted (sizes to ints) by the tier's schema.
+def check_tier_options(tier_type: str, tier_cls: TierClass, options: Mapping[str, Any]) -> BaseModel:
+    """`options` of a tier of `tier_cls` checked and converted (sizes to ints).
 
     Raises:
-        pydantic.ValidationError: an option is unknown, missing or of the wrong type.
+        TierConfigError: one problem per bad key, or for a rule between keys.
     """
-    model = tier_options_model(tier_cls).model_validate(dict(options))
-    return {name: getattr(model, name) for name in model.model_fields_set}
+    return validate_options(tier_options(tier_cls), options, f"tier type {tier_type!r}")
 
 
-def describe_error(error: Mapping[str, Any], known: list[str]) -> str:
-    """What a pydantic validation error means, in a config's terms (`known`: the valid keys)."""
-    if error["type"] == "extra_forbidden":
-        return f"unknown key; expected one of {', '.join(known)}"
-    if error["type"] == "missing":
-        return "required key is missing"
-    return str(error["msg"]).removeprefix("Value error, ")
+@functools.cache
+def tier_options(tier_cls: TierClass) -> type[BaseModel]:
+    """The options model of a tier class (see the module docstring)."""
+    if not issubclass(tier_cls, BlockStore):
+        return constructor_options(tier_cls)
+    store_cls = tier_cls
+    clash = set(store_cls.Options.model_fields) & (set(BlockStoreSettings.model_fields) | set(RESERVED_KEYS))
+    if clash:
+        raise TypeError(f"{store_cls.__name__}.Options redefines adapter keys: {', '.join(sorted(clash))}")
+    fields: dict[str, Any] = {}
+    for name, info in BlockStoreSettings.model_fields.items():
+        default = store_cls.tier_defaults.get(name, info.default)
+        fields[name] = (info.rebuild_annotation(), default)
+
+    def check_together(model: BaseModel) -> BaseModel:
+        store_cls.check_config(*_split(store_cls, model))
+        return model
+
+    class Strict(store_cls.Options):  # type: ignore[name-defined]
+        model_config = STRICT  # unknown keys are errors, whatever the store's own model allows
+
+    return create_model(
+        f"{store_cls.__name__}TierOptions",
+        __base__=Strict,
+        __validators__={"check_together": model_validator(mode="after")(check_together)},  # type: ignore[dict-item]
+        **fields,
+    )
 
 
-def _options_error(tier_type: str, tier_cls: type, exc: ValidationError) -> Exception:
-    known = list(tier_options_model(tier_cls).model_fields)
-    unknown = sorted(str(e["loc"][0]) for e in exc.errors() if e["type"] == "extra_forbidden")
-    if unknown:
-        return TypeError(f"tier type {tier_type!r} does not take {', '.join(unknown)}; it takes: {', '.join(known)}")
-    details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {describe_error(e, known)}" for e in exc.errors())
-    return ValueError(f"tier type {tier_type!r}: {details}")
+def _split(store_cls: type[BlockStore], checked: BaseModel) -> tuple[BaseModel, BlockStoreSettings]:
+    """The store's `Options` and the adapter's `BlockStoreSettings` of a validated tier config."""
+    own = store_cls.Options.model_construct(**{key: getattr(checked, key) for key in store_cls.Options.model_fields})
+    settings = BlockStoreSettings.model_construct(
+        **{key: getattr(checked, key) for key in BlockStoreSettings.model_fields}
+    )
+    return own, settings

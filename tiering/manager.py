@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 
 from tiering.abstract import OffloadingManager
+from tiering.context import unique_names
 from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
 from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
+from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.secondary import JobId, JobMetadata, SecondaryTierManager
-from tiering.specs import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._promotions: dict[tuple[int, str], _QueuedPromotion] = {}
         self._polled_this_step = False
         self._shut_down = False
-        types = [tier.tier_type for tier in self.secondary_tiers]
-        self.tier_names = [t if types.count(t) == 1 else f"{t}-{i}" for i, t in enumerate(types)]
+        self.tier_names = unique_names([getattr(tier, "name", tier.tier_type) for tier in self.secondary_tiers])
         self._counters = {"promotions_submitted": 0, "cascades_submitted": 0}
         self._listeners: list[list[Any]] = []  # [callback, interval_s, next due]
 

@@ -25,13 +25,11 @@ from typing import Any, TypeVar
 import anyio
 from anyio.abc import TaskGroup
 
+from tiering.errors import RuntimeClosedError
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class RuntimeClosedError(RuntimeError):
-    """The runtime was shut down; no more work is accepted."""
 
 
 @dataclass(frozen=True)

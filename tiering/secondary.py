@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from tiering.context import TierContext
 from tiering.keys import OffloadKey, ReqContext
-from tiering.specs import OffloadingEvent
+from tiering.mediums import OffloadingEvent
 
 JobId = int
 """Identifies one submitted job; all tiers of a manager draw from one counter."""
@@ -66,13 +67,23 @@ class SecondaryTierManager(ABC):
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str):
         """
         Args:
-            offloading_spec: the `TieringOffloadingSpec` that built the tier (its layout
-                names the tier's namespace), or None for standalone use.
+            offloading_spec: what the engine gives the tier: a `TierContext` (the factory
+                passes one), the `TieringOffloadingSpec` building it, or None for standalone
+                use (see `TierContext.of`).
             primary_kv_view: the primary tier's rows, a 2-D memoryview of shape
                 ``(num_blocks, row_bytes)``.
             tier_type: the registered type name this tier was built under.
+
+        Attributes:
+            context: the `TierContext` (name, primary rows, layout fingerprint, runtime).
+            name: the tier's name in stats, metrics and logs.
+
+        Raises:
+            TypeError: `offloading_spec` is not one of the above.
         """
-        self._offloading_spec = offloading_spec
+        self.context = TierContext.of(offloading_spec, primary_kv_view, tier_type)
+        self.name = self.context.name
+        self._offloading_spec = self.context.spec
         self._primary_kv_view = primary_kv_view
         self.tier_type = tier_type
 

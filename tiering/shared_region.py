@@ -40,14 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
+from tiering.errors import RegionInUseError
+
 logger = logging.getLogger(__name__)
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-class RegionInUseError(RuntimeError):
-    """Another live engine holds this role (scheduler, or worker rank) of the region with
-    the same instance id."""
 
 
 def region_path(instance_id: str, shm_dir: str | os.PathLike = "/dev/shm") -> Path:

@@ -15,15 +15,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tiering.config import ConfigError, TieringConfig
+from tiering.config import TieringConfig
+from tiering.context import TierContext
 from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
+from tiering.errors import ConfigError, TierConfigError
 from tiering.factory import SecondaryTierFactory
 from tiering.manager import TieringOffloadingManager
+from tiering.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.object_format import layout_fingerprint
 from tiering.runtime import AsyncRuntime
 from tiering.secondary import SecondaryTierManager
 from tiering.shared_region import SharedOffloadRegion
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -100,30 +102,29 @@ class TieringOffloadingSpec:
             enable_events: collect KV events for `take_events`.
 
         Raises:
-            ValueError: ``block_size`` is not a multiple of the GPU block size, a block does not
-                split evenly between workers, or ``cpu_bytes_to_use`` holds no whole block.
+            ConfigError: ``block_size`` is not a multiple of the GPU block size, a block does
+                not split evenly between workers, or ``cpu_bytes_to_use`` holds no whole block.
         """
         self.config, self.layout, self.instance_id = config, layout, instance_id
         self.enable_events = enable_events
         self.gpu_block_size = layout.gpu_block_size
         self.block_size = config.block_size or layout.gpu_block_size
         if self.block_size % self.gpu_block_size:
-            raise ValueError(
-                f"block_size {self.block_size} is not a multiple of the GPU block size {self.gpu_block_size}"
-            )
+            problem = f"{self.block_size} is not a multiple of the GPU block size {self.gpu_block_size}"
+            raise ConfigError(config.source, [("block_size", problem)])
         self.block_size_factor = self.block_size // self.gpu_block_size
         self.bytes_per_block = layout.kv_bytes_per_token * self.block_size
         if self.bytes_per_block % layout.world_size:
-            raise ValueError(
-                f"a block of {self.bytes_per_block} bytes does not split between {layout.world_size} workers"
-            )
+            problem = f"a block of {self.bytes_per_block} bytes does not split between {layout.world_size} workers"
+            raise ConfigError(config.source, [("block_size", problem)])
         self.cpu_page_size_per_worker = self.bytes_per_block // layout.world_size
         self.num_blocks = config.cpu_bytes_to_use // self.bytes_per_block
         if self.num_blocks < 1:
-            raise ValueError(
-                f"cpu_bytes_to_use ({config.cpu_bytes_to_use} bytes) is smaller than one block "
+            problem = (
+                f"{config.cpu_bytes_to_use} bytes is smaller than one block "
                 f"({self.bytes_per_block} bytes: {self.block_size} tokens of {layout.kv_bytes_per_token} bytes)"
             )
+            raise ConfigError(config.source, [("cpu_bytes_to_use", problem)])
         self.layout_fingerprint = layout_fingerprint(
             f"model={layout.model};block_size={self.block_size};bytes_per_block={self.bytes_per_block};"
             f"dtype={layout.dtype};world_size={layout.world_size}"
@@ -132,6 +133,11 @@ class TieringOffloadingSpec:
         self._manager: TieringOffloadingManager | None = None
         self.exporter: Any = None  # a PrometheusExporter when the config has `metrics`
         self._workers: list[tuple[Any, SharedOffloadRegion]] = []
+
+    def tier_context(self, primary_kv_view: memoryview, name: str) -> TierContext:
+        """What a secondary tier named `name` gets from this engine: the primary rows, the
+        layout fingerprint and the shared runtime."""
+        return TierContext(name, primary_kv_view, self.layout_fingerprint, self.async_runtime, self)
 
     @property
     def manager(self) -> TieringOffloadingManager | None:
@@ -171,6 +177,8 @@ class TieringOffloadingSpec:
             for index, tier_config in enumerate(self.config.secondary_tiers):
                 try:
                     tiers.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
+                except TierConfigError as exc:
+                    raise ConfigError(self.config.source, exc.located(f"secondary_tiers[{index}]")) from exc
                 except Exception as exc:
                     raise ConfigError(self.config.source, [(f"secondary_tiers[{index}]", str(exc))]) from exc
         except BaseException:
@@ -201,7 +209,8 @@ class TieringOffloadingSpec:
             from tiering.metrics import PrometheusExporter
         except ImportError:
             self.shutdown()
-            raise ValueError("metrics: needs prometheus_client (pip install 'kv-tiering[metrics]')") from None
+            problem = "needs prometheus_client (pip install 'kv-tiering[metrics]')"
+            raise ConfigError(self.config.source, [("metrics", problem)]) from None
         try:
             self.exporter = PrometheusExporter(metrics.port, metrics.address)
         except OSError:

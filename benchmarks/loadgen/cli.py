@@ -32,7 +32,7 @@ from tiering.benchmarks.loadgen.engine import SimulatedEngine
 from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
 from tiering.benchmarks.loadgen.run import SchedulerLoop
 from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_trace, synthetic
-from tiering.factory import parse_size
+from tiering.options import parse_size
 
 DEFAULT_CONFIG = """\
 cpu_bytes_to_use: 4MiB

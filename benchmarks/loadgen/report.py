@@ -15,14 +15,14 @@ from tiering.benchmarks.loadgen.run import RunStats
 def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, float], inputs: dict[str, Any]) -> dict:
     """Everything measured, as a JSON-ready dict (durations in seconds unless named _us/_ms)."""
     total = max(1, sum(stats.tokens.values()))
-    sources = ["gpu", "cpu", *(tier.tier_type for tier in engine.manager.secondary_tiers)]
+    sources = ["gpu", "cpu", *engine.manager.tier_names]
     hit_rate = {source: stats.tokens[source] / total for source in sources}
     hit_rate["total"] = 1 - stats.tokens["miss"] / total
     tiers = {}
-    for tier in engine.manager.secondary_tiers:
+    for name, tier in zip(engine.manager.tier_names, engine.manager.secondary_tiers, strict=True):
         tier_stats = tier.get_stats()
         counters = tier_stats["counters"]
-        tiers[tier.tier_type] = {
+        tiers[name] = {
             "store_bytes": counters.get("bytes_stored", 0),
             "load_bytes": counters.get("bytes_loaded", 0),
             "store_gbps": counters.get("bytes_stored", 0) / stats.wall_s / 1e9,

@@ -87,6 +87,7 @@ class SchedulerLoop:
         tokens = request.block_tokens()
         gpu_hits = engine.gpu_prefix(keys)
         offload_hits, sources = self._lookup_prefix(keys[gpu_hits:], context)
+        offload_hits = self._resident_prefix(keys[gpu_hits : gpu_hits + offload_hits])
         # The request uses its blocks now; blocks stored below are new, not a second use
         # (touching them afterwards would promote every new block to ARC's frequent list).
         self._call("touch", self.manager.touch, keys, context)
@@ -134,14 +135,25 @@ class SchedulerLoop:
             self.stats.promotion_s.append(time.perf_counter() - waiting_since)
         return len(sources), sources
 
+    def _resident_prefix(self, hit_keys: list[bytes]) -> int:
+        """How many leading `hit_keys` the CPU tier still holds. A lookup that gave up
+        waiting (`max_steps`) may have queued promotions whose rows evicted blocks that
+        answered True earlier in the same pass (a prefix longer than the CPU tier thrashes
+        so); the scheduler recomputes those instead of loading them."""
+        for count, key in enumerate(hit_keys):
+            ref_count = self.manager.primary_tier.ref_count(key)
+            if ref_count is None or ref_count < 0:
+                return count
+        return len(hit_keys)
+
     def _holder(self, key: bytes, context: ReqContext) -> str:
         """The tier a hit on `key` would come from: the CPU tier, or the first secondary
         tier that holds it."""
         if self.manager.primary_tier.lookup(key, context) is not False:
             return "cpu"
-        for tier in self.manager.secondary_tiers:
+        for name, tier in zip(self.manager.tier_names, self.manager.secondary_tiers, strict=True):
             if tier.lookup(key, context):
-                return tier.tier_type
+                return name
         return "cpu"
 
     def _load(self, hit_keys: list[bytes], keys: list[bytes], context: ReqContext) -> bool:

@@ -1,5 +1,13 @@
 """`BlockStore`: the async interface a storage backend implements to become a tier.
 
+Loop thread: every coroutine runs on the tier's event loop. The class attributes and
+`from_config` are read on the thread that builds the engine.
+
+A store declares its config keys as a pydantic model, `Options`, and may change the
+defaults of the adapter's own keys (`BlockStoreSettings`: capacity, concurrency, timeouts,
+batching, probing, health) with `tier_defaults`. Registered under a type name (entry point
+group ``tiering.secondary_tiers``), the store becomes a tier with the keys of both.
+
 A store keeps one object per key in the format of `tiering.object_format` (it calls
 `encode_header` on put, and `parse_header` and `check_length` on get), under the namespace
 of its layout fingerprint. A store moves bytes; the payload's CRC is checked above every
@@ -18,24 +26,55 @@ timeouts, client errors) counts as a transient failure of that operation.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
+from pydantic import BaseModel
 
 from tiering.errors import StoreClosedError
 from tiering.keys import OffloadKey
 from tiering.object_format import HEADER_ALIGN, ObjectHeader
+from tiering.options import NoOptions
+
+if TYPE_CHECKING:
+    from tiering.blockstore.settings import BlockStoreSettings
 
 
 class BlockStore(ABC):
     """Objects by key: put from a memoryview, get into a memoryview.
 
     Attributes:
+        Options: the pydantic model of the store's own config keys (default: none).
+        tier_defaults: defaults of `BlockStoreSettings` keys for tiers of this store, for
+            example ``{"max_concurrency": 64}``; the config may still set each key.
         header_align: the store pads object headers to a multiple of this many bytes.
     """
 
+    Options: ClassVar[type[BaseModel]] = NoOptions
+    tier_defaults: ClassVar[Mapping[str, Any]] = {}
     header_align = HEADER_ALIGN
+
+    @classmethod
+    def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> BlockStore:
+        """The store a tier config describes: `options` (an `Options`, validated) and the
+        tier's `settings`. The default passes the options as keyword arguments,
+        ``cls(fingerprint, **options)``; a store whose arguments differ overrides it.
+        Nothing is opened yet.
+
+        Raises:
+            ValueError: an option does not fit.
+        """
+        return cls(fingerprint, **dict(options))
+
+    @classmethod  # noqa: B027 - an optional hook, empty by default
+    def check_config(cls, options: BaseModel, settings: BlockStoreSettings) -> None:
+        """Rules between the store's options and the tier's settings, checked when a config
+        is loaded, before anything is built. Default: none.
+
+        Raises:
+            ValueError: a rule is broken (the message says which keys and why).
+        """
 
     def __init__(self, fingerprint: bytes):
         """`fingerprint`: the 16-byte layout fingerprint written into, and expected in, every

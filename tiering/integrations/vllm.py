@@ -78,9 +78,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiering.config import ConfigError, config_from_dict, load_config
 from tiering.keys import OffloadKey as Key
 from tiering.manager import TieringOffloadingManager
+from tiering.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.spec import KVLayout
 from tiering.spec import TieringOffloadingSpec as EngineSpec
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 logger = logging.getLogger(__name__)
 

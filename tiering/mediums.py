@@ -1,4 +1,5 @@
-"""Load/store specs handed to workers, and the outputs and events of a manager."""
+"""Mediums and where blocks sit in them: the load/store specs handed to workers, and the
+outputs and events of a manager (named apart from `tiering.spec`, which builds the engine)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,341 @@
+"""The file tier's blocking half: every system call on its directories and files.
+
+Worker threads of the tier's pool only (each function runs whole in one thread, one hop per
+block or batch); `open_namespace` also at open. See `tiering.backends.file` for the layout,
+the safety rules and the I/O modes these functions implement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import logging
+import mmap
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
+from tiering.keys import OffloadKey
+from tiering.object_format import MAX_KEY_BYTES, ObjectHeader, check_length, encode_header, header_size, parse_header
+
+logger = logging.getLogger(__name__)
+
+_TMP_SUFFIX = ".tmp"
+_SHARDS = [f"{i:02x}" for i in range(256)]
+_QUARANTINE = "quarantine"
+ALIGN = 4096  # O_DIRECT alignment of buffers, lengths and offsets
+_MAX_HEX_NAME = 200  # longer hex names (keys over 100 bytes) become hashes: names stay under 255
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link; a FIFO never blocks the open
+# Errors that say one object is unusable, not that the backend is sick.
+_OBJECT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.EIO})
+_thread_local = threading.local()
+
+
+def object_name(key: OffloadKey) -> str:
+    """The file name of `key`'s object: its hex, or ``h`` and a 256-bit hash of it for keys
+    whose hex would not fit a file name."""
+    hexed = key.hex()
+    return hexed if len(hexed) <= _MAX_HEX_NAME else "h" + hashlib.blake2b(key, digest_size=32).hexdigest()
+
+
+def shard(key: OffloadKey) -> str:
+    return hashlib.blake2b(key, digest_size=1).hexdigest()
+
+
+def each(func: Callable[..., Any], calls: list[tuple]) -> list[Any]:
+    """func(*args) for each call: its result, or the exception it raised."""
+    outcomes: list[Any] = []
+    for args in calls:
+        try:
+            outcomes.append(func(*args))
+        except Exception as exc:
+            outcomes.append(exc)
+    return outcomes
+
+
+# -- directories ----------------------------------------------------------------------------
+
+
+def open_namespace(root: Path, name: str) -> int:
+    """Make `root` (missing parents too, 0700), check it is private, and open its private
+    subdirectory `name` with the shard and quarantine directories. Returns its fd."""
+    _make_private_parents(root)
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: links allowed
+    try:
+        check_root(os.fstat(root_fd), root)
+        ns_fd = _private_subdir(root_fd, name, root / name)
+    finally:
+        os.close(root_fd)
+    try:
+        for shard in [*_SHARDS, _QUARANTINE]:
+            os.close(_private_subdir(ns_fd, shard, root / name / shard))
+    except BaseException:
+        os.close(ns_fd)
+        raise
+    return ns_fd
+
+
+def _make_private_parents(root: Path) -> None:
+    missing = []
+    path = root.absolute()
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = path.parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # whatever the umask
+
+
+def _private_subdir(parent_fd: int, name: str, path: Path) -> int:
+    """Open (creating it 0700) the directory `name` under `parent_fd`, never through a link:
+    a link there is replaced by a directory, its target left alone."""
+    while True:
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+            created = True
+        except FileExistsError:
+            created = False
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as exc:
+            mode = os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(mode):
+                logger.warning("file tier: %s was a symbolic link; replaced by a directory (target untouched)", path)
+                os.unlink(name, dir_fd=parent_fd)
+                continue
+            raise
+        try:
+            if created:
+                os.fchmod(fd, 0o700)
+            _check_private(os.fstat(fd), path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+def check_root(info: os.stat_result, path: Path) -> None:
+    _check_private(info, path)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{path} is not writable")
+
+
+def _check_private(info: os.stat_result, path: Path) -> None:
+    if info.st_uid != os.geteuid():
+        raise PermissionError(
+            errno.EACCES,
+            f"{path} belongs to uid {info.st_uid}, not to this engine's user (uid {os.geteuid()}): another user "
+            "could plant blocks the engine would load as cache hits; use a directory the engine's user owns",
+        )
+    if info.st_mode & 0o022:
+        raise PermissionError(
+            errno.EACCES,
+            f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}): another user could "
+            "plant blocks the engine would load as cache hits; chmod 700 it",
+        )
+
+
+@contextlib.contextmanager
+def _directory(parent_fd: int, name: str) -> Iterator[int]:
+    """The directory `name` under `parent_fd`, opened without following a link."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def supports_direct_io(ns_fd: int) -> bool:
+    probe = f".direct-probe-{os.urandom(4).hex()}{_TMP_SUFFIX}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | _OPEN_FLAGS, 0o600, dir_fd=ns_fd)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe, dir_fd=ns_fd)
+    return True
+
+
+# -- objects --------------------------------------------------------------------------------
+
+
+def _is_aligned(buffer: memoryview) -> bool:
+    return buffer.nbytes % ALIGN == 0 and np.frombuffer(buffer, dtype=np.uint8).ctypes.data % ALIGN == 0
+
+
+def _header_buffer(header: bytes | None, direct: bool) -> memoryview:
+    """A buffer for a header: this thread's page-aligned scratch page under O_DIRECT."""
+    if not direct:
+        return memoryview(bytearray(header or ALIGN))
+    page = getattr(_thread_local, "page", None)
+    if page is None:
+        page = _thread_local.page = mmap.mmap(-1, ALIGN)
+    if header is not None:
+        page[:] = header
+    return memoryview(page)
+
+
+def write_object(ns_fd: int, key: OffloadKey, payload: memoryview, fingerprint: bytes, fsync: bool, direct: bool):
+    payload = payload.cast("B")
+    direct = direct and _is_aligned(payload)
+    header = encode_header(key, payload, fingerprint, ALIGN)
+    tmp = f"{os.urandom(8).hex()}{_TMP_SUFFIX}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS | (os.O_DIRECT if direct else 0)
+    with _directory(ns_fd, shard(key)) as dir_fd:
+        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+        try:
+            _write_all(fd, [_header_buffer(header, direct), payload])
+            if fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        os.close(fd)
+        name = object_name(key)
+        try:
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except IsADirectoryError:  # a directory squats the name: set it aside, then retry
+            _quarantine(ns_fd, dir_fd, name)
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            os.unlink(tmp, dir_fd=dir_fd)
+            raise
+
+
+def _write_all(fd: int, buffers: list[memoryview]) -> None:
+    while buffers:
+        written = os.writev(fd, buffers)
+        while buffers and written >= buffers[0].nbytes:
+            written -= buffers.pop(0).nbytes
+        if buffers and written:
+            buffers[0] = buffers[0][written:]
+
+
+def read_object(ns_fd: int, key: OffloadKey, into: memoryview, fingerprint: bytes, direct: bool) -> ObjectHeader:
+    into = into.cast("B")
+    direct = direct and _is_aligned(into)
+    header_buf = _header_buffer(None, direct)
+    with _directory(ns_fd, shard(key)) as dir_fd:
+        name = object_name(key)
+        try:
+            fd = os.open(name, os.O_RDONLY | _OPEN_FLAGS | (os.O_DIRECT if direct else 0), dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise ObjectNotFoundError(key) from None
+        except OSError as exc:
+            if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                raise UnusableObjectError(f"{name}: not a regular file") from exc
+            raise _unusable(name, exc) from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnusableObjectError(f"{name}: not a regular file (mode {info.st_mode:o})")
+        received = _read_all(fd, [header_buf, into])
+    except OSError as exc:
+        raise _unusable(name, exc) from exc
+    finally:
+        os.close(fd)
+    if received < len(header_buf):
+        raise CorruptObjectError(f"{name}: {received} bytes, shorter than its header")
+    header = parse_header(header_buf, fingerprint, key)
+    check_length(header, info.st_size - header.size, into.nbytes)
+    return header
+
+
+def _unusable(name: str, exc: OSError) -> Exception:
+    """`exc` as an `UnusableObjectError` when it is about this object only, else as it is."""
+    if exc.errno in _OBJECT_ERRNOS:
+        return UnusableObjectError(f"{name}: {exc.strerror}")
+    return exc
+
+
+def _read_all(fd: int, buffers: list[memoryview]) -> int:
+    total = offset = 0
+    while buffers:
+        got = os.preadv(fd, buffers, offset)
+        if got == 0:
+            break
+        total += got
+        offset += got
+        while buffers and got >= buffers[0].nbytes:
+            got -= buffers.pop(0).nbytes
+        if buffers and got:
+            buffers[0] = buffers[0][got:]
+    return total
+
+
+def exists(ns_fd: int, key: OffloadKey) -> bool:
+    with _directory(ns_fd, shard(key)) as dir_fd:
+        try:
+            return stat.S_ISREG(os.stat(object_name(key), dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return False
+
+
+def delete_all(ns_fd: int, keys: list[OffloadKey]) -> None:
+    for key in keys:
+        with _directory(ns_fd, shard(key)) as dir_fd:
+            name = object_name(key)
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            except (IsADirectoryError, PermissionError):
+                _quarantine(ns_fd, dir_fd, name)
+
+
+def _quarantine(ns_fd: int, dir_fd: int, name: str) -> None:
+    """Move what sits at `name` (a directory, say) out of the way, into the quarantine."""
+    with _directory(ns_fd, _QUARANTINE) as quarantine_fd:
+        os.rename(name, f"{name}.{os.urandom(4).hex()}", src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
+    logger.warning("file tier: moved an unusable %s to %s/ for inspection", name, _QUARANTINE)
+
+
+def scan(ns_fd: int, directory: Path, fingerprint: bytes) -> list[tuple[OffloadKey, int]]:
+    """Objects in the namespace, oldest first; removes temporaries and regular files that
+    are not whole objects of ours. Never follows a link."""
+    found: list[tuple[float, OffloadKey, int]] = []
+    removed = 0
+    for shard in _SHARDS:
+        with _directory(ns_fd, shard) as dir_fd, os.scandir(dir_fd) as entries:
+            for entry in entries:
+                if not entry.is_file(follow_symlinks=False):
+                    continue  # a link, directory or FIFO: never loaded; a load or put sets it aside
+                recovered = None if entry.name.endswith(_TMP_SUFFIX) else _check_header(dir_fd, entry.name, fingerprint)
+                if recovered is None:
+                    os.unlink(entry.name, dir_fd=dir_fd)
+                    removed += 1
+                else:
+                    found.append(recovered)
+    if removed:
+        logger.warning("file tier %s: removed %d temporary or foreign files", directory, removed)
+    found.sort(key=lambda item: item[0])
+    return [(key, size) for _, key, size in found]
+
+
+def _check_header(dir_fd: int, name: str, fingerprint: bytes) -> tuple[float, OffloadKey, int] | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        header = parse_header(os.pread(fd, header_size(MAX_KEY_BYTES, ALIGN), 0), fingerprint)
+    except (CorruptObjectError, OSError):
+        return None
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(info.st_mode) or object_name(header.key) != name:
+        return None
+    if info.st_size != header.size + header.payload_len:
+        return None
+    return info.st_mtime, header.key, info.st_size

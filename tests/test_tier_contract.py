@@ -1,0 +1,42 @@
+"""The tier contract (`tiering.testing.TierContractSuite`) on every tier type of the project;
+the third-party example runs it in test_third_party_tier.py."""
+
+import pytest
+
+from tiering import SecondaryTierFactory
+from tiering.object_format import object_size
+from tiering.testing import TierContractSuite, TierKit
+from tiering.testing.tier_contract import key
+
+
+def kit(config, header_align=64, bounded=True, copies_bytes=True):
+    def make(rows, capacity_blocks):
+        options = dict(config)
+        if capacity_blocks is not None:
+            per_block = object_size(len(key(0)), rows.shape[1], header_align)
+            options["capacity_bytes"] = capacity_blocks * per_block
+        return SecondaryTierFactory.create_secondary_tier(options, rows, None)
+
+    return TierKit(make, bounded=bounded, copies_bytes=copies_bytes)
+
+
+@pytest.fixture(params=["memory", "file-direct", "file-buffered", "faulty", "s3", "example"])
+def tier_kit(request, tmp_path):
+    match request.param:
+        case "memory":
+            return kit({"type": "memory"})
+        case "file-direct" | "file-buffered":
+            config = {"type": "file", "root_dir": str(tmp_path), "direct_io": request.param == "file-direct"}
+            return kit(config, header_align=4096)
+        case "faulty":
+            rates = {"failure_rate": 0, "corruption_rate": 0, "hang_rate": 0, "latency_s": 0}
+            return kit({"type": "faulty", "inner": {"type": "memory"}, **rates})
+        case "s3":
+            server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+            return kit({"type": "s3", "bucket": bucket, "endpoint_url": server.endpoint_url})
+        case "example":
+            return kit({"type": "example"}, bounded=False, copies_bytes=False)
+
+
+class TestEveryTier(TierContractSuite):
+    """Every test of the suite, on each tier type above."""

@@ -1,0 +1,314 @@
+"""`BlockWorker`: the loop-thread half of a block-store tier.
+
+Loop thread only: every method runs on the tier's event loop (the ``start_*`` methods as
+callbacks the scheduler thread queued with `AsyncRuntime.submit`). It runs the store calls,
+at most `max_concurrency` at once, each under `op_timeout_s`, fills in the job's outcome
+and puts it in the `Outbox`. It never touches the index.
+
+Rules kept here: an evicted key's delete finishes before a new put of the same key starts;
+a load's payload CRC is checked above the store (a wrapping store is checked too), off the
+loop; an object found corrupt or unusable is deleted; a call that does not return at its
+timeout keeps its job's rows in use until it does; every task puts exactly one outcome.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import numpy as np
+
+from tiering.blockstore.outbox import (
+    DeletesDone,
+    JobDone,
+    LoadDone,
+    Outbox,
+    Outcome,
+    PingDone,
+    ProbeDone,
+    RowsReleased,
+    StoreDone,
+)
+from tiering.blockstore.store import BlockStore
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, RuntimeClosedError, UnusableObjectError
+from tiering.keys import OffloadKey
+from tiering.object_format import ObjectHeader, verify_payload
+
+T = TypeVar("T")
+Items = Sequence[tuple[OffloadKey, int]]  # (key, primary row)
+
+
+class BlockWorker:
+    """Runs one store's calls for one tier.
+
+    Args:
+        name: the tier's name, for errors.
+        store: the block store (opened by `serve`, closed when it ends).
+        rows: the primary rows, a 2-D uint8 array ``(num_blocks, row_bytes)``.
+        outbox: where outcomes go.
+        max_concurrency: store calls in flight at once.
+        op_timeout_s: seconds a store call may take.
+        batch_blocks: blocks per `put_many`/`get_many` call.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        store: BlockStore,
+        rows: np.ndarray,
+        outbox: Outbox,
+        max_concurrency: int,
+        op_timeout_s: float,
+        batch_blocks: int,
+    ):
+        self.name = name
+        self.store = store
+        self._rows = rows
+        self._outbox = outbox
+        self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._op_timeout_s = op_timeout_s
+        self._batch_blocks = batch_blocks
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._deleting: dict[OffloadKey, anyio.Event] = {}
+        self._stop = anyio.Event()
+        self._stopped = anyio.Event()
+
+    async def open(self, runtime_group: anyio.abc.TaskGroup) -> list[tuple[OffloadKey, int]]:
+        """Open the store, read what it holds, and start serving in `runtime_group`.
+
+        Returns:
+            (key, object bytes) of every object found, oldest first.
+        Raises:
+            Exception: whatever opening or recovering the store raised (it is closed again).
+        """
+        await self.store.open()
+        try:
+            recovered = await self.store.recover()
+            await runtime_group.start(self._serve)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.store.close()
+            raise
+        return recovered
+
+    async def stop(self) -> None:
+        """Cancel every task (each still puts its outcome, as failed) and close the store."""
+        self._stop.set()
+        await self._stopped.wait()
+
+    async def _serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with anyio.create_task_group() as task_group:
+                self._task_group = task_group
+                task_status.started()
+                await self._stop.wait()
+                task_group.cancel_scope.cancel()
+        finally:
+            self._task_group = None
+            with anyio.CancelScope(shield=True):
+                await self.store.close()
+                self._stopped.set()
+
+    # -- entry points, queued by the scheduler thread ---------------------------------------
+
+    def start_store(self, done: StoreDone, items: Items) -> None:
+        self._start(done, partial(self._store_job, done, items))
+
+    def start_load(self, done: LoadDone, items: Items) -> None:
+        self._start(done, lambda: partial(self._in_batches, self._load_batch, done, items))
+
+    def start_probe(self, done: ProbeDone) -> None:
+        self._start(done, lambda: partial(self._probe, done))
+
+    def start_ping(self, done: PingDone) -> None:
+        self._start(done, lambda: partial(self._ping, done))
+
+    def start_delete(self, keys: list[OffloadKey]) -> None:
+        done = DeletesDone()
+        self._start(done, partial(self._delete_job, done, keys))
+
+    def _start(self, done: Outcome, prepare: Callable[[], Callable[[], Awaitable[None]]]) -> None:
+        """Run the job ``prepare()`` returns in the tier's task group. If the tier is
+        stopped, or anything raises while starting, the outcome is put at once, failed:
+        never lost."""
+        try:
+            if self._task_group is None:
+                raise RuntimeClosedError(f"tier {self.name} is shut down")
+            self._task_group.start_soon(self._run, done, prepare())
+        except Exception as exc:
+            if self._task_group is not None:
+                done.failed("start", exc, sick=False)
+            self._finish(done, broken=True)
+
+    def _store_job(self, done: StoreDone, items: Items) -> Callable[[], Awaitable[None]]:
+        """The store job, waiting first for the deletes of its keys started before it."""
+        waits = [self._deleting[key] for key, _ in items if key in self._deleting]
+        return partial(self._store_blocks, done, items, waits)
+
+    def _delete_job(self, done: DeletesDone, keys: list[OffloadKey]) -> Callable[[], Awaitable[None]]:
+        """The delete job; stores of these keys started after it wait for it."""
+        deleted = anyio.Event()
+        self._deleting.update(dict.fromkeys(keys, deleted))
+        return partial(self._delete, done, keys, deleted)
+
+    async def _run(self, done: Outcome, job: Callable[[], Awaitable[None]]) -> None:
+        broken = False
+        try:
+            await job()
+        except Exception as exc:  # a bug here or in a store: this job fails, the tier goes on
+            done.failed("internal", exc, sick=False)
+            broken = True
+        finally:
+            self._finish(done, broken)
+
+    def _finish(self, done: Outcome, broken: bool) -> None:
+        if isinstance(done, JobDone):
+            done.complete = done.complete and not broken
+            done.rows_in_use, done.reported = done.hung > 0, True
+        self._outbox.put(done)
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    async def _store_blocks(self, done: StoreDone, items: Items, waits: list[anyio.Event]) -> None:
+        for deleted in waits:
+            await deleted.wait()
+        await self._in_batches(self._store_batch, done, items)
+
+    async def _in_batches(
+        self, run_batch: Callable[[Any, Items], Coroutine[Any, Any, None]], done: JobDone, items: Items
+    ) -> None:
+        size = self._batch_blocks
+        if len(items) <= size:
+            await run_batch(done, items)
+            return
+        async with anyio.create_task_group() as task_group:
+            for start in range(0, len(items), size):
+                task_group.start_soon(run_batch, done, items[start : start + size])
+
+    async def _store_batch(self, done: StoreDone, batch: Items) -> None:
+        for (key, _), error in zip(batch, await self._io(done, self.store.put_many, batch), strict=True):
+            if error is None:
+                done.ok.add(key)
+            elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+                done.failed("store_no_space", error, sick=False)
+                done.no_space += 1
+            else:
+                done.failed("store", error)
+
+    async def _load_batch(self, done: LoadDone, batch: Items) -> None:
+        outcomes = await self._io(done, self.store.get_many, batch)
+        read = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, ObjectHeader)]
+        if read:  # the CRC, checked above every store layer, off the loop thread
+            checks = [(outcomes[i], memoryview(self._rows[batch[i][1]])) for i in read]
+            for i, error in zip(read, await anyio.to_thread.run_sync(_verify_all, checks), strict=True):
+                outcomes[i] = error
+        corrupt = []
+        for (key, _), error in zip(batch, outcomes, strict=True):
+            if error is None:
+                done.ok.add(key)
+            elif isinstance(error, ObjectNotFoundError):
+                done.failed("load_missing", error, sick=False)
+                done.drop.add(key)
+            elif isinstance(error, CorruptObjectError):  # or unusable: dropped, and no sign of a sick backend
+                done.failed("load_unusable" if isinstance(error, UnusableObjectError) else "load_corrupt", error, False)
+                done.drop.add(key)
+                corrupt.append(key)
+            else:
+                done.failed("load", error)
+        if corrupt:
+            await self._delete(done, corrupt, None)
+
+    async def _io(self, done: JobDone, operation: Callable[..., Awaitable[list[T]]], batch: Items) -> list[Any]:
+        """One store call for a batch (see `_call`); if the call itself fails, every block of
+        the batch fails with its error."""
+        outcome = await self._call(done, operation, [(key, memoryview(self._rows[row])) for key, row in batch])
+        if isinstance(outcome, Exception):
+            return [outcome] * len(batch)
+        if len(outcome) != len(batch):
+            raise RuntimeError(f"{type(self.store).__name__}: {len(outcome)} outcomes for {len(batch)} blocks")
+        return outcome
+
+    async def _probe(self, done: ProbeDone) -> None:
+        outcome = await self._call(None, self.store.exists, done.key)
+        if isinstance(outcome, Exception):
+            done.failed("probe", outcome)
+        else:
+            done.found = bool(outcome)
+
+    async def _ping(self, done: PingDone) -> None:
+        outcome = await self._call(None, self.store.ping)
+        if isinstance(outcome, Exception):
+            done.failed("ping", outcome)
+
+    async def _delete(self, done: Outcome, keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
+        try:
+            outcome = await self._call(None, self.store.delete_many, keys)
+            if isinstance(outcome, Exception):
+                done.failed("delete", outcome, sick=False)
+        finally:
+            if deleted is not None:
+                deleted.set()
+                for key in keys:
+                    if self._deleting.get(key) is deleted:
+                        del self._deleting[key]
+
+    async def _call(self, done: JobDone | None, operation: Callable[..., Awaitable[T]], *args: Any) -> T | Exception:
+        """``await operation(*args)`` under the concurrency limit, in a task of its own so
+        that the caller gets an answer within `op_timeout_s` whatever the store does: the
+        result, the exception it raised, or a `TimeoutError`.
+
+        At the timeout the call is cancelled. A call that does not end at once (its thread
+        is stuck in a system call, and may still write into the rows it was given) counts
+        in ``done.hung`` until it returns: the job is reported with ``rows_in_use``, and a
+        `RowsReleased` follows when the last such call returns.
+        """
+        finished, scope = anyio.Event(), anyio.CancelScope()
+        result: list[T | Exception] = []
+        late = False
+
+        async def call() -> None:
+            try:
+                with scope:
+                    async with self._limiter:
+                        result.append(await operation(*args))
+            except Exception as exc:
+                result.append(exc)
+            finally:
+                finished.set()
+                if late and done is not None:
+                    self._hung_call_returned(done)
+
+        assert self._task_group is not None, "store calls run only while the tier serves"
+        self._task_group.start_soon(call)
+        try:
+            with anyio.move_on_after(self._op_timeout_s):
+                await finished.wait()
+        finally:
+            if not finished.is_set():  # timed out, or this job was cancelled (shutdown)
+                scope.cancel()
+                late = True
+                if done is not None:
+                    done.hung += 1
+        return result[0] if result else TimeoutError(f"no answer in {self._op_timeout_s} s")
+
+    def _hung_call_returned(self, done: JobDone) -> None:
+        done.hung -= 1
+        if done.hung == 0 and done.reported and done.rows_in_use:
+            self._outbox.put(RowsReleased(job_id=done.job_id), task_finished=False)
+
+
+def _verify_all(checks: list[tuple[ObjectHeader, memoryview]]) -> list[CorruptObjectError | None]:
+    """`verify_payload` of each (header, row read into): None, or the error it raised."""
+    outcomes: list[CorruptObjectError | None] = []
+    for header, row in checks:
+        try:
+            verify_payload(header, row)
+            outcomes.append(None)
+        except CorruptObjectError as exc:
+            outcomes.append(exc)
+    return outcomes

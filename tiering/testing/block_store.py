@@ -1,0 +1,224 @@
+"""`BlockStoreSuite`: the conformance tests every `BlockStore` passes.
+
+A backend's test module subclasses it with a `store_kit` fixture returning a `StoreKit`
+(how to build the store over one shared backing, and raw access to one stored object's
+bytes); pytest then runs every test of the suite against that store::
+
+    class TestMyStore(BlockStoreSuite):
+        @pytest.fixture
+        def store_kit(self, tmp_path):
+            return StoreKit(make=..., read_raw=..., write_raw=...)
+
+Needs pytest and pytest-asyncio (the ``testing`` extra). The tests run on the test's event
+loop, as a tier's loop thread would run the store.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+import pytest
+
+from tiering import CorruptObjectError, ObjectNotFoundError, StoreClosedError, layout_fingerprint, make_offload_key
+from tiering.blockstore import BlockStore
+from tiering.keys import OffloadKey
+from tiering.object_format import header_size, verify_payload
+
+FINGERPRINT = layout_fingerprint("conformance")
+FOREIGN = layout_fingerprint("another model")
+
+
+def key(i: int) -> OffloadKey:
+    """The key of block number `i` in these tests."""
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+@dataclass
+class StoreKit:
+    """make(fingerprint) builds an unopened store over one shared backing; read_raw and
+    write_raw give the whole stored object of a key as the backing holds it."""
+
+    make: Callable[[bytes], BlockStore]
+    read_raw: Callable[[object, bytes], bytes]
+    write_raw: Callable[[object, bytes, bytes], None]
+
+
+def buffer(size: int) -> memoryview:
+    """A zeroed, page-aligned buffer (as primary rows are), so stores can use aligned I/O."""
+    return memoryview(mmap.mmap(-1, size))
+
+
+def payload(size: int, seed: int = 0) -> memoryview:
+    data = buffer(size)
+    data[:] = os.urandom(size) if seed == 0 else bytes([seed % 256]) * size
+    return data
+
+
+async def read_verified(store, key, into) -> None:
+    """What the adapter does: the store reads and checks the header and length, then the
+    payload's CRC is checked above it."""
+    verify_payload(await store.get(key, into), into)
+
+
+async def opened(kit: StoreKit, fingerprint: bytes = FINGERPRINT):
+    store = kit.make(fingerprint)
+    await store.open()
+    return store
+
+
+def _flip_payload_byte(raw: bytes) -> bytes:
+    corrupted = bytearray(raw)
+    corrupted[-1] ^= 0xFF
+    return bytes(corrupted)
+
+
+def _foreign_layout(raw: bytes) -> bytes:
+    corrupted = bytearray(raw)
+    corrupted[12:28] = FOREIGN  # the fingerprint field of the header
+    return bytes(corrupted)
+
+
+CORRUPTIONS = {
+    "flipped payload byte": _flip_payload_byte,
+    "truncated payload": lambda raw: raw[:-1],
+    "truncated header": lambda raw: raw[:10],
+    "extra bytes": lambda raw: raw + b"\0",
+    "bad magic": lambda raw: b"XXXX" + raw[4:],
+    "foreign layout": _foreign_layout,
+    "another key's object": lambda raw: raw,  # written under key 2, see below
+}
+
+
+class BlockStoreSuite:
+    """The tests; subclass it (name the subclass ``Test...``) and give it a ``store_kit``
+    fixture. Tests of a feature a store lacks are not skipped: every store has them all."""
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("size", [1, 1000, 64 << 10, 2 << 20])
+    async def test_round_trip_is_byte_exact(self, store_kit, size):
+        store = await opened(store_kit)
+        try:
+            data = payload(size)
+            await store.put(key(1), data)
+            into = buffer(size)
+            await read_verified(store, key(1), into)
+            assert into == data
+            assert await store.exists(key(1))
+        finally:
+            await store.close()
+
+    @pytest.mark.asyncio
+    async def test_missing_key(self, store_kit):
+        store = await opened(store_kit)
+        try:
+            assert not await store.exists(key(404))
+            with pytest.raises(ObjectNotFoundError):
+                await store.get(key(404), buffer(8))
+        finally:
+            await store.close()
+
+    @pytest.mark.asyncio
+    async def test_overwrite_replaces_the_object(self, store_kit):
+        store = await opened(store_kit)
+        try:
+            await store.put(key(1), payload(256, seed=1))
+            await store.put(key(1), payload(256, seed=2))
+            into = buffer(256)
+            await read_verified(store, key(1), into)
+            assert bytes(into) == bytes([2]) * 256
+        finally:
+            await store.close()
+
+    @pytest.mark.asyncio
+    async def test_delete_many(self, store_kit):
+        store = await opened(store_kit)
+        try:
+            for i in range(3):
+                await store.put(key(i), payload(64))
+            await store.delete_many([key(0), key(2), key(99)])  # 99 never existed
+            assert [await store.exists(key(i)) for i in range(3)] == [False, True, False]
+        finally:
+            await store.close()
+
+    @pytest.mark.asyncio
+    async def test_concurrent_puts_and_gets(self, store_kit):
+        store = await opened(store_kit)
+        blocks = {i: payload(4096) for i in range(64)}
+        try:
+            async with anyio.create_task_group() as tg:
+                for i, data in blocks.items():
+                    tg.start_soon(store.put, key(i), data)
+            reads = {i: buffer(4096) for i in blocks}
+            async with anyio.create_task_group() as tg:
+                for i, into in reads.items():
+                    tg.start_soon(read_verified, store, key(i), into)
+            assert all(reads[i] == blocks[i] for i in blocks)
+        finally:
+            await store.close()
+
+    @pytest.mark.asyncio
+    async def test_close_then_use_is_an_error(self, store_kit):
+        store = store_kit.make(FINGERPRINT)
+        with pytest.raises(StoreClosedError):
+            await store.put(key(1), payload(8))
+        await store.open()
+        await store.close()
+        await store.close()
+        for use in (store.put(key(1), payload(8)), store.get(key(1), payload(8)), store.exists(key(1))):
+            with pytest.raises(StoreClosedError):
+                await use
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("corruption", CORRUPTIONS)
+    async def test_corrupted_objects_are_rejected(self, store_kit, corruption):
+        store = await opened(store_kit)
+        try:
+            await store.put(key(1), payload(1000))
+            raw = store_kit.read_raw(store, key(1))
+            assert len(raw) == header_size(len(key(1)), store.header_align) + 1000
+            target = key(2) if corruption == "another key's object" else key(1)
+            store_kit.write_raw(store, target, CORRUPTIONS[corruption](raw))
+            with pytest.raises(CorruptObjectError):  # from the store (structure) or from the CRC check
+                await read_verified(store, target, buffer(1000))
+        finally:
+            await store.close()
+
+    @pytest.mark.asyncio
+    async def test_recover_lists_what_a_previous_store_left(self, store_kit):
+        first = await opened(store_kit)
+        for i in range(5):
+            await first.put(key(i), payload(100 * (i + 1)))
+        await first.close()
+        second = await opened(store_kit)
+        try:
+            recovered = dict(await second.recover())
+            align = second.header_align
+            assert recovered == {key(i): header_size(len(key(i)), align) + 100 * (i + 1) for i in range(5)}
+            into = buffer(300)
+            await read_verified(second, key(2), into)
+        finally:
+            await second.close()
+
+    @pytest.mark.asyncio
+    async def test_batches_report_each_item(self, store_kit):
+        store = await opened(store_kit)
+        try:
+            blocks = [(key(i), payload(2048)) for i in range(6)]
+            assert await store.put_many(blocks) == [None] * 6
+            store_kit.write_raw(store, key(4), store_kit.read_raw(store, key(4))[:-1])  # truncated
+            reads = [(key(i), buffer(2048)) for i in (0, 9, 4, 5)]
+            outcomes = await store.get_many(reads)
+            assert isinstance(outcomes[1], ObjectNotFoundError)
+            assert isinstance(outcomes[2], CorruptObjectError)
+            for outcome, (_, into), (_, data) in (
+                (outcomes[0], reads[0], blocks[0]),
+                (outcomes[3], reads[3], blocks[5]),
+            ):
+                verify_payload(outcome, into)
+                assert into == data
+        finally:
+            await store.close()
