@@ -3,6 +3,8 @@
 Each is registered by entry point (group ``tiering.secondary_tiers``, see pyproject.toml),
 like any third party's tier: ``example`` (the reference tier of the contract), and the
 block stores ``memory``, ``file``, ``s3`` (needs the ``s3`` extra) and ``faulty``.
+
+Thread: see each module.
 """
 
 from tiering.backends.example import ExampleSecondaryTierManager

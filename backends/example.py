@@ -3,6 +3,8 @@
 It remembers which keys it holds, copies no bytes, and finishes every job at once; the
 results come out of the next `get_finished`. It is the reference for writing a tier and a
 stand-in for a real one when testing the manager's bookkeeping.
+
+Thread: the scheduler thread only (it does no I/O).
 """
 
 from __future__ import annotations

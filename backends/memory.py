@@ -3,6 +3,9 @@
 Injected latency and failures make it a stand-in for a remote tier in tests and in the
 load generator. Objects use the stored format (header + CRC), so corruption is caught here
 exactly as on disk.
+
+Thread: the store's coroutines run on the tier's event loop; `MemoryOptions` where the
+config is loaded.
 """
 
 from __future__ import annotations

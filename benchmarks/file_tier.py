@@ -4,7 +4,7 @@ For each block size and mode it moves the same blocks two ways in one run, inter
 `--repeats` times (best kept). Modes: ``buffered`` (page cache), ``fsync`` (page cache, each
 file fsynced), ``direct`` (O_DIRECT, the tier's default).
 
-- engine: a `FileTier` fed store jobs of `--job-blocks` blocks from the scheduler thread,
+- engine: a `file` tier fed store jobs of `--job-blocks` blocks from the scheduler thread,
   then load jobs back into the rows, timed from the first submission to the last result;
 - raw: a `ThreadPoolExecutor` of the same concurrency doing, per block, open + `os.pwrite`
   (+ `fsync`) + close, and open + `os.preadv` + close, of the same bytes in the same place,

@@ -4,7 +4,7 @@ Both move the same blocks (the same object bytes: header and payload) to the sam
 at the same concurrency, with the same client settings; interleaved `--repeats` times after
 an untimed round, best kept:
 
-- engine: an `S3Tier` fed store jobs of `--job-blocks` blocks, then load jobs back into
+- engine: an `s3` tier fed store jobs of `--job-blocks` blocks, then load jobs back into
   page-aligned rows, timed from the first submission to the last result;
 - raw: ``put_object`` of pre-joined bytes and ``get_object`` + ``read()`` under an
   ``asyncio.Semaphore``, nothing else (no CRC, no index, no copy into rows).

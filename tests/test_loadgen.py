@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -308,3 +310,15 @@ def test_an_engine_failure_mid_replay_is_one_line_and_exit_status_3(monkeypatch,
     assert cli.main(["--max-requests", "5"]) == 3
     err = capsys.readouterr().err
     assert "engine failure: KeyError" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("missing", ["rich", "torch"])
+def test_without_the_bench_extra_the_command_says_what_to_install(missing):
+    code = (
+        f"import sys; sys.modules[{missing!r}] = None; from tiering.benchmarks.loadgen import main; sys.exit(main([]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"tiering-bench needs the 'bench' extra ({missing} is not installed): pip install 'kv-tiering[bench]'"
+    )

@@ -1,4 +1,4 @@
-"""Every rule of DESIGN.md "Manager semantics that tests rely on", for both policies."""
+"""Every rule of the manager's semantics (tiering.manager), for both policies."""
 
 import logging
 

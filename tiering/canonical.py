@@ -4,6 +4,8 @@ Attention backends lay out their KV caches differently; the transfer handlers on
 one view: per tensor, one page of bytes per GPU block. `canonicalize_kv_caches` builds it,
 zero copy, from tensors whose leading dimension is ``num_blocks`` or, FlashAttention style,
 ``(2, num_blocks, ...)`` (split into a K and a V tensor).
+
+Thread: the worker process's, at start-up (built once, then only read by the handlers).
 """
 
 from __future__ import annotations

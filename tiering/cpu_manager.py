@@ -1,4 +1,7 @@
-"""The CPU offloading manager and its primary-tier form with secondary-facing aliases."""
+"""The CPU offloading manager and its primary-tier form with secondary-facing aliases.
+
+Thread: the scheduler thread only; no method blocks, nothing is locked.
+"""
 
 from __future__ import annotations
 

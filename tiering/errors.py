@@ -18,6 +18,8 @@ like keep working. Wrong arguments to a function (a programming error, such as a
 count passed in code) raise the built-in `ValueError` or `TypeError`; conditions of the
 configuration, the data or the environment raise the classes above. `OSError` from the
 operating system passes through unchanged, except where a docstring says otherwise.
+
+Thread: any; the errors carry no state but their message.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ class TierHealth:
     """Consecutive-failure breaker with exponential backoff.
 
     Attributes:
-        healthy: True while I/O may be sent (read it on every call: it is a plain bool).
         state: the `HealthState`.
     """
 
@@ -52,11 +51,15 @@ class TierHealth:
         self.initial_backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._clock = clock
-        self.healthy = True
         self.state = HealthState.HEALTHY
         self.consecutive_failures = 0
         self.backoff_s = backoff_s
         self._retry_at = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        """True while I/O may be sent (HEALTHY); False while paused or probing."""
+        return self.state is HealthState.HEALTHY
 
     def record(self, successes: int, failures: int) -> None:
         """Count the outcomes of one finished batch of operations; may trip the breaker.
@@ -82,7 +85,7 @@ class TierHealth:
         """Apply the outcome of the probe sent after `probe_due`."""
         if ok:
             logger.warning("tier %s recovered; resuming I/O", self.name)
-            self.healthy, self.state = True, HealthState.HEALTHY
+            self.state = HealthState.HEALTHY
             self.consecutive_failures = 0
             self.backoff_s = self.initial_backoff_s
         else:
@@ -91,5 +94,5 @@ class TierHealth:
 
     def _pause(self, reason: str) -> None:
         logger.warning("tier %s unhealthy (%s); no I/O for %.1f s", self.name, reason, self.backoff_s)
-        self.healthy, self.state = False, HealthState.UNHEALTHY
+        self.state = HealthState.UNHEALTHY
         self._retry_at = self._clock() + self.backoff_s

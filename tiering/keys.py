@@ -1,4 +1,7 @@
-"""Block keys and per-request context passed through every manager call."""
+"""Block keys and per-request context passed through every manager call.
+
+Thread: any; keys and contexts are immutable values.
+"""
 
 from __future__ import annotations
 

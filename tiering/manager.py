@@ -13,6 +13,9 @@ and the step's promotions are submitted at ``on_schedule_end`` as one load job p
 Finished jobs are processed once before the step's first ``lookup``/``prepare_store`` and
 once in ``on_schedule_end``. A tier that raises is logged and its job counted as failed; no
 backend exception reaches the scheduler.
+
+Thread: the scheduler thread only (`drain` and `shutdown` may block; every other method
+returns in microseconds).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Mediums and where blocks sit in them: the load/store specs handed to workers, and the
-outputs and events of a manager (named apart from `tiering.spec`, which builds the engine)."""
+outputs and events of a manager (named apart from `tiering.spec`, which builds the engine).
+
+Thread: any; specs, outputs and events are values passed from the scheduler to workers.
+"""
 
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ A store checks the header and the payload's length as it reads (`parse_header`,
 `check_length`); the CRC is checked by `verify_payload` after every store layer (in
 `BlockStoreTier`), so a corruption anywhere below it is caught before the payload counts
 as loaded.
+
+Thread: any; pure functions (the stores call them on the loop or in their pool threads).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A block store declares its keys as a pydantic model (`BlockStore.Options`); a tier class
 written from scratch declares them as its constructor's keyword arguments (type hints, with
-their constraints, and defaults) or as a pydantic model in its ``config_model`` attribute.
+their constraints, and defaults).
 Options named ``*_bytes`` are sizes and take strings such as ``"8GiB"``; no float may be NaN
 or infinite; unknown keys are rejected. The types below give options their ranges. Used at
 construction time, from any one thread.
@@ -69,11 +69,8 @@ _GIVEN = {"self", "offloading_spec", "primary_kv_view", "tier_type"}  # passed b
 
 @functools.cache
 def constructor_options(cls: type) -> type[BaseModel]:
-    """The options model of a tier class: its ``config_model`` attribute when it has one,
-    else one derived from its constructor's keyword arguments (see the module docstring)."""
-    explicit = getattr(cls, "config_model", None)
-    if explicit is not None:
-        return explicit
+    """The options model of a tier class, derived from its constructor's keyword arguments
+    (see the module docstring)."""
     init = cls.__init__  # type: ignore[misc]  # the class's own constructor is what we read
     hints = typing.get_type_hints(init, include_extras=True)
     fields: dict[str, Any] = {}

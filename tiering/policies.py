@@ -2,6 +2,8 @@
 
 A policy orders the resident blocks and picks victims; it never frees rows itself. A block
 whose ref count is not 0 (a write in flight, or readers) is never picked.
+
+Thread: the scheduler thread only, through the primary tier.
 """
 
 from __future__ import annotations
@@ -26,10 +28,6 @@ class BlockStatus:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = -1
-
-    @property
-    def is_ready(self) -> bool:
-        return self.ref_cnt >= 0
 
     def __repr__(self) -> str:
         return f"BlockStatus(block_id={self.block_id}, ref_cnt={self.ref_cnt})"

@@ -1,4 +1,7 @@
-"""The secondary-tier contract: jobs, results and `SecondaryTierManager`."""
+"""The secondary-tier contract: jobs, results and `SecondaryTierManager`.
+
+Thread: every `SecondaryTierManager` method is called from the scheduler thread.
+"""
 
 from __future__ import annotations
 

@@ -24,6 +24,10 @@ Lifecycle, safe against races and crashes:
 - The creator allocates the whole file up front (`posix_fallocate`): a region larger than
   the free shared memory fails at start with ENOSPC, never with SIGBUS mid-run.
 - `cleanup()` unmaps and closes; the creator also unlinks the file.
+
+Thread: the thread that builds the engine (scheduler process) or a worker (worker
+process) creates and cleans it up; the rows themselves are read and written by the
+handlers' copy threads and the tiers' I/O.
 """
 
 from __future__ import annotations

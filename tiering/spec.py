@@ -5,6 +5,9 @@ Sizing: an offloaded block is ``block_size`` tokens of KV for every layer; its b
 fills its slot of every CPU row). The primary tier has ``cpu_bytes_to_use // bytes_per_block``
 rows. The layout fingerprint (model, block size, bytes per block, dtype, world size) names
 the secondary tiers' namespace, so engines of another layout never read these blocks.
+
+Thread: the thread that starts the engine (`get_manager`, `shutdown`); workers call
+`create_handlers` on their own.
 """
 
 from __future__ import annotations

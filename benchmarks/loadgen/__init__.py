@@ -1,0 +1,27 @@
+"""`tiering-bench`, the load generator: replays a request trace through the real engine.
+
+Thread: a command-line tool; the main thread is the scheduler.
+"""
+
+from __future__ import annotations
+
+import sys
+
+BENCH_MODULES = ("rich", "torch", "matplotlib", "prometheus_client")  # what the ``bench`` extra installs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``tiering-bench`` command. Without the ``bench`` extra it says what to install
+    and exits 2 instead of failing on an import."""
+    try:
+        from tiering.benchmarks.loadgen import cli
+    except ImportError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in BENCH_MODULES:
+            raise
+        print(
+            f"tiering-bench needs the 'bench' extra ({missing} is not installed): pip install 'kv-tiering[bench]'",
+            file=sys.stderr,
+        )
+        return 2
+    return cli.main(argv)

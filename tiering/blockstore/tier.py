@@ -25,17 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from tiering.blockstore import outbox
 from tiering.blockstore.index import BlockIndex
-from tiering.blockstore.outbox import (
-    DeletesDone,
-    LoadDone,
-    Outbox,
-    Outcome,
-    PingDone,
-    ProbeDone,
-    RowsReleased,
-    StoreDone,
-)
+from tiering.blockstore.outbox import LoadDone, Outbox, StoreDone
 from tiering.blockstore.settings import BlockStoreSettings
 from tiering.blockstore.store import BlockStore
 from tiering.blockstore.worker import BlockWorker
@@ -196,13 +188,13 @@ class BlockStoreTier(SecondaryTierManager):
         for outcome in self._outbox.take():
             self._count_failures(outcome)
             match outcome:
-                case PingDone():
+                case outbox.PingDone():
                     self.health.probe_result(not outcome.errors)
-                case RowsReleased():
+                case outbox.RowsReleased():
                     self._released.append(outcome.job_id)
-                case DeletesDone():
+                case outbox.DeletesDone():
                     pass
-                case ProbeDone():
+                case outbox.ProbeDone():
                     self.health.record(int(outcome.found), outcome.errors)
                     self._apply_probe(outcome)
                 case StoreDone() | LoadDone():
@@ -255,7 +247,7 @@ class BlockStoreTier(SecondaryTierManager):
         if self._closed:
             return
         if not self.health.healthy and self.health.probe_due():
-            self._submit(self._worker.start_ping, PingDone())
+            self._submit(self._worker.start_ping, outbox.PingDone())
         self._runtime.flush()
 
     def has_pending_work(self) -> bool:
@@ -328,7 +320,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._outbox.task_started()
         self._runtime.submit(partial(start, *args))
 
-    def _count_failures(self, outcome: Outcome) -> None:
+    def _count_failures(self, outcome: outbox.Outcome) -> None:
         for reason, error in outcome.failures:
             count = self.failures[reason] = self.failures[reason] + 1
             if count & (count - 1) == 0:  # 1, 2, 4, 8, ...: a trace of every reason, never a flood
@@ -372,10 +364,10 @@ class BlockStoreTier(SecondaryTierManager):
             now = time.monotonic()
             self._probes = {k: v for k, v in self._probes.items() if v is None or v > now}
         self._probes[key] = None
-        self._submit(self._worker.start_probe, ProbeDone(key=key))
+        self._submit(self._worker.start_probe, outbox.ProbeDone(key=key))
         return None
 
-    def _apply_probe(self, done: ProbeDone) -> None:
+    def _apply_probe(self, done: outbox.ProbeDone) -> None:
         if not done.found:
             self._probes[done.key] = time.monotonic() + self.settings.negative_ttl_s
             return

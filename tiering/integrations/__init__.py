@@ -1,1 +1,4 @@
-"""Adapters to serving engines (optional extras; importing `tiering` imports none of them)."""
+"""Adapters to serving engines (optional extras; importing `tiering` imports none of them).
+
+Thread: see each adapter.
+"""

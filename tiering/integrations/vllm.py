@@ -35,6 +35,9 @@ The class is `KVTieringOffloadingSpec`: vLLM's factory looks ``spec_name`` up in
 registry before it reads ``spec_module_path``, and vLLM registers a ``TieringOffloadingSpec``
 of its own, so a spec of that name here would never be loaded. `TieringOffloadingSpec` is
 an alias for imports.
+
+Thread: vLLM's scheduler thread calls `_Manager`; each worker process's thread calls
+`_Worker`; what they call is documented with the engine's classes.
 """
 
 from __future__ import annotations

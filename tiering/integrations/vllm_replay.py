@@ -10,6 +10,8 @@ in the trace), a prompt is cut to fit the model, and each request generates
 ``--max-tokens`` tokens, one request after the other. Reported: prompt tokens, tokens vLLM
 found cached (its own prefix cache and this engine together), vLLM's ``kv_offload``
 byte counters, and the engine's stats.
+
+Thread: a command-line tool; the main thread drives vLLM.
 """
 
 from __future__ import annotations

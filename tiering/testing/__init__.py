@@ -1,6 +1,9 @@
 """Conformance suites a tier's own tests subclass (needs the ``testing`` extra: pytest and
 pytest-asyncio): `BlockStoreSuite` for a `BlockStore`, `TierContractSuite` for any
-`SecondaryTierManager`. Every store and tier of this project runs both."""
+`SecondaryTierManager`. Every store and tier of this project runs both.
+
+Thread: pytest's.
+"""
 
 from tiering.testing.block_store import BlockStoreSuite, StoreKit
 from tiering.testing.tier_contract import TierContractSuite, TierKit
