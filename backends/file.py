@@ -99,7 +99,8 @@ class FileOptions(BaseModel):
 
     Attributes:
         root_dir: the directory holding the tier's files (required; see `check_root_dir`).
-        io_threads: threads of the tier's pool (default: the tier's `max_concurrency`).
+        io_threads: threads of each of the tier's two pools, one for writes and deletes, one
+            for reads (default: the tier's `max_concurrency`).
         fsync: `fsync` every file before it becomes visible (durable across power loss).
         direct_io: bypass the page cache with O_DIRECT where the filesystem allows.
     """
@@ -118,7 +119,8 @@ class FileBlockStore(BlockStore):
     Args:
         root_dir: the tier's directory (created 0700 with its missing parents).
         fingerprint: the layout fingerprint; it names the namespace directory.
-        io_threads: threads of the store's pool, that is block operations run at once.
+        io_threads: threads of each of the store's pools (writes and deletes; reads), that
+            is block operations of each kind run at once.
         fsync: `fsync` each file before renaming it into place (durable across power loss).
         direct_io: use O_DIRECT where the filesystem supports it.
 
@@ -155,21 +157,24 @@ class FileBlockStore(BlockStore):
         self.fsync = fsync
         self.direct_io = direct_io
         self._io_threads = io_threads
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # writes, deletes, the scan
+        self._read_pool: ThreadPoolExecutor | None = None  # reads: a promotion never queues behind writes
         self._fd = -1  # the namespace directory, open from `open` to `close`
 
     def path(self, key: OffloadKey) -> Path:
         """The file of `key` (for operators and tests: the store itself never uses paths)."""
         return self.directory / file_io.shard(key) / file_io.object_name(key)
 
-    async def _run(self, func: Callable[..., T], *args: Any) -> T:
-        """``func(*args)`` in one hop to the store's pool; never abandoned once running."""
+    async def _run(self, func: Callable[..., T], *args: Any, read: bool = False) -> T:
+        """``func(*args)`` in one hop to the store's write pool (or its read pool); never
+        abandoned once running."""
         self.check_open()
         with anyio.CancelScope(shield=True):
-            return await self._hop(func, *args)
+            return await self._hop(self._read_pool if read else self._pool, func, *args)
 
-    async def _hop(self, func: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(func, *args))
+    @staticmethod
+    async def _hop(pool: ThreadPoolExecutor | None, func: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, partial(func, *args))
 
     async def open(self) -> None:
         """Create (or check) the directories and probe O_DIRECT.
@@ -180,8 +185,9 @@ class FileBlockStore(BlockStore):
             OSError: `root_dir` cannot be created or is not a directory.
         """
         self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tiering-file")
+        self._read_pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tiering-file-read")
         try:
-            self._fd = await self._hop(file_io.open_namespace, self.root_dir, self.directory.name)
+            self._fd = await self._hop(self._pool, file_io.open_namespace, self.root_dir, self.directory.name)
             await super().open()
             if self.direct_io and not await self._run(file_io.supports_direct_io, self._fd):
                 logger.warning("file tier %s: O_DIRECT is not supported here; using buffered I/O", self.directory)
@@ -192,9 +198,10 @@ class FileBlockStore(BlockStore):
 
     async def close(self) -> None:
         await super().close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        for pool in (self._pool, self._read_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._read_pool = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -203,7 +210,7 @@ class FileBlockStore(BlockStore):
         await self._run(file_io.write_object, self._fd, key, payload, self.fingerprint, self.fsync, self.direct_io)
 
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
-        return await self._run(file_io.read_object, self._fd, key, into, self.fingerprint, self.direct_io)
+        return await self._run(file_io.read_object, self._fd, key, into, self.fingerprint, self.direct_io, read=True)
 
     async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
         """All puts in one hop, one after the other in one pool thread."""
@@ -213,10 +220,10 @@ class FileBlockStore(BlockStore):
     async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
         """All gets in one hop, one after the other in one pool thread."""
         calls = [(self._fd, key, into, self.fingerprint, self.direct_io) for key, into in items]
-        return await self._run(file_io.each, file_io.read_object, calls)
+        return await self._run(file_io.each, file_io.read_object, calls, read=True)
 
     async def exists(self, key: OffloadKey) -> bool:
-        return await self._run(file_io.exists, self._fd, key)
+        return await self._run(file_io.exists, self._fd, key, read=True)
 
     async def delete_many(self, keys: Collection[OffloadKey]) -> None:
         await self._run(file_io.delete_all, self._fd, list(keys))

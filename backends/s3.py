@@ -126,8 +126,9 @@ class S3BlockStore(BlockStore):
 
     @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> S3BlockStore:
-        """A store of the tier's config, with a connection pool as large as `max_concurrency`."""
-        return cls(fingerprint, **dict(options), max_pool_connections=settings.max_concurrency)
+        """A store of the tier's config, with connections for both lanes of requests (loads,
+        stores: `max_concurrency` each)."""
+        return cls(fingerprint, **dict(options), max_pool_connections=2 * settings.max_concurrency)
 
     @classmethod
     def check_config(cls, options: BaseModel, settings: BlockStoreSettings) -> None:

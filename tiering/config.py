@@ -38,10 +38,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from tiering.admission import AdmissionConfig
 from tiering.context import tier_name_problem, unique_names
 from tiering.errors import ConfigError, TierConfigError
 from tiering.factory import SecondaryTierFactory, check_tier_options
-from tiering.options import Size, describe_error, join_path, key_path, set_options
+from tiering.options import Size, describe_error, join_path, key_path, set_options, validate_options
 from tiering.policies import cache_policy_names
 
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -176,7 +177,13 @@ def _check_tier(tier: Any, path: str, problems: list[tuple[str, str]]) -> dict[s
     if problem is not None:
         problems.append((f"{path}.name", problem))
         return None
-    locators = {key: tier[key] for key in ("name", "module_path", "class_name") if key in tier}
+    if "admission" in tier:
+        try:
+            tier = {**tier, "admission": set_options(validate_options(AdmissionConfig, tier["admission"] or {}, path))}
+        except TierConfigError as exc:
+            problems.extend(exc.located(f"{path}.admission"))
+            return None
+    locators = {key: tier[key] for key in ("name", "module_path", "class_name", "admission") if key in tier}
     return {"type": tier_type, **locators, **checked}
 
 

@@ -14,7 +14,8 @@ A registered class is either
   `tiering.options.constructor_options`).
 
 Reserved keys of every tier config: ``type``, ``name`` (the tier's name in stats, metrics
-and logs; default: the type), ``module_path``, ``class_name``. Used at construction time,
+and logs; default: the type), ``module_path``, ``class_name``, and ``admission`` (what the
+manager lets through to the tier: `tiering.admission.AdmissionConfig`). Used at construction time,
 from any one thread.
 """
 
@@ -35,7 +36,7 @@ from tiering.options import STRICT, constructor_options, set_options, validate_o
 from tiering.secondary import SecondaryTierManager
 
 ENTRY_POINT_GROUP = "tiering.secondary_tiers"
-RESERVED_KEYS = ("type", "name", "module_path", "class_name")
+RESERVED_KEYS = ("type", "name", "module_path", "class_name", "admission")
 
 TierClass = type[SecondaryTierManager] | type[BlockStore]
 

@@ -2,7 +2,9 @@
 
 Store path (cascade): ``complete_store`` makes blocks loadable in the primary tier and, at
 once, submits one store job per secondary tier, each holding one read reference on every
-block's row until the tier reports the job.
+block's row until the tier reports the job. Each tier's `TierAdmission` decides which of the
+blocks it gets (a bound on the rows it pins, shedding while it is behind, a reuse filter);
+the others stay in the primary tier only.
 
 Load path (promotion): a ``lookup`` that misses the primary tier asks the secondary tiers in
 order; the first that has the block gets it promoted. A primary row is reserved at once
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from tiering.abstract import OffloadingManager
+from tiering.admission import AdmissionConfig, TierAdmission
 from tiering.context import unique_names
 from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
 from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
@@ -67,6 +70,7 @@ class TieringOffloadingManager(OffloadingManager):
         secondary_tiers: Sequence[SecondaryTierManager] | None = None,
         enable_events: bool = False,
         drain_timeout_s: float = 30.0,
+        admission: Sequence[AdmissionConfig | None] | None = None,
     ):
         """
         Args:
@@ -74,6 +78,11 @@ class TieringOffloadingManager(OffloadingManager):
             secondary_tiers: looked up in this order on a primary miss.
             enable_events: return the tiers' events from `take_events`.
             drain_timeout_s: how long `reset_cache` waits for each tier's jobs, seconds.
+            admission: per secondary tier, in order, its `AdmissionConfig` (None, or a
+                shorter list: the defaults).
+
+        Raises:
+            ValueError: more admission configs than tiers.
         """
         self.primary_tier = primary_tier
         self.secondary_tiers = list(secondary_tiers or ())
@@ -87,6 +96,13 @@ class TieringOffloadingManager(OffloadingManager):
         self._polled_this_step = False
         self._shut_down = False
         self.tier_names = unique_names([getattr(tier, "name", tier.tier_type) for tier in self.secondary_tiers])
+        configs = list(admission or ())
+        if len(configs) > len(self.secondary_tiers):
+            raise ValueError(f"{len(configs)} admission configs for {len(self.secondary_tiers)} secondary tiers")
+        configs += [None] * (len(self.secondary_tiers) - len(configs))
+        row_bytes = primary_tier.get_kv_memoryview().nbytes // max(1, primary_tier.num_blocks)
+        default_max_rows = primary_tier.num_blocks // (2 * max(1, len(configs)))
+        self.admission = [TierAdmission(config or AdmissionConfig(), default_max_rows, row_bytes) for config in configs]
         self._counters = {"promotions_submitted": 0, "cascades_submitted": 0}
         self._listeners: list[list[Any]] = []  # [callback, interval_s, next due]
 
@@ -148,9 +164,12 @@ class TieringOffloadingManager(OffloadingManager):
             return
         for key in stored:
             self._sources.pop(key, None)
-        for tier_idx in range(len(self.secondary_tiers)):
-            spec = self.primary_tier.prepare_read(stored, req_context)
-            self._submit(tier_idx, list(stored), spec.block_ids, False, req_context)
+        for tier_idx, admission in enumerate(self.admission):
+            admitted = admission.admit(stored)
+            if not admitted:
+                continue
+            spec = self.primary_tier.prepare_read(admitted, req_context)
+            self._submit(tier_idx, admitted, spec.block_ids, False, req_context)
             self._counters["cascades_submitted"] += 1
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -200,11 +219,15 @@ class TieringOffloadingManager(OffloadingManager):
     def get_stats(self) -> dict[str, Any]:
         """``{"primary": stats, "tiers": {name: stats}, "manager": {...}}``: the primary
         tier's and each secondary tier's `get_stats()` (see `tiering.stats`), by name
-        (`tier_names`), and the manager's own counters and gauges. Scheduler thread."""
-        tiers = {
-            name: _guarded(tier, "get_stats", {"counters": {}, "gauges": {}})
-            for name, tier in zip(self.tier_names, self.secondary_tiers, strict=True)
-        }
+        (`tier_names`), with its admission's counters (``cascades_admitted``,
+        ``cascades_dropped``, ``cascades_filtered``) and gauge (``rows_in_flight``), and the
+        manager's own counters and gauges. Scheduler thread."""
+        tiers = {}
+        for name, tier, admission in zip(self.tier_names, self.secondary_tiers, self.admission, strict=True):
+            stats = dict(_guarded(tier, "get_stats", {"counters": {}, "gauges": {}}))
+            stats["counters"] = {**stats.get("counters", {}), **admission.counters}
+            stats["gauges"] = {**stats.get("gauges", {}), "rows_in_flight": admission.rows_in_flight}
+            tiers[name] = stats
         manager = {
             **self._counters,
             "jobs_in_flight": len(self._jobs),
@@ -322,12 +345,16 @@ class TieringOffloadingManager(OffloadingManager):
                 promoted = primary.complete_write(job.keys, job.req_context, success)
                 self._remember_sources(promoted, job.tier_idx)
             else:
-                primary.complete_read(job.keys, job.req_context)
+                self._end_cascade(job, success)
         elif job.is_promotion:
             rows = primary.quarantine_writes(job.keys, job.req_context)
             self._held[(held_by, job_id)] = lambda: primary.release_rows(rows)
         else:  # a cascade: its rows stay pinned
-            self._held[(held_by, job_id)] = lambda: primary.complete_read(job.keys, job.req_context)
+            self._held[(held_by, job_id)] = lambda: self._end_cascade(job, success=False)
+
+    def _end_cascade(self, job: _Job, success: bool) -> None:
+        self.primary_tier.complete_read(job.keys, job.req_context)
+        self.admission[job.tier_idx].finished(len(job.keys), success)
 
 
 def _guarded(tier: SecondaryTierManager, method: str, default: Any, *args: Any) -> Any:

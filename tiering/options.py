@@ -93,7 +93,7 @@ def validate_options(model: type[BaseModel], options: Mapping[str, Any], source:
             keys fails; one problem per key, `source` naming the tier.
     """
     try:
-        return model.model_validate(dict(options))
+        return model.model_validate(dict(options) if isinstance(options, Mapping) else options)
     except ValidationError as exc:
         known = list(model.model_fields)
         problems = [(key_path(error["loc"]), describe_error(error, known)) for error in exc.errors()]

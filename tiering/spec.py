@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tiering.admission import AdmissionConfig
 from tiering.config import TieringConfig
 from tiering.context import TierContext
 from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
@@ -193,7 +194,8 @@ class TieringOffloadingSpec:
                 region.cleanup()
             self.async_runtime.shutdown()
             raise
-        self._manager = TieringOffloadingManager(primary, tiers, self.enable_events)
+        admission = [AdmissionConfig(**tier.get("admission", {})) for tier in self.config.secondary_tiers]
+        self._manager = TieringOffloadingManager(primary, tiers, self.enable_events, admission=admission)
         if self.config.metrics is not None:
             self._start_exporter()
         logger.info(

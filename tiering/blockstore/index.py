@@ -73,15 +73,30 @@ class BlockIndex:
         """The entry of `key`, or None if not held."""
         return self._entries.get(key)
 
-    def reserve(self, key: OffloadKey, size: int, evicted: list[OffloadKey]) -> bool:
-        """Hold `key` as being stored, evicting idle least-recent keys (appended to
-        `evicted`) to make room. False, with nothing changed but the evictions made so far,
-        if it cannot fit."""
-        if not self._make_room(size, evicted):
-            return False
-        self._entries[key] = Entry(size)
-        self.used_bytes += size
-        return True
+    def reserve_all(
+        self,
+        items: Iterable[tuple[OffloadKey, int]],
+        object_bytes: Callable[[OffloadKey], int],
+        evicted: list[OffloadKey],
+    ) -> tuple[list[tuple[OffloadKey, int]], bool]:
+        """Hold each (key, row) of `items` not held yet as being stored, evicting idle
+        least-recent keys (appended to `evicted`) to make room for its `object_bytes(key)`.
+
+        Returns:
+            The items reserved, and whether every item not held yet found room.
+        """
+        entries, reserved, complete = self._entries, [], True
+        for key, row in items:
+            if key in entries:
+                continue
+            size = object_bytes(key)
+            if not self._make_room(size, evicted):
+                complete = False
+                continue
+            entries[key] = Entry(size)
+            self.used_bytes += size
+            reserved.append((key, row))
+        return reserved, complete
 
     def add_stored(self, key: OffloadKey, size: int) -> list[OffloadKey]:
         """Hold an object that already exists (recovered, or found by a probe) as the most
@@ -153,8 +168,8 @@ class BlockIndex:
         return self.room_bytes
 
     def _make_room(self, size: int, evicted: list[OffloadKey]) -> bool:
-        limit = self.limit()
-        if limit is None:
+        limit = self.capacity_bytes if self.room_bytes is None else self.limit()
+        if limit is None or self.used_bytes + size <= limit:
             return True
         if size > limit:
             return False

@@ -8,8 +8,10 @@ which wakes the loop once. Nothing blocks except `drain` and `shutdown`.
 The loop half is `tiering.blockstore.worker.BlockWorker`; the two meet only in the
 `Outbox`, whose outcomes `get_finished` applies to the index.
 
-Rules: a key is in flight (lookup None) from `submit_store` until its job is reported; a
-block being read is never evicted; a load that finds a missing or corrupt object drops the
+Deletes of evicted objects are deferred to the end of the step and sent as one batch; a key
+evicted and stored again within the step is not deleted at all (the put replaces the
+object). Rules: a key is in flight (lookup None) from `submit_store` until its job is
+reported; a block being read is never evicted; a load that finds a missing or corrupt object drops the
 key; a job succeeds only if all its blocks do; every job is reported exactly once, also
 when the tier shuts down with it in flight (as failed).
 """
@@ -101,6 +103,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._probes: dict[OffloadKey, float | None] = {}  # None: in flight; else absent until
         self._object_bytes: dict[int, int] = {}  # by key length
         self._released: list[int] = []
+        self._evicted: dict[OffloadKey, None] = {}  # objects to delete at the end of the step
         self._closed = False
         batch_blocks = max(1, settings.batch_bytes // max(1, self.row_bytes))
         self._worker = BlockWorker(
@@ -120,6 +123,7 @@ class BlockStoreTier(SecondaryTierManager):
             raise
         for key, size in recovered:
             self._add_stored(key, size)
+        self._flush_deletes()
         self._runtime.flush()
         logger.info("tier %s: recovered %d blocks (%d bytes)", self.name, len(self._index), self.used_bytes)
 
@@ -151,20 +155,19 @@ class BlockStoreTier(SecondaryTierManager):
         writing them. A block that finds no room fails the job, the others still go."""
         self._job_started[job_metadata.job_id] = time.perf_counter()
         done = StoreDone(job_id=job_metadata.job_id)
-        items: list[tuple[OffloadKey, int]] = []
         evicted: list[OffloadKey] = []
-        refuse = self._closed or not self.health.healthy
-        for key, block_id in zip(job_metadata.keys, job_metadata.block_ids, strict=True):
-            if key in self._index:
-                continue
-            if refuse or not self._index.reserve(key, self.object_bytes(key), evicted):
-                done.complete = False
-                continue
-            self._probes.pop(key, None)
-            items.append((key, int(block_id)))
+        items: list[tuple[OffloadKey, int]]
+        jobs_items = zip(job_metadata.keys, job_metadata.block_ids.tolist(), strict=True)
+        if self._closed or not self.health.healthy:
+            items, done.complete = [], all(key in self._index for key in job_metadata.keys)
+        else:
+            items, done.complete = self._index.reserve_all(jobs_items, self.object_bytes, evicted)
         done.keys = [key for key, _ in items]
-        if evicted:
-            self._submit(self._worker.start_delete, evicted)
+        for pending in (self._probes, self._evicted):
+            if pending:  # a probe's answer, or a deferred delete, is moot once the key is stored
+                for key in done.keys:
+                    pending.pop(key, None)
+        self._evicted.update(dict.fromkeys(evicted))
         if items:
             self._submit(self._worker.start_store, done, items)
         else:
@@ -248,6 +251,7 @@ class BlockStoreTier(SecondaryTierManager):
             return
         if not self.health.healthy and self.health.probe_due():
             self._submit(self._worker.start_ping, outbox.PingDone())
+        self._flush_deletes()
         self._runtime.flush()
 
     def has_pending_work(self) -> bool:
@@ -262,6 +266,7 @@ class BlockStoreTier(SecondaryTierManager):
         if self._runtime.in_loop_thread():
             raise RuntimeError(f"tier {self.name}: drain() from the loop thread would deadlock")
         if not self._closed:  # after shutdown nothing new can start; only wait
+            self._flush_deletes()
             self._runtime.flush()
         return self._outbox.wait_idle(timeout_s)
 
@@ -376,6 +381,11 @@ class BlockStoreTier(SecondaryTierManager):
             self._add_stored(done.key, self.object_bytes(done.key))
 
     def _add_stored(self, key: OffloadKey, size: int) -> None:
-        evicted = self._index.add_stored(key, size)
-        if evicted:
-            self._submit(self._worker.start_delete, evicted)
+        self._evicted.pop(key, None)  # found again (a probe): keep the object
+        self._evicted.update(dict.fromkeys(self._index.add_stored(key, size)))
+
+    def _flush_deletes(self) -> None:
+        """Send the step's deletes of evicted objects as one job."""
+        if self._evicted:
+            self._submit(self._worker.start_delete, list(self._evicted))
+            self._evicted.clear()

@@ -1,9 +1,11 @@
 """`BlockWorker`: the loop-thread half of a block-store tier.
 
 Loop thread only: every method runs on the tier's event loop (the ``start_*`` methods as
-callbacks the scheduler thread queued with `AsyncRuntime.submit`). It runs the store calls,
-at most `max_concurrency` at once, each under `op_timeout_s`, fills in the job's outcome
-and puts it in the `Outbox`. It never touches the index.
+callbacks the scheduler thread queued with `AsyncRuntime.submit`). It runs the store calls
+in three lanes, each under `op_timeout_s`: loads and existence probes (what a request waits
+for) at most `max_concurrency` at once, stores at most `max_concurrency` at once, and deletes
+one call at a time, so a promotion never queues behind cascade writes or deletes. It fills
+in the job's outcome and puts it in the `Outbox`; it never touches the index.
 
 Rules kept here: an evicted key's delete finishes before a new put of the same key starts;
 a load's payload CRC is checked above the store (a wrapping store is checked too), off the
@@ -70,7 +72,9 @@ class BlockWorker:
         self.store = store
         self._rows = rows
         self._outbox = outbox
-        self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._store_lane = anyio.CapacityLimiter(max_concurrency)
+        self._load_lane = anyio.CapacityLimiter(max_concurrency)
+        self._delete_lane = anyio.CapacityLimiter(1)
         self._op_timeout_s = op_timeout_s
         self._batch_blocks = batch_blocks
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -226,7 +230,8 @@ class BlockWorker:
     async def _io(self, done: JobDone, operation: Callable[..., Awaitable[list[T]]], batch: Items) -> list[Any]:
         """One store call for a batch (see `_call`); if the call itself fails, every block of
         the batch fails with its error."""
-        outcome = await self._call(done, operation, [(key, memoryview(self._rows[row])) for key, row in batch])
+        lane = self._load_lane if isinstance(done, LoadDone) else self._store_lane
+        outcome = await self._call(done, lane, operation, [(key, memoryview(self._rows[row])) for key, row in batch])
         if isinstance(outcome, Exception):
             return [outcome] * len(batch)
         if len(outcome) != len(batch):
@@ -234,20 +239,20 @@ class BlockWorker:
         return outcome
 
     async def _probe(self, done: ProbeDone) -> None:
-        outcome = await self._call(None, self.store.exists, done.key)
+        outcome = await self._call(None, self._load_lane, self.store.exists, done.key)
         if isinstance(outcome, Exception):
             done.failed("probe", outcome)
         else:
             done.found = bool(outcome)
 
     async def _ping(self, done: PingDone) -> None:
-        outcome = await self._call(None, self.store.ping)
+        outcome = await self._call(None, self._load_lane, self.store.ping)
         if isinstance(outcome, Exception):
             done.failed("ping", outcome)
 
     async def _delete(self, done: Outcome, keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
         try:
-            outcome = await self._call(None, self.store.delete_many, keys)
+            outcome = await self._call(None, self._delete_lane, self.store.delete_many, keys)
             if isinstance(outcome, Exception):
                 done.failed("delete", outcome, sick=False)
         finally:
@@ -257,8 +262,14 @@ class BlockWorker:
                     if self._deleting.get(key) is deleted:
                         del self._deleting[key]
 
-    async def _call(self, done: JobDone | None, operation: Callable[..., Awaitable[T]], *args: Any) -> T | Exception:
-        """``await operation(*args)`` under the concurrency limit, in a task of its own so
+    async def _call(
+        self,
+        done: JobDone | None,
+        lane: anyio.CapacityLimiter,
+        operation: Callable[..., Awaitable[T]],
+        *args: Any,
+    ) -> T | Exception:
+        """``await operation(*args)`` within its `lane`'s limit, in a task of its own so
         that the caller gets an answer within `op_timeout_s` whatever the store does: the
         result, the exception it raised, or a `TimeoutError`.
 
@@ -274,7 +285,7 @@ class BlockWorker:
         async def call() -> None:
             try:
                 with scope:
-                    async with self._limiter:
+                    async with lane:
                         result.append(await operation(*args))
             except Exception as exc:
                 result.append(exc)

@@ -1,0 +1,165 @@
+"""Admission in front of a secondary tier: which cascades it gets, and which it is spared.
+
+Thread: the scheduler thread only (the manager calls every method).
+
+A cascade pins its blocks' primary rows until the tier reports the job, so a tier slower
+than the store rate would pin the whole primary tier and starve the GPU's stores. Each
+secondary tier therefore has a `TierAdmission`, configured under the tier's ``admission``
+key (`AdmissionConfig`):
+
+- **A bound** on the rows its cascades pin at once (``max_rows_in_flight``, by default half
+  the primary rows shared between the tiers): blocks beyond it are not cascaded
+  (``cascades_dropped``). A cascade that finds nothing in flight always goes whole, so a
+  job larger than the bound is never starved.
+- **Adaptive shedding**: the tier's service rate is measured (bytes it finished per second
+  of busy time, smoothed); a cascade is dropped when the bytes already in flight would take
+  longer than ``max_backlog_s`` at that rate. A tier that keeps up never has such a backlog,
+  so it drops nothing; before the first measurement only the bound applies.
+- **A reuse filter** (``min_reuse``): only blocks stored at least N times (a count-min
+  sketch of block keys, halved every ``reuse_window`` stores so old popularity fades) are
+  cascaded; the others are ``cascades_filtered``.
+
+Dropped and filtered blocks stay in the primary tier; only the copy to this tier is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from tiering.keys import OffloadKey
+from tiering.options import STRICT, Count, Seconds
+
+_SKETCH_ROWS, _SKETCH_WIDTH = 4, 1 << 16
+_RATE_HALF_LIFE_S = 1.0  # busy seconds over which the measured service rate halves its memory
+
+
+class AdmissionConfig(BaseModel):
+    """The ``admission`` key of a secondary tier's config.
+
+    Attributes:
+        max_rows_in_flight: primary rows this tier's cascades may pin at once; None: half
+            the primary rows divided by the number of secondary tiers.
+        max_backlog_s: drop cascades while the bytes in flight would take longer than this
+            at the tier's measured rate, seconds; None: no adaptive shedding.
+        min_reuse: cascade only blocks stored at least this many times (1: every block).
+        reuse_window: stores after which the reuse counts are halved.
+    """
+
+    model_config = ConfigDict(**STRICT, frozen=True)
+
+    max_rows_in_flight: Count | None = None
+    max_backlog_s: Seconds | None = 1.0
+    min_reuse: Count = 1
+    reuse_window: Count = 100_000
+
+
+class ReuseSketch:
+    """A count-min sketch of how often keys were seen, with aging (halving)."""
+
+    def __init__(self, window: int):
+        self._counts = np.zeros((_SKETCH_ROWS, _SKETCH_WIDTH), dtype=np.uint32)
+        self._window = window
+        self._seen = 0
+
+    def add(self, key: OffloadKey) -> int:
+        """Count one sighting of `key`; returns its estimated count, this one included."""
+        cells = self._cells(key)
+        counts = self._counts
+        for row, cell in enumerate(cells):
+            counts[row, cell] += 1
+        self._seen += 1
+        if self._seen >= self._window:
+            counts >>= 1
+            self._seen = 0
+        return int(min(counts[row, cell] for row, cell in enumerate(cells)))
+
+    @staticmethod
+    def _cells(key: OffloadKey) -> list[int]:
+        digest = hashlib.blake2b(key, digest_size=2 * _SKETCH_ROWS).digest()
+        return [int.from_bytes(digest[2 * i : 2 * i + 2], "little") for i in range(_SKETCH_ROWS)]
+
+
+class TierAdmission:
+    """Decides, per cascade, which blocks a tier gets; tracks what it holds pinned.
+
+    Attributes:
+        rows_in_flight: primary rows pinned by this tier's unreported cascades.
+        counters: ``cascades_admitted``, ``cascades_dropped`` (bound or backlog),
+            ``cascades_filtered`` (reuse), in blocks.
+    """
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        default_max_rows: int,
+        row_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """
+        Args:
+            config: the tier's admission settings.
+            default_max_rows: the bound on rows in flight when the config sets none.
+            row_bytes: bytes of one primary row (one block).
+            clock: seconds, monotonic (tests pass their own).
+        """
+        self.config = config
+        self.max_rows = config.max_rows_in_flight or max(1, default_max_rows)
+        self.row_bytes = row_bytes
+        self.rows_in_flight = 0
+        self.counters = {"cascades_admitted": 0, "cascades_dropped": 0, "cascades_filtered": 0}
+        self._sketch = ReuseSketch(config.reuse_window) if config.min_reuse > 1 else None
+        self._clock = clock
+        self._rate = 0.0  # bytes per busy second, smoothed; 0: not measured yet
+        self._last = clock()
+
+    def admit(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """The leading blocks of a cascade of `keys` this tier takes now (they count as in
+        flight until `finished`); the rest are counted as dropped or filtered."""
+        wanted = list(keys)
+        if self._sketch is not None:
+            sketch, min_reuse = self._sketch, self.config.min_reuse
+            wanted = [key for key in keys if sketch.add(key) >= min_reuse]
+            self.counters["cascades_filtered"] += len(keys) - len(wanted)
+        room = self.max_rows - self.rows_in_flight if self.rows_in_flight else len(wanted)
+        if self._behind():
+            room = 0
+        admitted = wanted[: max(0, room)]
+        self.counters["cascades_dropped"] += len(wanted) - len(admitted)
+        self.counters["cascades_admitted"] += len(admitted)
+        self._account_busy_time()
+        self.rows_in_flight += len(admitted)
+        return admitted
+
+    def finished(self, blocks: int, success: bool) -> None:
+        """A cascade of `blocks` blocks was reported; its rows are no longer pinned. Its
+        bytes count towards the measured rate only if it succeeded."""
+        self._account_busy_time(blocks * self.row_bytes if success else 0)
+        self.rows_in_flight -= blocks
+
+    @property
+    def backlog_s(self) -> float | None:
+        """Seconds the bytes in flight would take at the measured rate (None: no rate yet)."""
+        return self.rows_in_flight * self.row_bytes / self._rate if self._rate else None
+
+    def stats(self) -> dict[str, int | float | None]:
+        return {**self.counters, "rows_in_flight": self.rows_in_flight, "service_bytes_per_s": self._rate or None}
+
+    def _behind(self) -> bool:
+        limit, backlog = self.config.max_backlog_s, self.backlog_s
+        return limit is not None and backlog is not None and backlog > limit
+
+    def _account_busy_time(self, finished_bytes: int = 0) -> None:
+        """Fold the time since the last event into the rate: busy time if rows were in
+        flight, and the bytes that finished in it."""
+        now = self._clock()
+        elapsed, self._last = now - self._last, now
+        if self.rows_in_flight <= 0 or elapsed <= 0:
+            return
+        sample = finished_bytes / elapsed
+        weight = 1.0 - 0.5 ** (elapsed / _RATE_HALF_LIFE_S)
+        self._rate = sample if not self._rate else self._rate + weight * (sample - self._rate)
