@@ -103,7 +103,12 @@ def test_a_block_being_read_is_never_evicted():
 
 
 class SlowDeletes(MemoryBlockStore):
+    def __init__(self, fingerprint):
+        super().__init__(fingerprint)
+        self.delete_calls = []
+
     async def delete_many(self, keys):
+        self.delete_calls.append(sorted(keys))
         await anyio.sleep(0.3)
         await super().delete_many(keys)
 
@@ -114,13 +119,73 @@ def test_a_key_evicted_and_stored_again_is_deleted_before_the_new_put():
         tier.submit_store(job(0, [0, 1], [0, 1], False))
         assert tier.drain(10)
         tier.get_finished()
-        tier.submit_store(job(1, [2], [2], False))  # evicts 0: a slow delete starts
+        tier.submit_store(job(1, [2], [2], False))  # evicts 0
+        tier.on_schedule_end()  # the step ends: 0's (slow) delete starts
         tier.submit_store(job(2, [0], [0], False))  # evicts 1; this put must wait for 0's delete
         assert tier.drain(10)
         assert [r.success for r in tier.get_finished()] == [True, True]
         assert tier.lookup(key(0), CTX) is True
         assert sorted(tier.store.objects) == keys(0, 2)
     finally:
+        tier.shutdown()
+
+
+def test_a_steps_evictions_are_one_delete_and_a_key_stored_again_in_the_step_is_not_deleted():
+    tier = make_tier(SlowDeletes, capacity_objects=3)
+    try:
+        tier.submit_store(job(0, [0, 1, 2], [0, 1, 2], False))
+        assert tier.drain(10)
+        tier.get_finished()
+        tier.submit_store(job(1, [3], [3], False))  # evicts 0
+        tier.submit_store(job(2, [4], [4], False))  # evicts 1
+        tier.submit_store(job(3, [0], [0], False))  # evicts 2, and stores 0 again: its delete is moot
+        assert tier.store.delete_calls == []  # deletes wait for the end of the step
+        assert tier.drain(10)  # (a drain ends the step too)
+        assert sorted(r.success for r in tier.get_finished()) == [True, True, True]
+        assert tier.store.delete_calls == [sorted(keys(1, 2))]
+        assert sorted(tier.store.objects) == sorted(keys(0, 3, 4))
+    finally:
+        tier.shutdown()
+
+
+class BlockablePuts(MemoryBlockStore):
+    """Puts wait, once `blocked`, until `release` is set (a disk stuck behind a write burst)."""
+
+    def __init__(self, fingerprint):
+        super().__init__(fingerprint)
+        self.blocked = False
+        self.release = anyio.Event()
+        self.writing = threading.Event()
+
+    async def put_many(self, items):
+        if self.blocked:
+            self.writing.set()
+            await self.release.wait()
+        return await super().put_many(items)
+
+
+def test_a_load_never_waits_behind_stores():
+    view = RegionStandIn(8, ROW).create_kv_memoryview()
+    settings = BlockStoreSettings(max_concurrency=1, batch_bytes=ROW)  # one store call at a time
+    tier = BlockStoreTier(None, view, "blocked", BlockablePuts, settings)
+    try:
+        tier.submit_store(job(0, [5], [5], False))
+        assert tier.drain(10) and [r.success for r in tier.get_finished()] == [True]
+        tier.store.blocked = True
+        tier.submit_store(job(1, [0, 1, 2], [0, 1, 2], False))  # takes the only store slot, and hangs
+        tier.on_schedule_end()
+        assert tier.store.writing.wait(10)
+        tier.submit_load(job(2, [5], [6], True))
+        tier.on_schedule_end()
+        results = []
+        for _ in range(500):  # up to ~5 s; the load must not wait for the stores
+            if results := tier.get_finished():
+                break
+            tier.drain(0.01)
+        assert [(r.job_id, r.success) for r in results] == [(2, True)]
+    finally:
+        tier._runtime.submit(tier.store.release.set)
+        tier.on_schedule_end()
         tier.shutdown()
 
 

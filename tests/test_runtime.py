@@ -125,3 +125,16 @@ def test_last_release_shuts_down(runtime):
     runtime.release()
     with pytest.raises(RuntimeClosedError):
         runtime.submit(print)
+
+
+def test_a_busy_loop_polls_and_an_idle_one_is_rung_again_nothing_is_stranded(runtime, monkeypatch):
+    monkeypatch.setattr("tiering.runtime.POLL_IDLE_S", 0.02)
+    done = []
+    for burst in range(3):  # each burst: work while the loop polls, then a pause past its idle time
+        for i in range(20):
+            runtime.submit(lambda burst=burst, i=i: done.append((burst, i)))
+            runtime.flush()
+            threading.Event().wait(0.002)
+        threading.Event().wait(0.1)
+        assert done[-1] == (burst, 19)
+    assert done == [(b, i) for b in range(3) for i in range(20)]

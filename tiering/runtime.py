@@ -8,6 +8,12 @@ the runtime's pump task (never as bare loop callbacks, where anyio cannot tell w
 library runs once `sniffio` is installed); they typically start tasks in a task group.
 Blocking calls into the loop (`run_sync`) are for construction and shutdown only.
 
+While work keeps coming, the loop polls the inbox every `POLL_S` instead of being rung, and
+`flush()` does nothing: ringing is a system call (a socket write), which releases the GIL,
+and getting it back from a busy loop or I/O thread can take a whole switch interval (5 ms),
+the scheduler's worst latency under load. After `POLL_IDLE_S` without work the loop goes
+back to waiting for a ring.
+
 Tiers share a runtime by reference counting: each tier `acquire`s it when built and
 `release`s it at shutdown; the last release stops the loop and joins the thread.
 """
@@ -30,6 +36,8 @@ from tiering.errors import RuntimeClosedError
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+POLL_S = 0.0005  # while busy, the loop looks at the inbox this often, seconds
+POLL_IDLE_S = 0.05  # and goes back to waiting for a ring after this long without work
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class AsyncRuntime:
         self._start_timeout_s = start_timeout_s
         self._inbox: deque[Callable[[], None]] = deque()
         self._ring_pending = False
+        self._polling = False  # the loop looks at the inbox by itself: no ring needed
         self._users = 0
         self._closed = False
         self._start_lock = threading.Lock()
@@ -100,7 +109,7 @@ class AsyncRuntime:
             RuntimeError: called from the loop thread itself.
         """
         self._check_caller()
-        if self._inbox and not self._ring_pending:
+        if self._inbox and not self._ring_pending and not self._polling:
             running = self._running or self._start()
             self._ring_pending = True
             running.loop.call_soon_threadsafe(running.wake.set)
@@ -188,11 +197,23 @@ class AsyncRuntime:
             task_group.cancel_scope.cancel()
 
     async def _pump(self, wake: asyncio.Event) -> None:
-        """Run the inbox at every wake-up, as a task (see the module docstring)."""
+        """Run the inbox at every wake-up, then poll it while work keeps coming, as a task
+        (see the module docstring)."""
+        loop = asyncio.get_running_loop()
         while True:
             await wake.wait()
             wake.clear()
             self._run_inbox()
+            self._polling, last_work = True, loop.time()
+            while True:
+                await asyncio.sleep(POLL_S)
+                if self._inbox:
+                    self._run_inbox()
+                    last_work = loop.time()
+                elif loop.time() - last_work > POLL_IDLE_S:
+                    self._polling = False
+                    if not self._inbox:  # checked after clearing the flag: a flush now rings
+                        break
 
     def _run_inbox(self) -> None:
         self._ring_pending = False

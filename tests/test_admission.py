@@ -1,0 +1,107 @@
+"""Admission in front of a secondary tier: the bound, shedding on the measured rate, the
+reuse filter, and what the scheduler sees when a tier falls behind."""
+
+import pytest
+
+from tests.helpers import CTX, ROW, ManualTier, RegionStandIn, keys
+from tiering import ConfigError, CPUPrimaryTierOffloadingManager, TieringOffloadingManager, parse_config
+from tiering.admission import AdmissionConfig, ReuseSketch, TierAdmission
+
+UNBOUNDED = AdmissionConfig(max_rows_in_flight=1 << 30, max_backlog_s=None)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_bound_admits_a_whole_job_when_nothing_is_in_flight_and_drops_what_exceeds_it():
+    admission = TierAdmission(AdmissionConfig(max_rows_in_flight=4, max_backlog_s=None), 99, ROW)
+    assert admission.admit(keys(*range(6))) == keys(*range(6))  # nothing in flight: never starved
+    assert admission.admit(keys(6)) == []
+    admission.finished(6, success=True)
+    assert admission.admit(keys(7, 8)) == keys(7, 8)
+    assert admission.admit(keys(9, 10, 11)) == keys(9, 10)  # 2 of the 4 rows were free
+    assert admission.counters == {"cascades_admitted": 10, "cascades_dropped": 2, "cascades_filtered": 0}
+    assert admission.rows_in_flight == 4
+
+
+def test_a_tier_that_keeps_up_sheds_nothing_and_one_that_falls_behind_sheds_until_it_catches_up():
+    clock = Clock()
+    admission = TierAdmission(AdmissionConfig(max_rows_in_flight=1000, max_backlog_s=1.0), 99, 1_000_000, clock)
+    for _ in range(50):  # 10 blocks (10 MB) every 0.1 s, done 0.05 s later: 200 MB/s while busy
+        assert len(admission.admit(keys(*range(10)))) == 10
+        clock.now += 0.05
+        admission.finished(10, success=True)
+        clock.now += 0.05
+    assert admission.counters["cascades_dropped"] == 0
+    assert admission.backlog_s == 0
+    for _ in range(30):  # now 100 blocks a step and nothing finishes: 3 GB queued at ~200 MB/s
+        admission.admit(keys(*range(100)))
+        clock.now += 0.1
+    assert admission.counters["cascades_dropped"] > 0
+    assert admission.backlog_s is not None and admission.backlog_s > 1.0
+    admission.finished(admission.rows_in_flight, success=True)  # the tier catches up
+    assert admission.admit(keys(1, 2)) == keys(1, 2)
+
+
+def test_the_reuse_filter_cascades_blocks_stored_at_least_n_times_and_forgets_slowly():
+    admission = TierAdmission(AdmissionConfig(min_reuse=2, max_backlog_s=None), 99, ROW)
+    assert admission.admit(keys(1, 2)) == []
+    assert admission.admit(keys(1, 3)) == keys(1)
+    assert admission.counters["cascades_filtered"] == 3
+    sketch = ReuseSketch(window=4)
+    assert [sketch.add(k) for k in keys(1, 1, 1)] == [1, 2, 3]
+    sketch.add(keys(2)[0])  # the 4th sighting halves every count
+    assert sketch.add(keys(1)[0]) == 2
+
+
+def manager_over(tier, rows=8, admission=None):
+    primary = CPUPrimaryTierOffloadingManager(rows, RegionStandIn(rows, ROW))
+    return TieringOffloadingManager(primary, [tier], admission=[admission] if admission else None)
+
+
+def store(manager, *ids):
+    out = manager.prepare_store(keys(*ids), CTX)
+    if out is not None:
+        manager.complete_store(out.keys_to_store, CTX)
+    return out
+
+
+def test_a_tier_that_falls_behind_sheds_cascades_and_the_gpu_keeps_storing():
+    tier = ManualTier()  # never finishes a job: the slowest tier there is
+    manager = manager_over(tier)
+    try:
+        refused = sum(store(manager, 2 * i, 2 * i + 1) is None for i in range(20))
+        stats = manager.get_stats()["tiers"]["manual"]
+        assert refused == 0
+        assert stats["gauges"]["rows_in_flight"] == 4  # the default bound: half of 8 rows, one tier
+        assert stats["counters"]["cascades_dropped"] == 36
+    finally:
+        manager.shutdown()
+
+
+def test_without_a_bound_a_slow_tier_pins_every_row_and_gpu_stores_are_refused():
+    tier = ManualTier()
+    manager = manager_over(tier, admission=UNBOUNDED)
+    try:
+        refused = sum(store(manager, 2 * i, 2 * i + 1) is None for i in range(20))
+        assert refused == 16  # 4 stores of 2 fill the 8 rows, all pinned by the cascade
+    finally:
+        manager.shutdown()
+
+
+def test_admission_is_configured_per_tier_and_checked_at_load():
+    config = parse_config(
+        "cpu_bytes_to_use: 1MiB\nsecondary_tiers:\n"
+        "  - {type: memory, admission: {min_reuse: 2, max_rows_in_flight: 64}}\n  - {type: memory}\n"
+    )
+    assert config.secondary_tiers[0]["admission"] == {"min_reuse": 2, "max_rows_in_flight": 64}
+    assert "admission" not in config.secondary_tiers[1]
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].admission.min_reuse: Input should be greater"):
+        parse_config("cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{type: memory, admission: {min_reuse: 0}}]")
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].admission.shed: unknown key"):
+        parse_config("cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{type: memory, admission: {shed: yes}}]")
