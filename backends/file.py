@@ -129,7 +129,7 @@ class FileBlockStore(BlockStore):
     """
 
     Options = FileOptions
-    tier_defaults: ClassVar[dict[str, Any]] = {"max_concurrency": 16}
+    tier_defaults: ClassVar[dict[str, Any]] = {"max_concurrency": 16, "batch_bytes": 16 << 20}
     header_align = file_io.ALIGN
 
     @classmethod

@@ -41,6 +41,7 @@ from tiering import (
     make_offload_key,
 )
 from tiering.admission import AdmissionConfig
+from tiering.options import parse_size
 
 UNBOUNDED = {"max_rows_in_flight": 1 << 40, "max_backlog_s": None}
 REQUEST_BLOCKS = 16
@@ -57,6 +58,7 @@ class Rig:
             config = {"type": "memory", "latency_s": args.device_latency_s, "max_concurrency": args.concurrency}
         else:
             config = {"type": "file", "root_dir": directory, "max_concurrency": args.concurrency}
+            config["capacity_bytes"] = args.tier_bytes  # it evicts: a long ramp never fills the disk
         if not args.device_latency_s:  # a fresh namespace per run: nothing an earlier run left is a hit
             config["root_dir"] = tempfile.mkdtemp(dir=directory)
         tier = SecondaryTierFactory.create_secondary_tier(config, primary.get_kv_memoryview(), None)
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=256, help="CPU tier rows")
     parser.add_argument("--block-bytes", type=int, default=1 << 20)
     parser.add_argument("--concurrency", type=int, default=8, help="the tier's max_concurrency")
+    parser.add_argument("--tier-bytes", type=parse_size, default=2 << 30, help="the file tier's capacity (2GiB)")
     parser.add_argument("--step-s", type=float, default=0.01, help="seconds per scheduler step")
     parser.add_argument("--step-seconds", type=float, default=4.0, help="seconds per ramp step")
     parser.add_argument("--ramp", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5, 2.0, 3.0])

@@ -11,9 +11,16 @@ BENCH_MODULES = ("rich", "torch", "matplotlib", "prometheus_client")  # what the
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``tiering-bench`` command. Without the ``bench`` extra it says what to install
-    and exits 2 instead of failing on an import."""
+    """The ``tiering-bench`` command: a trace replay, or ``tiering-bench overload ...`` (an
+    offered store rate ramped past what a tier absorbs, see `tiering.benchmarks.overload`).
+    Without the ``bench`` extra it says what to install and exits 2 instead of failing on
+    an import."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv[:1] == ["overload"]:
+            from tiering.benchmarks import overload
+
+            return overload.main(argv[1:])
         from tiering.benchmarks.loadgen import cli
     except ImportError as exc:
         missing = (exc.name or "").partition(".")[0]
