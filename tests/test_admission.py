@@ -22,7 +22,7 @@ def test_the_bound_admits_a_whole_job_when_nothing_is_in_flight_and_drops_what_e
     admission = TierAdmission(AdmissionConfig(max_rows_in_flight=4, max_backlog_s=None), 99, ROW)
     assert admission.admit(keys(*range(6))) == keys(*range(6))  # nothing in flight: never starved
     assert admission.admit(keys(6)) == []
-    admission.finished(6, success=True)
+    admission.finished(keys(*range(6)), success=True)
     assert admission.admit(keys(7, 8)) == keys(7, 8)
     assert admission.admit(keys(9, 10, 11)) == keys(9, 10)  # 2 of the 4 rows were free
     assert admission.counters == {"cascades_admitted": 10, "cascades_dropped": 2, "cascades_filtered": 0}
@@ -31,11 +31,12 @@ def test_the_bound_admits_a_whole_job_when_nothing_is_in_flight_and_drops_what_e
 
 def test_a_tier_that_keeps_up_sheds_nothing_and_one_that_falls_behind_sheds_until_it_catches_up():
     clock = Clock()
-    admission = TierAdmission(AdmissionConfig(max_rows_in_flight=1000, max_backlog_s=1.0), 99, 1_000_000, clock)
+    config = AdmissionConfig(max_rows_in_flight=1000, max_backlog_s=1.0)
+    admission = TierAdmission(config, 99, 1_000_000, clock=clock)
     for _ in range(50):  # 10 blocks (10 MB) every 0.1 s, done 0.05 s later: 200 MB/s while busy
         assert len(admission.admit(keys(*range(10)))) == 10
         clock.now += 0.05
-        admission.finished(10, success=True)
+        admission.finished(keys(*range(10)), success=True)
         clock.now += 0.05
     assert admission.counters["cascades_dropped"] == 0
     assert admission.backlog_s == 0
@@ -44,13 +45,15 @@ def test_a_tier_that_keeps_up_sheds_nothing_and_one_that_falls_behind_sheds_unti
         clock.now += 0.1
     assert admission.counters["cascades_dropped"] > 0
     assert admission.backlog_s is not None and admission.backlog_s > 1.0
-    admission.finished(admission.rows_in_flight, success=True)  # the tier catches up
+    admission.finished(keys(*range(admission.rows_in_flight)), success=True)  # the tier catches up
     assert admission.admit(keys(1, 2)) == keys(1, 2)
 
 
 def test_the_reuse_filter_cascades_blocks_stored_at_least_n_times_and_forgets_slowly():
     admission = TierAdmission(AdmissionConfig(min_reuse=2, max_backlog_s=None), 99, ROW)
+    admission.stored(keys(1, 2))
     assert admission.admit(keys(1, 2)) == []
+    admission.stored(keys(1, 3))
     assert admission.admit(keys(1, 3)) == keys(1)
     assert admission.counters["cascades_filtered"] == 3
     sketch = ReuseSketch(window=4)
@@ -105,3 +108,23 @@ def test_admission_is_configured_per_tier_and_checked_at_load():
         parse_config("cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{type: memory, admission: {min_reuse: 0}}]")
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].admission.shed: unknown key"):
         parse_config("cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{type: memory, admission: {shed: yes}}]")
+
+
+def test_write_back_copies_the_coldest_blocks_not_the_ones_just_stored():
+    tier = ManualTier()
+    manager = manager_over(tier, rows=8, admission=AdmissionConfig(write="back", writeback_window=3))
+    try:
+        store(manager, 0, 1, 2, 3)
+        assert tier.pending == {}  # nothing is cascaded when stored
+        manager.on_schedule_end()
+        (job,) = tier.pending.values()
+        assert list(job.keys) == keys(0, 1, 2)  # the three least recent: the next to be evicted
+        manager.on_schedule_end()
+        assert len(tier.pending) == 1  # the coldest three are written or being written
+        tier.finish(job.job_id, success=True)
+        manager.touch(keys(2), CTX)  # 2 is hot again: 3 is now among the coldest
+        manager.on_schedule_end()
+        assert [list(j.keys) for j in tier.pending.values()] == [keys(3)]
+        assert manager.get_stats()["tiers"]["manual"]["counters"]["cascades_admitted"] == 4
+    finally:
+        manager.shutdown()

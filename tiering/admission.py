@@ -18,6 +18,11 @@ key (`AdmissionConfig`):
 - **A reuse filter** (``min_reuse``): only blocks stored at least N times (a count-min
   sketch of block keys, halved every ``reuse_window`` stores so old popularity fades) are
   cascaded; the others are ``cascades_filtered``.
+- **Write-back** (``write: back``) instead of the default write-through: a block is not
+  cascaded when it is stored but when it nears eviction from the primary tier: each step
+  the manager copies the ``writeback_window`` coldest idle blocks (by default an eighth of
+  the primary rows) that the tier does not hold yet. Blocks evicted before their turn are
+  lost to this tier; blocks used while hot are never written.
 
 Dropped and filtered blocks stay in the primary tier; only the copy to this tier is skipped.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -48,6 +54,10 @@ class AdmissionConfig(BaseModel):
             at the tier's measured rate, seconds; None: no adaptive shedding.
         min_reuse: cascade only blocks stored at least this many times (1: every block).
         reuse_window: stores after which the reuse counts are halved.
+        write: ``through`` (cascade every stored block) or ``back`` (cascade blocks nearing
+            eviction).
+        writeback_window: with ``write: back``, how many of the coldest primary blocks are
+            kept written; None: an eighth of the primary rows.
     """
 
     model_config = ConfigDict(**STRICT, frozen=True)
@@ -56,6 +66,8 @@ class AdmissionConfig(BaseModel):
     max_backlog_s: Seconds | None = 1.0
     min_reuse: Count = 1
     reuse_window: Count = 100_000
+    write: Literal["through", "back"] = "through"
+    writeback_window: Count | None = None
 
 
 class ReuseSketch:
@@ -76,7 +88,12 @@ class ReuseSketch:
         if self._seen >= self._window:
             counts >>= 1
             self._seen = 0
-        return int(min(counts[row, cell] for row, cell in enumerate(cells)))
+        return self.count(key)
+
+    def count(self, key: OffloadKey) -> int:
+        """The estimated sightings of `key` (never fewer than the true count, aging aside)."""
+        counts = self._counts
+        return int(min(counts[row, cell] for row, cell in enumerate(self._cells(key))))
 
     @staticmethod
     def _cells(key: OffloadKey) -> list[int]:
@@ -88,6 +105,7 @@ class TierAdmission:
     """Decides, per cascade, which blocks a tier gets; tracks what it holds pinned.
 
     Attributes:
+        write_back: whether the tier is written back (see `writeback_candidates`).
         rows_in_flight: primary rows pinned by this tier's unreported cascades.
         counters: ``cascades_admitted``, ``cascades_dropped`` (bound or backlog),
             ``cascades_filtered`` (reuse), in blocks.
@@ -96,26 +114,51 @@ class TierAdmission:
     def __init__(
         self,
         config: AdmissionConfig,
-        default_max_rows: int,
+        primary_rows: int,
         row_bytes: int,
+        tiers: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ):
         """
         Args:
             config: the tier's admission settings.
-            default_max_rows: the bound on rows in flight when the config sets none.
+            primary_rows: rows of the primary tier (the defaults are fractions of it).
             row_bytes: bytes of one primary row (one block).
+            tiers: secondary tiers sharing the primary rows.
             clock: seconds, monotonic (tests pass their own).
         """
         self.config = config
-        self.max_rows = config.max_rows_in_flight or max(1, default_max_rows)
+        self.max_rows = config.max_rows_in_flight or max(1, primary_rows // (2 * tiers))
         self.row_bytes = row_bytes
         self.rows_in_flight = 0
         self.counters = {"cascades_admitted": 0, "cascades_dropped": 0, "cascades_filtered": 0}
         self._sketch = ReuseSketch(config.reuse_window) if config.min_reuse > 1 else None
+        self.write_back = config.write == "back"
+        self.writeback_window = config.writeback_window or max(1, primary_rows // 8)
+        self._written: set[OffloadKey] = set()  # write-back: held by the tier (or being written)
         self._clock = clock
         self._rate = 0.0  # bytes per busy second, smoothed; 0: not measured yet
         self._last = clock()
+
+    def stored(self, keys: Sequence[OffloadKey]) -> None:
+        """The GPU stored `keys` in the primary tier (counted by the reuse filter)."""
+        if self._sketch is not None:
+            for key in keys:
+                self._sketch.add(key)
+
+    def writeback_candidates(
+        self, coldest: Sequence[OffloadKey], idle: Callable[[OffloadKey], bool]
+    ) -> list[OffloadKey]:
+        """Of the primary tier's coldest blocks, those a write-back tier should copy now:
+        idle, and not written yet (nor being written)."""
+        written = self._written
+        return [key for key in coldest if key not in written and idle(key)]
+
+    def forget(self, is_resident: Callable[[OffloadKey], bool]) -> None:
+        """Drop what is no longer in the primary tier from the written set (it may be
+        stored again later), once the set has grown past twice the window."""
+        if len(self._written) > 2 * self.writeback_window + self.max_rows:
+            self._written = {key for key in self._written if is_resident(key)}
 
     def admit(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """The leading blocks of a cascade of `keys` this tier takes now (they count as in
@@ -123,7 +166,7 @@ class TierAdmission:
         wanted = list(keys)
         if self._sketch is not None:
             sketch, min_reuse = self._sketch, self.config.min_reuse
-            wanted = [key for key in keys if sketch.add(key) >= min_reuse]
+            wanted = [key for key in keys if sketch.count(key) >= min_reuse]
             self.counters["cascades_filtered"] += len(keys) - len(wanted)
         room = self.max_rows - self.rows_in_flight if self.rows_in_flight else len(wanted)
         if self._behind():
@@ -133,13 +176,18 @@ class TierAdmission:
         self.counters["cascades_admitted"] += len(admitted)
         self._account_busy_time()
         self.rows_in_flight += len(admitted)
+        if self.write_back:
+            self._written.update(admitted)
         return admitted
 
-    def finished(self, blocks: int, success: bool) -> None:
-        """A cascade of `blocks` blocks was reported; its rows are no longer pinned. Its
-        bytes count towards the measured rate only if it succeeded."""
-        self._account_busy_time(blocks * self.row_bytes if success else 0)
-        self.rows_in_flight -= blocks
+    def finished(self, keys: Sequence[OffloadKey], success: bool) -> None:
+        """A cascade of `keys` was reported; their rows are no longer pinned. Its bytes
+        count towards the measured rate only if it succeeded; a write-back tier tries the
+        keys of a failed one again later."""
+        self._account_busy_time(len(keys) * self.row_bytes if success else 0)
+        self.rows_in_flight -= len(keys)
+        if self.write_back and not success:
+            self._written.difference_update(keys)
 
     @property
     def backlog_s(self) -> float | None:

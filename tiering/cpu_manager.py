@@ -63,6 +63,11 @@ class CPUOffloadingManager(OffloadingManager):
         """Rows that hold no block and are not quarantined."""
         return self.num_blocks - len(self._policy) - len(self._quarantined)
 
+    def coldest(self, n: int) -> list[OffloadKey]:
+        """Up to `n` resident blocks in the order the policy would evict them, busy ones
+        included. Scheduler thread."""
+        return self._policy.coldest(n)
+
     def ref_count(self, key: OffloadKey) -> int | None:
         """The ref count of `key`'s row, or None if the key is not resident."""
         block = self._policy.get(key)

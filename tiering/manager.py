@@ -41,6 +41,8 @@ from tiering.secondary import JobId, JobMetadata, SecondaryTierManager
 
 logger = logging.getLogger(__name__)
 
+_WRITE_BACK = ReqContext("write-back")  # the request of a write-back tier's cascades
+
 
 @dataclass
 class _Job:
@@ -101,8 +103,8 @@ class TieringOffloadingManager(OffloadingManager):
             raise ValueError(f"{len(configs)} admission configs for {len(self.secondary_tiers)} secondary tiers")
         configs += [None] * (len(self.secondary_tiers) - len(configs))
         row_bytes = primary_tier.get_kv_memoryview().nbytes // max(1, primary_tier.num_blocks)
-        default_max_rows = primary_tier.num_blocks // (2 * max(1, len(configs)))
-        self.admission = [TierAdmission(config or AdmissionConfig(), default_max_rows, row_bytes) for config in configs]
+        rows, tiers = primary_tier.num_blocks, max(1, len(configs))
+        self.admission = [TierAdmission(config or AdmissionConfig(), rows, row_bytes, tiers) for config in configs]
         self._counters = {"promotions_submitted": 0, "cascades_submitted": 0}
         self._listeners: list[list[Any]] = []  # [callback, interval_s, next due]
 
@@ -165,12 +167,9 @@ class TieringOffloadingManager(OffloadingManager):
         for key in stored:
             self._sources.pop(key, None)
         for tier_idx, admission in enumerate(self.admission):
-            admitted = admission.admit(stored)
-            if not admitted:
-                continue
-            spec = self.primary_tier.prepare_read(admitted, req_context)
-            self._submit(tier_idx, admitted, spec.block_ids, False, req_context)
-            self._counters["cascades_submitted"] += 1
+            admission.stored(stored)
+            if not admission.write_back:
+                self._cascade(tier_idx, admission.admit(stored), req_context)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return self.primary_tier.on_new_request(req_context)
@@ -189,13 +188,17 @@ class TieringOffloadingManager(OffloadingManager):
         return events if self._enable_events else []
 
     def on_schedule_end(self) -> None:
-        """Process finished jobs, submit the step's promotions, then let tiers flush."""
+        """Process finished jobs, submit the step's promotions and write-backs, then let
+        tiers flush."""
         self._process_finished()
         for (tier_idx, _), queued in self._promotions.items():
             block_ids = np.array(queued.block_ids, dtype=np.int64)
             self._submit(tier_idx, queued.keys, block_ids, True, queued.req_context)
             self._counters["promotions_submitted"] += 1
         self._promotions.clear()
+        for tier_idx, admission in enumerate(self.admission):
+            if admission.write_back:
+                self._write_back(tier_idx, admission)
         for tier in self.secondary_tiers:
             _guarded(tier, "on_schedule_end", None)
         if self._listeners:
@@ -352,9 +355,24 @@ class TieringOffloadingManager(OffloadingManager):
         else:  # a cascade: its rows stay pinned
             self._held[(held_by, job_id)] = lambda: self._end_cascade(job, success=False)
 
+    def _write_back(self, tier_idx: int, admission: TierAdmission) -> None:
+        """Copy the primary tier's coldest blocks that the write-back tier lacks."""
+        ref_count = self.primary_tier.ref_count
+        coldest = self.primary_tier.coldest(admission.writeback_window)
+        candidates = admission.writeback_candidates(coldest, lambda key: ref_count(key) == 0)
+        self._cascade(tier_idx, admission.admit(candidates), _WRITE_BACK)
+        admission.forget(lambda key: ref_count(key) is not None)
+
+    def _cascade(self, tier_idx: int, keys: list[OffloadKey], req_context: ReqContext) -> None:
+        """Copy `keys` (resident, admitted) to the tier: their rows stay pinned until it reports."""
+        if keys:
+            spec = self.primary_tier.prepare_read(keys, req_context)
+            self._submit(tier_idx, keys, spec.block_ids, False, req_context)
+            self._counters["cascades_submitted"] += 1
+
     def _end_cascade(self, job: _Job, success: bool) -> None:
         self.primary_tier.complete_read(job.keys, job.req_context)
-        self.admission[job.tier_idx].finished(len(job.keys), success)
+        self.admission[job.tier_idx].finished(job.keys, success)
 
 
 def _guarded(tier: SecondaryTierManager, method: str, default: Any, *args: Any) -> Any:

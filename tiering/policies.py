@@ -73,6 +73,12 @@ class CachePolicy(ABC):
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         """Every resident (key, block), in no particular order."""
 
+    def coldest(self, n: int) -> list[OffloadKey]:
+        """Up to `n` resident blocks in the order `evict` would consider them, busy ones
+        included (a write-back tier copies them before they go). The default takes `items`
+        order; a policy that knows its eviction order overrides it."""
+        return [key for key, _ in islice(self.items(), n)]
+
     @abstractmethod
     def __len__(self) -> int:
         """Number of resident blocks."""
@@ -151,6 +157,9 @@ class LRUCachePolicy(CachePolicy):
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         return iter(list(self._blocks.items()))
 
+    def coldest(self, n: int) -> list[OffloadKey]:
+        return list(islice(self._blocks, n))
+
     def __len__(self) -> int:
         return len(self._blocks)
 
@@ -207,7 +216,30 @@ class ARCCachePolicy(CachePolicy):
         (self._t1 if key in self._t1 else self._t2).move_to_end(key)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        from_t1, from_t2 = _evictable(self._t1, protected), _evictable(self._t2, protected)
+        victims = self._victims(n, protected)
+        if len(victims) < n:
+            return None
+        for key, _, in_t1 in victims:
+            if in_t1:
+                del self._t1[key]
+                self._remember(self._b1, key)
+            else:
+                del self._t2[key]
+                self._remember(self._b2, key)
+        return [(key, block) for key, block, _ in victims]
+
+    def coldest(self, n: int) -> list[OffloadKey]:
+        return [key for key, _, _ in self._victims(n, (), idle_only=False)]
+
+    def _victims(
+        self, n: int, protected: Collection[OffloadKey], idle_only: bool = True
+    ) -> list[tuple[OffloadKey, BlockStatus, bool]]:
+        """Up to `n` (key, block, from T1) in the order `evict` takes them: evictable ones,
+        or with `idle_only` False busy ones too."""
+        if idle_only:
+            from_t1, from_t2 = _evictable(self._t1, protected), _evictable(self._t2, protected)
+        else:
+            from_t1, from_t2 = iter(self._t1.items()), iter(self._t2.items())
         t1_size = len(self._t1)
         victims: list[tuple[OffloadKey, BlockStatus, bool]] = []
         while len(victims) < n:
@@ -217,19 +249,12 @@ class ARCCachePolicy(CachePolicy):
             if picked is None:
                 picked = next(second, None)
                 if picked is None:
-                    return None
+                    break
                 first = second
             in_t1 = first is from_t1
             t1_size -= in_t1
             victims.append((*picked, in_t1))
-        for key, _, in_t1 in victims:
-            if in_t1:
-                del self._t1[key]
-                self._remember(self._b1, key)
-            else:
-                del self._t2[key]
-                self._remember(self._b2, key)
-        return [(key, block) for key, block, _ in victims]
+        return victims
 
     def _remember(self, ghosts: OrderedDict[OffloadKey, None], key: OffloadKey) -> None:
         ghosts[key] = None
