@@ -273,6 +273,13 @@ class TieringOffloadingManager(OffloadingManager):
         self._drop_queued_promotions()
         self.primary_tier.reset_cache()
 
+    def __enter__(self) -> TieringOffloadingManager:
+        """``with TieringOffloadingManager(...) as manager:`` shuts it down on exit."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def shutdown(self) -> None:
         """Shut every secondary tier (which reports its jobs in flight as failed), release
         the primary tier and its shared memory. Later calls do nothing."""

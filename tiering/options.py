@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import re
 import typing
 from collections.abc import Mapping
 from typing import Annotated, Any
@@ -26,8 +27,13 @@ STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, arbitrary_types_allowed
 """The settings of every options model: unknown keys and NaN or infinite floats are errors."""
 
 
+SIZE_UNITS = "binary: KiB, MiB, GiB or Ki, Mi, Gi; decimal: KB, MB, GB or K, M, G"
+_KUBERNETES_SUFFIX = re.compile(r"(?i)([KMGTPE]i)\s*$")
+
+
 def parse_size(value: Any) -> int:
-    """Bytes from an integer, an integral float or a string such as ``"8GiB"`` or ``"512 MB"``.
+    """Bytes from an integer, an integral float or a string such as ``"8GiB"``, ``"8Gi"``
+    (binary: powers of 1024) or ``"512 MB"``, ``"8G"`` (decimal: powers of 1000).
 
     Raises:
         ValueError: not a size, or not within 1 byte .. 1 EiB.
@@ -35,12 +41,13 @@ def parse_size(value: Any) -> int:
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
     if isinstance(value, str):
+        text = _KUBERNETES_SUFFIX.sub(r"\1B", value.strip())
         try:
-            value = int(TypeAdapter(ByteSize).validate_python(value.strip()))
+            value = int(TypeAdapter(ByteSize).validate_python(text))
         except ValidationError:
-            raise ValueError(f"expected a size such as 65536, 64KiB or 8GiB; got {value!r}") from None
+            raise ValueError(f"expected a size such as 65536, 64KiB or 8GiB; got {value!r} ({SIZE_UNITS})") from None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected a size such as 65536, 64KiB or 8GiB; got {value!r}")
+        raise ValueError(f"expected a size such as 65536, 64KiB or 8GiB; got {value!r} ({SIZE_UNITS})")
     if not 0 < value <= MAX_SIZE:
         raise ValueError(f"expected a size from 1 byte to 1 EiB; got {value}")
     return value

@@ -12,6 +12,7 @@ Thread: the thread that starts the engine (`get_manager`, `shutdown`); workers c
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 from collections.abc import Iterator
@@ -134,6 +135,7 @@ class TieringOffloadingSpec:
             f"dtype={layout.dtype};world_size={layout.world_size}"
         )
         self.async_runtime = AsyncRuntime("tiering-io")
+        atexit.register(self.shutdown)  # a forgotten shutdown still releases shared memory and threads
         self._manager: TieringOffloadingManager | None = None
         self.exporter: Any = None  # a PrometheusExporter when the config has `metrics`
         self._workers: list[tuple[Any, SharedOffloadRegion]] = []
@@ -256,9 +258,17 @@ class TieringOffloadingSpec:
         yield GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler
 
+    def __enter__(self) -> TieringOffloadingSpec:
+        """``with TieringOffloadingSpec(...) as spec:`` shuts everything down on exit."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def shutdown(self) -> None:
         """Stop the handlers, the manager (tiers, primary tier, shared memory) and the
-        runtime. Safe to call more than once."""
+        runtime. Safe to call more than once; also runs at interpreter exit if forgotten."""
+        atexit.unregister(self.shutdown)
         for handlers, region in self._workers:
             handlers.shutdown()
             region.cleanup()

@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return overload.main(argv[1:])
         from tiering.benchmarks.loadgen import cli
+
+        return cli.main(argv)
     except ImportError as exc:
         missing = (exc.name or "").partition(".")[0]
         if missing not in BENCH_MODULES:
@@ -31,4 +33,3 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return cli.main(argv)

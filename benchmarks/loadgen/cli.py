@@ -26,9 +26,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+import tiering
 from tiering import ConfigError, KVLayout, RegionInUseError, SharedOffloadRegion, load_config, parse_config
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, unbounded_hit_rate
-from tiering.benchmarks.loadgen.engine import SimulatedEngine
 from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
 from tiering.benchmarks.loadgen.run import SchedulerLoop
 from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_trace, synthetic
@@ -98,6 +98,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog=EXIT_STATUS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"tiering-bench (kv-tiering) {tiering.__version__}")
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        default="INFO",
+        help="the engine's log lines shown on stderr (default INFO)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and only warnings and errors")
     parser.add_argument("--config", type=Path, help="engine YAML (default: a CPU tier and a file tier)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", type=Path, help="Mooncake JSONL trace to replay")
@@ -172,6 +181,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         gpu_blocks = args.gpu_blocks or max(64, longest)
         if gpu_blocks < longest:
             raise ValueError(f"--gpu-blocks {gpu_blocks} cannot hold the longest prompt ({longest} blocks)")
+        from tiering.benchmarks.loadgen.engine import SimulatedEngine
+
         engine = SimulatedEngine(config, layout_for(args), gpu_blocks, f"bench-{os.getpid()}", args.seed)
         exporter = None
         try:
@@ -184,7 +195,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             loop = SchedulerLoop(engine, verify=args.verify)
             columns = (TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
             try:
-                with Progress(*columns, console=console, transient=True) as progress:
+                with Progress(*columns, console=console, transient=True, disable=args.quiet) as progress:
                     task = progress.add_task("replay", total=len(requests))
                     stats = loop.run(requests, args.time_scale, on_request=lambda: progress.advance(task))
             except Exception as exc:
@@ -217,7 +228,19 @@ def run(args: argparse.Namespace, console: Console) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; returns the exit status.
+
+    Raises:
+        ImportError: torch (the ``bench`` extra) is not installed.
+    """
     args = parse_args(argv)
+    import tiering.benchmarks.loadgen.engine  # noqa: F401 - torch: loaded only once there is work to do
+
+    logging.basicConfig(
+        level="WARNING" if args.quiet else args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     console = Console(stderr=True)
     # A terminated run still shuts the engine down (its shared memory, its tier threads),
     # and a run that was killed outright leaves a region the next run removes.

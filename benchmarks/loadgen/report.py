@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from tiering.benchmarks.loadgen.engine import SimulatedEngine
 from tiering.benchmarks.loadgen.run import RunStats
+
+if TYPE_CHECKING:
+    from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
 
 def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, float], inputs: dict[str, Any]) -> dict:
@@ -19,8 +21,7 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
     hit_rate = {source: stats.tokens[source] / total for source in sources}
     hit_rate["total"] = 1 - stats.tokens["miss"] / total
     tiers = {}
-    for name, tier in zip(engine.manager.tier_names, engine.manager.secondary_tiers, strict=True):
-        tier_stats = tier.get_stats()
+    for name, tier_stats in engine.manager.get_stats()["tiers"].items():  # with each tier's admission
         counters = tier_stats["counters"]
         tiers[name] = {
             "store_bytes": counters.get("bytes_stored", 0),
@@ -29,6 +30,8 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
             "load_gbps": counters.get("bytes_loaded", 0) / stats.wall_s / 1e9,
             "evictions": counters.get("evictions", 0),
             "failures": counters.get("failures", {}),
+            "cascades_dropped": counters.get("cascades_dropped", 0),
+            "cascades_filtered": counters.get("cascades_filtered", 0),
             "stats": tier_stats,
         }
     transfers = {}

@@ -13,11 +13,13 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiering import ReqContext, make_offload_key
-from tiering.benchmarks.loadgen.engine import SimulatedEngine
 from tiering.benchmarks.loadgen.workload import Request
+
+if TYPE_CHECKING:
+    from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
 
 @dataclass

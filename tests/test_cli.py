@@ -1,0 +1,63 @@
+"""The command lines users meet first: `tiering-config check`, and `tiering-bench`'s own
+flags and start-up cost."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tiering import TieringOffloadingManager, TieringOffloadingSpec, parse_config
+from tiering.config_check import main as config_main
+from tiering.options import parse_size
+
+
+def test_check_prints_the_resolved_engine_without_building_it(tmp_path, capsys):
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        f"cpu_bytes_to_use: 8Gi\nblock_size: 256\nsecondary_tiers:\n"
+        f"  - {{type: file, root_dir: {tmp_path / 'kv'}, capacity_bytes: 200GiB}}\n"
+        f"  - {{type: memory, admission: {{min_reuse: 2}}}}\n"
+    )
+    assert config_main(["check", str(config), "--model", "llama-3.1-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu tier: 8,589,934,592 bytes, eviction policy lru" in out
+    assert "block: 256 tokens of llama-3.1-8b = 33,554,432 bytes; cpu tier rows: 256" in out
+    assert "tier file: type file, root_dir=" in out and "capacity_bytes=214748364800" in out
+    assert "tier memory: type memory, default options" in out and "min_reuse=2" in out
+    assert not (tmp_path / "kv").exists()  # nothing was built
+
+
+def test_check_of_a_bad_config_names_the_key_and_exits_2(tmp_path, capsys):
+    config = tmp_path / "engine.yaml"
+    config.write_text("cpu_bytes_to_use: 8Gi\nsecondary_tiers: [{type: file}]\n")
+    assert config_main(["check", str(config)]) == 2
+    assert "engine.yaml: secondary_tiers[0].root_dir: required key is missing" in capsys.readouterr().err
+
+
+def test_sizes_take_kubernetes_units_and_say_which_units_are_decimal():
+    assert (parse_size("8Gi"), parse_size("8GiB"), parse_size("8G"), parse_size("8GB")) == (8 << 30, 8 << 30, 8e9, 8e9)
+    with pytest.raises(ValueError, match=r"got 'lots' \(binary: KiB, MiB, GiB or Ki, Mi, Gi; decimal: KB, MB, GB"):
+        parse_size("lots")
+
+
+def test_help_and_version_import_no_torch():
+    code = (
+        "import sys\nfrom tiering.benchmarks.loadgen import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip().endswith("False") and "--log-level" in done.stdout and "--quiet" in done.stdout
+    version = subprocess.run([sys.executable, "-m", "tiering.benchmarks.loadgen.cli", "--version"], capture_output=True)
+    assert version.stdout.decode().startswith("tiering-bench (kv-tiering) ")
+
+
+def test_the_spec_and_the_manager_are_context_managers(tmp_path):
+    from tiering import KVLayout
+    from tiering.shared_region import region_path
+
+    config = parse_config("cpu_bytes_to_use: 64KiB\nsecondary_tiers: [{type: memory}]")
+    with TieringOffloadingSpec(config, KVLayout("t", 1, 64), "ctx-test") as spec, spec.get_manager() as manager:
+        assert isinstance(manager, TieringOffloadingManager)
+        assert region_path("ctx-test").exists()
+    assert not region_path("ctx-test").exists()

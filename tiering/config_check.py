@@ -1,0 +1,71 @@
+"""``tiering-config check FILE``: validate a configuration and print the engine it resolves
+to, without building anything (no shared memory, no tier opened, no file written).
+
+Thread: a command-line tool, the main thread.
+
+    tiering-config check engine.yaml --model llama-3.1-8b
+
+Exit status: 0 the configuration is valid; 2 it is not (every problem is printed with the
+file and the key path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tiering.admission import AdmissionConfig
+from tiering.config import TieringConfig, load_config
+from tiering.errors import ConfigError
+from tiering.spec import MODEL_PRESETS, KVLayout
+
+
+def describe(config: TieringConfig, layout: KVLayout | None) -> list[str]:
+    """The resolved engine, one line per fact (sizes in bytes and in blocks where known)."""
+    block_size = config.block_size or (layout.gpu_block_size if layout else None)
+    lines = [
+        f"configuration: {config.source}",
+        f"cpu tier: {config.cpu_bytes_to_use:,} bytes, eviction policy {config.eviction_policy}",
+    ]
+    if layout is not None and block_size is not None:
+        block_bytes = layout.kv_bytes_per_token * block_size
+        rows = config.cpu_bytes_to_use // block_bytes
+        lines.append(f"block: {block_size} tokens of {layout.model} = {block_bytes:,} bytes; cpu tier rows: {rows:,}")
+        if rows < 1:
+            lines.append("  (cpu_bytes_to_use holds no whole block: the engine would not start)")
+    for tier in config.secondary_tiers:
+        options = {k: v for k, v in tier.items() if k not in ("type", "name", "admission")}
+        admission = AdmissionConfig(**tier.get("admission", {}))
+        lines.append(f"tier {tier['name']}: type {tier['type']}, {_options(options)}")
+        lines.append(f"  admission: {_options(admission.model_dump())}")
+    if not config.secondary_tiers:
+        lines.append("no secondary tiers")
+    if config.metrics is not None:
+        lines.append(f"metrics: http://{config.metrics.address}:{config.metrics.port}/metrics")
+    return lines
+
+
+def _options(options: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in options.items()) or "default options"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tiering-config", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="validate a configuration and print the resolved engine")
+    check.add_argument("file", help="the YAML configuration")
+    check.add_argument("--model", choices=sorted(MODEL_PRESETS), help="size blocks and rows for this model's KV")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    layout = KVLayout.from_preset(args.model) if args.model else None
+    print("\n".join(describe(config, layout)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
