@@ -87,15 +87,48 @@ def test_the_default_run_verifies_every_byte_and_writes_its_report(tmp_path, cap
     ("argv", "message"),
     [
         (["--config", "/nonexistent/engine.yaml"], "engine.yaml: cannot read the file"),
-        (["--block-bytes", "1000"], "--block-bytes must be a positive multiple of 2048"),
-        (["--gpu-blocks", "2"], "--gpu-blocks 2 cannot hold the longest prompt"),
-        (["--model", "gpt-9"], "unknown model preset 'gpt-9'"),
+        (["--block-bytes", "8kb"], "--block-bytes: read 8,000 bytes, not a multiple of 2,048"),
+        (["--gpu-cache-blocks", "2"], "--gpu-cache-blocks 2 cannot hold the longest prompt"),
+        (["--model", "gpt-9"], "argument --model: invalid choice: 'gpt-9' (choose from 'llama-3.1-70b'"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_status_2(argv, message, capsys):
-    assert cli.main([*argv, "--max-requests", "5"]) == 2
+    try:
+        status = cli.main([*argv, "--max-requests", "5"])
+    except SystemExit as exc:  # an option argparse refuses
+        status = exc.code
+    assert status == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(180)  # five short runs
+def test_a_rerun_over_a_used_directory_never_exceeds_its_bound_and_leaves_no_files(tmp_path):
+    config = tmp_path / "engine.yaml"
+    root = tmp_path / "kv"
+    config.write_text(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: file, root_dir: {root}}}]\n")
+    argv = ["--config", str(config), "--workload", "multi-turn", "--max-requests", "60"]
+    for run in range(2):  # the second run finds the first one's directory
+        output = tmp_path / f"run{run}.json"
+        assert cli.main([*argv, "--output", str(output)]) == 0
+        report = json.loads(output.read_text())
+        assert report["schema_version"] == 2 and not report["inputs"]["warm_start"]
+        assert report["hit_rate"]["total"] <= report["prefix_hit_rate"] <= report["unbounded_hit_rate"]
+        assert list(root.iterdir()) == []  # the run's namespace was removed
+    assert cli.main([*argv, "--keep", "--output", str(tmp_path / "kept.json")]) == 0
+    assert len(list(root.iterdir())) == 1
+    assert cli.main([*argv, "--warm-start", "--output", str(tmp_path / "w1.json")]) == 0
+    assert cli.main([*argv, "--warm-start", "--output", str(tmp_path / "w2.json")]) == 0
+    first, second = (json.loads((tmp_path / f"w{i}.json").read_text()) for i in (1, 2))
+    assert second["inputs"]["warm_start"] and second["hit_rate"]["file"] > first["hit_rate"]["file"]  # w1's blocks hit
+
+
+def test_without_a_gpu_prefix_cache_the_cpu_tier_sees_every_block(tmp_path):
+    output = tmp_path / "run.json"
+    assert cli.main(["--gpu-cache-blocks", "0", "--max-requests", "60", "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    assert report["hit_rate"]["gpu"] == 0 and report["hit_rate"]["total"] > 0
+    assert report["inputs"]["gpu_prefix_cache"] is False
 
 
 def test_a_bad_config_file_names_the_key(tmp_path, capsys):

@@ -32,6 +32,22 @@ def unbounded_hit_rate(requests: Sequence[Request]) -> float:
     return hits / max(1, sum(tokens))
 
 
+def prefix_hit_rate(requests: Sequence[Request]) -> float:
+    """Hit rate of a cache that never evicts, with prefix semantics (as the engine serves
+    them): a block hits only if it and every block before it in its request were seen
+    before. This is the tightest bound any capacity can reach."""
+    seen: set[int] = set()
+    hits = total = 0
+    for request in requests:
+        prefix = True
+        for block, count in zip(request.hash_ids, request.block_tokens(), strict=True):
+            prefix = prefix and block in seen
+            hits += count if prefix else 0
+            total += count
+        seen.update(request.hash_ids)
+    return hits / max(1, total)
+
+
 def belady_hit_rate(requests: Sequence[Request], capacity_blocks: int) -> float:
     """Hit rate of the offline-optimal cache of `capacity_blocks` blocks (Belady's MIN: on a
     miss with the cache full, evict the block whose next reference is farthest away, or

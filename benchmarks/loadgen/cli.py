@@ -14,34 +14,46 @@ config, trace, option or storage that cannot be used: one line says what and whe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
+import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import tiering
 from tiering import ConfigError, KVLayout, RegionInUseError, SharedOffloadRegion, load_config, parse_config
-from tiering.benchmarks.loadgen.bounds import belady_hit_rate, unbounded_hit_rate
+from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
 from tiering.benchmarks.loadgen.run import SchedulerLoop
 from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_trace, synthetic
 from tiering.options import parse_size
+from tiering.spec import MODEL_PRESETS
+
+if TYPE_CHECKING:
+    from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
 DEFAULT_CONFIG = """\
-cpu_bytes_to_use: 4MiB
+cpu_bytes_to_use: ${TIERING_BENCH_CPU_BYTES}
 eviction_policy: lru
 secondary_tiers:
   - type: file
     root_dir: ${TIERING_BENCH_DIR}
-    capacity_bytes: 48MiB
+    capacity_bytes: ${TIERING_BENCH_TIER_BYTES}
 """
+DEFAULT_SIZES = {
+    "TIERING_BENCH_CPU_BYTES": (4 << 20, 8),
+    "TIERING_BENCH_TIER_BYTES": (48 << 20, 24),
+}  # bytes, or blocks
 LAYERS = 4  # KV tensors of the simulated model when sizing by --block-bytes
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_ENGINE_FAILED = 0, 1, 2, 3
 EXIT_STATUS = """\
@@ -73,6 +85,12 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def _rate(text: str) -> float:
@@ -114,11 +132,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-requests", type=_positive, help="requests to replay (default: all; 300 synthetic)")
     sizing = parser.add_mutually_exclusive_group()
     sizing.add_argument("--block-bytes", type=_size, default=64 << 10, help="bytes per block (default 64KiB)")
-    sizing.add_argument("--model", help="size blocks as this model's KV (for example llama-3.1-8b)")
+    sizing.add_argument("--model", choices=sorted(MODEL_PRESETS), help="size blocks as this model's KV")
     parser.add_argument(
-        "--gpu-blocks", type=_positive, help="GPU prefix cache, blocks (default: max(64, longest prompt))"
+        "--gpu-cache-blocks",
+        "--gpu-blocks",
+        dest="gpu_blocks",
+        type=_count,
+        help="GPU prefix cache in front of the engine, blocks (default: max(64, longest prompt)); 0 switches it "
+        "off, so the CPU tier sees every block, as offline simulations do",
     )
-    parser.add_argument("--time-scale", type=_rate, default=0.0, help="trace seconds per replay second; 0: flat out")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the tiers' files this run wrote (default: remove them at the end)"
+    )
+    parser.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="use, and keep, what earlier warm-start runs left in the tiers (the bounds then do not apply)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=_rate,
+        default=0.0,
+        help="replay seconds per trace second: 1 replays at the trace's own pace, 2 at half its speed, 0.5 at twice; "
+        "0 (default): flat out",
+    )
     parser.add_argument("--verify", action="store_true", help="check every loaded byte")
     parser.add_argument("--output", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, help="write hit rates over the run as PNG")
@@ -150,7 +187,10 @@ def layout_for(args: argparse.Namespace) -> KVLayout:
         return KVLayout.from_preset(args.model, gpu_block_size=BLOCK_TOKENS)
     per_token_layer, remainder = divmod(args.block_bytes, LAYERS * BLOCK_TOKENS)
     if remainder or not per_token_layer:
-        raise ValueError(f"--block-bytes must be a positive multiple of {LAYERS * BLOCK_TOKENS}")
+        raise ValueError(
+            f"--block-bytes: read {args.block_bytes:,} bytes, not a multiple of {LAYERS * BLOCK_TOKENS:,} "
+            f"({LAYERS} layers of {BLOCK_TOKENS} tokens); for example 64KiB or 2MiB"
+        )
     return KVLayout("loadgen", LAYERS, per_token_layer, gpu_block_size=BLOCK_TOKENS)
 
 
@@ -164,7 +204,12 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     check_output(args.output, "--output")
     check_output(args.plot, "--plot")
     with tempfile.TemporaryDirectory(prefix="tiering-bench-", ignore_cleanup_errors=True) as scratch:
-        environ = {**os.environ, "TIERING_BENCH_DIR": scratch}
+        layout = layout_for(args)
+        if not args.warm_start:  # a namespace of its own: nothing an earlier run left is a hit
+            layout = dataclasses.replace(layout, model=f"{layout.model}/run-{uuid.uuid4().hex[:12]}")
+        block_bytes = layout.kv_bytes_per_token * BLOCK_TOKENS
+        sizes = {name: str(max(floor, blocks * block_bytes)) for name, (floor, blocks) in DEFAULT_SIZES.items()}
+        environ = {**sizes, **os.environ, "TIERING_BENCH_DIR": scratch}
         if args.config:
             config = load_config(args.config, environ)
         else:
@@ -178,12 +223,13 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         if not requests:
             raise ValueError("no requests to replay")
         longest = max(len(request.hash_ids) for request in requests)
-        gpu_blocks = args.gpu_blocks or max(64, longest)
+        prefix_cache = args.gpu_blocks != 0
+        gpu_blocks = args.gpu_blocks or max(64 if prefix_cache else 1, longest)
         if gpu_blocks < longest:
-            raise ValueError(f"--gpu-blocks {gpu_blocks} cannot hold the longest prompt ({longest} blocks)")
+            raise ValueError(f"--gpu-cache-blocks {gpu_blocks} cannot hold the longest prompt ({longest} blocks)")
         from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
-        engine = SimulatedEngine(config, layout_for(args), gpu_blocks, f"bench-{os.getpid()}", args.seed)
+        engine = SimulatedEngine(config, layout, gpu_blocks, f"bench-{os.getpid()}", args.seed, prefix_cache)
         exporter = None
         try:
             if args.metrics_port is not None:
@@ -202,6 +248,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                 raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
             bounds = {
                 "unbounded": unbounded_hit_rate(requests),
+                "prefix": prefix_hit_rate(requests),
                 "belady": belady_hit_rate(requests, engine.spec.num_blocks),
             }
             inputs = {
@@ -212,19 +259,38 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                 "bytes_per_block": engine.spec.bytes_per_block,
                 "model": args.model,
                 "gpu_blocks": gpu_blocks,
+                "gpu_prefix_cache": prefix_cache,
+                "warm_start": args.warm_start,
+                "namespace": layout.model,
                 "time_scale": args.time_scale,
                 "seed": args.seed,
                 "device": str(engine.device),
                 "trace_span_s": (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0,
             }
             report = build_report(stats, engine, bounds, inputs)
+            if not args.warm_start and report["hit_rate"]["total"] > bounds["prefix"] + 1e-9:
+                raise EngineFailure(
+                    f"hit rate {report['hit_rate']['total']:.4f} above its bound {bounds['prefix']:.4f}"
+                )
         finally:
             if exporter is not None:
                 exporter.close()
             engine.shutdown()
+            if not (args.keep or args.warm_start):
+                _remove_namespaces(engine)
     if args.plot:
         plot(stats, list(report["hit_rate"])[:-1], str(args.plot))
     return report
+
+
+def _remove_namespaces(engine: SimulatedEngine) -> None:
+    """Delete the directories of the run's file tiers (their layout's namespace only)."""
+    for tier in engine.manager.secondary_tiers:
+        store = getattr(tier, "store", None)
+        while store is not None and not hasattr(store, "directory"):
+            store = getattr(store, "inner", None)  # a wrapping store (faulty)
+        if store is not None:
+            shutil.rmtree(store.directory, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,8 +50,20 @@ class Payloads:
 class SimulatedEngine:
     """A GPU prefix cache over real KV tensors, offloading through a real spec."""
 
-    def __init__(self, config: TieringConfig, layout: KVLayout, gpu_blocks: int, instance_id: str, seed: int = 0):
+    def __init__(
+        self,
+        config: TieringConfig,
+        layout: KVLayout,
+        gpu_blocks: int,
+        instance_id: str,
+        seed: int = 0,
+        prefix_cache: bool = True,
+    ):
         """
+        Args:
+            prefix_cache: the GPU blocks serve later requests' prefixes (False: every block
+                of a request comes from the engine or is computed).
+
         Raises:
             ValueError, OSError, ...: as `TieringOffloadingSpec` and `get_manager`.
         """
@@ -69,6 +81,7 @@ class SimulatedEngine:
             raise
         self.payloads = Payloads(page, seed)
         self.gpu_blocks = gpu_blocks
+        self.prefix_cache = prefix_cache
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # cached key -> GPU block, LRU order
         self._free = list(range(gpu_blocks - 1, -1, -1))
         self._job_ids = iter(range(1 << 62))
@@ -77,7 +90,10 @@ class SimulatedEngine:
     # -- the GPU prefix cache --------------------------------------------------------------
 
     def gpu_prefix(self, keys: list[bytes]) -> int:
-        """How many leading `keys` the GPU cache holds (they become the most recent)."""
+        """How many leading `keys` the GPU cache holds (they become the most recent); 0
+        without a prefix cache."""
+        if not self.prefix_cache:
+            return 0
         count = 0
         for key in keys:
             if key not in self._slots:
