@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import io
+import os
 from collections.abc import Collection, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, ClassVar
@@ -228,7 +229,7 @@ class S3BlockStore(BlockStore):
                 raise
 
     def _open_error(self, exc: Exception) -> OSError:
-        where = f"s3 tier: bucket {self.bucket!r} at {self.endpoint_url or 'AWS'}"
+        where = f"s3 tier: bucket {self.bucket!r} at {self._endpoint_name()}"
         if isinstance(exc, NoCredentialsError):
             return PermissionError(errno.EACCES, f"{where}: no credentials in the AWS chain (environment, files, role)")
         if isinstance(exc, ClientError):
@@ -239,6 +240,16 @@ class S3BlockStore(BlockStore):
                 return PermissionError(errno.EACCES, f"{where}: access denied ({code}); check the credentials")
             return OSError(errno.EIO, f"{where}: {code}")
         return ConnectionError(errno.ECONNREFUSED, f"{where}: cannot reach the endpoint ({type(exc).__name__}: {exc})")
+
+    def _endpoint_name(self) -> str:
+        """The endpoint in use, as the user gave it: the option, else the environment
+        variable botocore reads, else AWS itself."""
+        if self.endpoint_url:
+            return self.endpoint_url
+        for variable in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+            if os.environ.get(variable):
+                return f"{os.environ[variable]} (from {variable})"
+        return "AWS"
 
     async def close(self) -> None:
         await super().close()

@@ -61,3 +61,28 @@ def test_the_spec_and_the_manager_are_context_managers(tmp_path):
         assert isinstance(manager, TieringOffloadingManager)
         assert region_path("ctx-test").exists()
     assert not region_path("ctx-test").exists()
+
+
+def test_errors_read_without_errno_prefixes_and_name_the_busy_port(tmp_path, capsys):
+    import socket
+
+    from tiering.benchmarks.loadgen import cli
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["--metrics-port", str(port), "--max-requests", "5"]) == 2
+    err = capsys.readouterr().err
+    assert f"--metrics-port: 127.0.0.1:{port} is in use by another process" in err and "[Errno" not in err
+    unreadable = tmp_path / "engine.yaml"
+    assert cli.main(["--config", str(unreadable), "--max-requests", "5"]) == 2
+    assert "[Errno" not in capsys.readouterr().err
+
+
+def test_an_s3_endpoint_from_the_environment_is_named_as_such(monkeypatch):
+    from tiering.backends.s3 import S3BlockStore
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:1")
+    store = S3BlockStore(b"\0" * 16, "bucket")
+    assert "bucket 'bucket' at http://127.0.0.1:1 (from AWS_ENDPOINT_URL_S3)" in str(store._open_error(OSError("x")))

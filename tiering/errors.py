@@ -24,9 +24,26 @@ Thread: any; the errors carry no state but their message.
 
 from __future__ import annotations
 
+import errno
+
 
 class TieringError(Exception):
     """The root of every error the engine raises on purpose."""
+
+
+def describe(exc: BaseException) -> str:
+    """An error as a user should read it: an `OSError`'s message and file name without the
+    ``[Errno N]`` prefix, anything else as `str` gives it."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return str(exc)
+
+
+def describe_bind_error(exc: OSError, address: str, port: int) -> str:
+    """Why a server could not listen on `address`:`port`, naming them."""
+    if exc.errno == errno.EADDRINUSE:
+        return f"{address}:{port} is in use by another process; choose another port (0: any free one)"
+    return f"cannot listen on {address}:{port}: {describe(exc)}"
 
 
 class ConfigError(TieringError, ValueError):

@@ -108,8 +108,10 @@ def validate_options(model: type[BaseModel], options: Mapping[str, Any], source:
 
 
 def set_options(model: BaseModel) -> dict[str, Any]:
-    """The options a validated model was given (defaults left out), by name."""
-    return {name: getattr(model, name) for name in model.model_fields_set}
+    """The options a validated model was given (defaults left out), by name, in the model's
+    field order."""
+    given = model.model_fields_set
+    return {name: getattr(model, name) for name in type(model).model_fields if name in given}
 
 
 def describe_error(error: Mapping[str, Any], known: list[str]) -> str:

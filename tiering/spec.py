@@ -23,7 +23,7 @@ from tiering.admission import AdmissionConfig
 from tiering.config import TieringConfig
 from tiering.context import TierContext
 from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
-from tiering.errors import ConfigError, TierConfigError
+from tiering.errors import ConfigError, TierConfigError, describe, describe_bind_error
 from tiering.factory import SecondaryTierFactory
 from tiering.manager import TieringOffloadingManager
 from tiering.mediums import CPULoadStoreSpec, GPULoadStoreSpec
@@ -157,6 +157,8 @@ class TieringOffloadingSpec:
 
         Raises:
             OSError: the shared region cannot be created.
+            ConfigError: ``metrics`` is set but prometheus_client is missing or the port
+                cannot be listened on (it names the address and port).
             RegionInUseError: another live engine uses this instance id.
             ConfigError: ``cpu_bytes_to_use`` is more than the free shared memory, or a
                 secondary tier cannot be built (its storage cannot be opened, an
@@ -186,7 +188,7 @@ class TieringOffloadingSpec:
                 except TierConfigError as exc:
                     raise ConfigError(self.config.source, exc.located(f"secondary_tiers[{index}]")) from exc
                 except Exception as exc:
-                    raise ConfigError(self.config.source, [(f"secondary_tiers[{index}]", str(exc))]) from exc
+                    raise ConfigError(self.config.source, [(f"secondary_tiers[{index}]", describe(exc))]) from exc
         except BaseException:
             for tier in tiers:
                 tier.shutdown()
@@ -220,9 +222,10 @@ class TieringOffloadingSpec:
             raise ConfigError(self.config.source, [("metrics", problem)]) from None
         try:
             self.exporter = PrometheusExporter(metrics.port, metrics.address)
-        except OSError:
+        except OSError as exc:
             self.shutdown()
-            raise
+            problem = describe_bind_error(exc, metrics.address, metrics.port)
+            raise ConfigError(self.config.source, [("metrics.port", problem)]) from exc
         self.exporter.attach(self._manager, metrics.interval_s)
         logger.info("metrics on http://%s:%d/metrics", metrics.address, self.exporter.port)
 

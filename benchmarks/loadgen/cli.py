@@ -36,6 +36,7 @@ from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, 
 from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
 from tiering.benchmarks.loadgen.run import SchedulerLoop
 from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_trace, synthetic
+from tiering.errors import describe, describe_bind_error
 from tiering.options import parse_size
 from tiering.spec import MODEL_PRESETS
 
@@ -235,7 +236,12 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             if args.metrics_port is not None:
                 from tiering.metrics import PrometheusExporter
 
-                exporter = PrometheusExporter(args.metrics_port)
+                try:
+                    exporter = PrometheusExporter(args.metrics_port)
+                except OSError as exc:
+                    raise ValueError(
+                        f"--metrics-port: {describe_bind_error(exc, '127.0.0.1', args.metrics_port)}"
+                    ) from None
                 exporter.attach(engine.manager)
                 console.print(f"metrics on http://127.0.0.1:{exporter.port}/metrics", highlight=False)
             loop = SchedulerLoop(engine, verify=args.verify)
@@ -315,11 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run(args, console)
     except (ConfigError, ValueError, OSError, RegionInUseError) as exc:
-        console.print(f"[bold red]tiering-bench: error:[/] {exc}", highlight=False)
+        console.print(f"[bold red]tiering-bench: error:[/] {describe(exc)}", highlight=False, soft_wrap=True)
         return EXIT_BAD_INPUT
     except Exception as exc:  # EngineFailure, or a bug: one line, the traceback at debug level
         logger.debug("engine failure", exc_info=True)
-        console.print(f"[bold red]tiering-bench: engine failure:[/] {exc}", highlight=False)
+        console.print(f"[bold red]tiering-bench: engine failure:[/] {exc}", highlight=False, soft_wrap=True)
         return EXIT_ENGINE_FAILED
     finally:
         signal.signal(signal.SIGTERM, previous)
