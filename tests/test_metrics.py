@@ -50,7 +50,10 @@ def test_a_config_with_metrics_starts_and_stops_the_exporter():
     try:
         port = spec.exporter.port
         manager.on_schedule_end()
-        assert 'tiering_tier_capacity_blocks{tier="cpu"} 128.0' in scrape(port)
+        text = scrape(port)
+        assert f'tiering_tier_capacity_blocks{{instance="{spec.instance_id}",model="tiny",tier="cpu"}} 128.0' in text
+        assert "# HELP tiering_tier_misses_total Lookups this tier answered 'not here'." in text
+        assert "# TYPE tiering_tier_misses_total counter" in text
     finally:
         spec.shutdown()
     with pytest.raises(OSError):
@@ -62,3 +65,13 @@ def test_metrics_config_is_validated():
 
     with pytest.raises(ConfigError, match=r"metrics\.port: Input should be less than or equal to 65535"):
         parse_config("cpu_bytes_to_use: 1MiB\nmetrics: {port: 70000}")
+
+
+def test_every_metric_with_a_help_text_is_in_the_readme():
+    from pathlib import Path
+
+    from tiering.metrics import HELP
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [name for name, help in HELP.items() if f"_{name}" not in readme or help not in readme]
+    assert missing == []

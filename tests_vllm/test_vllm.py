@@ -66,13 +66,13 @@ def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(m
         assert counters(llm)["vllm:kv_offload_load_bytes"] == FULL_BLOCKS // tiny.BLOCK * BLOCK_BYTES
 
         # 3. other prompts evict it from the CPU tier; it is promoted back from the file tier
-        before = manager_stats()["primary"]["counters"]["lookups_in_flight"]
+        before = manager_stats()["primary"]["counters"]["lookups_deferred"]
         tokens, logprobs, cached = evict_and_reload(llm, baseline)
         assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
         stats = manager_stats()
         assert stats["tiers"]["file"]["counters"]["blocks_loaded"] >= 1
         assert stats["manager"]["promotions_submitted"] >= 1
-        assert stats["primary"]["counters"]["lookups_in_flight"] > before  # answered RETRY, then HIT
+        assert stats["primary"]["counters"]["lookups_deferred"] > before  # answered RETRY, then HIT
     finally:
         close(llm)
 

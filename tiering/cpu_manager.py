@@ -215,7 +215,7 @@ class CPUOffloadingManager(OffloadingManager):
             "lookups": sum(self._lookups.values()),
             "hits": self._lookups[True],
             "misses": self._lookups[False],
-            "lookups_in_flight": self._lookups[None],
+            "lookups_deferred": self._lookups[None],
             **{name: self._counters[name] for name in self.counter_names},
         }
         gauges = {

@@ -221,7 +221,8 @@ class TieringOffloadingSpec:
             problem = "needs prometheus_client (pip install 'kv-tiering[metrics]')"
             raise ConfigError(self.config.source, [("metrics", problem)]) from None
         try:
-            self.exporter = PrometheusExporter(metrics.port, metrics.address)
+            labels = {"instance": self.instance_id, "model": self.layout.model}
+            self.exporter = PrometheusExporter(metrics.port, metrics.address, labels)
         except OSError as exc:
             self.shutdown()
             problem = describe_bind_error(exc, metrics.address, metrics.port)

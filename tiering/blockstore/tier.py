@@ -228,7 +228,7 @@ class BlockStoreTier(SecondaryTierManager):
             "lookups": sum(self._lookups.values()),
             "hits": self._lookups[True],
             "misses": self._lookups[False],
-            "lookups_in_flight": self._lookups[None],
+            "lookups_deferred": self._lookups[None],
             **{name: self._counters[name] for name in _COUNTERS},
             "evictions": self._index.evictions,
             "failures": dict(self.failures),
