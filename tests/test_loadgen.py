@@ -364,3 +364,12 @@ def test_every_field_of_the_json_is_documented_in_the_readme(tmp_path):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     undocumented = [key for key in [*report, *report["inputs"]] if f"`{key}`" not in readme]
     assert undocumented == []
+
+
+def test_the_summary_reads_whole_at_80_columns_in_a_pipe(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(["--max-requests", "20", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "…" not in out  # no header or value cut short
+    assert "Secondary tiers" in out and "GPU<->CPU copies" in out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -89,26 +90,30 @@ def print_summary(report: dict, console: Console) -> None:
     if report["realtime_factor"] is not None:
         hits.add_row("replay speed vs the trace's clock", f"{report['realtime_factor']:.1f}x")
     console.print(hits)
-    tiers = Table(title="Tiers and transfers")
-    for column in ("tier", "stored", "loaded", "store GB/s", "load GB/s", "evictions", "jobs ok / failed", "health"):
-        tiers.add_column(column, justify="left" if column == "tier" else "right")
+    tiers = Table(title="Secondary tiers", box=box.SIMPLE)
+    for column in ("tier", "stored", "loaded", "evicted", "jobs ok", "failed", "dropped", "health"):
+        tiers.add_column(column, justify="left" if column == "tier" else "right", no_wrap=True)
     for name, tier in report["tiers"].items():
         counters, gauges = tier["stats"]["counters"], tier["stats"]["gauges"]
         tiers.add_row(
             name,
             _size(tier["store_bytes"]),
             _size(tier["load_bytes"]),
-            f"{tier['store_gbps']:.3f}",
-            f"{tier['load_gbps']:.3f}",
             str(tier["evictions"]),
-            f"{counters.get('jobs_succeeded', 0)} / {counters.get('jobs_failed', 0)}",
+            str(counters.get("jobs_succeeded", 0)),
+            str(counters.get("jobs_failed", 0)),
+            str(tier["cascades_dropped"]),
             str(gauges.get("state", "")),
         )
-    for name, transfer in report["transfers"].items():
-        tiers.add_row(
-            name, _size(transfer["bytes"]), "", f"{transfer['gbps_while_copying']:.2f} (copying)", "", "", "", ""
-        )
     console.print(tiers)
+    transfers = Table(title="GPU<->CPU copies", box=box.SIMPLE)
+    for column in ("direction", "moved", "GB/s while copying"):
+        transfers.add_column(column, justify="left" if column == "direction" else "right", no_wrap=True)
+    for name, transfer in report["transfers"].items():
+        transfers.add_row(
+            name.replace("_to_", " -> "), _size(transfer["bytes"]), f"{transfer['gbps_while_copying']:.2f}"
+        )
+    console.print(transfers)
     calls = Table(title="Scheduler-thread calls and promotions")
     for column in ("call", "count", "p50", "p99"):
         calls.add_column(column, justify="left" if column == "call" else "right")
