@@ -112,7 +112,7 @@ def test_a_rerun_over_a_used_directory_never_exceeds_its_bound_and_leaves_no_fil
         output = tmp_path / f"run{run}.json"
         assert cli.main([*argv, "--output", str(output)]) == 0
         report = json.loads(output.read_text())
-        assert report["schema_version"] == 2 and not report["inputs"]["warm_start"]
+        assert report["schema_version"] == 3 and not report["inputs"]["warm_start"]
         assert report["hit_rate"]["total"] <= report["prefix_hit_rate"] <= report["unbounded_hit_rate"]
         assert list(root.iterdir()) == []  # the run's namespace was removed
     assert cli.main([*argv, "--keep", "--output", str(tmp_path / "kept.json")]) == 0
@@ -373,3 +373,27 @@ def test_the_summary_reads_whole_at_80_columns_in_a_pipe(capsys, monkeypatch):
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "…" not in out  # no header or value cut short
     assert "Secondary tiers" in out and "GPU<->CPU copies" in out
+
+
+def test_an_interrupted_replay_writes_its_partial_results_and_leaves_nothing_behind(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    output, plot = tmp_path / "run.json", tmp_path / "run.png"
+    argv = ["--workload", "multi-turn", "--max-requests", "100000", "--output", str(output), "--plot", str(plot)]
+    command = [sys.executable, "-m", "tiering.benchmarks.loadgen.cli", *argv]
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as bench:
+        region = Path("/dev/shm") / f"tiering-bench-{bench.pid}.kv"
+        deadline = time.monotonic() + 60
+        while not region.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1)  # some requests replayed
+        bench.send_signal(signal.SIGINT)
+        _, err = bench.communicate(timeout=60)
+    assert bench.returncode == 130
+    report = json.loads(output.read_text())
+    assert report["interrupted"] and 0 < report["requests"] < 100000 and plot.stat().st_size > 0
+    assert report["hit_rate"]["total"] <= report["prefix_hit_rate"]
+    assert "interrupted after" in err.decode()
+    assert not region.exists()

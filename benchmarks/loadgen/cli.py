@@ -56,13 +56,14 @@ DEFAULT_SIZES = {
     "TIERING_BENCH_TIER_BYTES": (48 << 20, 24),
 }  # bytes, or blocks
 LAYERS = 4  # KV tensors of the simulated model when sizing by --block-bytes
-EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_ENGINE_FAILED = 0, 1, 2, 3
+EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_ENGINE_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_STATUS = """\
 exit status:
   0  ok
   1  a loaded block failed verification (a wrong byte)
   2  bad input: a config, trace, option or storage that cannot be used
   3  the engine failed while replaying
+  130  interrupted by Ctrl-C (143: by SIGTERM): the partial results were still written
 """
 logger = logging.getLogger("tiering.bench")
 
@@ -252,10 +253,11 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                     stats = loop.run(requests, args.time_scale, on_request=lambda: progress.advance(task))
             except Exception as exc:
                 raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
+            replayed = requests[: stats.requests]  # all of them, unless interrupted
             bounds = {
-                "unbounded": unbounded_hit_rate(requests),
-                "prefix": prefix_hit_rate(requests),
-                "belady": belady_hit_rate(requests, engine.spec.num_blocks),
+                "unbounded": unbounded_hit_rate(replayed),
+                "prefix": prefix_hit_rate(replayed),
+                "belady": belady_hit_rate(replayed, engine.spec.num_blocks),
             }
             inputs = {
                 "config": config.model_dump(),
@@ -316,10 +318,19 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     # A terminated run still shuts the engine down (its shared memory, its tier threads),
     # and a run that was killed outright leaves a region the next run removes.
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    received: list[int] = []
+
+    def terminate(signum: int, _frame: object) -> None:  # SIGTERM stops the run as Ctrl-C does
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
     SharedOffloadRegion.remove_stale("bench-")
     try:
         report = run(args, console)
+    except KeyboardInterrupt:  # before or after the replay itself: nothing to report
+        console.print("[bold red]tiering-bench: interrupted[/]", highlight=False)
+        return 128 + received[0] if received else EXIT_INTERRUPTED
     except (ConfigError, ValueError, OSError, RegionInUseError) as exc:
         console.print(f"[bold red]tiering-bench: error:[/] {describe(exc)}", highlight=False, soft_wrap=True)
         return EXIT_BAD_INPUT
@@ -332,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(report, Console())
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
+    if report["interrupted"]:
+        console.print(f"[bold red]tiering-bench: interrupted after {report['requests']} requests[/]", highlight=False)
+        return 128 + received[0] if received else EXIT_INTERRUPTED
     return EXIT_VERIFY_FAILED if report["verify_failures"] else EXIT_OK
 
 

@@ -14,7 +14,7 @@ from tiering.benchmarks.loadgen.run import RunStats
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
-SCHEMA_VERSION = 2  # 2: prefix_hit_rate, each tier's cascades_dropped and cascades_filtered
+SCHEMA_VERSION = 3  # 2: prefix_hit_rate, each tier's cascades_dropped and cascades_filtered; 3: interrupted
 
 
 def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, float], inputs: dict[str, Any]) -> dict:
@@ -47,6 +47,7 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
         "schema_version": SCHEMA_VERSION,
         "inputs": inputs,
         "requests": stats.requests,
+        "interrupted": stats.interrupted,
         "wall_s": stats.wall_s,
         "requests_per_s": stats.requests / stats.wall_s,
         "realtime_factor": trace_span / stats.wall_s if stats.wall_s else None,

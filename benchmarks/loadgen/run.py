@@ -36,6 +36,7 @@ class RunStats:
     lag_s: list[float] = field(default_factory=list)
     timeline: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (request, tokens so far)
     wall_s: float = 0.0
+    interrupted: bool = False  # stopped early (Ctrl-C, SIGTERM): the numbers cover `requests` only
 
 
 class SchedulerLoop:
@@ -63,20 +64,25 @@ class SchedulerLoop:
 
     def run(self, requests: Sequence[Request], time_scale: float = 0.0, on_request: Callable[[], None] | None = None):
         """Replay `requests`; with `time_scale` > 0, request i starts no earlier than
-        ``timestamp_ms / 1000 * time_scale`` seconds after the first. Returns `RunStats`."""
+        ``timestamp_ms / 1000 * time_scale`` seconds after the first. Returns `RunStats`;
+        a KeyboardInterrupt ends the replay early, with ``interrupted`` set."""
         start = time.perf_counter()
-        for index, request in enumerate(requests):
-            if time_scale > 0:
-                due = start + request.timestamp_ms / 1000.0 * time_scale
-                wait = due - time.perf_counter()
-                if wait > 0:
-                    time.sleep(wait)
-                self.stats.lag_s.append(max(0.0, -wait))
-            self._serve(index, request)
-            if index % 50 == 0 or index == len(requests) - 1:
-                self.stats.timeline.append((index + 1, dict(self.stats.tokens)))
-            if on_request is not None:
-                on_request()
+        try:
+            for index, request in enumerate(requests):
+                if time_scale > 0:
+                    due = start + request.timestamp_ms / 1000.0 * time_scale
+                    wait = due - time.perf_counter()
+                    if wait > 0:
+                        time.sleep(wait)
+                    self.stats.lag_s.append(max(0.0, -wait))
+                self._serve(index, request)
+                if index % 50 == 0 or index == len(requests) - 1:
+                    self.stats.timeline.append((index + 1, dict(self.stats.tokens)))
+                if on_request is not None:
+                    on_request()
+        except KeyboardInterrupt:
+            self.stats.interrupted = True
+            self.stats.timeline.append((self.stats.requests, dict(self.stats.tokens)))
         self._settle()
         self.stats.wall_s = time.perf_counter() - start
         return self.stats
