@@ -113,7 +113,8 @@ def test_a_rerun_over_a_used_directory_never_exceeds_its_bound_and_leaves_no_fil
         assert cli.main([*argv, "--output", str(output)]) == 0
         report = json.loads(output.read_text())
         assert report["schema_version"] == 3 and not report["inputs"]["warm_start"]
-        assert report["hit_rate"]["total"] <= report["prefix_hit_rate"] <= report["unbounded_hit_rate"]
+        assert report["hit_rate"]["total"] <= report["prefix_hit_rate"] + 1e-9  # (it may reach it exactly)
+        assert report["prefix_hit_rate"] <= report["unbounded_hit_rate"]
         assert list(root.iterdir()) == []  # the run's namespace was removed
     assert cli.main([*argv, "--keep", "--output", str(tmp_path / "kept.json")]) == 0
     assert len(list(root.iterdir())) == 1
@@ -394,6 +395,6 @@ def test_an_interrupted_replay_writes_its_partial_results_and_leaves_nothing_beh
     assert bench.returncode == 130
     report = json.loads(output.read_text())
     assert report["interrupted"] and 0 < report["requests"] < 100000 and plot.stat().st_size > 0
-    assert report["hit_rate"]["total"] <= report["prefix_hit_rate"]
+    assert report["hit_rate"]["total"] <= report["prefix_hit_rate"] + 1e-9  # (it may reach it exactly)
     assert "interrupted after" in err.decode()
     assert not region.exists()
