@@ -194,9 +194,6 @@ class TierAdmission:
         """Seconds the bytes in flight would take at the measured rate (None: no rate yet)."""
         return self.rows_in_flight * self.row_bytes / self._rate if self._rate else None
 
-    def stats(self) -> dict[str, int | float | None]:
-        return {**self.counters, "rows_in_flight": self.rows_in_flight, "service_bytes_per_s": self._rate or None}
-
     def _behind(self) -> bool:
         limit, backlog = self.config.max_backlog_s, self.backlog_s
         return limit is not None and backlog is not None and backlog > limit

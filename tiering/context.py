@@ -46,11 +46,6 @@ class TierContext:
     runtime: AsyncRuntime | None = None
     spec: Any = None
 
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one primary row, that is of one block."""
-        return _row_bytes(self.primary_rows)
-
     @classmethod
     def of(cls, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str) -> TierContext:
         """The context of a tier built with the contract's arguments: `offloading_spec` is a
