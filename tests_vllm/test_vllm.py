@@ -43,6 +43,9 @@ def evict_and_reload(llm, baseline):
     """Fill the CPU tier with other prompts, forget vLLM's prefix cache, run PROMPT again."""
     for other in OTHERS:
         assert tiny.generate(llm, [other])[0][:2] == baseline[tuple(other)][:2]
+    # Their cascades finish after generate returns and pin CPU rows until then; a promotion
+    # needs a free row, so wait for them (the race CI caught once).
+    tiny.settle(llm, lambda: manager_stats()["manager"]["jobs_in_flight"] == 0)
     assert llm.reset_prefix_cache()
     return tiny.generate(llm, [PROMPT])[0]
 
