@@ -116,24 +116,27 @@ class SchedulerLoop:
     def _lookup_prefix(self, keys: list[bytes], context: ReqContext) -> tuple[int, list[str]]:
         """How many leading `keys` are offload hits, and which tier served each.
 
-        As a scheduler does: the whole prefix is looked up again every step until no lookup
-        answers None; only then are the hits final (a promotion queued in an earlier step
-        may have evicted a block that answered True before it).
+        As vLLM's scheduler does: each step looks up the prefix up to its first miss, going
+        on past None answers so that every promotion the prefix needs is queued in the same
+        step, and repeats that every step until no lookup answers None; only then are the
+        hits final (a promotion queued in an earlier step may have evicted a block that
+        answered True before it). The hits are the leading True answers.
         """
         holders: dict[bytes, str] = {}
         waiting_since: float | None = None
         for step in range(self.max_steps + 1):
-            sources, waiting = [], False
+            sources: list[str] = []
+            waiting = False
             for key in keys:
                 if key not in holders:
                     holders[key] = self._holder(key, context)
                 answer = self._call("lookup", self.manager.lookup, key, context)
+                if answer is False:
+                    break
                 if answer is None:
                     waiting = True
-                    break
-                if not answer:
-                    break
-                sources.append(holders[key])
+                elif not waiting:
+                    sources.append(holders[key])
             if not waiting or step == self.max_steps:
                 break
             waiting_since = waiting_since or time.perf_counter()
