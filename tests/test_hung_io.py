@@ -117,7 +117,7 @@ def test_a_stuck_read_fails_its_promotion_and_its_row_stays_quarantined_until_th
     assert primary.lookup(key(0), CTX) is False
     assert tier.failures["load"] == 1
     assert primary.get_stats()["gauges"]["rows_quarantined"] == 1
-    assert manager.get_stats()["manager"]["jobs_holding_rows"] == 1
+    assert manager.get_stats()["manager"]["gauges"]["jobs_holding_rows"] == 1
 
     # Every other row is reused by new GPU stores; the quarantined one is not.
     assert manager.prepare_store(keys(10, 11, 12, 13), CTX) is None  # 3 rows only
@@ -129,7 +129,7 @@ def test_a_stuck_read_fails_its_promotion_and_its_row_stays_quarantined_until_th
     assert rows[quarantined].tobytes() == bytes([LATE_BYTE]) * ROW
     for k, row in zip(new.keys_to_store, new.store_spec.block_ids, strict=True):
         assert rows[row].tobytes() == block_bytes(k, ROW)
-    assert manager.get_stats()["manager"]["jobs_holding_rows"] == 0
+    assert manager.get_stats()["manager"]["gauges"]["jobs_holding_rows"] == 0
     assert primary.num_free_blocks == 1  # back in use
 
 
@@ -143,11 +143,11 @@ def test_a_stuck_write_fails_its_cascade_and_keeps_the_source_rows_pinned_until_
     assert stuck.entered.wait(10)
     step_until(manager, lambda: tier.get_stats()["counters"]["jobs_failed"] == 1)
     assert primary.ref_count(key(1)) == 1  # still pinned: the thread reads the row
-    assert manager.get_stats()["manager"]["jobs_holding_rows"] == 1
+    assert manager.get_stats()["manager"]["gauges"]["jobs_holding_rows"] == 1
 
     stuck.unstick.set()
     step_until(manager, lambda: primary.ref_count(key(1)) == 0)
-    assert manager.get_stats()["manager"]["jobs_holding_rows"] == 0
+    assert manager.get_stats()["manager"]["gauges"]["jobs_holding_rows"] == 0
 
 
 def test_shutdown_gives_up_on_a_stuck_thread_and_returns(stuck_engine, caplog):
@@ -192,7 +192,7 @@ def test_a_job_that_breaks_while_running_or_starting_fails_once_and_the_tier_goe
         manager.on_schedule_end()
         assert tier.get_stats()["counters"]["jobs_failed"] == 2 and tier.failures["start"] == 1
         assert primary.ref_count(key(2)) == 0
-        assert manager.get_stats()["manager"]["jobs_in_flight"] == 0
+        assert manager.get_stats()["manager"]["gauges"]["jobs_in_flight"] == 0
         monkeypatch.undo()
 
         store(manager, rows, 3)  # a single block: the store answers for none of it

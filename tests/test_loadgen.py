@@ -112,7 +112,7 @@ def test_a_rerun_over_a_used_directory_never_exceeds_its_bound_and_leaves_no_fil
         output = tmp_path / f"run{run}.json"
         assert cli.main([*argv, "--output", str(output)]) == 0
         report = json.loads(output.read_text())
-        assert report["schema_version"] == 3 and not report["inputs"]["warm_start"]
+        assert report["schema_version"] == 4 and not report["inputs"]["warm_start"]
         assert report["hit_rate"]["total"] <= report["prefix_hit_rate"] + 1e-9  # (it may reach it exactly)
         assert report["prefix_hit_rate"] <= report["unbounded_hit_rate"]
         assert list(root.iterdir()) == []  # the run's namespace was removed
@@ -130,6 +130,35 @@ def test_without_a_gpu_prefix_cache_the_cpu_tier_sees_every_block(tmp_path):
     report = json.loads(output.read_text())
     assert report["hit_rate"]["gpu"] == 0 and report["hit_rate"]["total"] > 0
     assert report["inputs"]["gpu_prefix_cache"] is False
+
+
+def test_the_engines_own_token_counters_agree_with_the_replay(tmp_path):
+    """What Prometheus shows (the engine's per-request counters) is what the bench measured."""
+    requests = synthetic("multi-turn", 120, seed=3)
+    trace = tmp_path / "trace.jsonl"  # whole blocks only: the engine counts a block's tokens as 512
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": r.timestamp_ms,
+                    "input_length": 512 * len(r.hash_ids),
+                    "output_length": 1,
+                    "hash_ids": list(r.hash_ids),
+                }
+            )
+            + "\n"
+            for r in requests
+        )
+    )
+    output = tmp_path / "run.json"
+    assert cli.main(["--trace", str(trace), "--gpu-cache-blocks", "0", "--quiet", "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    engine = report["engine"]
+    assert engine["requested_tokens"] == sum(512 * len(r.hash_ids) for r in requests)  # no GPU cache: all asked
+    assert engine["hit_tokens"]["file"] > 0 and engine["lookups_repeated"] > 0
+    for source in ("cpu", "file"):
+        assert engine["hit_tokens"][source] == round(report["hit_rate"][source] * engine["requested_tokens"])
+    assert engine["hit_rate"] == pytest.approx(report["hit_rate"]["total"])
 
 
 def test_a_bad_config_file_names_the_key(tmp_path, capsys):

@@ -17,7 +17,14 @@ def test_counters_match_a_scripted_run(engine_factory):
     assert primary["counters"]["blocks_loaded"] == 0  # by the GPU; the cascades read 8
     assert primary["counters"]["blocks_read_by_tiers"] == 8
     assert primary["counters"]["evictions"] == 5
-    assert primary["gauges"] == {"blocks": 4, "capacity_blocks": 4, "rows_quarantined": 0, "healthy": True}
+    assert primary["gauges"] == {
+        "blocks": 4,
+        "capacity_blocks": 4,
+        "rows_reading": 0,
+        "rows_writing": 0,
+        "rows_quarantined": 0,
+        "healthy": True,
+    }
 
     memory = stats["tiers"]["memory"]
     object_bytes = tier.object_bytes(keys(0)[0])
@@ -26,18 +33,79 @@ def test_counters_match_a_scripted_run(engine_factory):
     assert memory["counters"]["blocks_loaded"] == 1
     assert memory["counters"]["jobs_succeeded"] == 3 and memory["counters"]["jobs_failed"] == 0
     assert memory["counters"]["misses"] >= 1 and memory["counters"]["hits"] >= 1
+    assert memory["counters"]["store_busy_seconds"] > 0 and memory["counters"]["load_busy_seconds"] > 0
     assert memory["gauges"]["blocks"] == 8 and memory["gauges"]["bytes"] == 8 * object_bytes
     assert memory["gauges"]["jobs_in_flight"] == 0 and memory["gauges"]["healthy"] is True
-    assert memory["job_seconds"]["count"] == 3
-    assert memory["job_seconds"]["buckets"][-1] == ["+Inf", 3]
+    assert memory["histograms"]["store_seconds"]["count"] == 2
+    assert memory["histograms"]["load_seconds"]["buckets"][-1] == ["+Inf", 1]
 
-    assert stats["manager"] == {
-        "cascades_submitted": 2,
-        "promotions_submitted": 1,
-        "jobs_in_flight": 0,
-        "jobs_holding_rows": 0,
-        "promotions_queued": 0,
-    }
+    assert stats["manager"]["gauges"] == {"jobs_in_flight": 0, "jobs_holding_rows": 0, "promotions_queued": 0}
+    counters = stats["manager"]["counters"]
+    assert counters["cascades_submitted"] == 2 and counters["promotions_submitted"] == 1
+    assert "requested_tokens" not in counters  # the manager was not told the tokens per block
+    assert stats["manager"]["histograms"]["promotion_seconds"]["count"] == 1
+
+
+def test_each_block_counts_once_per_request_for_the_tier_that_supplied_it(engine_factory):
+    from tiering import ReqContext
+
+    engine = engine_factory({"type": "memory"}, num_blocks=8)
+    manager = engine.manager
+    manager.block_tokens = 16
+    engine.store(*range(8))
+    engine.store(8, 9, 10, 11)  # evicts 0..3 from the CPU tier; the memory tier has them
+    a, b, c = ReqContext("a"), ReqContext("b"), ReqContext("c")
+    k = {i: key for i, key in zip([0, 8, 20, 30, 31], keys(0, 8, 20, 30, 31), strict=True)}
+
+    assert manager.lookup(k[8], a) is True  # in the CPU tier
+    assert manager.lookup(k[0], a) is None  # promotion queued; the scheduler asks again later
+    engine.settle()  # submitted
+    engine.settle()  # landed
+    assert [manager.lookup(k[i], a) for i in (8, 0, 20)] == [True, True, False]  # two repeats
+    manager.on_request_finished(a)
+    assert [manager.lookup(k[i], b) for i in (0, 8)] == [True, True]  # both in the CPU tier now
+    assert manager.lookup(k[30], c) is False
+    manager.prepare_store([k[30], k[31]], c)  # computed after the miss: 31 was never looked up
+
+    stats = manager.get_stats()
+    hits = {name: part["counters"]["hit_blocks"] for name, part in (("cpu", stats["primary"]), *stats["tiers"].items())}
+    assert hits == {"cpu": 3, "memory": 1}
+    assert stats["tiers"]["memory"]["counters"]["hit_tokens"] == 16
+    assert stats["primary"]["counters"]["hit_tokens"] == 48
+    counters = stats["manager"]["counters"]
+    assert counters["requested_blocks"] == 12 + 3 + 2 + 2  # the stores of req-0, then a, b, c
+    assert counters["requested_tokens"] == 16 * counters["requested_blocks"]
+    assert counters["lookups_repeated"] == 2
+    assert stats["primary"]["gauges"]["rows_writing"] == 2  # c's store is in flight
+
+
+def test_a_forgotten_request_counts_again_and_the_oldest_goes_first():
+    from tiering.lookups import RequestLookups
+
+    counts = RequestLookups(lambda key: None, max_requests=2)
+    for req_id in ("a", "b", "c"):  # "a" is forgotten when "c" arrives
+        counts.answered(req_id, b"k", True)
+    counts.answered("a", b"k", True)  # "a" again: new, and "b" is forgotten
+    counts.answered("c", b"k", True)  # a repeat
+    assert (counts.requested_blocks, counts.lookups_repeated, counts.hit_blocks["cpu"]) == (4, 1, 4)
+    counts.finished("c")
+    counts.answered("c", b"k", False)
+    assert counts.requested_blocks == 5
+
+
+def test_pinned_rows_are_counted_while_readers_and_writes_are_in_flight(engine_factory):
+    engine = engine_factory({"type": "memory"}, num_blocks=4)
+    primary = engine.primary
+    out = engine.manager.prepare_store(keys(0, 1), CTX)
+    assert primary.get_stats()["gauges"]["rows_writing"] == 2
+    engine.manager.complete_store(out.keys_to_store, CTX)  # the cascade reads both rows
+    gauges = primary.get_stats()["gauges"]
+    assert (gauges["rows_writing"], gauges["rows_reading"]) == (0, 2)
+    engine.settle()
+    engine.manager.prepare_load(keys(0, 0), CTX)  # two readers of one row: one row
+    assert primary.get_stats()["gauges"]["rows_reading"] == 1
+    engine.manager.complete_load(keys(0, 0), CTX)
+    assert primary.get_stats()["gauges"]["rows_reading"] == 0
 
 
 def test_listeners_get_snapshots_at_most_every_interval(engine_factory):

@@ -45,7 +45,7 @@ def evict_and_reload(llm, baseline):
         assert tiny.generate(llm, [other])[0][:2] == baseline[tuple(other)][:2]
     # Their cascades finish after generate returns and pin CPU rows until then; a promotion
     # needs a free row, so wait for them (the race CI caught once).
-    tiny.settle(llm, lambda: manager_stats()["manager"]["jobs_in_flight"] == 0)
+    tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
     assert llm.reset_prefix_cache()
     return tiny.generate(llm, [PROMPT])[0]
 
@@ -74,7 +74,7 @@ def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(m
         assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
         stats = manager_stats()
         assert stats["tiers"]["file"]["counters"]["blocks_loaded"] >= 1
-        assert stats["manager"]["promotions_submitted"] >= 1
+        assert stats["manager"]["counters"]["promotions_submitted"] >= 1
         assert stats["primary"]["counters"]["lookups_deferred"] > before  # answered RETRY, then HIT
     finally:
         close(llm)

@@ -57,6 +57,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
         self._counters: Counter[str] = Counter()
+        self._rows_reading = 0  # rows with a reader (ref count > 0)
+        self._rows_writing = 0  # rows with a write in flight (ref count -1)
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +93,8 @@ class CPUOffloadingManager(OffloadingManager):
     def _pin(self, keys: Collection[OffloadKey], caller: str, counter: str) -> CPULoadStoreSpec:
         blocks = [self._block(key, caller, lambda b: b.ref_cnt >= 0) for key in keys]
         for block in blocks:
+            if block.ref_cnt == 0:
+                self._rows_reading += 1
             block.ref_cnt += 1
         self._counters[counter] += len(blocks)
         return CPULoadStoreSpec([block.block_id for block in blocks])
@@ -108,6 +112,8 @@ class CPUOffloadingManager(OffloadingManager):
         blocks = [self._block(key, "complete_load", lambda b: b.ref_cnt > 0) for key in keys]
         for block in blocks:
             block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._rows_reading -= 1
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Reserve rows for the keys not yet resident, evicting idle blocks if needed.
@@ -137,6 +143,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._counters["evictions"] += len(victims)
             self._emit(evicted, removed=True)
         block_ids = [self._allocate_block_id() for _ in keys_to_store]
+        self._rows_writing += len(block_ids)
         for key, block_id in zip(keys_to_store, block_ids, strict=True):
             policy.insert(key, BlockStatus(block_id))
         return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted)
@@ -167,6 +174,7 @@ class CPUOffloadingManager(OffloadingManager):
             policy.mark_recent(key)
             stored.append(key)
         self._counters[counter] += len(stored)
+        self._rows_writing -= len(stored)
         self._emit(stored, removed=False)
         return stored
 
@@ -203,6 +211,7 @@ class CPUOffloadingManager(OffloadingManager):
                 self._policy.remove(key)
                 rows.append(block.block_id)
         self._counters["blocks_store_failed"] += len(rows)
+        self._rows_writing -= len(rows)
         return rows
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -210,7 +219,8 @@ class CPUOffloadingManager(OffloadingManager):
 
     def get_stats(self) -> TierStats:
         """Counters (lookups by answer, blocks stored and loaded, evictions, refused stores)
-        and gauges (blocks held, capacity in blocks). Cheap; scheduler thread."""
+        and gauges (blocks held, capacity in blocks, rows pinned by readers and by writes in
+        flight, rows quarantined). Cheap; scheduler thread."""
         counters = {
             "lookups": sum(self._lookups.values()),
             "hits": self._lookups[True],
@@ -221,10 +231,12 @@ class CPUOffloadingManager(OffloadingManager):
         gauges = {
             "blocks": len(self._policy),
             "capacity_blocks": self.num_blocks,
+            "rows_reading": self._rows_reading,
+            "rows_writing": self._rows_writing,
             "rows_quarantined": len(self._quarantined),
             "healthy": True,
         }
-        return {"counters": counters, "gauges": gauges}
+        return {"counters": counters, "gauges": gauges, "histograms": {}}
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call, oldest first; always empty if events are disabled."""

@@ -36,8 +36,10 @@ from tiering.admission import AdmissionConfig, TierAdmission
 from tiering.context import unique_names
 from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
 from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
+from tiering.lookups import PRIMARY, RequestLookups
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.secondary import JobId, JobMetadata, SecondaryTierManager
+from tiering.stats import Histogram
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class _Job:
     is_promotion: bool
     req_context: ReqContext
     tier_idx: int
+    queued_at: float = 0.0  # a promotion's first lookup, perf_counter seconds (unused for cascades)
 
 
 @dataclass
@@ -57,6 +60,7 @@ class _QueuedPromotion:
     req_context: ReqContext
     keys: list[OffloadKey] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    queued_at: float = field(default_factory=time.perf_counter)
 
 
 class TieringOffloadingManager(OffloadingManager):
@@ -73,6 +77,7 @@ class TieringOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         drain_timeout_s: float = 30.0,
         admission: Sequence[AdmissionConfig | None] | None = None,
+        block_tokens: int | None = None,
     ):
         """
         Args:
@@ -82,6 +87,8 @@ class TieringOffloadingManager(OffloadingManager):
             drain_timeout_s: how long `reset_cache` waits for each tier's jobs, seconds.
             admission: per secondary tier, in order, its `AdmissionConfig` (None, or a
                 shorter list: the defaults).
+            block_tokens: tokens per block, for the token counters of `get_stats`; None
+                leaves them out (block counts only).
 
         Raises:
             ValueError: more admission configs than tiers.
@@ -105,7 +112,10 @@ class TieringOffloadingManager(OffloadingManager):
         row_bytes = primary_tier.get_kv_memoryview().nbytes // max(1, primary_tier.num_blocks)
         rows, tiers = primary_tier.num_blocks, max(1, len(configs))
         self.admission = [TierAdmission(config or AdmissionConfig(), rows, row_bytes, tiers) for config in configs]
+        self.block_tokens = block_tokens
         self._counters = {"promotions_submitted": 0, "cascades_submitted": 0}
+        self._requests = RequestLookups(self.promotion_source)
+        self._promotion_seconds = Histogram()
         self._listeners: list[list[Any]] = []  # [callback, interval_s, next due]
 
     # -- scheduler calls ------------------------------------------------------------------
@@ -117,8 +127,13 @@ class TieringOffloadingManager(OffloadingManager):
         if not self._polled_this_step:
             self._process_finished()
         answer = self.primary_tier.lookup(key, req_context)
-        if answer is not False:
-            return answer
+        if answer is False:
+            answer = self._lookup_secondary(key, req_context)
+        self._requests.answered(req_context.req_id, key, answer)
+        return answer
+
+    def _lookup_secondary(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        answer: bool | None = False
         for tier_idx, tier in enumerate(self.secondary_tiers):
             try:
                 found = tier.lookup(key, req_context)
@@ -157,6 +172,7 @@ class TieringOffloadingManager(OffloadingManager):
         """Reserve primary rows for a GPU store; None if the primary tier has no room."""
         if not self._polled_this_step:
             self._process_finished()
+        self._requests.stored(req_context.req_id, keys)
         return self.primary_tier.prepare_store(keys, req_context)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
@@ -175,8 +191,9 @@ class TieringOffloadingManager(OffloadingManager):
         return self.primary_tier.on_new_request(req_context)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        """Nothing to release: a finished request's queued promotions still run (other
-        requests share prefixes)."""
+        """Forget the request's lookups (see `tiering.lookups`). Its queued promotions still
+        run (other requests share prefixes)."""
+        self._requests.finished(req_context.req_id)
         self.primary_tier.on_request_finished(req_context)
 
     def take_events(self) -> list[OffloadingEvent]:
@@ -193,7 +210,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._process_finished()
         for (tier_idx, _), queued in self._promotions.items():
             block_ids = np.array(queued.block_ids, dtype=np.int64)
-            self._submit(tier_idx, queued.keys, block_ids, True, queued.req_context)
+            self._submit(tier_idx, queued.keys, block_ids, True, queued.req_context, queued.queued_at)
             self._counters["promotions_submitted"] += 1
         self._promotions.clear()
         for tier_idx, admission in enumerate(self.admission):
@@ -220,24 +237,50 @@ class TieringOffloadingManager(OffloadingManager):
             del sources[next(iter(sources))]
 
     def get_stats(self) -> dict[str, Any]:
-        """``{"primary": stats, "tiers": {name: stats}, "manager": {...}}``: the primary
-        tier's and each secondary tier's `get_stats()` (see `tiering.stats`), by name
-        (`tier_names`), with its admission's counters (``cascades_admitted``,
-        ``cascades_dropped``, ``cascades_filtered``) and gauge (``rows_in_flight``), and the
-        manager's own counters and gauges. Scheduler thread."""
+        """A snapshot of every counter, gauge and histogram; README.md ("Observability")
+        documents each name. Scheduler thread; cheap (no I/O, nothing scanned).
+
+        Returns:
+            ``{"primary": stats, "tiers": {name: stats}, "manager": stats}``, each ``stats``
+            shaped ``{"counters": {...}, "gauges": {...}, "histograms": {...}}`` (see
+            `tiering.stats`). ``primary`` and each tier (by `tier_names`) is its own
+            `get_stats()` plus the lookups counted per request (``hit_blocks``, and
+            ``hit_tokens`` when `block_tokens` is set; see `tiering.lookups`); each secondary
+            tier adds its admission's counters (``cascades_admitted``, ``cascades_dropped``,
+            ``cascades_filtered``) and gauge (``rows_in_flight``). ``manager`` has the
+            request-level counters (``requested_blocks``, ``requested_tokens``,
+            ``lookups_repeated``), jobs submitted, jobs and promotions in flight, and the
+            ``promotion_seconds`` histogram (from the lookup that queued a promotion to its
+            blocks being loadable).
+        """
+        requests = self._requests
+        primary = self.primary_tier.get_stats()
+        primary["counters"].update(self._hit_counters(PRIMARY))
         tiers = {}
         for name, tier, admission in zip(self.tier_names, self.secondary_tiers, self.admission, strict=True):
-            stats = dict(_guarded(tier, "get_stats", {"counters": {}, "gauges": {}}))
-            stats["counters"] = {**stats.get("counters", {}), **admission.counters}
+            stats = dict(_guarded(tier, "get_stats", {}))
+            stats["counters"] = {**stats.get("counters", {}), **admission.counters, **self._hit_counters(name)}
             stats["gauges"] = {**stats.get("gauges", {}), "rows_in_flight": admission.rows_in_flight}
+            stats.setdefault("histograms", {})
             tiers[name] = stats
-        manager = {
-            **self._counters,
+        counters = {**self._counters, "requested_blocks": requests.requested_blocks}
+        if self.block_tokens is not None:
+            counters["requested_tokens"] = requests.requested_blocks * self.block_tokens
+        counters["lookups_repeated"] = requests.lookups_repeated
+        gauges = {
             "jobs_in_flight": len(self._jobs),
             "jobs_holding_rows": len(self._held),
             "promotions_queued": sum(len(queued.keys) for queued in self._promotions.values()),
         }
-        return {"primary": self.primary_tier.get_stats(), "tiers": tiers, "manager": manager}
+        histograms = {"promotion_seconds": self._promotion_seconds.snapshot()}
+        manager = {"counters": counters, "gauges": gauges, "histograms": histograms}
+        return {"primary": primary, "tiers": tiers, "manager": manager}
+
+    def _hit_counters(self, name: str) -> dict[str, int]:
+        blocks = self._requests.hit_blocks[name]
+        if self.block_tokens is None:
+            return {"hit_blocks": blocks}
+        return {"hit_blocks": blocks, "hit_tokens": blocks * self.block_tokens}
 
     def add_stats_listener(self, callback: Callable[[dict[str, Any]], None], interval_s: float = 1.0) -> None:
         """Call ``callback(get_stats())`` from `on_schedule_end`, at most every `interval_s`
@@ -319,9 +362,10 @@ class TieringOffloadingManager(OffloadingManager):
         block_ids: np.ndarray,
         is_promotion: bool,
         req_context: ReqContext,
+        queued_at: float = 0.0,
     ) -> None:
         job_id = next(self._job_ids)
-        self._jobs[job_id] = _Job(keys, is_promotion, req_context, tier_idx)
+        self._jobs[job_id] = _Job(keys, is_promotion, req_context, tier_idx, queued_at)
         tier = self.secondary_tiers[tier_idx]
         job = JobMetadata(job_id, keys, block_ids, is_promotion, req_context)
         try:
@@ -354,6 +398,8 @@ class TieringOffloadingManager(OffloadingManager):
             if job.is_promotion:
                 promoted = primary.complete_write(job.keys, job.req_context, success)
                 self._remember_sources(promoted, job.tier_idx)
+                if promoted:
+                    self._promotion_seconds.observe(time.perf_counter() - job.queued_at)
             else:
                 self._end_cascade(job, success)
         elif job.is_promotion:

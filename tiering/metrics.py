@@ -4,14 +4,12 @@ The exporter never reads the engine from its HTTP thread: the manager hands it a
 from `on_schedule_end`, on the scheduler thread, at most once per interval
 (`TieringOffloadingManager.add_stats_listener`), and a scrape serves the latest one.
 
-Metrics, labelled by ``tier`` (``cpu`` for the primary tier, else the tier's name):
-``tiering_tier_<counter>_total`` for each counter (``tiering_tier_hits_total``,
-``..._bytes_stored_total``, ...), ``tiering_tier_failures_total{reason=...}``, gauges
-``tiering_tier_blocks``, ``tiering_tier_bytes``, ``tiering_tier_capacity_bytes``,
-``tiering_tier_jobs_in_flight``, ``tiering_tier_healthy`` (1 or 0), the histogram
-``tiering_tier_job_duration_seconds``, and the manager's ``tiering_manager_*``. Every
-metric also carries the exporter's constant labels (the engine's ``instance`` and ``model``
-when the spec starts it). Counters end in ``_total``; every HELP text says what is counted.
+Each tier's stats become ``tiering_tier_<name>`` labelled ``tier`` (``cpu`` for the primary
+tier, else the tier's name), the manager's become ``tiering_manager_<name>``: counters as
+``..._total`` (a counter of counts by reason, ``failures``, gets a ``reason`` label), gauges
+as they are, histograms (seconds) as Prometheus histograms. Every metric also carries the
+exporter's constant labels (the engine's ``instance`` and ``model`` when the spec starts it),
+and every HELP text says what is counted (`HELP`; README.md lists them all).
 """
 
 from __future__ import annotations
@@ -74,48 +72,57 @@ class _SnapshotCollector:
         snapshot = self._exporter._snapshot
         if snapshot is None:
             return
-        tiers = {"cpu": snapshot["primary"], **snapshot["tiers"]}
         constant = self._exporter.labels
-        yield from _tier_metrics(tiers, constant)
-        for name, value in snapshot["manager"].items():
-            kind = CounterMetricFamily if name.endswith("_submitted") else GaugeMetricFamily
-            family = kind(f"tiering_manager_{name}", _help(name), labels=list(constant))
-            family.add_metric(list(constant.values()), value)
-            yield family
+        yield from _families("tiering_tier_", {"cpu": snapshot["primary"], **snapshot["tiers"]}, constant, "tier")
+        yield from _families("tiering_manager_", {"": snapshot["manager"]}, constant, None)
 
 
 HELP = {
-    "lookups": "Lookups answered by this tier, every retry of a request included.",
-    "hits": "Lookups this tier answered 'loadable now'.",
-    "misses": "Lookups this tier answered 'not here'.",
-    "lookups_deferred": "Lookups answered 'in flight, ask again next step' (a store or probe pending).",
+    "lookups": "Lookup calls answered by this tier, every repeat of a request's lookup included.",
+    "hits": "Lookup calls this tier answered 'loadable now' (for hit rates use hit_tokens).",
+    "misses": "Lookup calls this tier answered 'not here'.",
+    "lookups_deferred": "Lookup calls answered 'in flight, ask again next step' (a store or probe pending).",
+    "hit_blocks": "Blocks requests found, once per block per request, by the tier that supplied them.",
+    "hit_tokens": "Tokens of the blocks requests found (hit_blocks times the tokens per block).",
     "blocks_stored": "Blocks this tier finished storing (the CPU tier: GPU stores into it).",
     "bytes_stored": "Bytes of the blocks this tier finished storing, headers included.",
     "blocks_loaded": "Blocks loaded from this tier (the CPU tier: loads into the GPU).",
     "bytes_loaded": "Bytes of the blocks loaded from this tier, headers included.",
+    "store_busy_seconds": "Seconds during which at least one store job of this tier was in flight.",
+    "load_busy_seconds": "Seconds during which at least one load job of this tier was in flight.",
     "blocks_read_by_tiers": "CPU-tier blocks read by secondary tiers (cascades).",
     "blocks_promoted": "Blocks promoted into the CPU tier from a secondary tier.",
     "promotions_refused": "Promotions the CPU tier refused for lack of an evictable row.",
     "stores_refused": "GPU stores the CPU tier refused for lack of an evictable row.",
-    "blocks_store_failed": "GPU stores into the CPU tier reported as failed.",
+    "blocks_store_failed": "Writes into CPU-tier rows (GPU stores, promotions) that failed.",
     "evictions": "Blocks evicted to make room.",
     "jobs_succeeded": "Store and load jobs that moved every block.",
     "jobs_failed": "Store and load jobs that failed (some block was not moved).",
+    "failures": "Failed store calls by reason (store, load_corrupt, ...).",
     "cascades_admitted": "Blocks admitted for copying to this tier.",
     "cascades_dropped": "Blocks not copied to this tier: over its pinned-row bound, or while it was behind.",
     "cascades_filtered": "Blocks not copied to this tier: stored fewer than min_reuse times.",
     "blocks": "Blocks held (or being stored) now.",
     "bytes": "Bytes held (or being stored) now, headers included.",
+    "capacity_blocks": "The CPU tier's rows.",
     "capacity_bytes": "The configured capacity in bytes.",
     "room_bytes": "While the device is full: the bytes it was found to hold.",
     "jobs_in_flight": "Jobs submitted and not reported yet.",
     "healthy": "1 while I/O flows, 0 while the tier's circuit breaker is open.",
+    "rows_reading": "CPU-tier rows pinned by readers now (GPU loads and cascades in flight).",
+    "rows_writing": "CPU-tier rows reserved for writes in flight now (GPU stores and promotions).",
     "rows_in_flight": "CPU-tier rows pinned by this tier's unreported cascades.",
     "rows_quarantined": "CPU-tier rows kept out of use behind an I/O that has not returned.",
+    "store_seconds": "Seconds from a store job's submission to the end of its I/O.",
+    "load_seconds": "Seconds from a load job's submission to the end of its I/O.",
+    "requested_blocks": "Blocks of requests the engine saw (looked up, or stored after a miss), once per request.",
+    "requested_tokens": "Tokens of the requested blocks (requested_blocks times the tokens per block).",
+    "lookups_repeated": "Further lookups of a block a request had already asked about (retries after 'in flight').",
     "promotions_submitted": "Load jobs submitted to secondary tiers (one per tier and request and step).",
     "cascades_submitted": "Store jobs submitted to secondary tiers.",
     "jobs_holding_rows": "Failed jobs whose timed-out I/O may still use their rows.",
     "promotions_queued": "Blocks queued for promotion at the end of this step.",
+    "promotion_seconds": "Seconds from the lookup that queued a promotion to its blocks being loadable.",
 }
 
 
@@ -123,37 +130,30 @@ def _help(name: str) -> str:
     return HELP.get(name, f"{name.replace('_', ' ')} (see get_stats())")
 
 
-def _tier_metrics(tiers: dict[str, dict[str, Any]], constant: dict[str, str]) -> Iterator[Metric]:
-    names, values = [*constant, "tier"], list(constant.values())
-    counters: dict[str, CounterMetricFamily] = {}
-    gauges: dict[str, GaugeMetricFamily] = {}
-    failures = CounterMetricFamily(
-        "tiering_tier_failures", "Failed store calls by reason (store, load_corrupt, ...).", labels=[*names, "reason"]
-    )
-    durations = HistogramMetricFamily(
-        "tiering_tier_job_duration_seconds", "Seconds from a job's submission to its report.", labels=names
-    )
-    for tier, stats in tiers.items():
-        labels = [*values, tier]
+def _families(
+    prefix: str, parts: dict[str, dict[str, Any]], constant: dict[str, str], label: str | None
+) -> Iterator[Metric]:
+    """One family per name across `parts` (a tier's stats by tier name, labelled `label`)."""
+    names = [*constant, label] if label else list(constant)
+    families: dict[str, Metric] = {}
+
+    def family(kind: type, name: str, extra: tuple[str, ...] = ()) -> Any:
+        if name not in families:
+            families[name] = kind(f"{prefix}{name}", _help(name), labels=[*names, *extra])
+        return families[name]
+
+    for part, stats in parts.items():
+        labels = [*constant.values(), part] if label else list(constant.values())
         for name, value in stats.get("counters", {}).items():
-            if name == "failures":
+            if isinstance(value, dict):
                 for reason, count in value.items():
-                    failures.add_metric([*labels, reason], count)
-                continue
-            family = counters.setdefault(name, CounterMetricFamily(f"tiering_tier_{name}", _help(name), labels=names))
-            family.add_metric(labels, value)
+                    family(CounterMetricFamily, name, ("reason",)).add_metric([*labels, reason], count)
+            else:
+                family(CounterMetricFamily, name).add_metric(labels, value)
         for name, value in stats.get("gauges", {}).items():
-            if isinstance(value, bool):
-                value = int(value)
-            if not isinstance(value, int | float):
-                continue  # a state name; `healthy` carries it as a number
-            gauge = gauges.setdefault(name, GaugeMetricFamily(f"tiering_tier_{name}", _help(name), labels=names))
-            gauge.add_metric(labels, value)
-        histogram = stats.get("job_seconds")
-        if histogram:
+            if isinstance(value, bool | int | float):  # a state name is carried by `healthy`
+                family(GaugeMetricFamily, name).add_metric(labels, int(value) if isinstance(value, bool) else value)
+        for name, histogram in stats.get("histograms", {}).items():
             buckets = [(str(bound), count) for bound, count in histogram["buckets"]]
-            durations.add_metric(labels, buckets=buckets, sum_value=histogram["sum"])
-    yield from counters.values()
-    yield from gauges.values()
-    yield failures
-    yield durations
+            family(HistogramMetricFamily, name).add_metric(labels, buckets=buckets, sum_value=histogram["sum"])
+    yield from families.values()

@@ -136,9 +136,10 @@ class SecondaryTierManager(ABC):
         return ()
 
     def get_stats(self) -> dict[str, Any]:
-        """``{"counters": {...}, "gauges": {...}}`` of this tier (see `tiering.stats`);
-        cheap, scheduler thread. The default has none."""
-        return {"counters": {}, "gauges": {}}
+        """``{"counters": {...}, "gauges": {...}, "histograms": {...}}`` of this tier (see
+        `tiering.stats`; a part may be left out); cheap, scheduler thread. The default has
+        none."""
+        return {"counters": {}, "gauges": {}, "histograms": {}}
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Keys this tier gained or dropped since the last call, for KV-event consumers."""

@@ -199,7 +199,9 @@ class TieringOffloadingSpec:
             self.async_runtime.shutdown()
             raise
         admission = [AdmissionConfig(**tier.get("admission", {})) for tier in self.config.secondary_tiers]
-        self._manager = TieringOffloadingManager(primary, tiers, self.enable_events, admission=admission)
+        self._manager = TieringOffloadingManager(
+            primary, tiers, self.enable_events, admission=admission, block_tokens=self.block_size
+        )
         if self.config.metrics is not None:
             self._start_exporter()
         logger.info(

@@ -1,33 +1,37 @@
 """Statistics of the engine: every `get_stats()` returns a `TierStats`-shaped dict.
 
-``{"counters": {...}, "gauges": {...}, "job_seconds": {...}}``: counters only grow, gauges
-are current values, and ``job_seconds`` is a histogram of job durations (seconds) with
-cumulative counts per upper bound, Prometheus style. Everything is plain ints, floats,
-bools and strings, so a snapshot can be handed to another thread or dumped as JSON.
+``{"counters": {...}, "gauges": {...}, "histograms": {...}}``: counters only grow, gauges
+are current values, and each histogram (seconds) is a `Histogram.snapshot()`: cumulative
+counts per upper bound, Prometheus style. Everything is plain ints, floats, bools and
+strings, so a snapshot can be handed to another thread or dumped as JSON. The shape of each
+part is documented in README.md ("Observability").
+
+Thread: the scheduler thread only (the classes here are not locked).
 """
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from typing import Any
 
-JOB_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 TierStats = dict[str, Any]
 
 
 class Histogram:
-    """Counts of observed durations per bucket (scheduler thread only)."""
+    """Counts of observed durations (seconds) per bucket of `SECONDS_BUCKETS`."""
 
     __slots__ = ("_counts", "count", "sum")
 
     def __init__(self) -> None:
-        self._counts = [0] * (len(JOB_SECONDS_BUCKETS) + 1)
+        self._counts = [0] * (len(SECONDS_BUCKETS) + 1)
         self.count = 0
         self.sum = 0.0
 
     def observe(self, seconds: float) -> None:
-        self._counts[bisect_left(JOB_SECONDS_BUCKETS, seconds)] += 1
+        self._counts[bisect_left(SECONDS_BUCKETS, seconds)] += 1
         self.count += 1
         self.sum += seconds
 
@@ -35,7 +39,52 @@ class Histogram:
         """``{"buckets": [[upper bound, cumulative count], ...], "count": n, "sum": s}``
         (the last bound is ``"+Inf"``)."""
         cumulative, buckets = 0, []
-        for bound, count in zip([*JOB_SECONDS_BUCKETS, "+Inf"], self._counts, strict=True):
+        for bound, count in zip([*SECONDS_BUCKETS, "+Inf"], self._counts, strict=True):
             cumulative += count
             buckets.append([bound, cumulative])
         return {"buckets": buckets, "count": self.count, "sum": self.sum}
+
+
+class JobTimer:
+    """Durations and busy time of one kind of job (a tier's stores, say), from submission to
+    the end of its I/O.
+
+    `busy_s` is the time, in seconds, during which at least one such job was in flight: the
+    tier's bytes over it are its throughput while it worked, not over a mostly idle run.
+    """
+
+    __slots__ = ("_busy_since", "_last_end", "_started", "busy_s", "seconds")
+
+    def __init__(self) -> None:
+        self.seconds = Histogram()
+        self.busy_s = 0.0
+        self._started: dict[int, float] = {}
+        self._busy_since = 0.0
+        self._last_end = 0.0
+
+    def __len__(self) -> int:
+        """Jobs started and not finished."""
+        return len(self._started)
+
+    def start(self, job_id: int) -> None:
+        now = time.perf_counter()
+        if not self._started:
+            self._busy_since = now
+        self._started[job_id] = now
+
+    def finish(self, job_id: int, ended: float) -> None:
+        """Observe the job's duration, up to `ended` (perf_counter seconds: when its I/O
+        ended, which may be before the scheduler hears of it). A job not started here is
+        ignored."""
+        started = self._started.pop(job_id, None)
+        if started is None:
+            return
+        ended = max(ended, started)
+        self.seconds.observe(ended - started)
+        self._last_end = max(self._last_end, ended)
+        if not self._started:
+            self.busy_s += self._last_end - self._busy_since
+
+    def busy_seconds(self) -> float:
+        """`busy_s`, the current busy stretch included."""
+        return self.busy_s + (time.perf_counter() - self._busy_since if self._started else 0.0)

@@ -14,7 +14,9 @@ from tiering.benchmarks.loadgen.run import RunStats
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
-SCHEMA_VERSION = 3  # 2: prefix_hit_rate, each tier's cascades_dropped and cascades_filtered; 3: interrupted
+SCHEMA_VERSION = 4
+# 2: prefix_hit_rate, each tier's cascades_dropped and cascades_filtered; 3: interrupted;
+# 4: tiers' store_gbps/load_gbps over their busy time (store_busy_s, load_busy_s), `engine`
 
 
 def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, float], inputs: dict[str, Any]) -> dict:
@@ -23,14 +25,19 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
     sources = ["gpu", "cpu", *engine.manager.tier_names]
     hit_rate = {source: stats.tokens[source] / total for source in sources}
     hit_rate["total"] = 1 - stats.tokens["miss"] / total
+    engine_stats = engine.manager.get_stats()
     tiers = {}
-    for name, tier_stats in engine.manager.get_stats()["tiers"].items():  # with each tier's admission
+    for name, tier_stats in engine_stats["tiers"].items():  # with each tier's admission
         counters = tier_stats["counters"]
+        stored, loaded = counters.get("bytes_stored", 0), counters.get("bytes_loaded", 0)
+        store_busy_s, load_busy_s = counters.get("store_busy_seconds", 0.0), counters.get("load_busy_seconds", 0.0)
         tiers[name] = {
-            "store_bytes": counters.get("bytes_stored", 0),
-            "load_bytes": counters.get("bytes_loaded", 0),
-            "store_gbps": counters.get("bytes_stored", 0) / stats.wall_s / 1e9,
-            "load_gbps": counters.get("bytes_loaded", 0) / stats.wall_s / 1e9,
+            "store_bytes": stored,
+            "load_bytes": loaded,
+            "store_busy_s": store_busy_s,
+            "load_busy_s": load_busy_s,
+            "store_gbps": stored / store_busy_s / 1e9 if store_busy_s else 0.0,
+            "load_gbps": loaded / load_busy_s / 1e9 if load_busy_s else 0.0,
             "evictions": counters.get("evictions", 0),
             "failures": counters.get("failures", {}),
             "cascades_dropped": counters.get("cascades_dropped", 0),
@@ -61,9 +68,24 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
         "store_refused_blocks": stats.store_refused_blocks,
         "failed_jobs": stats.failed_loads + sum(sum(t["failures"].values()) for t in tiers.values()),
         "tiers": tiers,
+        "engine": _engine_counts(engine_stats),
         "transfers": transfers,
         "latency_us": {name: _percentiles(samples, 1e3) for name, samples in sorted(stats.calls_ns.items())},
         "promotion_latency_ms": _percentiles(stats.promotion_s, 1e-3),
+    }
+
+
+def _engine_counts(engine_stats: dict[str, Any]) -> dict[str, Any]:
+    """The engine's own per-request counts (`tiering.lookups`): what Prometheus shows."""
+    manager = engine_stats["manager"]["counters"]
+    parts = {"cpu": engine_stats["primary"], **engine_stats["tiers"]}
+    requested = manager.get("requested_tokens", 0)
+    hit_tokens = {name: part["counters"].get("hit_tokens", 0) for name, part in parts.items()}
+    return {
+        "requested_tokens": requested,
+        "hit_tokens": hit_tokens,
+        "hit_rate": sum(hit_tokens.values()) / requested if requested else 0.0,
+        "lookups_repeated": manager.get("lookups_repeated", 0),
     }
 
 
@@ -91,17 +113,18 @@ def print_summary(report: dict, console: Console) -> None:
     if report["realtime_factor"] is not None:
         hits.add_row("replay speed vs the trace's clock", f"{report['realtime_factor']:.1f}x")
     console.print(hits)
-    tiers = Table(title="Secondary tiers", box=box.SIMPLE)
-    for column in ("tier", "stored", "loaded", "evicted", "jobs ok", "failed", "dropped", "health"):
+    tiers = Table(title="Secondary tiers (GB/s: while busy storing or loading)", box=box.SIMPLE)
+    for column in ("tier", "stored", "GB/s", "loaded", "GB/s", "evicted", "failed", "dropped", "health"):
         tiers.add_column(column, justify="left" if column == "tier" else "right", no_wrap=True)
     for name, tier in report["tiers"].items():
         counters, gauges = tier["stats"]["counters"], tier["stats"]["gauges"]
         tiers.add_row(
             name,
             _size(tier["store_bytes"]),
+            f"{tier['store_gbps']:.2f}",
             _size(tier["load_bytes"]),
+            f"{tier['load_gbps']:.2f}",
             str(tier["evictions"]),
-            str(counters.get("jobs_succeeded", 0)),
             str(counters.get("jobs_failed", 0)),
             str(tier["cascades_dropped"]),
             str(gauges.get("state", "")),

@@ -9,6 +9,7 @@ threads touch.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -19,10 +20,12 @@ from tiering.keys import OffloadKey
 class Outcome:
     """What some store calls found. `failures`: (reason, error) of every failed call, for
     the tier's counters and log; `errors`: how many of them say the backend is sick (the
-    health breaker counts those)."""
+    health breaker counts those); `at`: when it was handed over (`Outbox.put`), perf_counter
+    seconds."""
 
     failures: list[tuple[str, BaseException]] = field(default_factory=list)
     errors: int = 0
+    at: float = 0.0
 
     def failed(self, reason: str, error: BaseException, sick: bool = True) -> None:
         """Record a failed call (loop thread)."""
@@ -110,6 +113,7 @@ class Outbox:
         """Any thread: hand `outcome` over (None: nothing to say); count a finished task."""
         with self._done:
             if outcome is not None:
+                outcome.at = time.perf_counter()
                 self._items.append(outcome)
             self._finished += task_finished
             self._done.notify_all()

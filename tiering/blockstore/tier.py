@@ -39,7 +39,7 @@ from tiering.keys import OffloadKey, ReqContext
 from tiering.object_format import object_size
 from tiering.runtime import AsyncRuntime
 from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
-from tiering.stats import Histogram, TierStats
+from tiering.stats import JobTimer, TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._outbox = Outbox()
         self._counters: Counter[str] = Counter()
         self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
-        self._job_started: dict[int, float] = {}
-        self._job_seconds = Histogram()
+        self._stores, self._loads = JobTimer(), JobTimer()
         self._probes: dict[OffloadKey, float | None] = {}  # None: in flight; else absent until
         self._object_bytes: dict[int, int] = {}  # by key length
         self._released: list[int] = []
@@ -153,7 +152,7 @@ class BlockStoreTier(SecondaryTierManager):
     def submit_store(self, job_metadata: JobMetadata) -> None:
         """Reserve room for the blocks not held yet (evicting idle LRU blocks) and start
         writing them. A block that finds no room fails the job, the others still go."""
-        self._job_started[job_metadata.job_id] = time.perf_counter()
+        self._stores.start(job_metadata.job_id)
         done = StoreDone(job_id=job_metadata.job_id)
         evicted: list[OffloadKey] = []
         items: list[tuple[OffloadKey, int]]
@@ -176,7 +175,7 @@ class BlockStoreTier(SecondaryTierManager):
     def submit_load(self, job_metadata: JobMetadata) -> None:
         """Start reading the job's blocks into its primary rows; fails at once if a key is
         not stored here."""
-        self._job_started[job_metadata.job_id] = time.perf_counter()
+        self._loads.start(job_metadata.job_id)
         items = list(zip(job_metadata.keys, (int(b) for b in job_metadata.block_ids), strict=True))
         keys = [key for key, _ in items]
         if self._closed or not self.health.healthy or not self._index.start_reads(keys):
@@ -204,13 +203,12 @@ class BlockStoreTier(SecondaryTierManager):
                     self.health.record(len(outcome.ok), outcome.errors)
                     if isinstance(outcome, StoreDone):
                         self._apply_store(outcome)
+                        self._stores.finish(outcome.job_id, outcome.at)
                     else:
                         self._apply_load(outcome)
+                        self._loads.finish(outcome.job_id, outcome.at)
                     results.append(JobResult(outcome.job_id, outcome.success, rows_in_use=outcome.rows_in_use))
                     self._counters["jobs_succeeded" if outcome.success else "jobs_failed"] += 1
-                    started = self._job_started.pop(outcome.job_id, None)
-                    if started is not None:
-                        self._job_seconds.observe(time.perf_counter() - started)
         return results
 
     def take_released_jobs(self) -> list[int]:
@@ -221,15 +219,20 @@ class BlockStoreTier(SecondaryTierManager):
         return released
 
     def get_stats(self) -> TierStats:
-        """Counters (lookups by answer, blocks and bytes stored and loaded, evictions, jobs
-        succeeded and failed, failures by reason), gauges (blocks and bytes held, capacity,
-        jobs in flight, health) and the job-duration histogram. Cheap; scheduler thread."""
+        """Counters (lookups by answer, blocks and bytes stored and loaded, seconds busy
+        storing and loading, evictions, jobs succeeded and failed, failures by reason), gauges
+        (blocks and bytes held, capacity, jobs in flight, health) and histograms of store and
+        load job durations (``store_seconds``, ``load_seconds``: submission to the end of the
+        I/O).
+        Cheap; scheduler thread."""
         counters = {
             "lookups": sum(self._lookups.values()),
             "hits": self._lookups[True],
             "misses": self._lookups[False],
             "lookups_deferred": self._lookups[None],
             **{name: self._counters[name] for name in _COUNTERS},
+            "store_busy_seconds": self._stores.busy_seconds(),
+            "load_busy_seconds": self._loads.busy_seconds(),
             "evictions": self._index.evictions,
             "failures": dict(self.failures),
         }
@@ -238,11 +241,12 @@ class BlockStoreTier(SecondaryTierManager):
             "bytes": self.used_bytes,
             "capacity_bytes": self.capacity_bytes,
             "room_bytes": self.room_bytes,
-            "jobs_in_flight": len(self._job_started),
+            "jobs_in_flight": len(self._stores) + len(self._loads),
             "healthy": self.health.healthy,
             "state": self.health.state.value,
         }
-        return {"counters": counters, "gauges": gauges, "job_seconds": self._job_seconds.snapshot()}
+        histograms = {"store_seconds": self._stores.seconds.snapshot(), "load_seconds": self._loads.seconds.snapshot()}
+        return {"counters": counters, "gauges": gauges, "histograms": histograms}
 
     def on_schedule_end(self) -> None:
         """Start the work submitted during the step (one wake-up of the loop), and, when an

@@ -1,0 +1,90 @@
+"""`RequestLookups`: blocks counted the way users reason about hit rates, once per request.
+
+A scheduler asks about a request's blocks again and again: a lookup answered None (a
+promotion or store in flight) is repeated next step, and some schedulers re-check a whole
+prefix every step. Per-call counters (each tier's ``lookups``, ``hits``) count every one of
+those calls. Here each (request, block) pair counts once:
+
+- ``requested_blocks``: pairs the engine saw: looked up, or stored without a lookup (a
+  scheduler stops looking up at a request's first miss and computes, then stores, the rest);
+  ``requested_tokens`` is that times the tokens per block;
+- ``lookups_repeated``: the further lookups of a pair already asked about;
+- ``hit_blocks`` by tier: pairs whose lookup answered True at some point, counted once, for
+  the tier that supplied the block: ``cpu`` if it was in the CPU tier when the request first
+  asked, else the secondary tier it was promoted from (``cpu`` when it arrived from the GPU,
+  stored by another request). ``hit_tokens`` likewise.
+
+So ``sum(hit_tokens) / requested_tokens`` is the engine's token hit rate over the blocks it
+was asked for: the GPU prefix cache in front is excluded (the scheduler never asks about
+blocks it holds), and so is a prompt's last, partial block (never stored). Under vLLM a
+request's full decode blocks are stored too, and count as requested. With several KV groups
+each group's block counts, which leaves the ratio unchanged.
+
+Thread: the scheduler thread only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from tiering.keys import OffloadKey
+
+PRIMARY = "cpu"  # the primary tier's name in stats
+
+
+class RequestLookups:
+    """Per-request memory of which blocks were seen and which hit.
+
+    A request is forgotten at `finished`; at most `max_requests` are remembered (the oldest
+    is forgotten first, for schedulers that never report finished requests).
+    """
+
+    def __init__(self, source: Callable[[OffloadKey], str | None], max_requests: int = 16384):
+        """
+        Args:
+            source: the secondary tier a key was last promoted from, or None (see
+                `TieringOffloadingManager.promotion_source`).
+            max_requests: requests remembered at once (>= 1).
+        """
+        self._source = source
+        self._max_requests = max_requests
+        self._requests: dict[str, dict[OffloadKey, bool]] = {}  # req_id -> key -> hit counted
+        self.requested_blocks = 0
+        self.lookups_repeated = 0
+        self.hit_blocks: Counter[str] = Counter()
+
+    def answered(self, req_id: str, key: OffloadKey, answer: bool | None) -> None:
+        """Count the manager's answer to a lookup of `key` for request `req_id`."""
+        asked = self._requests.get(req_id) or self._request(req_id)
+        hit = asked.get(key)
+        if hit is None:
+            self.requested_blocks += 1
+            asked[key] = answer is True
+            if answer is True:
+                self.hit_blocks[PRIMARY] += 1
+            return
+        self.lookups_repeated += 1
+        if answer is True and not hit:
+            asked[key] = True
+            self.hit_blocks[self._source(key) or PRIMARY] += 1
+
+    def stored(self, req_id: str, keys: Iterable[OffloadKey]) -> None:
+        """Count the blocks of a store for request `req_id` it never looked up."""
+        asked = self._request(req_id)
+        for key in keys:
+            if key not in asked:
+                asked[key] = False
+                self.requested_blocks += 1
+
+    def finished(self, req_id: str) -> None:
+        """Forget the request (it will not be looked up again)."""
+        self._requests.pop(req_id, None)
+
+    def _request(self, req_id: str) -> dict[OffloadKey, bool]:
+        asked = self._requests.get(req_id)
+        if asked is None:
+            asked = self._requests[req_id] = {}
+            if len(self._requests) > self._max_requests:
+                del self._requests[next(iter(self._requests))]
+        return asked
