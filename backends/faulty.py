@@ -108,6 +108,9 @@ class FaultyBlockStore(BlockStore):
         self.hang_rate, self.corruption_rate = hang_rate, corruption_rate
         self._random = random.Random(seed)
 
+    def __repr__(self) -> str:
+        return f"FaultyBlockStore({self.inner!r})"
+
     async def _fault(self) -> None:
         self.check_open()
         if self.latency_s:
@@ -147,6 +150,9 @@ class FaultyBlockStore(BlockStore):
 
     async def recover(self) -> list[tuple[OffloadKey, int]]:
         return await self.inner.recover()
+
+    async def remove_namespace(self) -> None:
+        await self.inner.remove_namespace()
 
     async def ping(self) -> None:
         await self._fault()

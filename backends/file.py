@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import stat
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -161,6 +162,9 @@ class FileBlockStore(BlockStore):
         self._read_pool: ThreadPoolExecutor | None = None  # reads: a promotion never queues behind writes
         self._fd = -1  # the namespace directory, open from `open` to `close`
 
+    def __repr__(self) -> str:
+        return f"FileBlockStore({str(self.directory)!r})"
+
     def path(self, key: OffloadKey) -> Path:
         """The file of `key` (for operators and tests: the store itself never uses paths)."""
         return self.directory / file_io.shard(key) / file_io.object_name(key)
@@ -205,6 +209,11 @@ class FileBlockStore(BlockStore):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    async def remove_namespace(self) -> None:
+        """Remove the namespace directory with everything in it (symbolic links are removed,
+        never followed)."""
+        await self._run(shutil.rmtree, self.directory)
 
     async def put(self, key: OffloadKey, payload: memoryview) -> None:
         await self._run(file_io.write_object, self._fd, key, payload, self.fingerprint, self.fsync, self.direct_io)

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from tiering.blockstore.store import RecoveryProgress
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.keys import OffloadKey
 from tiering.object_format import MAX_KEY_BYTES, ObjectHeader, check_length, encode_header, header_size, parse_header
@@ -305,9 +306,11 @@ def scan(ns_fd: int, directory: Path, fingerprint: bytes) -> list[tuple[OffloadK
     are not whole objects of ours. Never follows a link."""
     found: list[tuple[float, OffloadKey, int]] = []
     removed = 0
+    progress = RecoveryProgress(f"file tier {directory}")
     for shard in _SHARDS:
         with _directory(ns_fd, shard) as dir_fd, os.scandir(dir_fd) as entries:
             for entry in entries:
+                progress.add()
                 if not entry.is_file(follow_symlinks=False):
                     continue  # a link, directory or FIFO: never loaded; a load or put sets it aside
                 recovered = None if entry.name.endswith(_TMP_SUFFIX) else _check_header(dir_fd, entry.name, fingerprint)

@@ -54,6 +54,9 @@ class MemoryBlockStore(BlockStore):
         self._random = random.Random(seed)
         self.objects: dict[OffloadKey, bytearray] = {}
 
+    def __repr__(self) -> str:
+        return f"MemoryBlockStore({len(self.objects)} objects)"
+
     async def _operation(self) -> None:
         self.check_open()
         if self.latency_s:

@@ -32,6 +32,7 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 from pydantic import BaseModel
 
 from tiering.blockstore import BlockStore, BlockStoreSettings
+from tiering.blockstore.store import RecoveryProgress
 from tiering.errors import CorruptObjectError, ObjectNotFoundError
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader, check_length, encode_header, header_size, parse_header
@@ -315,7 +316,9 @@ class S3BlockStore(BlockStore):
         pages = paginator.paginate(
             Bucket=self.bucket, Prefix=self._namespace, PaginationConfig={"PageSize": self._list_page_size}
         )
+        progress = RecoveryProgress(f"s3 tier s3://{self.bucket}/{self._namespace}")
         async for page in pages:
+            progress.add(len(page.get("Contents", ())))
             for obj in page.get("Contents", ()):
                 try:
                     key = OffloadKey(bytes.fromhex(obj["Key"][len(self._namespace) :]))

@@ -76,6 +76,24 @@ async def test_recovery_removes_temporaries_and_foreign_files(store_kit):
 
 
 @pytest.mark.asyncio
+async def test_a_long_recovery_logs_its_progress(store_kit, monkeypatch, caplog):
+    import logging
+
+    store = await opened(store_kit)
+    for i in range(3):
+        await store.put(key(i), payload(100))
+    await store.close()
+    monkeypatch.setattr("tiering.blockstore.store.PROGRESS_INTERVAL_S", 0.0)  # a line per object
+    reopened = await opened(store_kit)
+    try:
+        with caplog.at_level(logging.INFO, logger="tiering"):
+            assert len(await reopened.recover()) == 3
+    finally:
+        await reopened.close()
+    assert f"file tier {store.directory}: recovering, 3 objects looked at in 0 s" in caplog.text
+
+
+@pytest.mark.asyncio
 async def test_fsync_mode_round_trips(tmp_path):
     store = FileBlockStore(tmp_path, FINGERPRINT, io_threads=2, fsync=True)
     await store.open()

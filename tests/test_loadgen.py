@@ -124,6 +124,22 @@ def test_a_rerun_over_a_used_directory_never_exceeds_its_bound_and_leaves_no_fil
     assert second["inputs"]["warm_start"] and second["hit_rate"]["file"] > first["hit_rate"]["file"]  # w1's blocks hit
 
 
+@pytest.mark.timeout(120)
+def test_a_run_removes_what_it_stored_in_s3_unless_kept(tmp_path, s3_server, s3_bucket):
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        "cpu_bytes_to_use: 1MiB\n"
+        f"secondary_tiers: [{{type: s3, bucket: {s3_bucket}, endpoint_url: '{s3_server.endpoint_url}'}}]\n"
+    )
+    client = s3_server.client()
+    argv = ["--config", str(config), "--max-requests", "30", "--quiet"]
+    assert cli.main([*argv, "--output", str(tmp_path / "run.json")]) == 0
+    assert json.loads((tmp_path / "run.json").read_text())["tiers"]["s3"]["store_bytes"] > 0
+    assert client.list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
+    assert cli.main([*argv, "--keep"]) == 0
+    assert client.list_objects_v2(Bucket=s3_bucket)["KeyCount"] > 0
+
+
 def test_without_a_gpu_prefix_cache_the_cpu_tier_sees_every_block(tmp_path):
     output = tmp_path / "run.json"
     assert cli.main(["--gpu-cache-blocks", "0", "--max-requests", "60", "--output", str(output)]) == 0

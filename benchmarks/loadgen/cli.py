@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -31,7 +30,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import tiering
-from tiering import ConfigError, KVLayout, RegionInUseError, SharedOffloadRegion, load_config, parse_config
+from tiering import (
+    BlockStoreTier,
+    ConfigError,
+    KVLayout,
+    RegionInUseError,
+    SharedOffloadRegion,
+    load_config,
+    parse_config,
+)
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
 from tiering.benchmarks.loadgen.run import SchedulerLoop
@@ -283,22 +290,25 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         finally:
             if exporter is not None:
                 exporter.close()
-            engine.shutdown()
-            if not (args.keep or args.warm_start):
-                _remove_namespaces(engine)
+            try:
+                if not (args.keep or args.warm_start):
+                    _remove_namespaces(engine)
+            finally:
+                engine.shutdown()
     if args.plot:
         plot(stats, list(report["hit_rate"])[:-1], str(args.plot))
     return report
 
 
 def _remove_namespaces(engine: SimulatedEngine) -> None:
-    """Delete the directories of the run's file tiers (their layout's namespace only)."""
-    for tier in engine.manager.secondary_tiers:
-        store = getattr(tier, "store", None)
-        while store is not None and not hasattr(store, "directory"):
-            store = getattr(store, "inner", None)  # a wrapping store (faulty)
-        if store is not None:
-            shutil.rmtree(store.directory, ignore_errors=True)
+    """Delete what the run stored in its block-store tiers (file, s3, ...: the run's own
+    namespace only). A tier that cannot is logged, and its objects stay."""
+    for name, tier in zip(engine.manager.tier_names, engine.manager.secondary_tiers, strict=True):
+        if isinstance(tier, BlockStoreTier):
+            try:
+                tier.remove_namespace()
+            except Exception as exc:
+                logger.warning("tier %s: could not remove the run's objects: %s", name, describe(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,14 +318,17 @@ def main(argv: list[str] | None = None) -> int:
         ImportError: torch (the ``bench`` extra) is not installed.
     """
     args = parse_args(argv)
-    import tiering.benchmarks.loadgen.engine  # noqa: F401 - torch: loaded only once there is work to do
-
     logging.basicConfig(
         level="WARNING" if args.quiet else args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     console = Console(stderr=True)
+    try:
+        import tiering.benchmarks.loadgen.engine  # noqa: F401 - torch: loaded only once there is work to do
+    except KeyboardInterrupt:
+        console.print("[bold red]tiering-bench: interrupted[/]", highlight=False)
+        return EXIT_INTERRUPTED
     # A terminated run still shuts the engine down (its shared memory, its tier threads),
     # and a run that was killed outright leaves a region the next run removes.
     received: list[int] = []

@@ -25,6 +25,8 @@ timeouts, client errors) counts as a transient failure of that operation.
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -39,6 +41,10 @@ from tiering.options import NoOptions
 
 if TYPE_CHECKING:
     from tiering.blockstore.settings import BlockStoreSettings
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 5.0  # seconds between two progress lines of a long `recover`
 
 
 class BlockStore(ABC):
@@ -153,6 +159,37 @@ class BlockStore(ABC):
         Called once after `open`. Headers are checked (not payloads); objects that fail, and
         leftovers of interrupted writes, are deleted.
         """
+
+    async def remove_namespace(self) -> None:
+        """Delete every object of this store's namespace, and the namespace itself where the
+        backend has one (a directory). Called with no other operation in flight; afterwards
+        the store is only closed. Default: `recover`, then `delete_many` of what it lists.
+
+        Raises:
+            Exception: as `delete_many`; what was deleted stays deleted.
+        """
+        await self.delete_many([key for key, _ in await self.recover()])
+
+
+class RecoveryProgress:
+    """Logs how far a long `BlockStore.recover` has got, at most every `PROGRESS_INTERVAL_S`
+    seconds (INFO), so that recovering a large tier is not minutes of silence. Used from the
+    one thread or task that recovers."""
+
+    def __init__(self, what: str):
+        """`what` names the store in the log line (``file tier /mnt/kv/ab12...``)."""
+        self._what = what
+        self._start = time.monotonic()
+        self._next = self._start + PROGRESS_INTERVAL_S
+        self.count = 0
+
+    def add(self, objects: int = 1) -> None:
+        """Count `objects` more objects looked at; log if the interval has passed."""
+        self.count += objects
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + PROGRESS_INTERVAL_S
+            logger.info("%s: recovering, %d objects looked at in %.0f s", self._what, self.count, now - self._start)
 
 
 async def _each(

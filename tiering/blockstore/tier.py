@@ -110,6 +110,7 @@ class BlockStoreTier(SecondaryTierManager):
         )
         runtime = self.context.runtime or AsyncRuntime(f"tiering-{self.name}")
         self._runtime = runtime.acquire()
+        logger.info("tier %s: opening %r and recovering the blocks it holds", self.name, self.store)
         try:
             recovered = self._runtime.run_sync(self._open, timeout_s=settings.open_timeout_s)
         except BaseException as exc:
@@ -273,6 +274,27 @@ class BlockStoreTier(SecondaryTierManager):
             self._flush_deletes()
             self._runtime.flush()
         return self._outbox.wait_idle(timeout_s)
+
+    def remove_namespace(self) -> None:
+        """Wait for the jobs in flight (up to ``shutdown_timeout_s``), delete every object of
+        the tier's namespace and the namespace itself (`BlockStore.remove_namespace`, up to
+        ``open_timeout_s``), then shut the tier down. For runs whose blocks must not outlive
+        them (a benchmark's fresh namespace). Scheduler thread; blocks. Does nothing after
+        shutdown.
+
+        Raises:
+            TimeoutError: the removal did not finish in time (the tier is shut down anyway).
+            Exception: the store's own errors (as `BlockStore.delete_many`); the tier is shut
+                down anyway.
+        """
+        if self._closed:
+            return
+        try:
+            self.drain(self.settings.shutdown_timeout_s)
+            self._runtime.run_sync(self.store.remove_namespace, timeout_s=self.settings.open_timeout_s)
+            self._index = BlockIndex(self.name, self.settings.capacity_bytes)
+        finally:
+            self.shutdown()
 
     def shutdown(self) -> None:
         """Cancel jobs in flight (each is reported as failed), close the store, release the

@@ -222,3 +222,19 @@ class BlockStoreSuite:
                 assert into == data
         finally:
             await store.close()
+
+    @pytest.mark.asyncio
+    async def test_remove_namespace_leaves_nothing_to_recover(self, store_kit):
+        store = await opened(store_kit)
+        try:
+            for i in range(3):
+                await store.put(key(i), payload(100))
+            await store.remove_namespace()
+        finally:
+            await store.close()
+        again = await opened(store_kit)
+        try:
+            assert await again.recover() == []
+            assert not await again.exists(key(1))
+        finally:
+            await again.close()
