@@ -412,9 +412,11 @@ def test_every_field_of_the_json_is_documented_in_the_readme(tmp_path):
     assert undocumented == []
 
 
-def test_the_summary_reads_whole_at_80_columns_in_a_pipe(capsys, monkeypatch):
+def test_the_summary_reads_whole_at_80_columns_in_a_pipe(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("COLUMNS", "80")
-    assert cli.main(["--max-requests", "20", "--quiet"]) == 0
+    config = tmp_path / "engine.yaml"  # the longest tier name there can be
+    config.write_text(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: memory, name: {'archive-' * 7}x}}]\n")
+    assert cli.main(["--max-requests", "20", "--quiet", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "…" not in out  # no header or value cut short

@@ -15,6 +15,7 @@ def test_counters_match_a_scripted_run(engine_factory):
     primary = stats["primary"]
     assert primary["counters"]["blocks_stored"] == 8 and primary["counters"]["blocks_promoted"] == 1
     assert primary["counters"]["blocks_loaded"] == 0  # by the GPU; the cascades read 8
+    assert primary["counters"]["bytes_stored"] == 8 * engine.rows.shape[1] and primary["counters"]["bytes_loaded"] == 0
     assert primary["counters"]["blocks_read_by_tiers"] == 8
     assert primary["counters"]["evictions"] == 5
     assert primary["gauges"] == {

@@ -346,6 +346,15 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         """Finish a promotion: as `complete_store`, counted as promoted."""
         return self._complete_writes(keys, success, "blocks_promoted")
 
+    def get_stats(self) -> TierStats:
+        """As `CPUOffloadingManager.get_stats`, plus the bytes of the GPU's stores and loads
+        (``bytes_stored``, ``bytes_loaded``: blocks times the row's bytes)."""
+        stats = super().get_stats()
+        counters, row_bytes = stats["counters"], self._kv_view.nbytes // self.num_blocks
+        counters["bytes_stored"] = counters["blocks_stored"] * row_bytes
+        counters["bytes_loaded"] = counters["blocks_loaded"] * row_bytes
+        return stats
+
     def get_kv_memoryview(self) -> memoryview:
         """The primary rows, a 2-D memoryview of shape ``(num_blocks, row_bytes)``."""
         return self._kv_view

@@ -113,9 +113,10 @@ def print_summary(report: dict, console: Console) -> None:
     if report["realtime_factor"] is not None:
         hits.add_row("replay speed vs the trace's clock", f"{report['realtime_factor']:.1f}x")
     console.print(hits)
-    tiers = Table(title="Secondary tiers (GB/s: while busy storing or loading)", box=box.SIMPLE)
-    for column in ("tier", "stored", "GB/s", "loaded", "GB/s", "evicted", "failed", "dropped", "health"):
-        tiers.add_column(column, justify="left" if column == "tier" else "right", no_wrap=True)
+    tiers = Table(title="Secondary tiers (GB/s: while busy storing or loading)", box=box.SIMPLE, pad_edge=False)
+    tiers.add_column("tier", overflow="fold")  # a long name folds; the numbers never shrink
+    for column in ("stored", "GB/s", "loaded", "GB/s", "evicted", "failed", "dropped", "health"):
+        tiers.add_column(column, justify="right", no_wrap=True)
     for name, tier in report["tiers"].items():
         counters, gauges = tier["stats"]["counters"], tier["stats"]["gauges"]
         tiers.add_row(
