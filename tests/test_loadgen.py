@@ -421,6 +421,14 @@ def test_the_summary_reads_whole_at_80_columns_in_a_pipe(capsys, monkeypatch, tm
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "…" not in out  # no header or value cut short
     assert "Secondary tiers" in out and "GPU<->CPU copies" in out
+    run = out[: out.index("requests in")]  # the configuration comes first
+    for fact in (
+        "synthetic multi-turn workload, seed 0",
+        "cpu tier ",
+        "blocks (1 MiB), lru",
+        "memory, no capacity limit",
+    ):
+        assert fact in run, fact
 
 
 def test_an_interrupted_replay_writes_its_partial_results_and_leaves_nothing_behind(tmp_path):

@@ -97,7 +97,9 @@ def _percentiles(samples: list[float], per_unit: float) -> dict[str, float]:
 
 
 def print_summary(report: dict, console: Console) -> None:
-    """The report as tables: hit rates with their bounds, tiers, scheduler-call latencies."""
+    """The report as tables: what ran, hit rates with their bounds, tiers, scheduler-call
+    latencies."""
+    console.print(_run_table(report["inputs"], report["belady_capacity_blocks"]))
     hits = Table(title=f"{report['requests']} requests in {report['wall_s']:.1f} s")
     hits.add_column("hit rate (tokens)")
     hits.add_column("value", justify="right")
@@ -148,6 +150,30 @@ def print_summary(report: dict, console: Console) -> None:
     if promotion["count"]:
         calls.add_row("promotion", str(promotion["count"]), f"{promotion['p50']:.2f} ms", f"{promotion['p99']:.2f} ms")
     console.print(calls)
+
+
+def _run_table(inputs: dict[str, Any], cpu_blocks: int) -> Table:
+    """The configuration the run used, one fact per row."""
+    table = Table(title="Run", box=box.SIMPLE, pad_edge=False, show_header=False)
+    table.add_column("what", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    config, block_bytes = inputs["config"], inputs["bytes_per_block"]
+    source = inputs["trace"] or f"synthetic {inputs['workload']} workload"
+    table.add_row("requests", f"{source}, seed {inputs['seed']}")
+    model = f"{inputs['model']} preset" if inputs["model"] else "synthetic layout"
+    table.add_row("block", f"{_size(block_bytes)} ({model}, 512 tokens)")
+    cpu_bytes = cpu_blocks * block_bytes
+    table.add_row("cpu tier", f"{cpu_blocks:,} blocks ({_size(cpu_bytes)}), {config['eviction_policy']}")
+    for tier in config["secondary_tiers"]:
+        capacity = tier.get("capacity_bytes")
+        size = f"up to {_size(capacity)}" if capacity else "no capacity limit"
+        table.add_row("secondary tier", f"{tier['name']}: {tier['type']}, {size}")
+    gpu = f"{inputs['gpu_blocks']:,} blocks" if inputs["gpu_prefix_cache"] else "off"
+    table.add_row("gpu prefix cache", gpu)
+    scale = inputs["time_scale"]
+    table.add_row("pace", f"{scale:g} s per trace second" if scale else "flat out")
+    table.add_row("namespace", f"{inputs['namespace']}" + (" (warm start)" if inputs["warm_start"] else ""))
+    return table
 
 
 def _size(count: float) -> str:
