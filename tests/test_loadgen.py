@@ -75,6 +75,9 @@ def test_the_default_run_verifies_every_byte_and_writes_its_report(tmp_path, cap
     assert set(report["hit_rate"]) == {"gpu", "cpu", "file", "total"}
     assert 0 < report["hit_rate"]["total"] <= report["unbounded_hit_rate"] + 1e-9
     assert 0 < report["belady_hit_rate"] <= report["unbounded_hit_rate"]
+    blocks = report["tiers"]["file"]["stats"]["gauges"]["capacity_bytes"] // (64 * 1024 + 4096)
+    assert report["belady_all_tiers_capacity_blocks"] == 64 + report["belady_capacity_blocks"] + blocks
+    assert report["hit_rate"]["total"] <= report["belady_all_tiers_hit_rate"] + 1e-9
     assert report["tiers"]["file"]["store_bytes"] > 0
     assert report["transfers"]["gpu_to_cpu"]["bytes"] > 0
     assert {"p50", "p99"} <= set(report["latency_us"]["lookup"])

@@ -37,6 +37,7 @@ from tiering import (
     RegionInUseError,
     SharedOffloadRegion,
     load_config,
+    make_offload_key,
     parse_config,
 )
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
@@ -261,10 +262,13 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             except Exception as exc:
                 raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
             replayed = requests[: stats.requests]  # all of them, unless interrupted
+            all_blocks = _all_tiers_blocks(engine, gpu_blocks if prefix_cache else 0)
             bounds = {
                 "unbounded": unbounded_hit_rate(replayed),
                 "prefix": prefix_hit_rate(replayed),
                 "belady": belady_hit_rate(replayed, engine.spec.num_blocks),
+                "belady_all_tiers": None if all_blocks is None else belady_hit_rate(replayed, all_blocks),
+                "all_tiers_blocks": all_blocks,
             }
             inputs = {
                 "config": config.model_dump(),
@@ -298,6 +302,19 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     if args.plot:
         plot(stats, list(report["hit_rate"])[:-1], str(args.plot))
     return report
+
+
+def _all_tiers_blocks(engine: SimulatedEngine, gpu_blocks: int) -> int | None:
+    """Blocks the GPU prefix cache, the CPU tier and the secondary tiers hold together at most
+    (their sum: write-through tiers hold copies, so the hierarchy holds fewer distinct
+    blocks); None if a tier has no capacity limit or is not a block-store tier."""
+    total = gpu_blocks + engine.spec.num_blocks
+    key = make_offload_key(bytes(8), 0)  # the load generator's keys: 8-byte ids, group 0
+    for tier in engine.manager.secondary_tiers:
+        if not isinstance(tier, BlockStoreTier) or tier.capacity_bytes is None:
+            return None
+        total += tier.capacity_bytes // tier.object_bytes(key)
+    return total
 
 
 def _remove_namespaces(engine: SimulatedEngine) -> None:

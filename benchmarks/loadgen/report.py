@@ -64,6 +64,8 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
         "prefix_hit_rate": bounds["prefix"],
         "belady_hit_rate": bounds["belady"],
         "belady_capacity_blocks": engine.spec.num_blocks,
+        "belady_all_tiers_hit_rate": bounds["belady_all_tiers"],
+        "belady_all_tiers_capacity_blocks": bounds["all_tiers_blocks"],
         "verify_failures": stats.verify_failures,
         "store_refused_blocks": stats.store_refused_blocks,
         "failed_jobs": stats.failed_loads + sum(sum(t["failures"].values()) for t in tiers.values()),
@@ -108,7 +110,10 @@ def print_summary(report: dict, console: Console) -> None:
     hits.add_row("bound: every repeated block", f"{report['unbounded_hit_rate']:.1%}")
     hits.add_row("bound: repeated prefixes (no capacity limit)", f"{report['prefix_hit_rate']:.1%}")
     capacity = report["belady_capacity_blocks"]
-    hits.add_row(f"bound: Belady at the CPU tier's {capacity} blocks", f"{report['belady_hit_rate']:.1%}")
+    hits.add_row(f"bound: Belady at the CPU tier's {capacity:,} blocks", f"{report['belady_hit_rate']:.1%}")
+    if report["belady_all_tiers_hit_rate"] is not None:
+        capacity = report["belady_all_tiers_capacity_blocks"]
+        hits.add_row(f"bound: Belady at all tiers' {capacity:,} blocks", f"{report['belady_all_tiers_hit_rate']:.1%}")
     hits.add_row("verify failures", str(report["verify_failures"]))
     hits.add_row("failed jobs", str(report["failed_jobs"]))
     hits.add_row("blocks not stored (no room in the CPU tier)", str(report["store_refused_blocks"]))
