@@ -456,3 +456,5 @@ def test_an_interrupted_replay_writes_its_partial_results_and_leaves_nothing_beh
     assert report["hit_rate"]["total"] <= report["prefix_hit_rate"] + 1e-9  # (it may reach it exactly)
     assert "interrupted after" in err.decode()
     assert not region.exists()
+    replayed = synthetic("multi-turn", 100000)[: report["requests"]]
+    assert report["inputs"]["trace_span_s"] == (replayed[-1].timestamp_ms - replayed[0].timestamp_ms) / 1000

@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -204,7 +205,28 @@ def layout_for(args: argparse.Namespace) -> KVLayout:
     return KVLayout("loadgen", LAYERS, per_token_layer, gpu_block_size=BLOCK_TOKENS)
 
 
-def run(args: argparse.Namespace, console: Console) -> dict:
+class Interrupts:
+    """The handler of SIGINT (Ctrl-C) and SIGTERM: during the replay the first one asks it to
+    stop before the next request (no engine call is cut in half, so the shutdown finds the
+    engine whole); otherwise, or the second time, it raises KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.stop = threading.Event()
+        self.replaying = False
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.received.append(signum)
+        if not self.replaying or self.stop.is_set():
+            raise KeyboardInterrupt
+        self.stop.set()
+
+    def exit_status(self) -> int:
+        """128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM)."""
+        return 128 + (self.received[0] if self.received else signal.SIGINT)
+
+
+def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> dict:
     """Load inputs, build the engine, replay, and return the report.
 
     Raises:
@@ -258,7 +280,11 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             try:
                 with Progress(*columns, console=console, transient=True, disable=args.quiet) as progress:
                     task = progress.add_task("replay", total=len(requests))
-                    stats = loop.run(requests, args.time_scale, on_request=lambda: progress.advance(task))
+                    interrupts.replaying = True
+                    try:
+                        stats = loop.run(requests, args.time_scale, lambda: progress.advance(task), interrupts.stop)
+                    finally:
+                        interrupts.replaying = False
             except Exception as exc:
                 raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
             replayed = requests[: stats.requests]  # all of them, unless interrupted
@@ -284,7 +310,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                 "time_scale": args.time_scale,
                 "seed": args.seed,
                 "device": str(engine.device),
-                "trace_span_s": (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0,
+                "trace_span_s": (replayed[-1].timestamp_ms - replayed[0].timestamp_ms) / 1000.0 if replayed else 0.0,
             }
             report = build_report(stats, engine, bounds, inputs)
             if not args.warm_start and report["hit_rate"]["total"] > bounds["prefix"] + 1e-9:
@@ -346,21 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[bold red]tiering-bench: interrupted[/]", highlight=False)
         return EXIT_INTERRUPTED
-    # A terminated run still shuts the engine down (its shared memory, its tier threads),
-    # and a run that was killed outright leaves a region the next run removes.
-    received: list[int] = []
-
-    def terminate(signum: int, _frame: object) -> None:  # SIGTERM stops the run as Ctrl-C does
-        received.append(signum)
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, terminate)
+    # An interrupted or terminated run still shuts the engine down (its shared memory, its
+    # tier threads), and a run that was killed outright leaves a region the next run removes.
+    interrupts = Interrupts()
+    previous = {signum: signal.signal(signum, interrupts) for signum in (signal.SIGINT, signal.SIGTERM)}
     SharedOffloadRegion.remove_stale("bench-")
     try:
-        report = run(args, console)
+        report = run(args, console, interrupts)
     except KeyboardInterrupt:  # before or after the replay itself: nothing to report
         console.print("[bold red]tiering-bench: interrupted[/]", highlight=False)
-        return 128 + received[0] if received else EXIT_INTERRUPTED
+        return interrupts.exit_status()
     except (ConfigError, ValueError, OSError, RegionInUseError) as exc:
         console.print(f"[bold red]tiering-bench: error:[/] {describe(exc)}", highlight=False, soft_wrap=True)
         return EXIT_BAD_INPUT
@@ -369,13 +390,14 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[bold red]tiering-bench: engine failure:[/] {exc}", highlight=False, soft_wrap=True)
         return EXIT_ENGINE_FAILED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     print_summary(report, Console())
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
     if report["interrupted"]:
         console.print(f"[bold red]tiering-bench: interrupted after {report['requests']} requests[/]", highlight=False)
-        return 128 + received[0] if received else EXIT_INTERRUPTED
+        return interrupts.exit_status()
     return EXIT_VERIFY_FAILED if report["verify_failures"] else EXIT_OK
 
 

@@ -1,14 +1,15 @@
 """The scheduler loop: replay requests through a `SimulatedEngine`, one step at a time.
 
 For each request: blocks already in the GPU prefix cache are GPU hits; the rest of the
-prefix is looked up in the offloading manager (an answer of None ends the step, as a real
-scheduler would delay the request, and is retried the next step); hits are loaded into GPU
-blocks (and verified), the remaining blocks are computed and stored. Every manager call is
-timed; hits are counted in tokens by the tier that served them.
+prefix is looked up in the offloading manager up to its first miss (an answer of None delays
+the request to the next step, as a real scheduler would, and the prefix is looked up again);
+hits are loaded into GPU blocks (and verified), the remaining blocks are computed and stored.
+Every manager call is timed; hits are counted in tokens by the tier that served them.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -62,10 +63,21 @@ class SchedulerLoop:
         self.stats.calls_ns[name].append(time.perf_counter_ns() - start)
         return result
 
-    def run(self, requests: Sequence[Request], time_scale: float = 0.0, on_request: Callable[[], None] | None = None):
+    def run(
+        self,
+        requests: Sequence[Request],
+        time_scale: float = 0.0,
+        on_request: Callable[[], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> RunStats:
         """Replay `requests`; with `time_scale` > 0, request i starts no earlier than
-        ``timestamp_ms / 1000 * time_scale`` seconds after the first. Returns `RunStats`;
-        a KeyboardInterrupt ends the replay early, with ``interrupted`` set."""
+        ``timestamp_ms / 1000 * time_scale`` seconds after the first. Returns `RunStats`.
+
+        Setting `stop` (from a signal handler, say) ends the replay before the next request,
+        so no engine call is cut in half; a KeyboardInterrupt ends it at once. Either way
+        ``interrupted`` is set and the numbers cover the requests served.
+        """
+        stop = stop or threading.Event()
         start = time.perf_counter()
         try:
             for index, request in enumerate(requests):
@@ -73,14 +85,18 @@ class SchedulerLoop:
                     due = start + request.timestamp_ms / 1000.0 * time_scale
                     wait = due - time.perf_counter()
                     if wait > 0:
-                        time.sleep(wait)
+                        stop.wait(wait)
                     self.stats.lag_s.append(max(0.0, -wait))
+                if stop.is_set():
+                    break
                 self._serve(index, request)
                 if index % 50 == 0 or index == len(requests) - 1:
                     self.stats.timeline.append((index + 1, dict(self.stats.tokens)))
                 if on_request is not None:
                     on_request()
         except KeyboardInterrupt:
+            stop.set()
+        if stop.is_set() and self.stats.requests < len(requests):
             self.stats.interrupted = True
             self.stats.timeline.append((self.stats.requests, dict(self.stats.tokens)))
         self._settle()
