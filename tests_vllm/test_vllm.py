@@ -67,6 +67,9 @@ def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(m
         tokens, logprobs, cached = tiny.generate(llm, [PROMPT])[0]
         assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
         assert counters(llm)["vllm:kv_offload_load_bytes"] == FULL_BLOCKS // tiny.BLOCK * BLOCK_BYTES
+        stats = manager_stats()  # the engine's per-request counts agree with vLLM's cached tokens
+        assert stats["primary"]["counters"]["hit_tokens"] == FULL_BLOCKS
+        assert stats["manager"]["counters"]["requested_tokens"] >= 2 * FULL_BLOCKS
 
         # 3. other prompts evict it from the CPU tier; it is promoted back from the file tier
         before = manager_stats()["primary"]["counters"]["lookups_deferred"]
@@ -76,6 +79,8 @@ def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(m
         assert stats["tiers"]["file"]["counters"]["blocks_loaded"] >= 1
         assert stats["manager"]["counters"]["promotions_submitted"] >= 1
         assert stats["primary"]["counters"]["lookups_deferred"] > before  # answered RETRY, then HIT
+        assert stats["tiers"]["file"]["counters"]["hit_tokens"] >= tiny.BLOCK  # charged to the file tier
+        assert stats["manager"]["histograms"]["promotion_seconds"]["count"] >= 1
     finally:
         close(llm)
 
