@@ -37,10 +37,12 @@ class RequestLookups:
     """Per-request memory of which blocks were seen and which hit.
 
     A request is forgotten at `finished`; at most `max_requests` are remembered (the oldest
-    is forgotten first, for schedulers that never report finished requests).
+    is forgotten first), which bounds the memory of a scheduler that never reports finished
+    requests: one dict entry per block a request asked about. A live request forgotten so
+    counts its blocks again when it asks again.
     """
 
-    def __init__(self, source: Callable[[OffloadKey], str | None], max_requests: int = 16384):
+    def __init__(self, source: Callable[[OffloadKey], str | None], max_requests: int = 4096):
         """
         Args:
             source: the secondary tier a key was last promoted from, or None (see
