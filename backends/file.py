@@ -212,7 +212,11 @@ class FileBlockStore(BlockStore):
 
     async def remove_namespace(self) -> None:
         """Remove the namespace directory with everything in it (symbolic links are removed,
-        never followed)."""
+        never followed); one hop to the write pool.
+
+        Raises:
+            OSError: a file or directory could not be removed (what was removed stays so).
+        """
         await self._run(shutil.rmtree, self.directory)
 
     async def put(self, key: OffloadKey, payload: memoryview) -> None:

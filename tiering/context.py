@@ -13,7 +13,8 @@ from tiering.object_format import layout_fingerprint
 from tiering.runtime import AsyncRuntime
 
 TIER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-RESERVED_NAMES = frozenset({"cpu", "gpu"})  # the primary tier and the GPU in stats, metrics and reports
+PRIMARY_NAME = "cpu"  # the primary tier's name in stats, metrics and reports
+RESERVED_NAMES = frozenset({PRIMARY_NAME, "gpu"})  # the primary tier and the GPU
 
 
 def tier_name_problem(name: object) -> str | None:

@@ -28,9 +28,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from tiering.context import PRIMARY_NAME
 from tiering.keys import OffloadKey
-
-PRIMARY = "cpu"  # the primary tier's name in stats
 
 
 class RequestLookups:
@@ -57,22 +56,23 @@ class RequestLookups:
         self.hit_blocks: Counter[str] = Counter()
 
     def answered(self, req_id: str, key: OffloadKey, answer: bool | None) -> None:
-        """Count the manager's answer to a lookup of `key` for request `req_id`."""
+        """Count the manager's answer (True, False, or None: ask again) to a lookup of `key`
+        for request `req_id`. Never raises."""
         asked = self._requests.get(req_id) or self._request(req_id)
         hit = asked.get(key)
         if hit is None:
             self.requested_blocks += 1
             asked[key] = answer is True
             if answer is True:
-                self.hit_blocks[PRIMARY] += 1
+                self.hit_blocks[PRIMARY_NAME] += 1
             return
         self.lookups_repeated += 1
         if answer is True and not hit:
             asked[key] = True
-            self.hit_blocks[self._source(key) or PRIMARY] += 1
+            self.hit_blocks[self._source(key) or PRIMARY_NAME] += 1
 
     def stored(self, req_id: str, keys: Iterable[OffloadKey]) -> None:
-        """Count the blocks of a store for request `req_id` it never looked up."""
+        """Count the blocks of a store for request `req_id` it never looked up. Never raises."""
         asked = self._request(req_id)
         for key in keys:
             if key not in asked:
@@ -80,7 +80,7 @@ class RequestLookups:
                 self.requested_blocks += 1
 
     def finished(self, req_id: str) -> None:
-        """Forget the request (it will not be looked up again)."""
+        """Forget the request (it will not be looked up again); an unknown one is ignored."""
         self._requests.pop(req_id, None)
 
     def _request(self, req_id: str) -> dict[OffloadKey, bool]:

@@ -33,10 +33,10 @@ import numpy as np
 
 from tiering.abstract import OffloadingManager
 from tiering.admission import AdmissionConfig, TierAdmission
-from tiering.context import unique_names
+from tiering.context import PRIMARY_NAME, unique_names
 from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
 from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
-from tiering.lookups import PRIMARY, RequestLookups
+from tiering.lookups import RequestLookups
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.secondary import JobId, JobMetadata, SecondaryTierManager
 from tiering.stats import Histogram
@@ -255,7 +255,7 @@ class TieringOffloadingManager(OffloadingManager):
         """
         requests = self._requests
         primary = self.primary_tier.get_stats()
-        primary["counters"].update(self._hit_counters(PRIMARY))
+        primary["counters"].update(self._hit_counters(PRIMARY_NAME))
         tiers = {}
         for name, tier, admission in zip(self.tier_names, self.secondary_tiers, self.admission, strict=True):
             stats = dict(_guarded(tier, "get_stats", {}))

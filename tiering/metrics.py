@@ -20,6 +20,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from tiering.context import PRIMARY_NAME
+
 
 class PrometheusExporter:
     """Serves ``/metrics`` on `address`:`port` (loopback by default) in a daemon thread."""
@@ -73,7 +75,8 @@ class _SnapshotCollector:
         if snapshot is None:
             return
         constant = self._exporter.labels
-        yield from _families("tiering_tier_", {"cpu": snapshot["primary"], **snapshot["tiers"]}, constant, "tier")
+        tiers = {PRIMARY_NAME: snapshot["primary"], **snapshot["tiers"]}
+        yield from _families("tiering_tier_", tiers, constant, "tier")
         yield from _families("tiering_manager_", {"": snapshot["manager"]}, constant, None)
 
 

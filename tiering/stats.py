@@ -31,6 +31,7 @@ class Histogram:
         self.sum = 0.0
 
     def observe(self, seconds: float) -> None:
+        """Count one duration, in seconds (>= 0)."""
         self._counts[bisect_left(SECONDS_BUCKETS, seconds)] += 1
         self.count += 1
         self.sum += seconds
@@ -67,6 +68,7 @@ class JobTimer:
         return len(self._started)
 
     def start(self, job_id: int) -> None:
+        """Note that job `job_id` was submitted now (a busy stretch begins if none was)."""
         now = time.perf_counter()
         if not self._started:
             self._busy_since = now

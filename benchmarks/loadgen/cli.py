@@ -206,9 +206,10 @@ def layout_for(args: argparse.Namespace) -> KVLayout:
 
 
 class Interrupts:
-    """The handler of SIGINT (Ctrl-C) and SIGTERM: during the replay the first one asks it to
-    stop before the next request (no engine call is cut in half, so the shutdown finds the
-    engine whole); otherwise, or the second time, it raises KeyboardInterrupt."""
+    """The handler of SIGINT (Ctrl-C) and SIGTERM, run on the main thread: during the replay
+    the first one asks it to stop before the next request (no engine call is cut in half, so
+    the shutdown finds the engine whole); otherwise, or the second time, it raises
+    KeyboardInterrupt."""
 
     def __init__(self) -> None:
         self.received: list[int] = []

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tiering.benchmarks.loadgen.run import RunStats
+from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS
+from tiering.context import PRIMARY_NAME
 
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
@@ -80,7 +82,7 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
 def _engine_counts(engine_stats: dict[str, Any]) -> dict[str, Any]:
     """The engine's own per-request counts (`tiering.lookups`): what Prometheus shows."""
     manager = engine_stats["manager"]["counters"]
-    parts = {"cpu": engine_stats["primary"], **engine_stats["tiers"]}
+    parts = {PRIMARY_NAME: engine_stats["primary"], **engine_stats["tiers"]}
     requested = manager.get("requested_tokens", 0)
     hit_tokens = {name: part["counters"].get("hit_tokens", 0) for name, part in parts.items()}
     return {
@@ -166,7 +168,7 @@ def _run_table(inputs: dict[str, Any], cpu_blocks: int) -> Table:
     source = inputs["trace"] or f"synthetic {inputs['workload']} workload"
     table.add_row("requests", f"{source}, seed {inputs['seed']}")
     model = f"{inputs['model']} preset" if inputs["model"] else "synthetic layout"
-    table.add_row("block", f"{_size(block_bytes)} ({model}, 512 tokens)")
+    table.add_row("block", f"{_size(block_bytes)} ({model}, {BLOCK_TOKENS} tokens)")
     cpu_bytes = cpu_blocks * block_bytes
     table.add_row("cpu tier", f"{cpu_blocks:,} blocks ({_size(cpu_bytes)}), {config['eviction_policy']}")
     for tier in config["secondary_tiers"]:
