@@ -167,6 +167,34 @@ def test_results_come_once_in_order_and_bad_specs_are_refused(workers, device):
     assert not handler.transfer_async(10, (GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0])))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("built_in", ["inference-mode", "normal-mode"])
+def test_inference_tensors_are_stored_and_loaded_whatever_mode_the_caller_is_in(device, built_in):
+    """vLLM's model runner works under torch.inference_mode, so its KV caches can be inference
+    tensors, which refuse in-place updates outside it; the copy threads run outside it."""
+    with torch.inference_mode():
+        raw = torch.arange(4 * 16, dtype=torch.int8, device=device).view(4, 16)
+    assert raw.is_inference()
+    caches = canonicalize_kv_caches([raw], 4)
+    mode = torch.inference_mode() if built_in == "inference-mode" else torch.inference_mode(False)
+    with mode:
+        handlers = CpuGpuOffloadingHandlers(caches, 2, 3)
+    try:
+        store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
+        with mode:
+            assert store.transfer_async(1, (GPULoadStoreSpec([0, 1, 2, 3], [4], [0]), CPULoadStoreSpec([2, 0])))
+            store.wait([1])
+        with torch.inference_mode():
+            raw.zero_()
+        with mode:
+            assert load.transfer_async(2, (CPULoadStoreSpec([2, 0]), GPULoadStoreSpec([0, 1, 2, 3], [4], [0])))
+            load.wait([2])
+        assert [r.success for r in store.get_finished() + load.get_finished()] == [True, True]
+        assert raw.flatten().tolist() == list(range(64))
+    finally:
+        handlers.shutdown()
+
+
 def test_without_a_region_the_handlers_use_a_private_buffer():
     caches = canonicalize_kv_caches([torch.arange(4 * 16, dtype=torch.int8).view(4, 16)], 4)
     handlers = CpuGpuOffloadingHandlers(caches, 2, 3)

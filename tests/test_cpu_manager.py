@@ -8,6 +8,7 @@ from tiering import (
     CPUPrimaryTierOffloadingManager,
     OffloadingEvent,
     OffloadPolicy,
+    ReqContext,
 )
 
 POLICIES = ["lru", "arc"]
@@ -112,12 +113,47 @@ def test_prepare_load_errors_change_nothing(manager, ctx):
         manager.complete_load(keys(0), ctx)
 
 
-def test_completed_store_becomes_most_recent(ctx):
-    manager = CPUOffloadingManager(3, "lru")
-    first = manager.prepare_store(keys(0), ctx)
-    store(manager, ctx, 1, 2)
-    manager.complete_store(first.keys_to_store, ctx)  # completes last: most recent
-    assert store(manager, ctx, 3).evicted_keys == keys(1)
+@pytest.mark.parametrize("container", [list, set, reversed], ids=["list", "set", "reversed"])
+def test_recency_comes_from_prepare_store_not_from_how_completions_arrive(container, ctx):
+    manager = CPUOffloadingManager(4, "lru")
+    first = manager.prepare_store(keys(0, 1), ctx)
+    store(manager, ctx, 2, 3)
+    manager.complete_store(container(first.keys_to_store), ctx)  # completes last, in any order
+    assert store(manager, ctx, 4, 5, 6).evicted_keys == keys(0, 1, 2)
+
+
+@pytest.mark.parametrize("container", [list, set], ids=["list", "set"])
+def test_a_finished_request_is_evicted_tail_first_whatever_the_completion_order(manager, container, ctx):
+    out = manager.prepare_store(keys(0, 1, 2), ctx)  # a prefix, head first
+    manager.complete_store(container(out.keys_to_store), ctx)
+    manager.on_request_finished(ctx)
+    other = ReqContext("other")
+    assert manager.prepare_store(keys(7, 8, 9), other).evicted_keys == keys(2, 1)  # one free row, then the tail
+
+
+def test_a_request_reusing_blocks_ranks_them_at_its_end(ctx):
+    manager = CPUOffloadingManager(4, "lru")
+    store(manager, ctx, 0, 1, 2, 3)  # ranked at prepare_store: 0 least recent
+    reader = ReqContext("reader")
+    manager.prepare_load(keys(0), reader)
+    manager.complete_load(keys(0), reader)
+    assert manager.prepare_store(keys(0, 1), reader).keys_to_store == []  # offered again: a reuse
+    manager.on_request_finished(reader)
+    assert store(manager, ReqContext("next"), 4, 5).evicted_keys == keys(2, 3)
+
+
+def test_positions_recorded_by_the_request_give_the_prefix_order(ctx):
+    class PositionedContext(ReqContext):
+        def get_offload_key_position(self, key):  # vLLM's ReqContext records token positions
+            return {key_: 32 * (i + 1) for i, key_ in enumerate(keys(0, 1, 2))}.get(key)
+
+    manager = CPUOffloadingManager(4, "lru")
+    positioned = PositionedContext("positioned")
+    store(manager, positioned, 2)  # stored tail first (a sliding-window backfill, say)
+    store(manager, positioned, 1)
+    store(manager, positioned, 0)
+    manager.on_request_finished(positioned)
+    assert store(manager, ctx, 5, 6, 7).evicted_keys == keys(2, 1)
 
 
 def test_touch_orders_eviction(manager, ctx):
@@ -146,17 +182,30 @@ def test_events_disabled_by_default(ctx):
     assert list(manager.take_events()) == []
 
 
-def test_reset_cache_drops_idle_blocks_and_keeps_pinned_ones(manager, ctx):
+def test_reset_cache_forgets_every_block_and_frees_every_row_as_vllm_does(manager, ctx):
     store(manager, ctx, 0, 1, 2)
-    manager.prepare_load(keys(2), ctx)
+    manager.prepare_load(keys(2), ctx)  # a load in flight
+    manager.prepare_store(keys(3), ctx)  # a store in flight
     manager.take_events()
     manager.reset_cache()
-    assert [manager.lookup(k, ctx) for k in keys(0, 1, 2)] == [False, False, True]
-    assert manager.take_events() == [OffloadingEvent(keys(0, 1), "CPU", removed=True)]
-    manager.complete_load(keys(2), ctx)
-    manager.reset_cache()
+    assert [manager.lookup(k, ctx) for k in keys(0, 1, 2, 3)] == [False] * 4
+    assert manager.take_events() == []  # vLLM's manager emits nothing at a reset either
     assert manager.num_free_blocks == 4
-    assert len(store(manager, ctx, 5, 6, 7, 8).keys_to_store) == 4
+    assert manager.get_stats()["gauges"] | {"rows_reading": 0, "rows_writing": 0} == manager.get_stats()["gauges"]
+    assert sorted(store(manager, ctx, 5, 6, 7, 8).store_spec.block_ids.tolist()) == [0, 1, 2, 3]
+
+
+def test_reset_cache_keeps_rows_held_by_other_io_until_each_hold_is_released(ctx):
+    manager = CPUOffloadingManager(4, "arc")
+    rows = store(manager, ctx, 0, 1).store_spec.block_ids.tolist()
+    manager.reset_cache(keep_rows=[rows[0], rows[0], rows[1]])  # row 0 held twice (two tiers)
+    assert manager.num_free_blocks == 2
+    manager.release_rows([rows[0], rows[1]])
+    assert manager.num_free_blocks == 3
+    manager.release_rows([rows[0]])
+    assert manager.num_free_blocks == 4
+    with pytest.raises(KeyError, match="is not quarantined"):
+        manager.release_rows([rows[0]])
 
 
 def test_new_request_is_block_level(manager, ctx):

@@ -65,11 +65,11 @@ def test_touch_leaves_first_key_most_recent(name):
 
 
 @pytest.mark.parametrize("name", ["lru", "arc"])
-def test_mark_recent_moves_block_last(name):
-    policy = make_cache_policy(name, 4)
-    fill(policy, 0, 1, 2)
-    policy.mark_recent(key(0))
-    assert evicted_ids(policy.evict(1, protected=())) == [1]
+def test_a_finished_request_ranks_its_head_most_recent(name):
+    policy = make_cache_policy(name, 8)
+    fill(policy, 3, 2, 1, 0, 9)  # reserved tail first, as a set might complete them
+    policy.on_request_finished(keys(0, 1, 2, 3), inserted_only=set(keys(0, 1, 2, 3)), reused=set())
+    assert evicted_ids(policy.evict(5, protected=())) == [9, 3, 2, 1, 0]
 
 
 @pytest.mark.parametrize("name", ["lru", "arc"])
@@ -105,29 +105,40 @@ def test_arc_block_used_twice_survives_a_scan():
     assert policy.get(key(0)) is not None
 
 
-def test_arc_ghost_hit_adapts_target_and_enters_frequent_list():
+def test_arc_store_miss_on_a_b1_ghost_grows_the_target_and_the_block_enters_t1():
     policy = ARCCachePolicy(2)
     fill(policy, 0, 1)
     assert evicted_ids(policy.evict(1, protected=())) == [0]  # 0 goes to ghost list B1
     assert policy.target_t1_size == 0
-    fill(policy, 0)  # re-inserted: a B1 hit grows T1's target and lands in T2
+    policy.on_store_miss(keys(0))  # a request stores 0 again: B1 hit, T1's target grows
     assert policy.target_t1_size == 1
+    fill(policy, 0)  # inserted into T1 like any new block (a store is no reuse)
     fill(policy, 2)
-    # T1 = [1, 2] is at its target, so its oldest entry goes before the frequent block 0.
-    assert evicted_ids(policy.evict(1, protected=())) == [1]
-    assert policy.get(key(0)) is not None
+    # T1 = [1, 0, 2] holds at least its target, so its oldest entries go first.
+    assert evicted_ids(policy.evict(2, protected=())) == [1, 0]
 
 
-def test_arc_b2_hit_shrinks_target():
+def test_arc_b2_ghost_shrinks_target():
     policy = ARCCachePolicy(2)
     fill(policy, 0, 1)
     policy.touch(keys(0))  # T1 = [1], T2 = [0]
     policy.target_t1_size = 2.0  # T1 is below its target, so the frequent list gives
     assert evicted_ids(policy.evict(1, protected=())) == [0]  # 0 -> ghost list B2
-    fill(policy, 0)  # a B2 hit shrinks T1's target by max(1, |B1| / |B2|) and enters T2
+    policy.on_store_miss(keys(0))  # shrinks T1's target by max(1, |B1| / |B2|)
     assert policy.target_t1_size == 1.0
-    # T1 = [1] is now at its target, so it gives the next victim and 0 stays.
+    fill(policy, 0)
+    # T1 = [1, 0] now holds its target, so it gives the next victim.
     assert evicted_ids(policy.evict(1, protected=())) == [1]
+
+
+def test_arc_reuse_moves_to_t2_a_store_does_not_and_a_write_in_flight_is_no_reuse():
+    policy = ARCCachePolicy(8)
+    fill(policy, 0, 1, 2)
+    fill(policy, 3, ref_cnt=-1)
+    policy.touch(keys(3))  # still being written: stays in T1, most recent there
+    policy.on_request_finished(keys(0, 1, 2), inserted_only={key(1)}, reused={key(0), key(2)})
+    assert list(policy._t2) == keys(2, 0)  # reused, head most recent
+    assert list(policy._t1) == [key(3), key(1)]
 
 
 def test_arc_ghost_lists_are_bounded():

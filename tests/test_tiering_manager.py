@@ -334,6 +334,37 @@ def test_reset_cache_drains_processes_and_empties_the_primary(policy, ctx):
     assert promote(manager, ctx, 0) == [None]  # ...and serves them again
 
 
+class StuckTier(ManualTier):
+    """Its jobs outlive any drain."""
+
+    def drain(self, timeout_s=None):
+        self.drains += 1
+        return False
+
+
+def test_reset_cache_voids_jobs_in_flight_and_every_row_comes_back(policy, ctx):
+    tier = StuckTier()
+    tier.present[key(7)] = True
+    manager, _ = build(policy, [tier])
+    primary = manager.primary_tier
+    store(manager, ctx, 0, 1)  # two cascades in flight, reading rows of 0 and 1
+    assert promote(manager, ctx, 7) == [None]  # a promotion in flight, writing a row
+    manager.prepare_load(keys(0), ctx)  # a GPU load in flight (void after the reset)
+    manager.prepare_store(keys(2), ctx)  # a GPU store in flight (void after the reset)
+    manager.reset_cache()
+    assert [primary.lookup(k, ctx) for k in keys(0, 1, 2, 7)] == [False] * 4  # no key stuck in flight
+    assert primary.num_free_blocks == 1  # the tier's I/O may still use 3 rows
+    assert manager.has_pending_work()
+    tier.finish_all()
+    manager.on_schedule_end()
+    assert primary.num_free_blocks == 4
+    assert not manager.has_pending_work()
+    gauges = primary.get_stats()["gauges"]
+    assert (gauges["rows_reading"], gauges["rows_writing"], gauges["rows_quarantined"]) == (0, 0, 0)
+    assert manager.get_stats()["tiers"]["manual"]["gauges"]["rows_in_flight"] == 0
+    assert primary.lookup(key(7), ctx) is False  # the voided promotion loaded nothing
+
+
 def test_shutdown_order_and_every_job_reported_once(policy, ctx, caplog):
     log: list[str] = []
     tiers = [ManualTier("a", log), ManualTier("b", log)]

@@ -9,6 +9,29 @@ import pytest
 from tests_vllm import tiny
 
 
+def offloading_config(extra, groups=1, engine_id="adapter-test", events=False):
+    """vLLM's `OffloadingConfig` for a model of 2 layers in blocks of 32 tokens and 32 KiB,
+    offloaded in rows of 2 blocks (64 KiB)."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=tuple(OffloadingGroupConfig(32, (f"layer.{g}",), g) for g in range(groups)),
+        worker_kv_bytes_per_block=32 << 10,
+        enable_kv_cache_events=events,
+        extra_config=extra,
+        engine_id=engine_id,
+        model=OffloadingModelConfig("tiny", "float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=2),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+    )
+
+
 def pytest_configure(config):
     # vLLM's own deprecation noise is not ours to fix; our code's warnings still fail tests.
     for line in ("ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning"):

@@ -2,29 +2,10 @@
 
 import pytest
 from vllm.v1.kv_offload.base import LookupResult
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 
+from tests_vllm.conftest import offloading_config
 from tiering import ConfigError
 from tiering.integrations import vllm as adapter
-
-
-def offloading_config(extra, groups=1, engine_id="adapter-test"):
-    return OffloadingConfig(
-        groups=tuple(OffloadingGroupConfig(32, (f"layer.{g}",), g) for g in range(groups)),
-        worker_kv_bytes_per_block=32 << 10,
-        enable_kv_cache_events=False,
-        extra_config=extra,
-        engine_id=engine_id,
-        model=OffloadingModelConfig("tiny", "float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=2),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
-    )
 
 
 def test_the_extra_config_is_validated_like_the_yaml_with_the_same_errors():

@@ -15,6 +15,9 @@ Each direction is a FIFO of transfers, finished in order and polled without bloc
   direction runs each transfer as one batched gather/scatter per tensor. Same API, same
   ordering, real bytes; tests and the load generator use it on machines without a GPU.
 
+Both run their copies under `torch.inference_mode`, so inference tensors (vLLM's KV
+caches) and normal tensors are copied alike, whatever mode the calling thread is in.
+
 Handlers are used from the worker thread that owns the KV cache.
 """
 
@@ -211,8 +214,14 @@ class _DirectionHandler(OffloadingHandler):
             end.record(self._stream)
         return start, end
 
+    @torch.inference_mode()
     def _copy_runs(self, copies: list[PageCopy]) -> None:
-        """One `copy_` per run of pages consecutive on both sides (asynchronous on CUDA)."""
+        """One `copy_` per run of pages consecutive on both sides (asynchronous on CUDA).
+
+        Under `torch.inference_mode` (thread-local, so set here, on the copy's own thread):
+        vLLM's KV caches, and CPU buffers made while vLLM builds its worker, can be
+        inference tensors, which refuse in-place updates outside it; normal tensors take
+        them inside it as well."""
         for copy in copies:
             gpu, cpu = self._gpu[copy.tensor_idx], self._cpu[copy.tensor_idx]
             for gpu_first, row, sub_first, count in _runs(copy):

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Protocol
 
 from tiering.abstract import OffloadingManager
 from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.policies import BlockStatus, make_cache_policy
+from tiering.request_access import RequestAccesses
 from tiering.stats import TierStats
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,13 @@ class CPUOffloadingManager(OffloadingManager):
 
     Ref counts: a row is -1 from `prepare_store` to `complete_store` (write in flight), then
     0 (idle, evictable); `prepare_load` adds one reader and `complete_load` removes it. Only
-    idle rows are evicted. Call every method from the scheduler thread.
+    idle rows are evicted.
+
+    Eviction order is that of vLLM's own CPU manager: a block is ranked when its row is
+    reserved, and a finished request re-ranks the blocks it loaded or offered (its head
+    ends most recent; see `tiering.request_access`), so the order never depends on the
+    order or container of `complete_store`'s keys. Call every method from the scheduler
+    thread.
     """
 
     medium = CPULoadStoreSpec.medium()
@@ -52,13 +59,14 @@ class CPUOffloadingManager(OffloadingManager):
         self._cache_policy = cache_policy
         self._policy = make_cache_policy(cache_policy, num_blocks)
         self._free_block_ids: list[int] = []
-        self._quarantined: set[int] = set()  # rows a late I/O may still write (see quarantine_writes)
+        self._quarantined: Counter[int] = Counter()  # row -> holders: a late I/O may still use it
         self._num_ids_used = 0  # ids below this were handed out before
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
         self._counters: Counter[str] = Counter()
         self._rows_reading = 0  # rows with a reader (ref count > 0)
         self._rows_writing = 0  # rows with a write in flight (ref count -1)
+        self._accesses = RequestAccesses()
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,7 +96,9 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             KeyError: a key is not resident or its write is still in flight; nothing is pinned.
         """
-        return self._pin(keys, "prepare_load", "blocks_loaded")
+        spec = self._pin(keys, "prepare_load", "blocks_loaded")
+        self._accesses.of(req_context.req_id).observe(keys, ready=keys)
+        return spec
 
     def _pin(self, keys: Collection[OffloadKey], caller: str, counter: str) -> CPULoadStoreSpec:
         blocks = [self._block(key, caller, lambda b: b.ref_cnt >= 0) for key in keys]
@@ -100,7 +110,8 @@ class CPUOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec([block.block_id for block in blocks])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Record a use of the resident `keys`; the first one ends up the most recent."""
+        """Record a use of the resident `keys` now; the first one ends up the most recent.
+        (vLLM's scheduler does not call it: its requests' uses are applied when they finish.)"""
         self._policy.touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -119,17 +130,36 @@ class CPUOffloadingManager(OffloadingManager):
         """Reserve rows for the keys not yet resident, evicting idle blocks if needed.
 
         Keys of this call are never evicted by it. The reserved rows are in flight (ref
-        count -1) until `complete_store`.
+        count -1) until `complete_store`, and ranked most recent now, in the order of
+        `keys`. The request's new and ready keys count as its accesses (see the class).
 
         Returns:
             The keys to copy with their rows and the evicted keys, or None (changing
             nothing) if fewer rows than needed can be freed.
         """
-        return self._reserve(keys, "stores_refused")
+        return self._reserve(keys, req_context, "stores_refused")
 
-    def _reserve(self, keys: Collection[OffloadKey], refused_counter: str) -> PrepareStoreOutput | None:
+    def _reserve(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, refused_counter: str
+    ) -> PrepareStoreOutput | None:
         policy = self._policy
-        keys_to_store = [key for key in dict.fromkeys(keys) if policy.get(key) is None]
+        keys_to_store, ready, seen = [], [], []  # seen: new or ready, in the order of `keys`
+        for key in dict.fromkeys(keys):
+            block = policy.get(key)
+            if block is None:
+                keys_to_store.append(key)
+            elif block.ref_cnt >= 0:
+                ready.append(key)
+            else:
+                continue  # a write in flight, another request's: not this one's access
+            seen.append(key)
+        access = self._accesses.of(req_context.req_id)
+        store_missed = access.store_missed
+        first_misses = [key for key in keys_to_store if key not in store_missed]
+        if first_misses:  # before `insert` takes them off ARC's ghost lists
+            policy.on_store_miss(first_misses)
+            store_missed.update(first_misses)
+        access.observe(seen, ready)
         evicted: list[OffloadKey] = []
         shortfall = len(keys_to_store) - self.num_free_blocks
         if shortfall > 0:
@@ -146,6 +176,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._rows_writing += len(block_ids)
         for key, block_id in zip(keys_to_store, block_ids, strict=True):
             policy.insert(key, BlockStatus(block_id))
+        access.inserted.update(keys_to_store)
         return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted)
 
     def complete_store(
@@ -153,7 +184,8 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> list[OffloadKey]:
         """Finish the in-flight writes of `keys`; other keys are ignored.
 
-        On success each row becomes idle and the most recent; on failure it is freed.
+        On success each row becomes idle (its rank is the one `prepare_store` gave it, so
+        the order of `keys` does not matter); on failure it is freed.
 
         Returns:
             The keys that became loadable by this call (empty on failure).
@@ -171,7 +203,6 @@ class CPUOffloadingManager(OffloadingManager):
             if block is None or block.ref_cnt != -1:
                 continue
             block.ref_cnt = 0
-            policy.mark_recent(key)
             stored.append(key)
         self._counters[counter] += len(stored)
         self._rows_writing -= len(stored)
@@ -192,15 +223,22 @@ class CPUOffloadingManager(OffloadingManager):
         self._quarantined.update(rows)
         return rows
 
-    def release_rows(self, block_ids: Collection[int]) -> None:
-        """Return rows quarantined by `quarantine_writes` to the free rows. Scheduler thread.
+    def release_rows(self, block_ids: Iterable[int]) -> None:
+        """Release one hold on each row quarantined by `quarantine_writes` or kept by
+        `reset_cache`; a row with no hold left is free again. Scheduler thread.
 
         Raises:
-            KeyError: a row is not quarantined (released twice, say).
+            KeyError: a row has no hold (released twice, say).
         """
+        quarantined = self._quarantined
         for block_id in block_ids:
-            self._quarantined.remove(block_id)
-            self._free_block_ids.append(block_id)
+            if quarantined[block_id] < 1:
+                del quarantined[block_id]
+                raise KeyError(f"release_rows: row {block_id} is not quarantined")
+            quarantined[block_id] -= 1
+            if not quarantined[block_id]:
+                del quarantined[block_id]
+                self._free_block_ids.append(block_id)
 
     def _drop_writes(self, keys: Collection[OffloadKey]) -> list[int]:
         """Forget the keys whose write is in flight; returns their rows (not freed)."""
@@ -216,6 +254,15 @@ class CPUOffloadingManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Apply the request's accesses to the eviction order, once: its blocks in prefix
+        order, the head most recent (see `tiering.request_access`). A request with no
+        recorded access, or finished twice, changes nothing."""
+        access = self._accesses.finished(req_context.req_id)
+        if access is not None and access.keys:
+            reused = access.reused
+            self._policy.on_request_finished(access.prefix_order(req_context), access.inserted - reused, reused)
 
     def get_stats(self) -> TierStats:
         """Counters (lookups by answer, blocks stored and loaded, evictions, refused stores)
@@ -245,22 +292,28 @@ class CPUOffloadingManager(OffloadingManager):
         events, self._events = self._events, []
         return events
 
-    def reset_cache(self) -> None:
-        """Drop every idle block (emitting one removed event).
+    def reset_cache(self, keep_rows: Iterable[int] = ()) -> None:
+        """Forget every block, whatever its ref count, as vLLM's own manager does: no
+        event is emitted, the policy and the request accesses start afresh, every row is
+        free except those in `keep_rows` and those already quarantined.
 
-        Blocks that are still pinned (a transfer in flight) stay, with a warning: freeing
-        their rows would let a new write race the transfer.
+        Transfers started before the reset are void: their ``complete_store`` /
+        ``complete_load`` must not be called (vLLM's connector drops their completions),
+        and the caller must let them finish before a new transfer touches their rows
+        (vLLM's connector flushes them to the workers before the next step's transfers).
+
+        Args:
+            keep_rows: rows some I/O outside the caller's control may still use (a
+                secondary tier's job in flight); each listing is one hold, released by
+                `release_rows`.
         """
-        dropped = [key for key, block in self._policy.items() if block.ref_cnt == 0]
-        for key in dropped:
-            removed = self._policy.remove(key)
-            assert removed is not None, "a key just listed is resident"
-            self._free_block_ids.append(removed.block_id)
-        if len(self._policy):
-            logger.warning("reset_cache kept %d blocks with transfers in flight", len(self._policy))
-        else:
-            self._policy = make_cache_policy(self._cache_policy, self.num_blocks)
-        self._emit(dropped, removed=True)
+        self._quarantined.update(keep_rows)
+        self._policy = make_cache_policy(self._cache_policy, self.num_blocks)
+        self._accesses.clear()
+        self._rows_reading = self._rows_writing = 0
+        quarantined = self._quarantined
+        # Lowest row first (`_allocate_block_id` pops from the end).
+        self._free_block_ids = [row for row in reversed(range(self._num_ids_used)) if row not in quarantined]
 
     def _block(self, key: OffloadKey, caller: str, valid) -> BlockStatus:
         block = self._policy.get(key)
@@ -270,6 +323,10 @@ class CPUOffloadingManager(OffloadingManager):
         return block
 
     def _allocate_block_id(self) -> int:
+        """A free row: the most recently freed one first, then rows never used. (vLLM hands
+        out never-used rows first. Reusing a row that was just written keeps the tier's
+        touched memory, its page faults and its resident set as small as the working set
+        allows, and no row is better than another for what it holds.)"""
         if self._free_block_ids:
             return self._free_block_ids.pop()
         self._num_ids_used += 1
@@ -338,7 +395,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
 
     def prepare_write(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Reserve rows for a promotion: as `prepare_store`, a refusal counted apart."""
-        return self._reserve(keys, "promotions_refused")
+        return self._reserve(keys, req_context, "promotions_refused")
 
     def complete_write(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 
 from tiering.context import PRIMARY_NAME
 from tiering.keys import OffloadKey
+from tiering.request_access import per_request
 
 
 class RequestLookups:
@@ -84,9 +85,4 @@ class RequestLookups:
         self._requests.pop(req_id, None)
 
     def _request(self, req_id: str) -> dict[OffloadKey, bool]:
-        asked = self._requests.get(req_id)
-        if asked is None:
-            asked = self._requests[req_id] = {}
-            if len(self._requests) > self._max_requests:
-                del self._requests[next(iter(self._requests))]
-        return asked
+        return per_request(self._requests, req_id, dict, self._max_requests)

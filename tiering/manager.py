@@ -49,10 +49,12 @@ _WRITE_BACK = ReqContext("write-back")  # the request of a write-back tier's cas
 @dataclass
 class _Job:
     keys: list[OffloadKey]
+    rows: list[int]  # the primary rows its I/O reads (a cascade) or writes (a promotion)
     is_promotion: bool
     req_context: ReqContext
     tier_idx: int
     queued_at: float = 0.0  # a promotion's first lookup, perf_counter seconds (unused for cascades)
+    voided: bool = False  # by reset_cache: its keys are gone and its rows held until it ends
 
 
 @dataclass
@@ -100,7 +102,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._job_ids = itertools.count()
         self._jobs: dict[JobId, _Job] = {}
         self._sources: dict[OffloadKey, str] = {}  # recently promoted keys -> tier name, oldest first
-        self._held: dict[tuple[int, JobId], Callable[[], None]] = {}  # rows a late I/O still uses: release
+        self._held: dict[tuple[int, JobId], _Job] = {}  # jobs whose late I/O still uses their rows
         self._promotions: dict[tuple[int, str], _QueuedPromotion] = {}
         self._polled_this_step = False
         self._shut_down = False
@@ -307,14 +309,27 @@ class TieringOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         """Drain the tiers (up to `drain_timeout_s` each), process what finished, drop queued
-        promotions and empty the primary tier. Secondary tiers keep their blocks. Blocks
-        whose transfer is still in flight after the drain stay in the primary tier."""
+        promotions and empty the primary tier (see `CPUOffloadingManager.reset_cache`: the
+        caller's transfers started before the reset are void, as under vLLM). Secondary
+        tiers keep their blocks.
+
+        A secondary tier's job still in flight after the drain is void too: its keys are
+        forgotten at once (no lookup waits on them), its rows stay out of use until the tier
+        reports it (or, after a timeout, releases its late I/O), and it is then counted as
+        failed. So every row comes back and nothing is left waiting.
+        """
         for tier in self.secondary_tiers:
             if not _guarded(tier, "drain", True, self._drain_timeout_s):
                 logger.warning("tier %s: jobs still in flight after %.1f s", tier.tier_type, self._drain_timeout_s)
         self._process_finished()
         self._drop_queued_promotions()
-        self.primary_tier.reset_cache()
+        # Rows of a held promotion are quarantined already; every other job's need a hold.
+        in_flight = [*self._jobs.values(), *(job for job in self._held.values() if not job.is_promotion)]
+        held = [job for job in in_flight if not job.voided]
+        for job in held:
+            job.voided = True
+        self.primary_tier.reset_cache(keep_rows=[row for job in held for row in job.rows])
+        self._sources.clear()
 
     def __enter__(self) -> TieringOffloadingManager:
         """``with TieringOffloadingManager(...) as manager:`` shuts it down on exit."""
@@ -365,7 +380,7 @@ class TieringOffloadingManager(OffloadingManager):
         queued_at: float = 0.0,
     ) -> None:
         job_id = next(self._job_ids)
-        self._jobs[job_id] = _Job(keys, is_promotion, req_context, tier_idx, queued_at)
+        self._jobs[job_id] = _Job(keys, block_ids.tolist(), is_promotion, req_context, tier_idx, queued_at)
         tier = self.secondary_tiers[tier_idx]
         job = JobMetadata(job_id, keys, block_ids, is_promotion, req_context)
         try:
@@ -383,9 +398,9 @@ class TieringOffloadingManager(OffloadingManager):
             for result in _guarded(tier, "get_finished", []):
                 self._finish(result.job_id, result.success, tier_idx if result.rows_in_use else None)
             for job_id in _guarded(tier, "take_released_jobs", []):
-                release = self._held.pop((tier_idx, job_id), None)
-                if release is not None:
-                    release()
+                job = self._held.pop((tier_idx, job_id), None)
+                if job is not None:
+                    self._release(job)
 
     def _finish(self, job_id: JobId, success: bool, held_by: int | None = None) -> None:
         """Apply a job's end to the primary tier. `held_by`: the index of the tier whose late
@@ -394,19 +409,30 @@ class TieringOffloadingManager(OffloadingManager):
         primary = self.primary_tier
         if job is None:
             logger.warning("job %d reported again or never submitted; ignored", job_id)
-        elif held_by is None or success:
-            if job.is_promotion:
-                promoted = primary.complete_write(job.keys, job.req_context, success)
-                self._remember_sources(promoted, job.tier_idx)
-                if promoted:
-                    self._promotion_seconds.observe(time.perf_counter() - job.queued_at)
-            else:
-                self._end_cascade(job, success)
+        elif held_by is not None and not success:
+            if job.is_promotion and not job.voided:
+                job.rows = primary.quarantine_writes(job.keys, job.req_context)
+            self._held[(held_by, job_id)] = job  # a cascade's rows stay pinned meanwhile
+        elif job.voided:
+            self._release(job)
         elif job.is_promotion:
-            rows = primary.quarantine_writes(job.keys, job.req_context)
-            self._held[(held_by, job_id)] = lambda: primary.release_rows(rows)
-        else:  # a cascade: its rows stay pinned
-            self._held[(held_by, job_id)] = lambda: self._end_cascade(job, success=False)
+            promoted = primary.complete_write(job.keys, job.req_context, success)
+            self._remember_sources(promoted, job.tier_idx)
+            if promoted:
+                self._promotion_seconds.observe(time.perf_counter() - job.queued_at)
+        else:
+            self._end_cascade(job, success)
+
+    def _release(self, job: _Job) -> None:
+        """End a job whose rows were held past its report: free its rows (a promotion, or
+        any job voided by `reset_cache`), or unpin them (a failed cascade)."""
+        if job.is_promotion or job.voided:
+            self.primary_tier.release_rows(job.rows)
+        if not job.is_promotion:
+            if job.voided:
+                self.admission[job.tier_idx].finished(job.keys, success=False)
+            else:
+                self._end_cascade(job, success=False)
 
     def _write_back(self, tier_idx: int, admission: TierAdmission) -> None:
         """Copy the primary tier's coldest blocks that the write-back tier lacks."""

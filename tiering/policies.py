@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from itertools import islice
 
 from tiering.keys import OffloadKey
@@ -34,7 +34,14 @@ class BlockStatus:
 
 
 class CachePolicy(ABC):
-    """Ordering of resident blocks for eviction. Used from the scheduler thread only."""
+    """Ordering of resident blocks for eviction. Used from the scheduler thread only.
+
+    Recency is logical, as in vLLM's own policies: a block is ranked when its row is
+    reserved (`insert`, at ``prepare_store``), not when its write completes, and a finished
+    request re-ranks the blocks it used (`on_request_finished`) so that its head ends up
+    more recent than its tail. Completion order, and the container a scheduler passes
+    keys in, never changes which block goes first.
+    """
 
     def __init__(self, capacity: int):
         """`capacity`: how many blocks the tier holds at most (> 0)."""
@@ -56,9 +63,19 @@ class CachePolicy(ABC):
     def touch(self, keys: Collection[OffloadKey]) -> None:
         """Record a use of the resident keys; the first key ends up the most recent."""
 
-    @abstractmethod
-    def mark_recent(self, key: OffloadKey) -> None:
-        """Make a resident key the most recent of its list without counting a use."""
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        """`keys` (not resident) are about to be inserted for a request that had not
+        offered them before: a policy with ghost lists learns from them here, once per
+        request. The default does nothing."""
+        return
+
+    def on_request_finished(
+        self, keys: Sequence[OffloadKey], inserted_only: Collection[OffloadKey], reused: Collection[OffloadKey]
+    ) -> None:
+        """Apply a finished request's accesses once: `keys` head to tail (its prefix
+        order), `inserted_only` the blocks it only stored, `reused` the ready blocks it
+        loaded or offered again. The default touches `keys` (the head ends most recent)."""
+        self.touch(keys)
 
     @abstractmethod
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
@@ -122,7 +139,9 @@ def make_cache_policy(name: str, capacity: int) -> CachePolicy:
 
 @register_cache_policy("lru")
 class LRUCachePolicy(CachePolicy):
-    """Least recently used: a completed store or a touch makes a block the most recent."""
+    """Least recently used: a block is ranked most recent when its row is reserved, when
+    it is touched, and when a request that used it finishes (head last, so a prefix's
+    tail goes before its head)."""
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -142,9 +161,6 @@ class LRUCachePolicy(CachePolicy):
         for key in reversed(list(keys)):
             if key in blocks:
                 blocks.move_to_end(key)
-
-    def mark_recent(self, key: OffloadKey) -> None:
-        self._blocks.move_to_end(key)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         victims = list(islice(_evictable(self._blocks, protected), n))
@@ -166,13 +182,17 @@ class LRUCachePolicy(CachePolicy):
 
 @register_cache_policy("arc")
 class ARCCachePolicy(CachePolicy):
-    """Adaptive replacement cache (Megiddo and Modha, FAST'03).
+    """Adaptive replacement cache (Megiddo and Modha, FAST'03), request-scoped as vLLM's.
 
-    Resident blocks live in T1 (seen once) or T2 (used again). A touch of a T1 block moves
-    it to T2, so a block used twice survives a scan of blocks used once. Evicted keys are
-    remembered in the ghost lists B1 and B2; inserting a key found there adapts the target
-    size of T1 (towards recency after a B1 hit, towards frequency after a B2 hit) and puts the
-    block straight into T2.
+    Resident blocks live in T1 (seen once) or T2 (reused). A block enters T1 when its row
+    is reserved; it moves to T2 when a request reuses it once ready (a touch, or a finished
+    request that loaded it or offered it again), so a block used twice survives a scan of
+    blocks used once. A block a request only stored keeps its list. Evicted keys are
+    remembered in the ghost lists B1 and B2 (at most `capacity` each); a request that
+    stores a key found there (once per request, `on_store_miss`) or touches it adapts the
+    target size of T1: towards recency after a B1 hit, towards frequency after a B2 hit.
+    Eviction takes T1's least recent idle block while T1 holds at least its target, else
+    T2's, else T1's.
     """
 
     def __init__(self, capacity: int):
@@ -188,78 +208,95 @@ class ARCCachePolicy(CachePolicy):
         return block if block is not None else self._t2.get(key)
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        b1, b2 = len(self._b1), len(self._b2)
-        if key in self._b1:
-            self.target_t1_size = min(float(self.capacity), self.target_t1_size + max(1.0, b2 / b1))
-            del self._b1[key]
-            self._t2[key] = block
-        elif key in self._b2:
-            self.target_t1_size = max(0.0, self.target_t1_size - max(1.0, b1 / b2))
-            del self._b2[key]
-            self._t2[key] = block
-        else:
-            self._t1[key] = block
+        self._t1[key] = block
+        self._b1.pop(key, None)
+        self._b2.pop(key, None)
 
     def remove(self, key: OffloadKey) -> BlockStatus | None:
         block = self._t1.pop(key, None)
         return block if block is not None else self._t2.pop(key, None)
 
+    def _adapt_to_ghost_hit(self, key: OffloadKey) -> None:
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            self.target_t1_size = min(float(self.capacity), self.target_t1_size + max(1.0, len(b2) / len(b1)))
+            b1.move_to_end(key)
+        elif key in b2:
+            self.target_t1_size = max(0.0, self.target_t1_size - max(1.0, len(b1) / len(b2)))
+            b2.move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        for key in reversed(keys):
+            self._adapt_to_ghost_hit(key)
+
     def touch(self, keys: Collection[OffloadKey]) -> None:
         t1, t2 = self._t1, self._t2
         for key in reversed(list(keys)):
             if key in t1:
-                t2[key] = t1.pop(key)
+                block = t1.pop(key)
+                (t1 if block.ref_cnt < 0 else t2)[key] = block  # a write in flight is no reuse
             elif key in t2:
                 t2.move_to_end(key)
+            else:
+                self._adapt_to_ghost_hit(key)
 
-    def mark_recent(self, key: OffloadKey) -> None:
-        (self._t1 if key in self._t1 else self._t2).move_to_end(key)
+    def on_request_finished(
+        self, keys: Sequence[OffloadKey], inserted_only: Collection[OffloadKey], reused: Collection[OffloadKey]
+    ) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in reversed(keys):
+            if key in inserted_only:  # a store is no reuse: keep the list, refresh recency
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in reused:
+                if key in t1:
+                    t2[key] = t1.pop(key)
+                elif key in t2:
+                    t2.move_to_end(key)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        victims = self._victims(n, protected)
+        victims = list(islice(self._victims(protected), n))
         if len(victims) < n:
             return None
         for key, _, in_t1 in victims:
             if in_t1:
                 del self._t1[key]
-                self._remember(self._b1, key)
+                self._b1[key] = None
             else:
                 del self._t2[key]
-                self._remember(self._b2, key)
+                self._b2[key] = None
+        for ghosts in (self._b1, self._b2):
+            for _ in range(len(ghosts) - self.capacity):
+                ghosts.popitem(last=False)
         return [(key, block) for key, block, _ in victims]
 
     def coldest(self, n: int) -> list[OffloadKey]:
-        return [key for key, _, _ in self._victims(n, (), idle_only=False)]
+        return [key for key, _, _ in islice(self._victims((), idle_only=False), n)]
 
     def _victims(
-        self, n: int, protected: Collection[OffloadKey], idle_only: bool = True
-    ) -> list[tuple[OffloadKey, BlockStatus, bool]]:
-        """Up to `n` (key, block, from T1) in the order `evict` takes them: evictable ones,
-        or with `idle_only` False busy ones too."""
+        self, protected: Collection[OffloadKey], idle_only: bool = True
+    ) -> Iterator[tuple[OffloadKey, BlockStatus, bool]]:
+        """(key, block, from T1) in the order `evict` takes them: evictable ones, or with
+        `idle_only` False busy ones too. Each list is scanned once, oldest first."""
         if idle_only:
             from_t1, from_t2 = _evictable(self._t1, protected), _evictable(self._t2, protected)
         else:
             from_t1, from_t2 = iter(self._t1.items()), iter(self._t2.items())
-        t1_size = len(self._t1)
-        victims: list[tuple[OffloadKey, BlockStatus, bool]] = []
-        while len(victims) < n:
-            prefer_t1 = t1_size > 0 and t1_size >= max(1.0, self.target_t1_size)
-            first, second = (from_t1, from_t2) if prefer_t1 else (from_t2, from_t1)
-            picked = next(first, None)
+        t1_size, target = len(self._t1), int(self.target_t1_size)
+        while True:
+            picked = next(from_t1, None) if t1_size >= target else None
+            in_t1 = picked is not None
             if picked is None:
-                picked = next(second, None)
-                if picked is None:
-                    break
-                first = second
-            in_t1 = first is from_t1
+                picked = next(from_t2, None)
+            if picked is None:
+                picked = next(from_t1, None)
+                in_t1 = True
+            if picked is None:
+                return
             t1_size -= in_t1
-            victims.append((*picked, in_t1))
-        return victims
-
-    def _remember(self, ghosts: OrderedDict[OffloadKey, None], key: OffloadKey) -> None:
-        ghosts[key] = None
-        if len(ghosts) > self.capacity:
-            ghosts.popitem(last=False)
+            yield (*picked, in_t1)
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         return iter([*self._t1.items(), *self._t2.items()])

@@ -18,8 +18,12 @@ What it translates between vLLM's API (0.32.x and 0.33.x) and the engine's (the 
 - sizing from `OffloadingConfig`: a CPU row holds ``blocks_per_chunk`` GPU blocks of
   ``worker_kv_bytes_per_block`` bytes per worker; the shared-memory id is ``engine_id``;
   the layout fingerprint covers model, dtype, tokens per row, bytes per row, world size;
-- lookups: True, False, None become ``HIT``, ``MISS``, ``RETRY``; `get_load_source` says
-  ``HOST`` for blocks stored from the GPU, ``DISK`` for blocks promoted from a file tier;
+- lookups: True and False become ``HIT`` and ``MISS``; None becomes ``HIT_PENDING`` when
+  the block's primary row is being written (a GPU store in flight, or a promotion this or
+  an earlier lookup started), as vLLM's own managers answer, and ``RETRY`` otherwise (a
+  secondary tier is not sure yet). vLLM's scheduler counts a pending hit in the prefix and
+  defers the request; a retry only defers it. `get_load_source` says ``HOST`` for blocks
+  stored from the GPU, ``DISK`` for blocks promoted from a file tier;
 - vLLM's spec classes (int32 ids) both ways, ``ScheduleEndContext``, ``CHUNK_LEVEL``
   requests, events with vLLM's ``Medium``;
 - the worker: an `OffloadingWorker` over the engine's GPU<->CPU handlers. vLLM asserts that
@@ -197,7 +201,10 @@ class _Manager(OffloadingManager):
         self.manager, self.spec = manager, spec
 
     def lookup(self, key: OffloadKey, req_context: Any) -> LookupResult:
-        return _LOOKUP[self.manager.lookup(_ours(key), req_context)]
+        answer = self.manager.lookup(_ours(key), req_context)
+        if answer is None and self.manager.primary_tier.ref_count(_ours(key)) == -1:
+            return LookupResult.HIT_PENDING
+        return _LOOKUP[answer]
 
     def get_load_source(self, key: OffloadKey, req_context: Any) -> CacheHitSource:
         tier = self.manager.promotion_source(_ours(key))
