@@ -219,7 +219,7 @@ def test_gpu_blocks_are_never_leaked_when_a_cached_block_is_rewritten():
         engine.shutdown()
 
 
-def test_a_request_touches_its_blocks_before_storing_the_new_ones():
+def test_a_request_offers_every_block_as_vllm_does_and_its_reuse_counts_when_it_finishes():
     from tiering import KVLayout, make_offload_key, parse_config
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
     from tiering.benchmarks.loadgen.run import SchedulerLoop
@@ -233,7 +233,8 @@ def test_a_request_touches_its_blocks_before_storing_the_new_ones():
         loop.run([Request(0, 1024, 1, (0, 1))])
         assert set(arc._t1) == {key[0], key[1]} and not arc._t2  # stored once: recency list
         loop.run([Request(1, 1536, 1, (0, 1, 2))])
-        assert set(arc._t2) == {key[0], key[1]} and set(arc._t1) == {key[2]}  # used again: frequency list
+        # 0 and 1 came from the GPU cache and were offered again: a reuse, frequency list
+        assert set(arc._t2) == {key[0], key[1]} and set(arc._t1) == {key[2]}
     finally:
         engine.shutdown()
 

@@ -105,17 +105,18 @@ def test_arc_block_used_twice_survives_a_scan():
     assert policy.get(key(0)) is not None
 
 
-def test_arc_store_miss_on_a_b1_ghost_grows_the_target_and_the_block_enters_t1():
+def test_arc_store_miss_on_a_b1_ghost_grows_the_target_and_the_block_enters_t2():
     policy = ARCCachePolicy(2)
     fill(policy, 0, 1)
     assert evicted_ids(policy.evict(1, protected=())) == [0]  # 0 goes to ghost list B1
     assert policy.target_t1_size == 0
     policy.on_store_miss(keys(0))  # a request stores 0 again: B1 hit, T1's target grows
     assert policy.target_t1_size == 1
-    fill(policy, 0)  # inserted into T1 like any new block (a store is no reuse)
+    fill(policy, 0)  # its second use: T2 (vLLM's ARC puts it in T1)
+    assert list(policy._t2) == keys(0) and not policy._b1
     fill(policy, 2)
-    # T1 = [1, 0, 2] holds at least its target, so its oldest entries go first.
-    assert evicted_ids(policy.evict(2, protected=())) == [1, 0]
+    # T1 = [1, 2] holds its target, so its oldest entry goes before the frequent block 0.
+    assert evicted_ids(policy.evict(1, protected=())) == [1]
 
 
 def test_arc_b2_ghost_shrinks_target():
@@ -126,8 +127,8 @@ def test_arc_b2_ghost_shrinks_target():
     assert evicted_ids(policy.evict(1, protected=())) == [0]  # 0 -> ghost list B2
     policy.on_store_miss(keys(0))  # shrinks T1's target by max(1, |B1| / |B2|)
     assert policy.target_t1_size == 1.0
-    fill(policy, 0)
-    # T1 = [1, 0] now holds its target, so it gives the next victim.
+    fill(policy, 0)  # back into T2
+    # T1 = [1] now holds its target, so it gives the next victim.
     assert evicted_ids(policy.evict(1, protected=())) == [1]
 
 

@@ -1,10 +1,11 @@
 """The adapter's translations, without starting an engine."""
 
 import pytest
-from vllm.v1.kv_offload.base import LookupResult
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
+from tests.helpers import ManualTier, RegionStandIn, key, keys
 from tests_vllm.conftest import offloading_config
-from tiering import ConfigError
+from tiering import ConfigError, CPUPrimaryTierOffloadingManager, TieringOffloadingManager
 from tiering.integrations import vllm as adapter
 
 
@@ -39,3 +40,18 @@ def test_hybrid_models_and_unknown_versions_are_refused_at_start():
     with pytest.raises(RuntimeError, match=r"supports vLLM 0.32.x and 0.33.x; this is vLLM 0.34.1"):
         adapter.check_version("0.34.1")
     adapter.check_version("0.33.0+cpu")
+
+
+def test_a_block_being_written_is_a_pending_hit_and_an_unsure_tier_a_retry():
+    """vLLM's own managers answer HIT_PENDING for a block whose primary write is in flight
+    (a GPU store, or a promotion just started) and RETRY when a secondary tier is unsure."""
+    tier = ManualTier()
+    tier.present.update({key(1): True, key(2): None})
+    primary = CPUPrimaryTierOffloadingManager(4, RegionStandIn(4))
+    manager = adapter._Manager(TieringOffloadingManager(primary, [tier]), spec=None)
+    context = ReqContext("r")
+    out = manager.prepare_store([key(0)], context)
+    answers = [manager.lookup(k, context) for k in keys(0, 1, 2, 3)]
+    assert answers == [LookupResult.HIT_PENDING, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS]
+    manager.complete_store(out.keys_to_store, context)
+    assert manager.lookup(key(0), context) is LookupResult.HIT

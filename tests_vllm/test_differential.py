@@ -10,6 +10,7 @@ import uuid
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmCPUManager
+from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy as VllmARC
 
 from tests_vllm.conftest import offloading_config
 from tiering.integrations import vllm as adapter
@@ -17,6 +18,20 @@ from tiering.integrations import vllm as adapter
 ROWS = 16
 ROW_BYTES = 64 << 10  # 2 GPU blocks of 32 KiB (see offloading_config)
 TOKENS_PER_ROW = 64
+
+
+class ARCWithGhostsToT2(VllmARC):
+    """vLLM's ARC with this engine's one deliberate difference (see
+    `tiering.policies.ARCCachePolicy`): a key stored again while in a ghost list enters T2."""
+
+    def insert(self, key, chunk):
+        ghost = key in self.b1 or key in self.b2
+        super().insert(key, chunk)
+        if ghost:
+            self.t2[key] = self.t1.pop(key)
+
+
+VLLM_POLICIES = {"lru": ("lru", None), "arc": ("ARCWithGhostsToT2", __name__)}
 
 
 class Request:
@@ -49,7 +64,8 @@ def events(manager) -> list[tuple]:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_this_engine_and_vllms_cpu_manager_agree_call_by_call(policy, seed):
-    vllm_manager = VllmCPUManager(num_chunks=ROWS, cache_policy=policy, enable_events=True)
+    name, module = VLLM_POLICIES[policy]
+    vllm_manager = VllmCPUManager(ROWS, name, cache_policy_module_path=module, enable_events=True)
     extra = {"cpu_bytes_to_use": ROWS * ROW_BYTES, "eviction_policy": policy}
     config = offloading_config(extra, engine_id=f"diff-{uuid.uuid4().hex[:8]}", events=True)
     spec = adapter.KVTieringOffloadingSpec(config)

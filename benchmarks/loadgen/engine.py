@@ -116,6 +116,10 @@ class SimulatedEngine:
         self._slots.update(zip(keys, slots, strict=True))
         return slots
 
+    def slots(self, keys: list[bytes]) -> list[int]:
+        """The GPU blocks holding `keys` (each allocated and not forgotten since)."""
+        return [self._slots[key] for key in keys]
+
     # -- data movement ---------------------------------------------------------------------
 
     def compute(self, keys: list[bytes], slots: list[int]) -> None:

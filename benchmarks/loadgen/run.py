@@ -112,15 +112,16 @@ class SchedulerLoop:
         gpu_hits = engine.gpu_prefix(keys)
         offload_hits, sources = self._lookup_prefix(keys[gpu_hits:], context)
         offload_hits = self._resident_prefix(keys[gpu_hits : gpu_hits + offload_hits])
-        # The request uses its blocks now; blocks stored below are new, not a second use
-        # (touching them afterwards would promote every new block to ARC's frequent list).
-        self._call("touch", self.manager.touch, keys, context)
         hit_keys = keys[gpu_hits : gpu_hits + offload_hits]
         if hit_keys and not self._load(hit_keys, keys, context):
             offload_hits = 0
             hit_keys = []
         missed = keys[gpu_hits + offload_hits :]
-        self._compute_and_store(missed, keys, context)
+        # As vLLM's connector offers blocks (block-level requests): after a load, the blocks
+        # past the loaded ones; else every block, the GPU cache's hits too, which the engine
+        # counts as a reuse of those it holds. Its uses are ranked when the request finishes.
+        offered = missed if offload_hits else keys
+        self._compute_and_store(missed, offered, keys, context)
         self._call("on_schedule_end", self.manager.on_schedule_end)
         self._call("on_request_finished", self.manager.on_request_finished, context)
         stats.requests += 1
@@ -197,19 +198,25 @@ class SchedulerLoop:
             self.engine.forget(hit_keys)
         return loaded
 
-    def _compute_and_store(self, missed: list[bytes], keys: list[bytes], context: ReqContext) -> None:
+    def _compute_and_store(
+        self, missed: list[bytes], offered: list[bytes], keys: list[bytes], context: ReqContext
+    ) -> None:
+        """Compute the `missed` blocks into GPU slots, then offer `offered` (the GPU holds
+        them all) to the engine and store the ones it takes."""
         slots = self.engine.allocate(missed, keep=set(keys))
-        if not missed or slots is None:
+        if slots is None:
             return
-        self.engine.compute(missed, slots)
-        out = self._call("prepare_store", self.manager.prepare_store, missed, context)
+        if missed:
+            self.engine.compute(missed, slots)
+        if not offered:
+            return
+        out = self._call("prepare_store", self.manager.prepare_store, offered, context)
         if out is None:
             self.stats.store_refused_blocks += len(missed)
             return
         if not out.keys_to_store:
             return
-        slot_of = dict(zip(missed, slots, strict=True))
-        stored = self.engine.store([slot_of[key] for key in out.keys_to_store], out.store_spec.block_ids)
+        stored = self.engine.store(self.engine.slots(out.keys_to_store), out.store_spec.block_ids)
         self._call("complete_store", self.manager.complete_store, out.keys_to_store, context, stored)
 
     def _settle(self, timeout_s: float = 60.0) -> None:
