@@ -25,11 +25,13 @@ Thread: the scheduler thread only.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from operator import itemgetter
 from typing import Any, TypeVar
 
-from tiering.keys import OffloadKey, get_offload_group_idx
+from tiering.keys import OffloadKey
 
 _T = TypeVar("_T")
+_GROUP_BYTES = itemgetter(slice(-4, None))  # a key's KV-group index, as `tiering.keys` packs it
 
 
 def per_request(requests: dict[str, _T], req_id: str, new: Callable[[], _T], max_requests: int) -> _T:
@@ -58,14 +60,13 @@ class RequestAccess:
         """Record `keys` as seen and the `ready` ones among them as reused, unless this
         request inserted them."""
         self.keys.update(dict.fromkeys(keys))
-        inserted = self.inserted
-        self.reused.update(key for key in ready if key not in inserted)
+        self.reused.update(set(ready).difference(self.inserted))
 
     def prefix_order(self, req_context: Any) -> list[OffloadKey]:
         """The keys head to tail: by the request's recorded token positions when it has
         them for every key (vLLM's ``get_offload_key_position``), else by KV group, then in
         the order first seen."""
-        keys = sorted(self.keys, key=get_offload_group_idx)
+        keys = sorted(self.keys, key=_GROUP_BYTES)  # big-endian: bytes order is group order
         position = getattr(req_context, "get_offload_key_position", None)
         if position is not None:
             positions = {key: position(key) for key in keys}
