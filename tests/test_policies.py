@@ -68,7 +68,7 @@ def test_touch_leaves_first_key_most_recent(name):
 def test_a_finished_request_ranks_its_head_most_recent(name):
     policy = make_cache_policy(name, 8)
     fill(policy, 3, 2, 1, 0, 9)  # reserved tail first, as a set might complete them
-    policy.on_request_finished(keys(0, 1, 2, 3), inserted_only=set(keys(0, 1, 2, 3)), reused=set())
+    policy.on_request_finished(keys(0, 1, 2, 3), inserted=set(keys(0, 1, 2, 3)), reused=set())
     assert evicted_ids(policy.evict(5, protected=())) == [9, 3, 2, 1, 0]
 
 
@@ -137,7 +137,7 @@ def test_arc_reuse_moves_to_t2_a_store_does_not_and_a_write_in_flight_is_no_reus
     fill(policy, 0, 1, 2)
     fill(policy, 3, ref_cnt=-1)
     policy.touch(keys(3))  # still being written: stays in T1, most recent there
-    policy.on_request_finished(keys(0, 1, 2), inserted_only={key(1)}, reused={key(0), key(2)})
+    policy.on_request_finished(keys(0, 1, 2), inserted={key(1), key(2)}, reused={key(0), key(2)})
     assert list(policy._t2) == keys(2, 0)  # reused, head most recent
     assert list(policy._t1) == [key(3), key(1)]
 

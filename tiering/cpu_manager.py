@@ -143,22 +143,20 @@ class CPUOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, refused_counter: str
     ) -> PrepareStoreOutput | None:
         policy = self._policy
-        keys_to_store, ready, seen = [], [], []  # seen: new or ready, in the order of `keys`
-        for key in dict.fromkeys(keys):
-            block = policy.get(key)
-            if block is None:
-                keys_to_store.append(key)
-            elif block.ref_cnt >= 0:
-                ready.append(key)
-            else:
-                continue  # a write in flight, another request's: not this one's access
-            seen.append(key)
+        unique = dict.fromkeys(keys)
+        keys_to_store = [key for key in unique if policy.get(key) is None]
+        ready: list[OffloadKey] = []
+        seen = keys_to_store  # the request's accesses: new or ready keys, in the order of `keys`
+        if len(keys_to_store) < len(unique):
+            ready = [key for key in unique if (block := policy.get(key)) is not None and block.ref_cnt >= 0]
+            seen = [key for key in unique if policy.get(key) is None or key in ready]
         access = self._accesses.of(req_context.req_id)
-        store_missed = access.store_missed
-        first_misses = [key for key in keys_to_store if key not in store_missed]
-        if first_misses:  # before `insert` takes them off ARC's ghost lists
-            policy.on_store_miss(first_misses)
-            store_missed.update(first_misses)
+        if policy.learns_from_store_misses and keys_to_store:
+            store_missed = access.store_missed
+            first_misses = [key for key in keys_to_store if key not in store_missed]
+            if first_misses:  # before `insert` takes them off ARC's ghost lists
+                policy.on_store_miss(first_misses)
+                store_missed.update(first_misses)
         access.observe(seen, ready)
         evicted: list[OffloadKey] = []
         shortfall = len(keys_to_store) - self.num_free_blocks
@@ -261,8 +259,7 @@ class CPUOffloadingManager(OffloadingManager):
         recorded access, or finished twice, changes nothing."""
         access = self._accesses.finished(req_context.req_id)
         if access is not None and access.keys:
-            reused = access.reused
-            self._policy.on_request_finished(access.prefix_order(req_context), access.inserted - reused, reused)
+            self._policy.on_request_finished(access.prefix_order(req_context), access.inserted, access.reused)
 
     def get_stats(self) -> TierStats:
         """Counters (lookups by answer, blocks stored and loaded, evictions, refused stores)

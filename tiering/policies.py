@@ -43,6 +43,9 @@ class CachePolicy(ABC):
     keys in, never changes which block goes first.
     """
 
+    learns_from_store_misses = False
+    """Whether `on_store_miss` does anything (the primary tier skips the call otherwise)."""
+
     def __init__(self, capacity: int):
         """`capacity`: how many blocks the tier holds at most (> 0)."""
         self.capacity = capacity
@@ -70,11 +73,12 @@ class CachePolicy(ABC):
         return
 
     def on_request_finished(
-        self, keys: Sequence[OffloadKey], inserted_only: Collection[OffloadKey], reused: Collection[OffloadKey]
+        self, keys: Sequence[OffloadKey], inserted: Collection[OffloadKey], reused: Collection[OffloadKey]
     ) -> None:
         """Apply a finished request's accesses once: `keys` head to tail (its prefix
-        order), `inserted_only` the blocks it only stored, `reused` the ready blocks it
-        loaded or offered again. The default touches `keys` (the head ends most recent)."""
+        order), `inserted` the blocks whose rows it reserved, `reused` the ready blocks it
+        loaded or offered again (a block in both counts as reused). The default touches
+        `keys` (the head ends most recent)."""
         self.touch(keys)
 
     @abstractmethod
@@ -158,7 +162,7 @@ class LRUCachePolicy(CachePolicy):
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
         blocks = self._blocks
-        for key in reversed(list(keys)):
+        for key in reversed(keys if isinstance(keys, list | tuple) else list(keys)):
             if key in blocks:
                 blocks.move_to_end(key)
 
@@ -201,6 +205,8 @@ class ARCCachePolicy(CachePolicy):
     Mooncake conversation trace, 37.8% against 32.2% on the synthetic chat + RAG trace.
     """
 
+    learns_from_store_misses = True
+
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self._t1: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
@@ -214,10 +220,12 @@ class ARCCachePolicy(CachePolicy):
         return block if block is not None else self._t2.get(key)
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        ghost = key in self._b1 or key in self._b2
-        self._b1.pop(key, None)
-        self._b2.pop(key, None)
-        (self._t2 if ghost else self._t1)[key] = block
+        if key in self._b1 or key in self._b2:  # its second use
+            self._b1.pop(key, None)
+            self._b2.pop(key, None)
+            self._t2[key] = block
+        else:
+            self._t1[key] = block
 
     def remove(self, key: OffloadKey) -> BlockStatus | None:
         block = self._t1.pop(key, None)
@@ -233,8 +241,10 @@ class ARCCachePolicy(CachePolicy):
             b2.move_to_end(key)
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        b1, b2 = self._b1, self._b2
         for key in reversed(keys):
-            self._adapt_to_ghost_hit(key)
+            if key in b1 or key in b2:
+                self._adapt_to_ghost_hit(key)
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
         t1, t2 = self._t1, self._t2
@@ -248,18 +258,18 @@ class ARCCachePolicy(CachePolicy):
                 self._adapt_to_ghost_hit(key)
 
     def on_request_finished(
-        self, keys: Sequence[OffloadKey], inserted_only: Collection[OffloadKey], reused: Collection[OffloadKey]
+        self, keys: Sequence[OffloadKey], inserted: Collection[OffloadKey], reused: Collection[OffloadKey]
     ) -> None:
         t1, t2 = self._t1, self._t2
         for key in reversed(keys):
-            if key in inserted_only:  # a store is no reuse: keep the list, refresh recency
-                if key in t1:
-                    t1.move_to_end(key)
-                elif key in t2:
-                    t2.move_to_end(key)
-            elif key in reused:
+            if key in reused:
                 if key in t1:
                     t2[key] = t1.pop(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in inserted:  # a store is no reuse: keep the list, refresh recency
+                if key in t1:
+                    t1.move_to_end(key)
                 elif key in t2:
                     t2.move_to_end(key)
 

@@ -16,7 +16,7 @@ whole leading run). So each request's accesses are recorded here:
   a ghost hit adapts ARC once per request.
 
 At ``on_request_finished`` the keys are put in prefix order (by the positions a vLLM
-``ReqContext`` records, else KV group, then first seen) and handed to the policy, which
+``ReqContext`` records, else first seen) and handed to the policy, which
 ranks the head most recent. Reads by secondary tiers (cascades) are not accesses.
 
 Thread: the scheduler thread only.
@@ -24,14 +24,12 @@ Thread: the scheduler thread only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from operator import itemgetter
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
 from tiering.keys import OffloadKey
 
 _T = TypeVar("_T")
-_GROUP_BYTES = itemgetter(slice(-4, None))  # a key's KV-group index, as `tiering.keys` packs it
 
 
 def per_request(requests: dict[str, _T], req_id: str, new: Callable[[], _T], max_requests: int) -> _T:
@@ -56,22 +54,25 @@ class RequestAccess:
         self.reused: set[OffloadKey] = set()
         self.store_missed: set[OffloadKey] = set()
 
-    def observe(self, keys: Iterable[OffloadKey], ready: Iterable[OffloadKey]) -> None:
+    def observe(self, keys: Iterable[OffloadKey], ready: Collection[OffloadKey]) -> None:
         """Record `keys` as seen and the `ready` ones among them as reused, unless this
         request inserted them."""
         self.keys.update(dict.fromkeys(keys))
-        self.reused.update(set(ready).difference(self.inserted))
+        if ready:
+            inserted = self.inserted
+            self.reused.update(set(ready).difference(inserted) if inserted else ready)
 
     def prefix_order(self, req_context: Any) -> list[OffloadKey]:
         """The keys head to tail: by the request's recorded token positions when it has
-        them for every key (vLLM's ``get_offload_key_position``), else by KV group, then in
-        the order first seen."""
-        keys = sorted(self.keys, key=_GROUP_BYTES)  # big-endian: bytes order is group order
+        them for every key (vLLM's ``get_offload_key_position``; a tie, across KV groups,
+        keeps the lower group first, as vLLM orders them), else in the order first seen (a
+        scheduler offers a prefix head first)."""
+        keys = list(self.keys)
         position = getattr(req_context, "get_offload_key_position", None)
         if position is not None:
             positions = {key: position(key) for key in keys}
             if None not in positions.values():
-                keys.sort(key=positions.__getitem__)
+                keys.sort(key=lambda key: (positions[key], key[-4:]))  # big-endian group index
         return keys
 
 
