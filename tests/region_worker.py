@@ -79,3 +79,10 @@ def write_blocks_forever(root_dir, fingerprint, block_bytes):
     for i in range(1_000_000):
         k = key(i)
         file_io.write_object(namespace, k, memoryview(payload_of(k, block_bytes)), fingerprint, False, False)
+
+
+def attach_and_wait(instance_id, num_workers, rank, attached):
+    """Attach as worker `rank` (None: the scheduler side), say so, and wait to be killed."""
+    SharedOffloadRegion(instance_id, 2, 4096, num_workers, rank)
+    attached.release()
+    signal.pause()

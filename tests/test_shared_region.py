@@ -113,17 +113,51 @@ def test_a_live_region_of_another_size_is_an_error(instance_id):
 
 
 def test_joiner_shares_bytes_and_only_the_creator_unlinks(instance_id):
-    creator = SharedOffloadRegion(instance_id, 2, 4096)
-    joiner = SharedOffloadRegion(instance_id, 2, 4096, rank=0)
+    creator = SharedOffloadRegion(instance_id, 2, 4096, num_workers=2)
+    joiner = SharedOffloadRegion(instance_id, 2, 4096, num_workers=2, rank=0)
     assert not joiner.is_creator
     joiner.create_next_view(4096)[1] = 42
-    assert (np.asarray(creator.create_kv_memoryview())[1] == 42).all()
+    assert (np.asarray(creator.create_kv_memoryview())[1, :4096] == 42).all()
     joiner.cleanup()
     joiner.cleanup()
-    assert creator.path.exists()
+    assert creator.path.exists()  # rank 1 never attached: the name stays for it
     creator.cleanup()
     creator.cleanup()
     assert not creator.path.exists()
+
+
+def test_the_name_goes_once_every_process_attached_and_the_memory_stays_shared(instance_id):
+    scheduler = SharedOffloadRegion(instance_id, 2, 4096, num_workers=2)
+    first = SharedOffloadRegion(instance_id, 2, 4096, num_workers=2, rank=0)
+    assert scheduler.path.exists()
+    last = SharedOffloadRegion(instance_id, 2, 4096, num_workers=2, rank=1)
+    assert not scheduler.path.exists()  # nothing left to leak, however the processes end
+    last.create_next_view(4096)[1] = 7
+    first.create_next_view(4096)[0] = 9
+    rows = np.asarray(scheduler.create_kv_memoryview())
+    assert (rows[1, 4096:] == 7).all() and (rows[0, :4096] == 9).all()
+    for region in (first, last, scheduler):
+        region.cleanup()
+
+
+def test_processes_killed_with_sigkill_leave_nothing_once_all_attached(instance_id, run):
+    attached = SPAWN.Semaphore(0)
+    procs = [run(region_worker.attach_and_wait, instance_id, 2, rank, attached) for rank in (None, 0, 1)]
+    for _ in procs:
+        assert attached.acquire(timeout=60)
+    for proc in procs:
+        proc.kill()
+        proc.join(30)
+    assert [proc.exitcode for proc in procs] == [-9] * 3
+    assert not region_path(instance_id).exists()  # (and the fixture checks /dev/shm)
+
+
+def test_an_engine_start_sweeps_regions_of_engines_killed_while_starting(instance_id, run):
+    proc = run(region_worker.create_and_die, instance_id)  # killed before any worker attached
+    proc.join(30)
+    assert region_path(instance_id).exists()
+    assert region_path(instance_id) in SharedOffloadRegion.remove_stale()  # every id, as a start does
+    assert not region_path(instance_id).exists()
 
 
 def test_next_views_carve_the_slot_without_overlap(instance_id):
@@ -195,11 +229,11 @@ def test_a_second_engine_with_a_live_instance_id_is_refused(instance_id, run):
 
 
 def test_each_worker_rank_attaches_once(instance_id):
-    scheduler = SharedOffloadRegion(instance_id, 2, 4096, num_workers=2)
-    ranks = [SharedOffloadRegion(instance_id, 2, 4096, num_workers=2, rank=r) for r in (0, 1)]
+    scheduler = SharedOffloadRegion(instance_id, 2, 4096, num_workers=3)
+    ranks = [SharedOffloadRegion(instance_id, 2, 4096, num_workers=3, rank=r) for r in (0, 1)]
     try:
         with pytest.raises(RegionInUseError, match="already has worker rank 1 attached"):
-            SharedOffloadRegion(instance_id, 2, 4096, num_workers=2, rank=1)
+            SharedOffloadRegion(instance_id, 2, 4096, num_workers=3, rank=1)
     finally:
         for region in [*ranks, scheduler]:
             region.cleanup()

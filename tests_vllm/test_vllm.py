@@ -4,6 +4,7 @@ offloading, and vLLM's own counters and the engine's stats prove blocks really m
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -191,6 +192,39 @@ def test_a_process_leaves_no_shared_memory_temp_files_or_stuck_exit(model, basel
     assert set(Path("/dev/shm").glob("tiering-*")) - regions_before == set()
     files = [path for path in (tmp_path / "kv").rglob("*") if path.is_file()]
     assert len(files) == FULL_BLOCKS // tiny.BLOCK and not any(path.name.endswith(".tmp") for path in files)
+
+
+KILLED_SCRIPT = """
+import sys, time
+from pathlib import Path
+from tests_vllm import tiny
+from tests_vllm.conftest import PROMPT
+
+if __name__ == "__main__":
+    model, root = Path(sys.argv[1]), Path(sys.argv[2])
+    config = {"cpu_bytes_to_use": 256 << 10, "secondary_tiers": [{"type": "file", "root_dir": str(root)}]}
+    llm = tiny.make_llm(model, config)
+    tiny.generate(llm, [PROMPT])
+    print("SERVING", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_every_process_killed_with_sigkill_leaves_no_shared_memory(model, tmp_path):
+    """vLLM force-kills its engine process on a stop (and SIGKILL runs no cleanup): once every
+    process of the engine has mapped the region, its name is gone, so nothing can leak."""
+    regions_before = set(Path("/dev/shm").glob("tiering-*"))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-c", KILLED_SCRIPT, str(model), str(tmp_path / "kv")]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert any(line.startswith("SERVING") for line in process.stdout), "the engine never served"
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the script and vLLM's engine-core process
+        process.wait(60)
+        process.stdout.close()
+    assert set(Path("/dev/shm").glob("tiering-*")) - regions_before == set()
 
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"

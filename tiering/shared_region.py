@@ -23,7 +23,15 @@ Lifecycle, safe against races and crashes:
   process, so a crashed engine's id is free again at once.
 - The creator allocates the whole file up front (`posix_fallocate`): a region larger than
   the free shared memory fails at start with ENOSPC, never with SIGBUS mid-run.
-- `cleanup()` unmaps and closes; the creator also unlinks the file.
+- Once the scheduler side and every worker rank map the region, whichever attached last
+  removes its name. The memory then lives exactly as long as some process maps it, however
+  the processes end (vLLM force-kills its engine process on a stop, and SIGKILL runs no
+  cleanup). Only the start-up window, before every role has attached, can leave a file
+  behind; every engine start sweeps such leftovers (`remove_stale`), whatever their id.
+  A process that arrives after the name is gone makes a region of its own: an engine is
+  expected to start its processes together, as vLLM does.
+- `cleanup()` unmaps and closes; the creator also unlinks the file if the name is still
+  its own.
 
 Thread: the thread that builds the engine (scheduler process) or a worker (worker
 process) creates and cleans it up; the rows themselves are read and written by the
@@ -111,6 +119,7 @@ class SharedOffloadRegion:
         self._next_view_offset = 0
         self.instance_id = instance_id
         self._fd, self.is_creator = self._open()
+        self._role = 0 if rank is None else 1 + rank
         try:
             self._hold_role()
             self._mmap: mmap.mmap | None = mmap.mmap(self._fd, self.total_size_bytes)
@@ -118,6 +127,7 @@ class SharedOffloadRegion:
             self._release_file()
             raise
         self._rows = np.frombuffer(self._mmap, dtype=np.int8).reshape(num_blocks, self.row_stride)
+        self._unlink_once_all_attached()
 
     @property
     def address(self) -> int:
@@ -194,10 +204,21 @@ class SharedOffloadRegion:
             if fd is not None:
                 return fd, False
 
+    def _unlink_once_all_attached(self) -> None:
+        """Remove the file's name if every other role is held too (see the module docstring)."""
+        for role in range(1 + self.num_workers):
+            if role != self._role and not _role_held(self._fd, role):
+                return
+        if _is_current(self.path, self._fd):
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                return
+            logger.debug("%s: every process attached; the name is removed", self.path)
+
     def _hold_role(self) -> None:
         """Lock this role's byte of the file (see the module docstring)."""
-        role = 0 if self.rank is None else 1 + self.rank
-        lock = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, role, 1, 0)
+        lock = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, self._role, 1, 0)
         try:
             fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, lock)
         except OSError as exc:
@@ -266,15 +287,15 @@ class SharedOffloadRegion:
         return fd
 
     @staticmethod
-    def remove_stale(prefix: str, shm_dir: str | os.PathLike = "/dev/shm") -> list[Path]:
-        """Remove the files of regions whose instance id starts with `prefix` and that no
-        live process maps: leftovers of crashed runs whose ids will not come again (an id
-        holding a process id, say). Returns the removed paths.
+    def remove_stale(prefix: str = "", shm_dir: str | os.PathLike = "/dev/shm") -> list[Path]:
+        """Remove the files of regions whose instance id starts with `prefix` (every region
+        by default) and that no live process maps: leftovers of runs killed before all their
+        processes attached, whose ids will not come again. Returns the removed paths.
 
         Raises:
             ValueError: `prefix` is not made of ``[A-Za-z0-9_.-]``.
         """
-        if not _SAFE_ID.fullmatch(prefix):
+        if prefix and not _SAFE_ID.fullmatch(prefix):
             raise ValueError(f"prefix {prefix!r} must be made of letters, digits, '_', '.' and '-'")
         removed = []
         for path in Path(shm_dir).glob(f"tiering-{prefix}*.kv"):
@@ -288,6 +309,12 @@ class SharedOffloadRegion:
             finally:
                 os.close(fd)
         return removed
+
+
+def _role_held(fd: int, role: int) -> bool:
+    """Whether another open file description holds `role`'s byte of `fd`'s file."""
+    probe = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, role, 1, 0)
+    return struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe))[0] != fcntl.F_UNLCK
 
 
 def _unlink_if_abandoned(path: Path, fd: int) -> bool:

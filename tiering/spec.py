@@ -170,6 +170,7 @@ class TieringOffloadingSpec:
         region = primary = None
         tiers: list[SecondaryTierManager] = []
         try:
+            SharedOffloadRegion.remove_stale()  # regions of engines killed while starting
             try:
                 region = SharedOffloadRegion(
                     self.instance_id, self.num_blocks, self.cpu_page_size_per_worker, self.layout.world_size

@@ -36,7 +36,6 @@ from tiering import (
     ConfigError,
     KVLayout,
     RegionInUseError,
-    SharedOffloadRegion,
     load_config,
     make_offload_key,
     parse_config,
@@ -374,10 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[bold red]tiering-bench: interrupted[/]", highlight=False)
         return EXIT_INTERRUPTED
     # An interrupted or terminated run still shuts the engine down (its shared memory, its
-    # tier threads), and a run that was killed outright leaves a region the next run removes.
+    # tier threads); a run killed outright leaves no region either (see tiering.shared_region).
     interrupts = Interrupts()
     previous = {signum: signal.signal(signum, interrupts) for signum in (signal.SIGINT, signal.SIGTERM)}
-    SharedOffloadRegion.remove_stale("bench-")
     try:
         report = run(args, console, interrupts)
     except KeyboardInterrupt:  # before or after the replay itself: nothing to report
