@@ -4,6 +4,7 @@ offloading, and vLLM's own counters and the engine's stats prove blocks really m
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -179,13 +180,15 @@ def run_script(model, root, multiprocessing: str) -> tuple[list, str]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT ")), done.stderr
+    return json.loads(line.removeprefix("RESULT ")), done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("multiprocessing", ["1", "0"], ids=["engine-core-in-its-own-process", "in-process"])
 def test_a_process_leaves_no_shared_memory_temp_files_or_stuck_exit(model, baseline, tmp_path, multiprocessing):
     regions_before = set(Path("/dev/shm").glob("tiering-*"))
-    (first, second), _ = run_script(model, tmp_path / "kv", multiprocessing)
+    (first, second), output = run_script(model, tmp_path / "kv", multiprocessing)
+    # the engine's own lines show as vLLM's do, with nothing configured
+    assert re.search(r"INFO .*\[spec\.py:\d+\] engine ready: 8 CPU blocks", output), output[-3000:]
     expected = list(baseline[tuple(PROMPT)][:2])
     assert first[:2] == expected and second[:2] == expected
     assert first[2] == 0 and second[2] == FULL_BLOCKS

@@ -118,6 +118,22 @@ def check_version(version: str = vllm.__version__) -> None:
         )
 
 
+def log_like_vllm() -> None:
+    """Send the engine's log lines (``engine ready``, tier recovery, the breaker, shedding)
+    through vLLM's own handlers, at vLLM's level, as vLLM's modules log: vLLM configures only
+    its ``vllm`` logger, so under ``vllm serve`` the engine's lines would go nowhere. Nothing
+    changes where the application configured logging itself (handlers on the root logger or
+    on ``tiering``, as pytest and most services do), or where vLLM's logging is off. Called
+    in every process that builds the spec; idempotent."""
+    ours, theirs = logging.getLogger("tiering"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def engine_config(extra_config: dict[str, Any], tokens_per_row: int) -> Any:
     """The engine's `TieringConfig` from vLLM's extra config (see the module docstring).
 
@@ -159,6 +175,7 @@ class KVTieringOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         check_version()
+        log_like_vllm()
         super().__init__(config)
         if len(config.groups) != 1:
             raise ValueError(
