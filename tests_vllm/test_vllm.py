@@ -25,6 +25,11 @@ def counters(llm) -> dict[str, float]:
     return {m.name: getattr(m, "value", 0) for m in llm.get_metrics() if hasattr(m, "value")}
 
 
+def tier_counts(llm, metric: str) -> dict[str, float]:
+    """vLLM's counter `metric` (one of the engine's ``vllm:kv_tiering_*``) by tier label."""
+    return {m.labels["tier"]: m.value for m in llm.get_metrics() if m.name == metric}
+
+
 def manager_stats() -> dict:
     (spec,) = [spec for spec in live_specs() if spec.engine.manager is not None]
     return spec.engine.manager.get_stats()
@@ -83,6 +88,14 @@ def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(m
         assert stats["primary"]["counters"]["lookups_deferred"] > before  # answered RETRY, then HIT
         assert stats["tiers"]["file"]["counters"]["hit_tokens"] >= tiny.BLOCK  # charged to the file tier
         assert stats["manager"]["histograms"]["promotion_seconds"]["count"] >= 1
+
+        # 4. vLLM's own stats carry the engine's per-tier counts (read at most once a second)
+        tiny.settle(llm, lambda: tier_counts(llm, "vllm:kv_tiering_hit_blocks").get("file", 0) >= 1)
+        stats = manager_stats()
+        assert tier_counts(llm, "vllm:kv_tiering_hit_blocks")["cpu"] == stats["primary"]["counters"]["hit_blocks"]
+        stored = tier_counts(llm, "vllm:kv_tiering_blocks_stored")
+        assert stored["cpu"] == stats["primary"]["counters"]["blocks_stored"] and stored["file"] >= 6
+        assert tier_counts(llm, "vllm:kv_tiering_blocks_loaded")["file"] >= 1
     finally:
         close(llm)
 

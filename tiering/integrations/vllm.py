@@ -26,6 +26,9 @@ What it translates between vLLM's API (0.32.x and 0.33.x) and the engine's (the 
   stored from the GPU, ``DISK`` for blocks promoted from a file tier;
 - vLLM's spec classes (int32 ids) both ways, ``ScheduleEndContext``, ``CHUNK_LEVEL``
   requests, events with vLLM's ``Medium``;
+- stats: the engine's per-tier counts (hits, stores, loads, cascades dropped, failed jobs,
+  refusals) as vLLM connector stats and ``vllm:kv_tiering_*`` metrics
+  (`tiering.integrations.vllm_stats`);
 - the worker: an `OffloadingWorker` over the engine's GPU<->CPU handlers. vLLM asserts that
   every transfer it submits succeeds; the handlers refuse only malformed specs, which is
   raised as a bug, never returned as a failure. Their results carry bytes and seconds, so
@@ -55,6 +58,7 @@ from typing import Any, cast
 
 import vllm
 from packaging.version import Version
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec as VllmGPUSpec,
 )
@@ -83,6 +87,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPUSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiering.config import ConfigError, config_from_dict, load_config
+from tiering.integrations.vllm_stats import VllmStats, metric_definitions
 from tiering.keys import OffloadKey as Key
 from tiering.manager import TieringOffloadingManager
 from tiering.mediums import CPULoadStoreSpec, GPULoadStoreSpec
@@ -195,6 +200,11 @@ class KVTieringOffloadingSpec(OffloadingSpec):
         _LIVE.add(self)
         atexit.register(self.shutdown)  # a forgotten shutdown still releases shared memory and threads
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """The engine's per-tier counters vLLM registers (see `tiering.integrations.vllm_stats`)."""
+        return metric_definitions()
+
     def get_manager(self) -> OffloadingManager:
         """The scheduler-side manager (built on first call)."""
         return _Manager(self.engine.get_manager(), self)
@@ -216,6 +226,7 @@ class _Manager(OffloadingManager):
 
     def __init__(self, manager: TieringOffloadingManager, spec: KVTieringOffloadingSpec):
         self.manager, self.spec = manager, spec
+        self._stats = VllmStats(manager)
 
     def lookup(self, key: OffloadKey, req_context: Any) -> LookupResult:
         answer = self.manager.lookup(_ours(key), req_context)
@@ -269,8 +280,8 @@ class _Manager(OffloadingManager):
     def reset_cache(self) -> None:
         self.manager.reset_cache()
 
-    def get_stats(self) -> None:
-        return None  # transfer bytes and seconds reach vLLM's metrics through the worker's results
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return self._stats.take()  # transfer bytes and seconds reach vLLM through the worker's results
 
     def shutdown(self) -> None:
         self.spec.shutdown()

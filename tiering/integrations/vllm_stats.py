@@ -1,0 +1,85 @@
+"""The engine's per-tier counts as vLLM connector stats, so vLLM's periodic log line and its
+``/metrics`` show them next to vLLM's own ``vllm:kv_offload_*`` metrics (the ``vllm`` extra).
+
+Each count is a vLLM counter labelled with the tier (``cpu`` and each secondary tier by
+name). The engine's own exporter (the ``metrics`` key) remains the detailed view: every
+counter, gauge and histogram of README's "Observability".
+
+Thread: vLLM's scheduler thread.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata
+
+from tiering.context import PRIMARY_NAME
+from tiering.manager import TieringOffloadingManager
+
+COUNTERS = {  # the engine's counter -> (vLLM's metric, what it counts)
+    "hit_blocks": (
+        "vllm:kv_tiering_hit_blocks",
+        "Blocks of requests served by each tier, once per request and block (cpu: held by the CPU tier "
+        "at the request's first lookup; a secondary tier: promoted from it).",
+    ),
+    "blocks_stored": (
+        "vllm:kv_tiering_blocks_stored",
+        "Blocks stored into each tier (cpu: from the GPU; a secondary tier: cascaded from the CPU tier).",
+    ),
+    "blocks_loaded": (
+        "vllm:kv_tiering_blocks_loaded",
+        "Blocks loaded from each tier (cpu: into the GPU; a secondary tier: promoted into the CPU tier).",
+    ),
+    "cascades_dropped": (
+        "vllm:kv_tiering_cascades_dropped",
+        "Blocks a secondary tier's admission control did not copy to it (over its pinned-row bound, "
+        "or while the tier was behind).",
+    ),
+    "jobs_failed": ("vllm:kv_tiering_jobs_failed", "Store and load jobs of a secondary tier that failed."),
+    "stores_refused": ("vllm:kv_tiering_stores_refused", "GPU stores the CPU tier refused: no row could be freed."),
+    "promotions_refused": (
+        "vllm:kv_tiering_promotions_refused",
+        "Promotions the CPU tier refused: no row could be freed for them.",
+    ),
+}
+
+
+def metric_definitions() -> dict[str, OffloadingCounterMetadata]:
+    """vLLM's metric definitions of `COUNTERS` (for ``OffloadingSpec.build_metric_definitions``)."""
+    return {metric: OffloadingCounterMetadata(documentation, ("tier",)) for metric, documentation in COUNTERS.values()}
+
+
+class VllmStats:
+    """What the engine counted since the last `take`, as vLLM's connector stats."""
+
+    def __init__(self, manager: TieringOffloadingManager, interval_s: float = 1.0):
+        """
+        Args:
+            manager: the engine whose `get_stats` is read.
+            interval_s: read it at most this often, seconds (vLLM asks every step; the
+                counts in between are carried to the next answer, none is lost).
+        """
+        self._manager = manager
+        self._interval_s = interval_s
+        self._due = 0.0
+        self._reported: dict[tuple[str, str], float] = {}  # (tier, counter) -> value already reported
+
+    def take(self) -> OffloadingConnectorStats | None:
+        """The counts' increases since the last answer, or None: nothing new, or asked again
+        within `interval_s`. Never raises for a tier's failure (`get_stats` guards them)."""
+        now = time.monotonic()
+        if now < self._due:
+            return None
+        self._due = now + self._interval_s
+        stats = self._manager.get_stats()
+        stats_out = OffloadingConnectorStats()
+        for tier, part in {PRIMARY_NAME: stats["primary"], **stats["tiers"]}.items():
+            counters = part.get("counters", {})
+            for name, (metric, _) in COUNTERS.items():
+                value = counters.get(name)
+                if isinstance(value, int | float) and value > self._reported.get((tier, name), 0):
+                    stats_out.increase_counter(metric, value - self._reported.get((tier, name), 0), (tier,))
+                    self._reported[(tier, name)] = value
+        return None if stats_out.is_empty() else stats_out
