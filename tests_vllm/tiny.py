@@ -87,3 +87,15 @@ def settle(llm, done, tries: int = 300) -> None:
             return
         generate(llm, [[7] * 8], max_tokens=1)
     raise AssertionError("the engine did not settle")
+
+
+def make_tokenizer(directory: Path) -> Path:
+    """Save a word-level tokenizer next to the model (``w0`` .. ``w1023``, one token each) for
+    vLLM's OpenAI server, which loads one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1024)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0", eos_token="w1").save_pretrained(directory)
+    return directory
