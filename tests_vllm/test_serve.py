@@ -105,12 +105,23 @@ class Server:
         (os.killpg if group else os.kill)(self.process.pid, signum)
         self.process.wait(240)
         for _ in range(120):  # the engine core and workers end after the API server
-            if subprocess.run(["pgrep", "-s", str(self.process.pid)], capture_output=True).returncode:
+            if not session_alive(self.process.pid):
                 break
             time.sleep(0.5)
         else:
             os.killpg(self.process.pid, signal.SIGKILL)
         self._log_file.close()
+
+
+def session_alive(session: int) -> bool:
+    """Whether a process of session `session` is still there."""
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.getsid(int(entry)) == session:
+                return True
+        except OSError:  # gone meanwhile
+            continue
+    return False
 
 
 def load_in_background(server: Server, requests: int) -> tuple[threading.Event, list]:
