@@ -239,20 +239,33 @@ def test_a_request_offers_every_block_as_vllm_does_and_its_reuse_counts_when_it_
         engine.shutdown()
 
 
+def wait_for_the_engine(pid: int, timeout_s: float = 60.0) -> Path:
+    """Wait until tiering-bench process `pid` maps its engine's region; returns the region's
+    path. (Its name is removed once the scheduler and the worker have mapped it, so the
+    mapping is what shows the engine is up.)"""
+    import time
+
+    region, maps = Path("/dev/shm") / f"tiering-bench-{pid}.kv", Path(f"/proc/{pid}/maps")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if str(region) in maps.read_text():
+                return region
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the run never started its engine")
+
+
 def test_a_terminated_run_shuts_down_and_leaves_no_shared_memory(tmp_path):
     import os
     import signal
     import subprocess
     import sys
-    import time
 
     command = [sys.executable, "-m", "tiering.benchmarks.loadgen.cli", "--workload", "zipf", "--max-requests", "100000"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    region = Path("/dev/shm") / f"tiering-bench-{process.pid}.kv"
-    deadline = time.monotonic() + 30
-    while not region.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert region.exists(), "the run never started its engine"
+    region = wait_for_the_engine(process.pid)
     os.kill(process.pid, signal.SIGTERM)
     assert process.wait(30) == 128 + signal.SIGTERM
     assert not region.exists()
@@ -444,10 +457,7 @@ def test_an_interrupted_replay_writes_its_partial_results_and_leaves_nothing_beh
     argv = ["--workload", "multi-turn", "--max-requests", "100000", "--output", str(output), "--plot", str(plot)]
     command = [sys.executable, "-m", "tiering.benchmarks.loadgen.cli", *argv]
     with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as bench:
-        region = Path("/dev/shm") / f"tiering-bench-{bench.pid}.kv"
-        deadline = time.monotonic() + 60
-        while not region.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        region = wait_for_the_engine(bench.pid)
         time.sleep(1)  # some requests replayed
         bench.send_signal(signal.SIGINT)
         _, err = bench.communicate(timeout=60)
