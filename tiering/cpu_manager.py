@@ -148,8 +148,8 @@ class CPUOffloadingManager(OffloadingManager):
         ready: list[OffloadKey] = []
         seen = keys_to_store  # the request's accesses: new or ready keys, in the order of `keys`
         if len(keys_to_store) < len(unique):
-            ready = [key for key in unique if (block := policy.get(key)) is not None and block.ref_cnt >= 0]
-            seen = [key for key in unique if policy.get(key) is None or key in ready]
+            seen = [key for key in unique if (block := policy.get(key)) is None or block.ref_cnt >= 0]
+            ready = [key for key in seen if policy.get(key) is not None]
         access = self._accesses.of(req_context.req_id)
         if policy.learns_from_store_misses and keys_to_store:
             store_missed = access.store_missed
@@ -230,8 +230,7 @@ class CPUOffloadingManager(OffloadingManager):
         """
         quarantined = self._quarantined
         for block_id in block_ids:
-            if quarantined[block_id] < 1:
-                del quarantined[block_id]
+            if quarantined[block_id] < 1:  # (a Counter: reading a missing row adds nothing)
                 raise KeyError(f"release_rows: row {block_id} is not quarantined")
             quarantined[block_id] -= 1
             if not quarantined[block_id]:

@@ -301,7 +301,7 @@ class SharedOffloadRegion:
         for path in Path(shm_dir).glob(f"tiering-{prefix}*.kv"):
             try:
                 fd = os.open(path, os.O_RDWR)
-            except FileNotFoundError:
+            except OSError:  # gone meanwhile, or another user's (every engine start sweeps)
                 continue
             try:
                 if _unlink_if_abandoned(path, fd):
