@@ -54,6 +54,7 @@ class Server:
         command += ["--block-size", str(tiny.BLOCK), "--max-model-len", "1024", "--num-gpu-blocks-override", "64"]
         command += ["--kv-transfer-config", json.dumps(connector)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+        env["VLLM_LOG_STATS_INTERVAL"] = "1"  # vLLM logs its stats (ours among them) every 10 s by default
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
         self.log = log
@@ -155,6 +156,8 @@ def test_a_server_stopped_by_sigint_mid_load_leaves_nothing_and_showed_the_engin
         deadline = time.monotonic() + 60  # the engine's counts reach vLLM within a second of a step
         while not server.metric("vllm:kv_tiering_hit_blocks") and time.monotonic() < deadline:
             server.complete(PROMPTS[0])
+        while "KV Transfer metrics" not in server.output() and time.monotonic() < deadline:
+            server.complete(PROMPTS[0])  # and its log within an interval of them
         stored, hits = server.metric("vllm:kv_tiering_blocks_stored"), server.metric("vllm:kv_tiering_hit_blocks")
         assert stored.get("cpu", 0) >= 9 and stored.get("file", 0) >= 9, stored
         assert sum(hits.values()) >= 9, hits
