@@ -1,7 +1,6 @@
 import subprocess
 import threading
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -31,9 +30,9 @@ def no_leaked_threads_or_shared_memory():
     """Every test must stop the runtimes and thread pools it started, and release its
     shared-memory regions."""
     before = set(threading.enumerate())
-    regions_before = set(Path("/dev/shm").glob("tiering-*"))
+    regions_before = helpers.engine_regions()
     yield
-    leftovers = sorted(str(p) for p in set(Path("/dev/shm").glob("tiering-*")) - regions_before)
+    leftovers = helpers.regions_left_behind(regions_before)  # not another engine's on the machine
     assert leftovers == [], f"shared memory left behind: {leftovers}"
     for thread in threading.enumerate():
         if thread not in before and thread.name.startswith("tiering"):

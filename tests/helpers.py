@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import uuid
 from collections.abc import Collection
+from pathlib import Path
 
 import numpy as np
 
@@ -19,6 +22,34 @@ from tiering import (
     TieringOffloadingManager,
     make_offload_key,
 )
+
+
+def engine_regions() -> set[Path]:
+    """The engine regions in /dev/shm now, any engine's."""
+    return set(Path("/dev/shm").glob("tiering-*"))
+
+
+def regions_left_behind(before: set[Path]) -> list[Path]:
+    """Regions that appeared since `before` and are ours: mapped by this process, or held by
+    no process at all (released without being removed). A live engine elsewhere on the
+    machine holds its region's lock, so its regions are not counted."""
+    with open("/proc/self/maps") as maps:
+        mapped = maps.read()
+    return sorted(path for path in engine_regions() - before if str(path) in mapped or _abandoned(path))
+
+
+def _abandoned(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # gone meanwhile, or another user's
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def key(i: int, group: int = 0) -> OffloadKey:

@@ -88,6 +88,22 @@ def test_prepare_store_returns_none_when_nothing_is_evictable(manager, ctx):
     assert manager.prepare_store(keys(4), ctx).evicted_keys == keys(1)
 
 
+def test_refusals_are_counted_by_reason_and_traced_in_the_log(manager, ctx, caplog):
+    store(manager, ctx, 0, 1)
+    manager.prepare_load(keys(0, 1), ctx)  # read
+    manager.prepare_store(keys(2, 3), ctx)  # being written
+    for _ in range(3):
+        assert manager.prepare_store(keys(4), ctx) is None
+    assert manager.prepare_store(keys(*range(10, 15)), ctx) is None  # 5 blocks, 4 rows
+    refused = manager.get_stats()["counters"]["stores_refused"]
+    assert refused == {"rows_in_flight": 3, "larger_than_tier": 1}
+    lines = [record.getMessage() for record in caplog.records if "CPU tier" in record.getMessage()]
+    assert len(lines) == 3  # the 1st and 2nd of a reason, not the 3rd
+    assert "stores refused (rows_in_flight, 1 so far): 1 blocks asked, 4 rows of 4 held" in lines[0]
+    assert "(2 being written, 2 being read); a larger cpu_bytes_to_use avoids it" in lines[0]
+    assert "stores refused (larger_than_tier, 1 so far): 5 blocks asked" in lines[2]
+
+
 def test_prepare_load_pins_until_complete_load(manager, ctx):
     store(manager, ctx, 0, 1, 2, 3)
     spec = manager.prepare_load(keys(1, 0), ctx)
@@ -230,6 +246,10 @@ def test_primary_tier_rejects_a_region_of_another_size():
 
 def test_primary_tier_aliases_name_the_secondary_direction(ctx):
     primary = CPUPrimaryTierOffloadingManager(4, RegionStandIn(4))
+    assert primary.prepare_write(keys(*range(10, 15)), ctx) is None  # a promotion of 5 blocks into 4 rows
+    counters = primary.get_stats()["counters"]
+    assert counters["promotions_refused"] == {"rows_in_flight": 0, "larger_than_tier": 1}
+    assert counters["stores_refused"] == {"rows_in_flight": 0, "larger_than_tier": 0}
     out = primary.prepare_write(keys(0), ctx)  # a promotion reserves a row
     assert primary.lookup(key(0), ctx) is None
     primary.complete_write(out.keys_to_store, ctx)

@@ -7,7 +7,7 @@ import uuid
 import numpy as np
 import pytest
 
-from tests import region_worker
+from tests import helpers, region_worker
 from tiering import RegionInUseError, SharedOffloadRegion
 from tiering.shared_region import region_path
 
@@ -243,3 +243,21 @@ def test_a_region_larger_than_the_free_shared_memory_fails_at_start(instance_id,
     with pytest.raises(OSError, match=r"needs 4194304 bytes; .*disk has \d+ free: lower cpu_bytes_to_use"):
         SharedOffloadRegion(instance_id, 1024, 4096, shm_dir=small_disk)
     assert os.listdir(small_disk) == []
+
+
+def test_the_leak_check_counts_our_regions_and_abandoned_ones_never_another_engines(instance_id, run):
+    """The check every test runs afterwards (`tests.helpers.regions_left_behind`)."""
+    before = helpers.engine_regions()
+    attached = SPAWN.Semaphore(0)
+    other = run(region_worker.attach_and_wait, instance_id + "-other", 1, None, attached)  # a live engine
+    assert attached.acquire(timeout=60)
+    ours = SharedOffloadRegion(instance_id + "-ours", 2, 4096)
+    try:
+        assert helpers.regions_left_behind(before) == [ours.path]
+        other.kill()
+        other.join(30)  # its region is abandoned now: a leak the check must see
+        assert helpers.regions_left_behind(before) == sorted([ours.path, region_path(instance_id + "-other")])
+    finally:
+        ours.cleanup()
+        SharedOffloadRegion.remove_stale(instance_id)
+    assert helpers.regions_left_behind(before) == []

@@ -7,6 +7,7 @@ from tests.helpers import ManualTier, RegionStandIn, key, keys
 from tests_vllm.conftest import offloading_config
 from tiering import ConfigError, CPUPrimaryTierOffloadingManager, TieringOffloadingManager
 from tiering.integrations import vllm as adapter
+from tiering.integrations.vllm_stats import VllmStats, metric_definitions
 
 
 def test_the_extra_config_is_validated_like_the_yaml_with_the_same_errors():
@@ -55,3 +56,43 @@ def test_a_block_being_written_is_a_pending_hit_and_an_unsure_tier_a_retry():
     assert answers == [LookupResult.HIT_PENDING, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS]
     manager.complete_store(out.keys_to_store, context)
     assert manager.lookup(key(0), context) is LookupResult.HIT
+
+
+def test_refusals_reach_vllm_by_tier_and_reason():
+    primary = CPUPrimaryTierOffloadingManager(2, RegionStandIn(2))
+    manager = TieringOffloadingManager(primary, [])
+    stats = VllmStats(manager, interval_s=0)
+    context = ReqContext("r")
+    manager.prepare_store(keys(0, 1), context)  # both rows in flight
+    assert manager.prepare_store(keys(2), context) is None
+    assert manager.prepare_store(keys(3, 4, 5), context) is None
+    refused = {name: count for name, count in stats.take().reduce().items() if "refused" in name}
+    assert refused == {
+        "vllm:kv_tiering_stores_refused:('cpu', 'rows_in_flight')": 1,
+        "vllm:kv_tiering_stores_refused:('cpu', 'larger_than_tier')": 1,
+    }
+    assert manager.prepare_store(keys(2), context) is None
+    assert stats.take().reduce() == {"vllm:kv_tiering_stores_refused:('cpu', 'rows_in_flight')": 1}
+    definitions = metric_definitions()
+    assert definitions["vllm:kv_tiering_stores_refused"].labelnames == ("tier", "reason")
+    assert definitions["vllm:kv_tiering_hit_blocks"].labelnames == ("tier",)
+
+
+def test_a_cpu_tier_too_small_for_two_steps_is_named_once_at_start(caplog):
+    config = offloading_config({"cpu_bytes_to_use": "1MiB"}, engine_id=f"size-check-{id(caplog)}")
+    spec = adapter.KVTieringOffloadingSpec(config)  # 16 rows of 64 tokens (64 KiB each)
+    try:
+        assert adapter.rows_for_two_steps(512, 64) == 16
+        adapter.check_cpu_tier_size(spec.engine, 512)  # fits: said nothing
+        assert not caplog.records
+        spec2 = adapter.KVTieringOffloadingSpec(offloading_config({"cpu_bytes_to_use": "1MiB"}, engine_id="other"))
+        try:
+            adapter.check_cpu_tier_size(spec2.engine, 520)  # 9 rows a step
+            adapter.check_cpu_tier_size(spec2.engine, 520)
+        finally:
+            spec2.shutdown()
+        (line,) = [record.getMessage() for record in caplog.records]
+        assert "the CPU tier (cpu_bytes_to_use=1048576: 16 rows of 64 tokens)" in line
+        assert "max_num_batched_tokens=520 (18 rows" in line and "cpu_bytes_to_use=1179648 or more fits" in line
+    finally:
+        spec.shutdown()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import engine_regions, regions_left_behind
 from tests_vllm import tiny
 from tests_vllm.conftest import prompt
 
@@ -39,14 +40,13 @@ class Server:
     """`vllm serve` on a free port with this engine (a CPU tier and a file tier)."""
 
     def __init__(self, model: Path, root: Path, log: Path):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port, self.engine_port = free_port(), free_port()
         extra = {
             "spec_name": "KVTieringOffloadingSpec",
             "spec_module_path": "tiering.integrations.vllm",
             "cpu_bytes_to_use": 4 << 20,
             "secondary_tiers": [{"type": "file", "root_dir": str(root)}],
+            "metrics": {"port": self.engine_port},  # the engine's own exporter, in the engine core's process
         }
         connector = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
@@ -67,9 +67,9 @@ class Server:
             assert self.process.poll() is None and time.monotonic() < deadline, self.output()[-3000:]
             time.sleep(1)
 
-    def _get(self, path: str) -> str | None:
+    def _get(self, path: str, port: int | None = None) -> str | None:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as response:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port or self.port}{path}", timeout=10) as response:
                 return response.read().decode()
         except OSError:
             return None
@@ -90,10 +90,11 @@ class Server:
     def model_name(self) -> str:
         return json.loads(self._get("/v1/models") or "{}")["data"][0]["id"]
 
-    def metric(self, name: str) -> dict[str, float]:
-        """The counter `name` (one of the engine's ``vllm:kv_tiering_*``) by tier label."""
+    def metric(self, name: str, port: int | None = None) -> dict[str, float]:
+        """The counter `name` by tier label, from vLLM's /metrics (one of the engine's
+        ``vllm:kv_tiering_*``) or from the exporter on `port`."""
         sample = rf'^{re.escape(name)}_total{{.*?tier="([^"]+)".*?}} (\S+)$'
-        return {tier: float(value) for tier, value in re.findall(sample, self._get("/metrics") or "", re.M)}
+        return {tier: float(value) for tier, value in re.findall(sample, self._get("/metrics", port) or "", re.M)}
 
     def output(self) -> str:
         if not self._log_file.closed:
@@ -112,6 +113,12 @@ class Server:
         else:
             os.killpg(self.process.pid, signal.SIGKILL)
         self._log_file.close()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def session_alive(session: int) -> bool:
@@ -143,10 +150,6 @@ def load_in_background(server: Server, requests: int) -> tuple[threading.Event, 
     return quarter, results
 
 
-def engine_regions() -> set[Path]:
-    return set(Path("/dev/shm").glob("tiering-*"))
-
-
 def test_a_server_stopped_by_sigint_mid_load_leaves_nothing_and_showed_the_engine(served_model, tmp_path):
     before = engine_regions()
     server = Server(served_model, tmp_path / "kv", tmp_path / "server.log")
@@ -161,6 +164,8 @@ def test_a_server_stopped_by_sigint_mid_load_leaves_nothing_and_showed_the_engin
         stored, hits = server.metric("vllm:kv_tiering_blocks_stored"), server.metric("vllm:kv_tiering_hit_blocks")
         assert stored.get("cpu", 0) >= 9 and stored.get("file", 0) >= 9, stored
         assert sum(hits.values()) >= 9, hits
+        detailed = server.metric("tiering_tier_blocks_stored", server.engine_port)  # README's example scrape
+        assert detailed.get("cpu", 0) >= 9 and detailed.get("file", 0) >= 9, detailed
         quarter, results = load_in_background(server, 64)
         assert quarter.wait(120)
     finally:
@@ -168,7 +173,7 @@ def test_a_server_stopped_by_sigint_mid_load_leaves_nothing_and_showed_the_engin
     output = server.output()
     assert re.search(r"\(EngineCore.*INFO .*engine ready: 128 CPU blocks", output), output[-3000:]
     assert "KV Transfer metrics" in output and "vllm:kv_tiering_blocks_stored" in output
-    assert engine_regions() - before == set()
+    assert regions_left_behind(before) == []
     assert not all(results)  # it was stopped mid-load
 
 
@@ -180,4 +185,4 @@ def test_a_server_whose_every_process_is_killed_leaves_no_shared_memory(served_m
         assert quarter.wait(120)
     finally:
         server.stop(signal.SIGKILL, group=True)
-    assert engine_regions() - before == set()
+    assert regions_left_behind(before) == []

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import engine_regions, regions_left_behind
 from tests_vllm import tiny
 from tests_vllm.conftest import OTHERS, PROMPT
 from tiering.integrations.vllm import live_specs
@@ -169,6 +170,7 @@ def test_negative_control_wrong_bytes_loaded_above_the_checks_change_the_output(
 SCRIPT = """
 import json, sys
 from pathlib import Path
+from tests.helpers import engine_regions, regions_left_behind
 from tests_vllm import tiny
 from tests_vllm.conftest import PROMPT
 
@@ -198,14 +200,17 @@ def run_script(model, root, multiprocessing: str) -> tuple[list, str]:
 
 @pytest.mark.parametrize("multiprocessing", ["1", "0"], ids=["engine-core-in-its-own-process", "in-process"])
 def test_a_process_leaves_no_shared_memory_temp_files_or_stuck_exit(model, baseline, tmp_path, multiprocessing):
-    regions_before = set(Path("/dev/shm").glob("tiering-*"))
+    regions_before = engine_regions()
     (first, second), output = run_script(model, tmp_path / "kv", multiprocessing)
     # the engine's own lines show as vLLM's do, with nothing configured
     assert re.search(r"INFO .*\[spec\.py:\d+\] engine ready: 8 CPU blocks", output), output[-3000:]
+    # 8 rows of 32 tokens cannot carry two steps of vLLM's token budget: said once, at start
+    warnings = re.findall(r"WARNING .* the CPU tier \(cpu_bytes_to_use=262144: 8 rows of 32 tokens\)", output)
+    assert len(warnings) == 1, output[-3000:]
     expected = list(baseline[tuple(PROMPT)][:2])
     assert first[:2] == expected and second[:2] == expected
     assert first[2] == 0 and second[2] == FULL_BLOCKS
-    assert set(Path("/dev/shm").glob("tiering-*")) - regions_before == set()
+    assert regions_left_behind(regions_before) == []
     files = [path for path in (tmp_path / "kv").rglob("*") if path.is_file()]
     assert len(files) == FULL_BLOCKS // tiny.BLOCK and not any(path.name.endswith(".tmp") for path in files)
 
@@ -213,6 +218,7 @@ def test_a_process_leaves_no_shared_memory_temp_files_or_stuck_exit(model, basel
 KILLED_SCRIPT = """
 import sys, time
 from pathlib import Path
+from tests.helpers import engine_regions, regions_left_behind
 from tests_vllm import tiny
 from tests_vllm.conftest import PROMPT
 
@@ -229,7 +235,7 @@ if __name__ == "__main__":
 def test_every_process_killed_with_sigkill_leaves_no_shared_memory(model, tmp_path):
     """vLLM force-kills its engine process on a stop (and SIGKILL runs no cleanup): once every
     process of the engine has mapped the region, its name is gone, so nothing can leak."""
-    regions_before = set(Path("/dev/shm").glob("tiering-*"))
+    regions_before = engine_regions()
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-c", KILLED_SCRIPT, str(model), str(tmp_path / "kv")]
@@ -240,7 +246,7 @@ def test_every_process_killed_with_sigkill_leaves_no_shared_memory(model, tmp_pa
         os.killpg(process.pid, signal.SIGKILL)  # the script and vLLM's engine-core process
         process.wait(60)
         process.stdout.close()
-    assert set(Path("/dev/shm").glob("tiering-*")) - regions_before == set()
+    assert regions_left_behind(regions_before) == []
 
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"

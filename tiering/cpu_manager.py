@@ -15,9 +15,14 @@ from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.policies import BlockStatus, make_cache_policy
 from tiering.request_access import RequestAccesses
-from tiering.stats import TierStats
+from tiering.stats import TierStats, worth_logging
 
 logger = logging.getLogger(__name__)
+
+REFUSAL_REASONS = ("rows_in_flight", "larger_than_tier")
+"""Why a store or promotion found no row: every row it could free is held by a transfer in
+flight (GPU stores and loads, promotions, cascades; the tier is too small for the load it
+carries), or the call alone needs more blocks than the tier has rows."""
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -40,8 +45,8 @@ class CPUOffloadingManager(OffloadingManager):
         "blocks_store_failed",
         "blocks_loaded",
         "evictions",
-        "stores_refused",
     )
+    refusal_names: tuple[str, ...] = ("stores_refused",)
 
     def __init__(self, num_blocks: int, cache_policy: str = "lru", enable_events: bool = False):
         """
@@ -64,6 +69,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
         self._counters: Counter[str] = Counter()
+        self._refusals = {name: dict.fromkeys(REFUSAL_REASONS, 0) for name in self.refusal_names}
         self._rows_reading = 0  # rows with a reader (ref count > 0)
         self._rows_writing = 0  # rows with a write in flight (ref count -1)
         self._accesses = RequestAccesses()
@@ -163,7 +169,7 @@ class CPUOffloadingManager(OffloadingManager):
         if shortfall > 0:
             victims = policy.evict(shortfall, protected=set(keys))
             if victims is None:
-                self._counters[refused_counter] += 1
+                self._refuse(refused_counter, len(unique))
                 return None
             for key, block in victims:
                 self._free_block_ids.append(block.block_id)
@@ -176,6 +182,24 @@ class CPUOffloadingManager(OffloadingManager):
             policy.insert(key, BlockStatus(block_id))
         access.inserted.update(keys_to_store)
         return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted)
+
+    def _refuse(self, refused_counter: str, blocks: int) -> None:
+        """Count a refusal of a call of `blocks` blocks by its reason; log a trace of it."""
+        reason = "larger_than_tier" if blocks > self.num_blocks else "rows_in_flight"
+        count = self._refusals[refused_counter][reason] = self._refusals[refused_counter][reason] + 1
+        if worth_logging(count):
+            logger.warning(
+                "CPU tier: %s (%s, %d so far): %d blocks asked, %d rows of %d held by transfers in flight "
+                "(%d being written, %d being read); a larger cpu_bytes_to_use avoids it (README: sizing the CPU tier)",
+                refused_counter.replace("_", " "),
+                reason,
+                count,
+                blocks,
+                self._rows_writing + self._rows_reading,
+                self.num_blocks,
+                self._rows_writing,
+                self._rows_reading,
+            )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
@@ -261,15 +285,17 @@ class CPUOffloadingManager(OffloadingManager):
             self._policy.on_request_finished(access.prefix_order(req_context), access.inserted, access.reused)
 
     def get_stats(self) -> TierStats:
-        """Counters (lookups by answer, blocks stored and loaded, evictions, refused stores)
-        and gauges (blocks held, capacity in blocks, rows pinned by readers and by writes in
-        flight, rows quarantined). Cheap; scheduler thread."""
+        """Counters (lookups by answer, blocks stored and loaded, evictions, refused stores as
+        a dict of counts by reason, `REFUSAL_REASONS`) and gauges (blocks held, capacity in
+        blocks, rows pinned by readers and by writes in flight, rows quarantined). Cheap;
+        scheduler thread."""
         counters = {
             "lookups": sum(self._lookups.values()),
             "hits": self._lookups[True],
             "misses": self._lookups[False],
             "lookups_deferred": self._lookups[None],
             **{name: self._counters[name] for name in self.counter_names},
+            **{name: dict(reasons) for name, reasons in self._refusals.items()},
         }
         gauges = {
             "blocks": len(self._policy),
@@ -350,15 +376,15 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
     `get_kv_memoryview()`. Besides the GPU's loads and stores, it serves the secondary tiers'
     two roles, counted apart from the GPU's: `prepare_read`/`complete_read` pin rows for a
     cascade (``blocks_read_by_tiers``), `prepare_write`/`complete_write` reserve rows for a
-    promotion (``blocks_promoted``, ``promotions_refused``).
+    promotion (``blocks_promoted``, ``promotions_refused`` by reason).
     """
 
     counter_names = (
         *CPUOffloadingManager.counter_names,
         "blocks_read_by_tiers",
         "blocks_promoted",
-        "promotions_refused",
     )
+    refusal_names = (*CPUOffloadingManager.refusal_names, "promotions_refused")
 
     def __init__(
         self,

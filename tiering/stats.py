@@ -20,6 +20,12 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 TierStats = dict[str, Any]
 
 
+def worth_logging(count: int) -> bool:
+    """Whether the `count`-th occurrence of something (from 1) deserves a log line: the 1st,
+    2nd, 4th, 8th, ...: a trace of every kind of event, never a flood."""
+    return count & (count - 1) == 0
+
+
 class Histogram:
     """Counts of observed durations (seconds) per bucket of `SECONDS_BUCKETS`."""
 

@@ -39,7 +39,7 @@ from tiering.keys import OffloadKey, ReqContext
 from tiering.object_format import object_size
 from tiering.runtime import AsyncRuntime
 from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
-from tiering.stats import JobTimer, TierStats
+from tiering.stats import JobTimer, TierStats, worth_logging
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +354,7 @@ class BlockStoreTier(SecondaryTierManager):
     def _count_failures(self, outcome: outbox.Outcome) -> None:
         for reason, error in outcome.failures:
             count = self.failures[reason] = self.failures[reason] + 1
-            if count & (count - 1) == 0:  # 1, 2, 4, 8, ...: a trace of every reason, never a flood
+            if worth_logging(count):
                 logger.warning("tier %s: %s failed (%d so far): %r", self.name, reason, count, error)
 
     def _apply_store(self, done: StoreDone) -> None:

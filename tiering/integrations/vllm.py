@@ -58,6 +58,7 @@ from typing import Any, cast
 
 import vllm
 from packaging.version import Version
+from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec as VllmGPUSpec,
@@ -105,6 +106,7 @@ TIER_ALIASES = {"fs": "file", "obj": "s3"}
 _LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 _SOURCES = {"file": CacheHitSource.DISK}
 _LIVE: weakref.WeakSet[KVTieringOffloadingSpec] = weakref.WeakSet()
+_SIZE_CHECKED: set[str] = set()  # engine ids whose CPU tier this process checked
 
 
 def live_specs() -> list[KVTieringOffloadingSpec]:
@@ -139,6 +141,37 @@ def log_like_vllm() -> None:
     ours.propagate = False
 
 
+def rows_for_two_steps(max_num_batched_tokens: int, tokens_per_row: int) -> int:
+    """The fewest CPU rows that carry vLLM's transfers under load: two scheduler steps of
+    `max_num_batched_tokens` (tokens), in rows of `tokens_per_row` tokens. The rows a step
+    stores stay in flight until its transfer finishes, while the next step's requests
+    load their hits and promote their prefixes into rows of their own; a row in flight
+    cannot be evicted, so a smaller tier refuses stores and promotions when prefills run."""
+    return 2 * -(-max_num_batched_tokens // tokens_per_row)
+
+
+def check_cpu_tier_size(engine: EngineSpec, max_num_batched_tokens: int) -> None:
+    """Warn (once per engine and process) when the CPU tier has fewer rows than
+    `rows_for_two_steps`, naming ``cpu_bytes_to_use`` and the bytes that would fit."""
+    if engine.instance_id in _SIZE_CHECKED:
+        return
+    _SIZE_CHECKED.add(engine.instance_id)
+    needed = rows_for_two_steps(max_num_batched_tokens, engine.block_size)
+    if engine.num_blocks < needed:
+        logger.warning(
+            "the CPU tier (cpu_bytes_to_use=%d: %d rows of %d tokens) is smaller than two scheduler steps of "
+            "max_num_batched_tokens=%d (%d rows: one step's stores in flight while the next step's requests load "
+            "and promote theirs); under load it will refuse stores and promotions (stores_refused, "
+            "promotions_refused). cpu_bytes_to_use=%d or more fits them; see README, Sizing the CPU tier",
+            engine.config.cpu_bytes_to_use,
+            engine.num_blocks,
+            engine.block_size,
+            max_num_batched_tokens,
+            needed,
+            needed * engine.bytes_per_block,
+        )
+
+
 def engine_config(extra_config: dict[str, Any], tokens_per_row: int) -> Any:
     """The engine's `TieringConfig` from vLLM's extra config (see the module docstring).
 
@@ -169,7 +202,9 @@ def _unalias(tier: Any) -> Any:
 
 class KVTieringOffloadingSpec(OffloadingSpec):
     """vLLM's `OffloadingSpec` for this engine. Built once by the scheduler (`get_manager`)
-    and once by each worker (`get_worker`), in their processes.
+    and once by each worker (`get_worker`), in their processes. Where vLLM's config is
+    current (a worker's construction), rank 0 checks the CPU tier against vLLM's token
+    budget (`check_cpu_tier_size`).
 
     Raises (at construction):
         RuntimeError: an unsupported vLLM version.
@@ -196,6 +231,9 @@ class KVTieringOffloadingSpec(OffloadingSpec):
         tiering_config = engine_config(dict(config.extra_config), tokens * self.blocks_per_chunk)
         tiering_config = tiering_config.model_copy(update={"block_size": tokens * self.blocks_per_chunk})
         self.engine = EngineSpec(tiering_config, layout, config.engine_id, config.enable_kv_cache_events)
+        vllm_config = get_current_vllm_config_or_none()  # set where vLLM builds a worker's connector
+        if vllm_config is not None and config.parallel.rank == 0:
+            check_cpu_tier_size(self.engine, vllm_config.scheduler_config.max_num_batched_tokens)
         self._closed = False
         _LIVE.add(self)
         atexit.register(self.shutdown)  # a forgotten shutdown still releases shared memory and threads

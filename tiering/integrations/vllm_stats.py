@@ -2,8 +2,9 @@
 ``/metrics`` show them next to vLLM's own ``vllm:kv_offload_*`` metrics (the ``vllm`` extra).
 
 Each count is a vLLM counter labelled with the tier (``cpu`` and each secondary tier by
-name). The engine's own exporter (the ``metrics`` key) remains the detailed view: every
-counter, gauge and histogram of README's "Observability".
+name); the CPU tier's refusals are labelled with their reason too
+(`tiering.cpu_manager.REFUSAL_REASONS`). The engine's own exporter (the ``metrics`` key)
+remains the detailed view: every counter, gauge and histogram of README's "Observability".
 
 Thread: vLLM's scheduler thread.
 """
@@ -38,17 +39,27 @@ COUNTERS = {  # the engine's counter -> (vLLM's metric, what it counts)
         "or while the tier was behind).",
     ),
     "jobs_failed": ("vllm:kv_tiering_jobs_failed", "Store and load jobs of a secondary tier that failed."),
-    "stores_refused": ("vllm:kv_tiering_stores_refused", "GPU stores the CPU tier refused: no row could be freed."),
+    "stores_refused": (
+        "vllm:kv_tiering_stores_refused",
+        "GPU stores the CPU tier refused, by reason: rows_in_flight (every row it could free was held by a "
+        "transfer) or larger_than_tier.",
+    ),
     "promotions_refused": (
         "vllm:kv_tiering_promotions_refused",
-        "Promotions the CPU tier refused: no row could be freed for them.",
+        "Promotions the CPU tier refused, by reason: rows_in_flight (every row it could free was held by a "
+        "transfer) or larger_than_tier.",
     ),
 }
+BY_REASON = frozenset({"stores_refused", "promotions_refused"})
+"""Counters the engine counts by reason (a dict), labelled ``reason`` as well."""
 
 
 def metric_definitions() -> dict[str, OffloadingCounterMetadata]:
     """vLLM's metric definitions of `COUNTERS` (for ``OffloadingSpec.build_metric_definitions``)."""
-    return {metric: OffloadingCounterMetadata(documentation, ("tier",)) for metric, documentation in COUNTERS.values()}
+    return {
+        metric: OffloadingCounterMetadata(documentation, ("tier", "reason") if name in BY_REASON else ("tier",))
+        for name, (metric, documentation) in COUNTERS.items()
+    }
 
 
 class VllmStats:
@@ -64,7 +75,7 @@ class VllmStats:
         self._manager = manager
         self._interval_s = interval_s
         self._due = 0.0
-        self._reported: dict[tuple[str, str], float] = {}  # (tier, counter) -> value already reported
+        self._reported: dict[tuple[str, ...], float] = {}  # (counter, tier[, reason]) -> value already reported
 
     def take(self) -> OffloadingConnectorStats | None:
         """The counts' increases since the last answer, or None: nothing new, or asked again
@@ -79,7 +90,17 @@ class VllmStats:
             counters = part.get("counters", {})
             for name, (metric, _) in COUNTERS.items():
                 value = counters.get(name)
-                if isinstance(value, int | float) and value > self._reported.get((tier, name), 0):
-                    stats_out.increase_counter(metric, value - self._reported.get((tier, name), 0), (tier,))
-                    self._reported[(tier, name)] = value
+                by_label = {(tier, *labels): count for labels, count in _by_reason(value).items()}
+                for labels, count in by_label.items():
+                    if count > self._reported.get((name, *labels), 0):
+                        stats_out.increase_counter(metric, count - self._reported.get((name, *labels), 0), labels)
+                        self._reported[(name, *labels)] = count
         return None if stats_out.is_empty() else stats_out
+
+
+def _by_reason(value: object) -> dict[tuple[str, ...], float]:
+    """A counter's counts by its labels after the tier: ``(reason,)`` for a dict of counts by
+    reason, ``()`` for a plain count; nothing for a counter a tier does not have."""
+    if isinstance(value, dict):
+        return {(reason,): count for reason, count in value.items()}
+    return {(): value} if isinstance(value, int | float) else {}
