@@ -19,7 +19,7 @@ class Clock:
 
 
 def test_the_bound_admits_a_whole_job_when_nothing_is_in_flight_and_drops_what_exceeds_it():
-    admission = TierAdmission(AdmissionConfig(max_rows_in_flight=4, max_backlog_s=None), 99, ROW)
+    admission = TierAdmission(AdmissionConfig(max_rows_in_flight=4, max_backlog_s=None), 99)
     assert admission.admit(keys(*range(6))) == keys(*range(6))  # nothing in flight: never starved
     assert admission.admit(keys(6)) == []
     admission.finished(keys(*range(6)), success=True)
@@ -32,15 +32,15 @@ def test_the_bound_admits_a_whole_job_when_nothing_is_in_flight_and_drops_what_e
 def test_a_tier_that_keeps_up_sheds_nothing_and_one_that_falls_behind_sheds_until_it_catches_up():
     clock = Clock()
     config = AdmissionConfig(max_rows_in_flight=1000, max_backlog_s=1.0)
-    admission = TierAdmission(config, 99, 1_000_000, clock=clock)
-    for _ in range(50):  # 10 blocks (10 MB) every 0.1 s, done 0.05 s later: 200 MB/s while busy
+    admission = TierAdmission(config, 99, clock=clock)
+    for _ in range(50):  # 10 blocks every 0.1 s, done 0.05 s later: 200 blocks/s while busy
         assert len(admission.admit(keys(*range(10)))) == 10
         clock.now += 0.05
         admission.finished(keys(*range(10)), success=True)
         clock.now += 0.05
     assert admission.counters["cascades_dropped"] == 0
     assert admission.backlog_s == 0
-    for _ in range(30):  # now 100 blocks a step and nothing finishes: 3 GB queued at ~200 MB/s
+    for _ in range(30):  # now 100 blocks a step and nothing finishes: 3,000 blocks queued at ~200 a second
         admission.admit(keys(*range(100)))
         clock.now += 0.1
     assert admission.counters["cascades_dropped"] > 0
@@ -50,7 +50,7 @@ def test_a_tier_that_keeps_up_sheds_nothing_and_one_that_falls_behind_sheds_unti
 
 
 def test_the_reuse_filter_cascades_blocks_stored_at_least_n_times_and_forgets_slowly():
-    admission = TierAdmission(AdmissionConfig(min_reuse=2, max_backlog_s=None), 99, ROW)
+    admission = TierAdmission(AdmissionConfig(min_reuse=2, max_backlog_s=None), 99)
     admission.stored(keys(1, 2))
     assert admission.admit(keys(1, 2)) == []
     admission.stored(keys(1, 3))

@@ -39,9 +39,9 @@ from pydantic import BaseModel, ConfigDict
 
 from tiering.keys import OffloadKey
 from tiering.options import STRICT, Count, Seconds
+from tiering.stats import ServiceRate
 
 _SKETCH_ROWS, _SKETCH_WIDTH = 4, 1 << 16
-_RATE_HALF_LIFE_S = 1.0  # busy seconds over which the measured service rate halves its memory
 
 
 class AdmissionConfig(BaseModel):
@@ -115,7 +115,6 @@ class TierAdmission:
         self,
         config: AdmissionConfig,
         primary_rows: int,
-        row_bytes: int,
         tiers: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -123,22 +122,17 @@ class TierAdmission:
         Args:
             config: the tier's admission settings.
             primary_rows: rows of the primary tier (the defaults are fractions of it).
-            row_bytes: bytes of one primary row (one block).
             tiers: secondary tiers sharing the primary rows.
             clock: seconds, monotonic (tests pass their own).
         """
         self.config = config
         self.max_rows = config.max_rows_in_flight or max(1, primary_rows // (2 * tiers))
-        self.row_bytes = row_bytes
-        self.rows_in_flight = 0
         self.counters = {"cascades_admitted": 0, "cascades_dropped": 0, "cascades_filtered": 0}
         self._sketch = ReuseSketch(config.reuse_window) if config.min_reuse > 1 else None
         self.write_back = config.write == "back"
         self.writeback_window = config.writeback_window or max(1, primary_rows // 8)
         self._written: set[OffloadKey] = set()  # write-back: held by the tier (or being written)
-        self._clock = clock
-        self._rate = 0.0  # bytes per busy second, smoothed; 0: not measured yet
-        self._last = clock()
+        self._service = ServiceRate(clock)  # rows cascaded per busy second
 
     def stored(self, keys: Sequence[OffloadKey]) -> None:
         """The GPU stored `keys` in the primary tier (counted by the reuse filter)."""
@@ -174,8 +168,7 @@ class TierAdmission:
         admitted = wanted[: max(0, room)]
         self.counters["cascades_dropped"] += len(wanted) - len(admitted)
         self.counters["cascades_admitted"] += len(admitted)
-        self._account_busy_time()
-        self.rows_in_flight += len(admitted)
+        self._service.started(len(admitted))
         if self.write_back:
             self._written.update(admitted)
         return admitted
@@ -184,27 +177,20 @@ class TierAdmission:
         """A cascade of `keys` was reported; their rows are no longer pinned. Its bytes
         count towards the measured rate only if it succeeded; a write-back tier tries the
         keys of a failed one again later."""
-        self._account_busy_time(len(keys) * self.row_bytes if success else 0)
-        self.rows_in_flight -= len(keys)
+        self._service.finished(len(keys), done=success)
         if self.write_back and not success:
             self._written.difference_update(keys)
 
     @property
+    def rows_in_flight(self) -> int:
+        """Primary rows pinned by this tier's unreported cascades."""
+        return self._service.in_flight
+
+    @property
     def backlog_s(self) -> float | None:
-        """Seconds the bytes in flight would take at the measured rate (None: no rate yet)."""
-        return self.rows_in_flight * self.row_bytes / self._rate if self._rate else None
+        """Seconds the rows in flight would take at the measured rate (None: no rate yet)."""
+        return self._service.seconds_for(self.rows_in_flight)
 
     def _behind(self) -> bool:
         limit, backlog = self.config.max_backlog_s, self.backlog_s
         return limit is not None and backlog is not None and backlog > limit
-
-    def _account_busy_time(self, finished_bytes: int = 0) -> None:
-        """Fold the time since the last event into the rate: busy time if rows were in
-        flight, and the bytes that finished in it."""
-        now = self._clock()
-        elapsed, self._last = now - self._last, now
-        if self.rows_in_flight <= 0 or elapsed <= 0:
-            return
-        sample = finished_bytes / elapsed
-        weight = 1.0 - 0.5 ** (elapsed / _RATE_HALF_LIFE_S)
-        self._rate = sample if not self._rate else self._rate + weight * (sample - self._rate)

@@ -73,6 +73,7 @@ class TieringConfig(BaseModel):
     eviction_policy: str = "lru"
     secondary_tiers: list[dict[str, Any]] = Field(default_factory=list)
     metrics: MetricsConfig | None = None
+    recompute_tokens_per_s: float | None = Field(default=None, gt=0)
     _source: str = PrivateAttr(default="<string>")
 
     @property

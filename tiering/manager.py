@@ -7,10 +7,11 @@ blocks it gets (a bound on the rows it pins, shedding while it is behind, a reus
 the others stay in the primary tier only.
 
 Load path (promotion): a ``lookup`` that misses the primary tier asks the secondary tiers in
-order; the first that has the block gets it promoted. A primary row is reserved at once
-(so a second lookup sees the block in flight and queues nothing), the lookup answers None,
-and the step's promotions are submitted at ``on_schedule_end`` as one load job per
-(tier, request).
+order; the first that has the block, and loads it sooner than the model would recompute it
+(`tiering.recompute`, when the prefill rate is configured), gets it promoted. A primary row
+is reserved at once (so a second lookup sees the block in flight and queues nothing), the
+lookup answers None, and the step's promotions are submitted at ``on_schedule_end`` as one
+load job per (tier, request).
 
 Finished jobs are processed once before the step's first ``lookup``/``prepare_store`` and
 once in ``on_schedule_end``. A tier that raises is logged and its job counted as failed; no
@@ -38,6 +39,7 @@ from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
 from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.lookups import RequestLookups
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+from tiering.recompute import RecomputeGate
 from tiering.secondary import JobId, JobMetadata, SecondaryTierManager
 from tiering.stats import Histogram
 
@@ -80,6 +82,7 @@ class TieringOffloadingManager(OffloadingManager):
         drain_timeout_s: float = 30.0,
         admission: Sequence[AdmissionConfig | None] | None = None,
         block_tokens: int | None = None,
+        recompute_tokens_per_s: float | None = None,
     ):
         """
         Args:
@@ -91,6 +94,9 @@ class TieringOffloadingManager(OffloadingManager):
                 shorter list: the defaults).
             block_tokens: tokens per block, for the token counters of `get_stats`; None
                 leaves them out (block counts only).
+            recompute_tokens_per_s: the model's prefill rate, prompt tokens per second: a
+                block only a tier slower than that holds is a miss (`tiering.recompute`);
+                None (or no `block_tokens`): every block found is promoted.
 
         Raises:
             ValueError: more admission configs than tiers.
@@ -111,9 +117,9 @@ class TieringOffloadingManager(OffloadingManager):
         if len(configs) > len(self.secondary_tiers):
             raise ValueError(f"{len(configs)} admission configs for {len(self.secondary_tiers)} secondary tiers")
         configs += [None] * (len(self.secondary_tiers) - len(configs))
-        row_bytes = primary_tier.get_kv_memoryview().nbytes // max(1, primary_tier.num_blocks)
         rows, tiers = primary_tier.num_blocks, max(1, len(configs))
-        self.admission = [TierAdmission(config or AdmissionConfig(), rows, row_bytes, tiers) for config in configs]
+        self.admission = [TierAdmission(config or AdmissionConfig(), rows, tiers) for config in configs]
+        self.gates = [RecomputeGate(recompute_tokens_per_s, block_tokens) for _ in self.secondary_tiers]
         self.block_tokens = block_tokens
         self._counters = {"promotions_submitted": 0, "cascades_submitted": 0}
         self._requests = RequestLookups(self.promotion_source)
@@ -143,7 +149,11 @@ class TieringOffloadingManager(OffloadingManager):
                 logger.exception("tier %s: lookup failed; counted as a miss", tier.tier_type)
                 continue
             if found:
-                return self._queue_promotion(tier_idx, key, req_context)
+                queued = self._promotions.get((tier_idx, req_context.req_id))
+                run = 1 + (len(queued.keys) if queued else 0)
+                if self.gates[tier_idx].worth_loading(req_context.req_id, run):
+                    return self._queue_promotion(tier_idx, key, req_context)
+                continue  # recomputing beats this tier; a later one may be faster
             if found is None:
                 answer = None
         return answer
@@ -211,6 +221,7 @@ class TieringOffloadingManager(OffloadingManager):
         tiers flush."""
         self._process_finished()
         for (tier_idx, _), queued in self._promotions.items():
+            self.gates[tier_idx].submitted(len(queued.keys))
             block_ids = np.array(queued.block_ids, dtype=np.int64)
             self._submit(tier_idx, queued.keys, block_ids, True, queued.req_context, queued.queued_at)
             self._counters["promotions_submitted"] += 1
@@ -249,7 +260,8 @@ class TieringOffloadingManager(OffloadingManager):
             `get_stats()` plus the lookups counted per request (``hit_blocks``, and
             ``hit_tokens`` when `block_tokens` is set; see `tiering.lookups`); each secondary
             tier adds its admission's counters (``cascades_admitted``, ``cascades_dropped``,
-            ``cascades_filtered``) and gauge (``rows_in_flight``). ``manager`` has the
+            ``cascades_filtered``) and gauge (``rows_in_flight``), and the promotions its
+            `RecomputeGate` declined (``promotions_declined``). ``manager`` has the
             request-level counters (``requested_blocks``, ``requested_tokens``,
             ``lookups_repeated``), jobs submitted, jobs and promotions in flight, and the
             ``promotion_seconds`` histogram (from the lookup that queued a promotion to its
@@ -259,9 +271,16 @@ class TieringOffloadingManager(OffloadingManager):
         primary = self.primary_tier.get_stats()
         primary["counters"].update(self._hit_counters(PRIMARY_NAME))
         tiers = {}
-        for name, tier, admission in zip(self.tier_names, self.secondary_tiers, self.admission, strict=True):
+        for name, tier, admission, gate in zip(
+            self.tier_names, self.secondary_tiers, self.admission, self.gates, strict=True
+        ):
             stats = dict(_guarded(tier, "get_stats", {}))
-            stats["counters"] = {**stats.get("counters", {}), **admission.counters, **self._hit_counters(name)}
+            stats["counters"] = {
+                **stats.get("counters", {}),
+                **admission.counters,
+                "promotions_declined": gate.declined,
+                **self._hit_counters(name),
+            }
             stats["gauges"] = {**stats.get("gauges", {}), "rows_in_flight": admission.rows_in_flight}
             stats.setdefault("histograms", {})
             tiers[name] = stats
@@ -363,10 +382,12 @@ class TieringOffloadingManager(OffloadingManager):
             queued = self._promotions[(tier_idx, req_context.req_id)] = _QueuedPromotion(req_context)
         queued.keys.append(key)
         queued.block_ids.append(int(reserved.store_spec.block_ids[0]))
+        self.gates[tier_idx].queued(1)
         return None
 
     def _drop_queued_promotions(self) -> None:
-        for queued in self._promotions.values():
+        for (tier_idx, _), queued in self._promotions.items():
+            self.gates[tier_idx].queued(-len(queued.keys))
             self.primary_tier.complete_write(queued.keys, queued.req_context, success=False)
         self._promotions.clear()
 
@@ -407,6 +428,9 @@ class TieringOffloadingManager(OffloadingManager):
         I/O may still use the job's rows; they stay out of use until it releases them."""
         job = self._jobs.pop(job_id, None)
         primary = self.primary_tier
+        if job is not None and job.is_promotion:
+            seconds = time.perf_counter() - job.queued_at
+            self.gates[job.tier_idx].finished(len(job.keys), success and not job.voided, seconds)
         if job is None:
             logger.warning("job %d reported again or never submitted; ignored", job_id)
         elif held_by is not None and not success:

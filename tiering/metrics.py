@@ -105,6 +105,7 @@ HELP = {
     "cascades_admitted": "Blocks admitted for copying to this tier.",
     "cascades_dropped": "Blocks not copied to this tier: over its pinned-row bound, or while it was behind.",
     "cascades_filtered": "Blocks not copied to this tier: stored fewer than min_reuse times.",
+    "promotions_declined": "Promotions from this tier declined: recomputing was faster (recompute_tokens_per_s).",
     "blocks": "Blocks held (or being stored) now.",
     "bytes": "Bytes held (or being stored) now, headers included.",
     "capacity_blocks": "The CPU tier's rows.",

@@ -201,7 +201,12 @@ class TieringOffloadingSpec:
             raise
         admission = [AdmissionConfig(**tier.get("admission", {})) for tier in self.config.secondary_tiers]
         self._manager = TieringOffloadingManager(
-            primary, tiers, self.enable_events, admission=admission, block_tokens=self.block_size
+            primary,
+            tiers,
+            self.enable_events,
+            admission=admission,
+            block_tokens=self.block_size,
+            recompute_tokens_per_s=self.config.recompute_tokens_per_s,
         )
         if self.config.metrics is not None:
             self._start_exporter()

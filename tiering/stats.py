@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from typing import Any
 
+_RATE_HALF_LIFE_S = 1.0  # busy seconds over which a measured service rate halves its memory
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 TierStats = dict[str, Any]
@@ -96,3 +98,47 @@ class JobTimer:
     def busy_seconds(self) -> float:
         """`busy_s`, the current busy stretch included."""
         return self.busy_s + (time.perf_counter() - self._busy_since if self._started else 0.0)
+
+
+class ServiceRate:
+    """How fast a tier finishes work: units (blocks, rows) per second of busy time,
+    smoothed over about a second of busy time, and the units in flight now.
+
+    Busy time is time with something in flight; idle time is never counted, so a tier that
+    is rarely used keeps its last rate.
+    """
+
+    __slots__ = ("_clock", "_last", "in_flight", "rate")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        """`clock`: seconds, monotonic (tests pass their own)."""
+        self._clock = clock
+        self._last = clock()
+        self.in_flight = 0
+        self.rate = 0.0  # units per busy second; 0: not measured yet
+
+    def started(self, units: int) -> None:
+        """`units` more are in flight."""
+        self._account()
+        self.in_flight += units
+
+    def finished(self, units: int, done: bool = True) -> None:
+        """`units` in flight ended; they count towards the rate if `done` (a failure did no
+        work worth measuring)."""
+        self._account(units if done else 0)
+        self.in_flight -= units
+
+    def seconds_for(self, units: float) -> float | None:
+        """Seconds `units` would take at the measured rate (None: no rate yet)."""
+        return units / self.rate if self.rate else None
+
+    def _account(self, finished: int = 0) -> None:
+        """Fold the time since the last event into the rate: busy time if units were in
+        flight, and the units that finished in it."""
+        now = self._clock()
+        elapsed, self._last = now - self._last, now
+        if self.in_flight <= 0 or elapsed <= 0:
+            return
+        sample = finished / elapsed
+        weight = 1.0 - 0.5 ** (elapsed / _RATE_HALF_LIFE_S)
+        self.rate = sample if not self.rate else self.rate + weight * (sample - self.rate)

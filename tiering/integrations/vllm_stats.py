@@ -38,6 +38,10 @@ COUNTERS = {  # the engine's counter -> (vLLM's metric, what it counts)
         "Blocks a secondary tier's admission control did not copy to it (over its pinned-row bound, "
         "or while the tier was behind).",
     ),
+    "promotions_declined": (
+        "vllm:kv_tiering_promotions_declined",
+        "Blocks of a secondary tier recomputed instead: promoting them was slower (recompute_tokens_per_s).",
+    ),
     "jobs_failed": ("vllm:kv_tiering_jobs_failed", "Store and load jobs of a secondary tier that failed."),
     "stores_refused": (
         "vllm:kv_tiering_stores_refused",
