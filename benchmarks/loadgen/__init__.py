@@ -11,8 +11,9 @@ BENCH_MODULES = ("rich", "torch", "matplotlib", "prometheus_client")  # what the
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``tiering-bench`` command: a trace replay, or ``tiering-bench overload ...`` (an
-    offered store rate ramped past what a tier absorbs, see `tiering.benchmarks.overload`).
+    """The ``tiering-bench`` command: a trace replay, ``tiering-bench overload ...`` (an
+    offered store rate ramped past what a tier absorbs, see `tiering.benchmarks.overload`),
+    or ``tiering-bench serve ...`` (a real vLLM server, see `tiering.benchmarks.serve`).
     Without the ``bench`` extra it says what to install and exits 2 instead of failing on
     an import."""
     argv = sys.argv[1:] if argv is None else argv
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
             from tiering.benchmarks import overload
 
             return overload.main(argv[1:])
+        if argv[:1] == ["serve"]:
+            from tiering.benchmarks.serve import cli as serve
+
+            return serve.main(argv[1:])
         from tiering.benchmarks.loadgen import cli
 
         return cli.main(argv)

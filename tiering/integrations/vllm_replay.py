@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 from typing import Any
 
-from tiering.benchmarks.loadgen.workload import Request, read_trace
+from tiering.benchmarks.loadgen.workload import read_trace
+from tiering.benchmarks.serve.workload import prompts
 from tiering.integrations.vllm import live_specs
 
 COUNTERS = (
@@ -32,24 +32,6 @@ COUNTERS = (
     "vllm:prefix_cache_hits",
     "vllm:external_prefix_cache_hits",
 )
-
-
-def prompts(requests: list[Request], tokens_per_id: int, max_tokens: int, vocab: int) -> list[list[int]]:
-    """Token prompts of `requests`: each block id is `tokens_per_id` tokens drawn from a
-    generator seeded by the id; at most `max_tokens` tokens each."""
-    blocks: dict[int, list[int]] = {}
-    out = []
-    for request in requests:
-        tokens: list[int] = []
-        for block in request.hash_ids:
-            if len(tokens) >= max_tokens:
-                break
-            if block not in blocks:
-                rng = random.Random(block)
-                blocks[block] = [rng.randrange(1, vocab) for _ in range(tokens_per_id)]
-            tokens.extend(blocks[block])
-        out.append(tokens[:max_tokens])
-    return out
 
 
 def replay(llm: Any, token_prompts: list[list[int]], max_tokens: int = 1) -> dict[str, Any]:

@@ -1,0 +1,159 @@
+"""``tiering-bench serve``: time to first token and throughput of a real vLLM server, with
+and without this engine, on a request trace.
+
+    tiering-bench serve --trace conversation_trace.jsonl --max-requests 200 --output serve.json --plot ttft.png
+
+Runs in the environment of the third set-up command (vLLM installed). It makes a local
+Llama (seeded random weights, no download), builds token prompts from the trace's block ids
+(`tiering.benchmarks.serve.workload`), and sends them to vLLM's OpenAI server at the
+trace's arrival times, once per configuration (`tiering.benchmarks.serve.run`), each on a
+fresh server. The table shows TTFT percentiles of every request and of the requests whose
+prefix an earlier request shared, throughput, and where prompt tokens came from.
+
+Exit status: 0 ok; 2 bad input (an option or trace that cannot be used); 3 a server failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+
+from tiering.benchmarks.loadgen.cli import _positive, _rate, _size, check_output
+from tiering.benchmarks.loadgen.workload import read_trace
+from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
+from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary
+from tiering.benchmarks.serve.run import CONFIGURATIONS, Setup, run_configuration, s3_server
+from tiering.benchmarks.serve.workload import prompts, reusable_prefix_tokens
+
+logger = logging.getLogger("tiering.bench")
+
+
+def _configurations(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CONFIGURATIONS]
+    if unknown or not names:
+        known = ", ".join(f"{name} ({what})" for name, what in CONFIGURATIONS.items())
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {known}; got {text!r}")
+    return names
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="tiering-bench serve",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--trace", type=Path, required=True, help="Mooncake JSONL trace")
+    parser.add_argument("--max-requests", type=_positive, default=100, help="requests to send (default 100)")
+    parser.add_argument(
+        "--time-scale",
+        type=_rate,
+        default=1.0,
+        help="seconds per trace second (default 1: the trace's own pace; 2: half its speed; 0: all at once)",
+    )
+    parser.add_argument(
+        "--configurations", type=_configurations, default=list(CONFIGURATIONS), help="default a,b,c,d,e"
+    )
+    parser.add_argument(
+        "--model-shape", choices=sorted(SHAPES), default="bench", help="the local model (default bench)"
+    )
+    parser.add_argument("--tokens-per-id", type=_positive, default=32, help="prompt tokens per trace block id")
+    parser.add_argument("--block-size", type=_positive, default=32, help="vLLM's block, tokens (a multiple of 32)")
+    parser.add_argument("--max-model-len", type=_positive, default=2048, help="prompt tokens are cut to fit it")
+    parser.add_argument("--max-tokens", type=_positive, default=4, help="output tokens per request (default 4)")
+    parser.add_argument("--max-concurrency", type=_positive, help="requests in flight at most (default: no limit)")
+    parser.add_argument("--gpu-blocks", type=_positive, default=160, help="vLLM's own KV cache, blocks (default 160)")
+    parser.add_argument("--cpu-bytes", type=_size, default=64 << 20, help="the CPU tier (default 64MiB)")
+    parser.add_argument(
+        "--slow-latency-s", type=_rate, default=0.5, help="the slow tier's latency per operation (f, g; default 0.5)"
+    )
+    parser.add_argument(
+        "--recompute-tokens-per-s",
+        type=_rate,
+        help="the prefill rate g is configured with (default: the one observed in a, which must run before g)",
+    )
+    parser.add_argument("--work-dir", type=Path, help="the model, tiers and server logs (default: a temporary one)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--output", type=Path, help="write the results as JSON")
+    parser.add_argument("--plot", type=Path, help="write the TTFT CDF as PNG")
+    parser.add_argument("--quiet", action="store_true", help="only warnings and errors")
+    args = parser.parse_args(argv)
+    names = args.configurations
+    if "g" in names and not args.recompute_tokens_per_s and ("a" not in names or names.index("a") > names.index("g")):
+        parser.error("configuration g needs --recompute-tokens-per-s, or configuration a before it to measure it")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None:
+        print("tiering-bench serve needs vLLM: run it in the environment of README's third set-up command (.venv-vllm)")
+        return 2
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    try:
+        check_output(args.output, "--output")
+        check_output(args.plot, "--plot")
+        requests = read_trace(args.trace, args.max_requests)
+    except (ValueError, OSError) as exc:
+        print(f"tiering-bench serve: {exc}")
+        return 2
+    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="tiering-serve-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        shape = SHAPES[args.model_shape]
+        model = work_dir / f"llama-{args.model_shape}"
+        if not (model / "config.json").exists():
+            make_model(model, shape, max_len=args.max_model_len)
+        token_prompts = prompts(requests, args.tokens_per_id, args.max_model_len - args.max_tokens, VOCAB)
+        first = requests[0].timestamp_ms if requests else 0.0
+        arrivals = [(r.timestamp_ms - first) / 1000 * args.time_scale for r in requests]
+        reusable = reusable_prefix_tokens(token_prompts, args.block_size)
+        setup = Setup(
+            model,
+            shape.kv_bytes_per_token,
+            args.block_size,
+            args.max_model_len,
+            args.gpu_blocks,
+            args.cpu_bytes,
+            work_dir,
+            args.slow_latency_s,
+            args.recompute_tokens_per_s,
+        )
+        runs: list[dict] = []
+        with s3_server("e" in args.configurations) as endpoint:
+            for name in args.configurations:
+                if name == "g" and not setup.recompute_tokens_per_s:
+                    observed = observed_prefill_rate(next(run for run in runs if run["name"] == "a"))
+                    setup = dataclasses.replace(setup, recompute_tokens_per_s=observed)
+                run = run_configuration(
+                    name, setup, token_prompts, arrivals, args.max_tokens, args.max_concurrency, endpoint
+                )
+                runs.append(run)
+    except RuntimeError as exc:
+        print(f"tiering-bench serve: {exc}")
+        return 3
+    finally:
+        if not args.keep and args.work_dir is None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    inputs = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    inputs |= {
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "extra_blocks_of_b": setup.extra_blocks,
+        "recompute_tokens_per_s": setup.recompute_tokens_per_s,
+    }
+    report = build_report(runs, reusable, inputs)
+    console = Console()
+    print_summary(report, Console(width=max(console.width, 140)))  # a markdown table: rows never wrap
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=1))
+    if args.plot:
+        plot(report, str(args.plot))
+    return 0

@@ -1,0 +1,108 @@
+"""An OpenAI-API client that replays requests at their arrival times and times each one.
+
+Each request is a streamed ``/v1/completions`` call with the prompt as token ids, greedy, a
+fixed number of output tokens (``ignore_eos``). Its time to first token is measured from
+the moment it was due (its arrival), so time spent waiting for a connection slot counts, as
+a user would see it.
+
+Thread: `replay` runs its own event loop in the calling thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+
+@dataclass
+class Outcome:
+    """One request: `arrival_s` (from the start of the run), `ttft_s` and `latency_s` (from
+    its arrival; None if it failed), tokens generated, prompt tokens vLLM reported cached
+    (its prefix cache and the connector's together), and the error if it failed."""
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def replay(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    arrivals_s: list[float],
+    max_tokens: int,
+    max_concurrency: int | None = None,
+    timeout_s: float = 600.0,
+) -> list[Outcome]:
+    """Send ``prompts[i]`` at ``arrivals_s[i]`` seconds from now (at most `max_concurrency`
+    in flight, None: no limit) and wait for all of them; outcomes in request order."""
+    return asyncio.run(_replay(url, model, prompts, arrivals_s, max_tokens, max_concurrency, timeout_s))
+
+
+async def _replay(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    arrivals_s: list[float],
+    max_tokens: int,
+    max_concurrency: int | None,
+    timeout_s: float,
+) -> list[Outcome]:
+    slots = asyncio.Semaphore(max_concurrency or len(prompts) or 1)
+    limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(index: int) -> Outcome:
+            outcome = Outcome(index, arrivals_s[index], len(prompts[index]))
+            await asyncio.sleep(max(0.0, start + arrivals_s[index] - time.perf_counter()))
+            async with slots:
+                await _complete(client, model, prompts[index], max_tokens, outcome, start + arrivals_s[index])
+            return outcome
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+
+async def _complete(
+    client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, outcome: Outcome, due: float
+) -> None:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                outcome.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if chunk.get("choices") and outcome.ttft_s is None:
+                    outcome.ttft_s = time.perf_counter() - due
+                usage = chunk.get("usage")
+                if usage:
+                    outcome.output_tokens = usage.get("completion_tokens", 0)
+                    outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        outcome.latency_s = time.perf_counter() - due
+    except httpx.HTTPError as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+        outcome.ttft_s = None

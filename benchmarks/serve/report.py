@@ -1,0 +1,114 @@
+"""The serving benchmark's results: per configuration, TTFT percentiles, throughput, where
+the prompt tokens came from and the engine's counts; as JSON, a table and a TTFT CDF plot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+SCHEMA_VERSION = 1
+PERCENTILES = (50, 90, 99)
+
+
+def summarize(run: dict[str, Any], reusable: list[int]) -> dict[str, Any]:
+    """A configuration's numbers from its outcomes and counters (`run_configuration`'s
+    result); `reusable`: each request's reusable prefix tokens (`reusable_prefix_tokens`).
+    Times in seconds; TTFTs of failed requests are left out and the failures counted."""
+    outcomes = run["outcomes"]
+    done = [o for o in outcomes if o["error"] is None]
+    repeat = [o for o in done if reusable[o["index"]] > 0]
+    wall_s = run["wall_s"]
+    counters = run["vllm"]
+    return {
+        "requests": len(outcomes),
+        "failed": len(outcomes) - len(done),
+        "ttft_s": _percentiles([o["ttft_s"] for o in done]),
+        "ttft_reusable_s": _percentiles([o["ttft_s"] for o in repeat]),
+        "reusable_requests": len(repeat),
+        "requests_per_s": len(done) / wall_s if wall_s else 0.0,
+        "output_tokens_per_s": sum(o["output_tokens"] for o in done) / wall_s if wall_s else 0.0,
+        "prompt_tokens": counters["prompt_tokens"],
+        "computed_tokens": counters["computed_tokens"],
+        "cached_tokens_by_source": counters["cached_tokens_by_source"],
+        "wall_s": wall_s,
+    }
+
+
+def observed_prefill_rate(run: dict[str, Any]) -> float | None:
+    """Prompt tokens per second of TTFT, the median over `run`'s requests that found nothing
+    cached (queueing included, so it errs low); None if there is none."""
+    rates = [o["prompt_tokens"] / o["ttft_s"] for o in run["outcomes"] if o["ttft_s"] and not o["cached_tokens"]]
+    return float(np.median(rates)) if rates else None
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES}
+    return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
+
+
+def build_report(runs: list[dict[str, Any]], reusable: list[int], inputs: dict[str, Any]) -> dict[str, Any]:
+    """The JSON document: inputs, then per configuration its summary, counters and outcomes."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "inputs": inputs,
+        "reusable_prefix_tokens": reusable,
+        "configurations": {run["name"]: {**run, "summary": summarize(run, reusable)} for run in runs},
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:,.0f}"
+
+
+def print_summary(report: dict[str, Any], console: Console) -> None:
+    """One row per configuration: TTFT (all requests, and those with a reusable prefix)
+    p50/p90/p99 in ms, throughput, and where the prompt tokens came from."""
+    table = Table(box=box.MARKDOWN, title="TTFT ms p50 / p90 / p99")
+    for header in ("", "TTFT all", "TTFT reusable", "req/s", "out tok/s", "computed", "served from"):
+        table.add_column(header, justify="left" if header in ("", "served from") else "right")
+    for name, run in report["configurations"].items():
+        summary = run["summary"]
+        served = ", ".join(
+            f"{source} {tokens:,.0f}" for source, tokens in summary["cached_tokens_by_source"].items() if tokens
+        )
+        table.add_row(
+            name + (f" ({summary['failed']} failed)" if summary["failed"] else ""),
+            " / ".join(_ms(v) for v in summary["ttft_s"].values()),
+            " / ".join(_ms(v) for v in summary["ttft_reusable_s"].values()),
+            f"{summary['requests_per_s']:.2f}",
+            f"{summary['output_tokens_per_s']:.1f}",
+            f"{summary['computed_tokens']:,.0f} of {summary['prompt_tokens']:,.0f}",
+            served or "-",
+        )
+    for name, run in report["configurations"].items():
+        console.print(f"{name}: {run['description']}")
+    console.print(table)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """The TTFT CDF of each configuration (all requests), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for name, run in report["configurations"].items():
+        ttfts = sorted(o["ttft_s"] for o in run["outcomes"] if o["ttft_s"] is not None)
+        if ttfts:
+            axes.step(
+                ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=f"{name}: {run['description']}"
+            )
+    axes.set_xscale("log")
+    axes.set_xlabel("time to first token, s")
+    axes.set_ylabel("share of requests")
+    axes.set_ylim(0, 1)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
