@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tiering-bench serve needs vLLM: run it in the environment of README's third set-up command (.venv-vllm)")
         return 2
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     try:
         check_output(args.output, "--output")
         check_output(args.plot, "--plot")

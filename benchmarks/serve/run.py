@@ -108,6 +108,7 @@ def server_options(name: str, setup: Setup, s3_endpoint: str | None) -> ServerOp
         max_model_len=setup.max_model_len,
         gpu_blocks=gpu_blocks,
         kv_cache_gib=kv_cache_gib,
+        reserved_cpus=0,  # the model's threads on every core, in every configuration alike
         extra_args=["--enable-prompt-tokens-details", "--max-num-seqs", "16"],
         env=S3_CREDENTIALS if name == "e" else {},
     )
