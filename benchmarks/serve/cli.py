@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--recompute-tokens-per-s",
         type=_rate,
-        help="the prefill rate g is configured with (default: the one observed in a, which must run before g)",
+        help="the prefill rate g is configured with (default: the fastest prefill observed in a, which must run first)",
     )
     parser.add_argument("--work-dir", type=Path, help="the model, tiers and server logs (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
