@@ -70,8 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=_positive, default=2048, help="prompt tokens are cut to fit it")
     parser.add_argument("--max-tokens", type=_positive, default=4, help="output tokens per request (default 4)")
     parser.add_argument("--max-concurrency", type=_positive, help="requests in flight at most (default: no limit)")
-    parser.add_argument("--gpu-blocks", type=_positive, default=160, help="vLLM's own KV cache, blocks (default 160)")
-    parser.add_argument("--cpu-bytes", type=_size, default=64 << 20, help="the CPU tier (default 64MiB)")
+    parser.add_argument("--gpu-blocks", type=_positive, default=80, help="vLLM's own KV cache, blocks (default 80)")
+    parser.add_argument("--cpu-bytes", type=_size, default=256 << 20, help="the CPU tier (default 256MiB)")
     parser.add_argument(
         "--slow-latency-s", type=_rate, default=0.5, help="the slow tier's latency per operation (f, g; default 0.5)"
     )
