@@ -28,7 +28,8 @@ def test_without_a_prefill_rate_or_a_measurement_every_block_is_loaded():
     gate = RecomputeGate(1000.0, 32, clock=clock)  # a block recomputes in 32 ms
     assert gate.worth_loading("r", 1)  # no rate yet
     measure(gate, clock, 1, 10.0)  # then a very slow load
-    assert not gate.worth_loading("s", 1) or not gate.worth_loading("t", 1)
+    assert gate.worth_loading("s", 1)  # the probe of this interval
+    assert not gate.worth_loading("t", 1)
 
 
 def test_a_fast_tier_loads_a_slow_one_is_declined_and_counted():
