@@ -72,3 +72,19 @@ def test_the_serving_benchmark_says_it_needs_vllm_and_checks_its_options(capsys,
     err = capsys.readouterr().err
     assert "expected a comma-separated list of a (vLLM, prefix cache only)" in err
     assert "configuration g needs --recompute-tokens-per-s, or configuration a before it" in err
+
+
+def test_a_trace_thinned_by_conversation_keeps_each_conversation_whole():
+    from tiering.benchmarks.loadgen.workload import Request
+    from tiering.benchmarks.serve.workload import sample_conversations
+
+    def request(ms: float, *ids: int) -> Request:
+        return Request(ms, 16 * len(ids), 4, ids)
+
+    # Every request starts with block 0 (a shared system prompt, as in the Mooncake trace);
+    # conversations in order of their first request: (0, 1) is 0th, (0, 5) 1st, (0, 7) 2nd.
+    trace = [request(0, 0, 1), request(1, 0, 5), request(2, 0, 1, 2), request(3, 0, 7), request(4, 0, 5, 6)]
+    trace.append(request(5, 0, 1, 2, 3))
+    assert sample_conversations(trace, 1) == trace
+    assert [r.hash_ids for r in sample_conversations(trace, 2)] == [(0, 1), (0, 1, 2), (0, 7), (0, 1, 2, 3)]
+    assert [r.timestamp_ms for r in sample_conversations(trace, 3)] == [0, 2, 5]

@@ -29,9 +29,9 @@ from rich.console import Console
 from tiering.benchmarks.loadgen.cli import _positive, _rate, _size, check_output
 from tiering.benchmarks.loadgen.workload import read_trace
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
-from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary
+from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary, summarize
 from tiering.benchmarks.serve.run import CONFIGURATIONS, Setup, run_configuration, s3_server
-from tiering.benchmarks.serve.workload import prompts, reusable_prefix_tokens
+from tiering.benchmarks.serve.workload import prompts, reusable_prefix_tokens, sample_conversations
 
 logger = logging.getLogger("tiering.bench")
 
@@ -53,6 +53,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--trace", type=Path, required=True, help="Mooncake JSONL trace")
     parser.add_argument("--max-requests", type=_positive, default=100, help="requests to send (default 100)")
+    parser.add_argument(
+        "--conversation-sample",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="keep one conversation in N, whole, before --max-requests (default 1: every request)",
+    )
     parser.add_argument(
         "--time-scale",
         type=_rate,
@@ -102,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_output(args.output, "--output")
         check_output(args.plot, "--plot")
-        requests = read_trace(args.trace, args.max_requests)
+        requests = sample_conversations(read_trace(args.trace), args.conversation_sample)[: args.max_requests]
     except (ValueError, OSError) as exc:
         print(f"tiering-bench serve: {exc}")
         return 2
@@ -129,6 +136,16 @@ def main(argv: list[str] | None = None) -> int:
             args.recompute_tokens_per_s,
         )
         runs: list[dict] = []
+
+        def report() -> dict:
+            inputs = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+            inputs |= {
+                "kv_bytes_per_token": shape.kv_bytes_per_token,
+                "extra_blocks_of_b": setup.extra_blocks,
+                "recompute_tokens_per_s": setup.recompute_tokens_per_s,
+            }
+            return build_report(runs, reusable, inputs)
+
         with s3_server("e" in args.configurations) as endpoint:
             for name in args.configurations:
                 if name == "g" and not setup.recompute_tokens_per_s:
@@ -138,23 +155,27 @@ def main(argv: list[str] | None = None) -> int:
                     name, setup, token_prompts, arrivals, args.max_tokens, args.max_concurrency, endpoint
                 )
                 runs.append(run)
+                summary = summarize(run, reusable)
+                logger.info(
+                    "configuration %s: TTFT p50 %.0f ms, of requests with a reusable prefix %.0f ms; "
+                    "%d of %d prompt tokens computed",
+                    name,
+                    (summary["ttft_s"]["p50"] or 0) * 1000,
+                    (summary["ttft_reusable_s"]["p50"] or 0) * 1000,
+                    summary["computed_tokens"],
+                    summary["prompt_tokens"],
+                )
+                if args.output:  # after each configuration: a long run stopped keeps what it measured
+                    args.output.write_text(json.dumps(report(), indent=1))
     except RuntimeError as exc:
         print(f"tiering-bench serve: {exc}")
         return 3
     finally:
         if not args.keep and args.work_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
-    inputs = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    inputs |= {
-        "kv_bytes_per_token": shape.kv_bytes_per_token,
-        "extra_blocks_of_b": setup.extra_blocks,
-        "recompute_tokens_per_s": setup.recompute_tokens_per_s,
-    }
-    report = build_report(runs, reusable, inputs)
+    results = report()
     console = Console()
-    print_summary(report, Console(width=max(console.width, 140)))  # a markdown table: rows never wrap
-    if args.output:
-        args.output.write_text(json.dumps(report, indent=1))
+    print_summary(results, Console(width=max(console.width, 140)))  # a markdown table: rows never wrap
     if args.plot:
-        plot(report, str(args.plot))
+        plot(results, str(args.plot))
     return 0

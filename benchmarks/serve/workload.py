@@ -13,6 +13,23 @@ import random
 from tiering.benchmarks.loadgen.workload import Request
 
 
+def sample_conversations(requests: list[Request], every: int) -> list[Request]:
+    """The requests of one conversation in `every`, whole: a trace thinned by session keeps
+    each conversation's reuse and gaps, and offers 1/`every` of the load.
+
+    A conversation is the requests that share their first two block ids (a chat resends
+    the conversation so far; one id is too few, since every request of the Mooncake trace
+    starts with the same one), numbered in order of their first request; conversations
+    0, `every`, 2 `every`... are kept."""
+    numbers: dict[tuple[int, ...], int] = {}
+    kept = []
+    for request in requests:
+        number = numbers.setdefault(request.hash_ids[:2], len(numbers))
+        if number % every == 0:
+            kept.append(request)
+    return kept
+
+
 def prompts(requests: list[Request], tokens_per_id: int, max_tokens: int, vocab: int) -> list[list[int]]:
     """Token prompts of `requests`, at most `max_tokens` tokens each."""
     blocks: dict[int, list[int]] = {}
