@@ -74,6 +74,7 @@ class TieringConfig(BaseModel):
     secondary_tiers: list[dict[str, Any]] = Field(default_factory=list)
     metrics: MetricsConfig | None = None
     recompute_tokens_per_s: float | None = Field(default=None, gt=0)
+    request_log: str | None = Field(default=None, min_length=1)
     _source: str = PrivateAttr(default="<string>")
 
     @property

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutpu
 from tiering.recompute import RecomputeGate
 from tiering.secondary import JobId, JobMetadata, SecondaryTierManager
 from tiering.stats import Histogram
+from tiering.timeline import RequestTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class TieringOffloadingManager(OffloadingManager):
         admission: Sequence[AdmissionConfig | None] | None = None,
         block_tokens: int | None = None,
         recompute_tokens_per_s: float | None = None,
+        request_log: str | Path | None = None,
     ):
         """
         Args:
@@ -97,9 +100,12 @@ class TieringOffloadingManager(OffloadingManager):
             recompute_tokens_per_s: the model's prefill rate, prompt tokens per second: a
                 block only a tier slower than that holds is a miss (`tiering.recompute`);
                 None (or no `block_tokens`): every block found is promoted.
+            request_log: a JSON Lines file that gets a line per finished request: when
+                its prefix was looked up, loaded and promoted (`tiering.timeline`); None: off.
 
         Raises:
             ValueError: more admission configs than tiers.
+            OSError: `request_log` cannot be opened for appending.
         """
         self.primary_tier = primary_tier
         self.secondary_tiers = list(secondary_tiers or ())
@@ -125,6 +131,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._requests = RequestLookups(self.promotion_source)
         self._promotion_seconds = Histogram()
         self._listeners: list[list[Any]] = []  # [callback, interval_s, next due]
+        self._timeline = RequestTimeline(request_log) if request_log is not None else None
 
     # -- scheduler calls ------------------------------------------------------------------
 
@@ -138,6 +145,8 @@ class TieringOffloadingManager(OffloadingManager):
         if answer is False:
             answer = self._lookup_secondary(key, req_context)
         self._requests.answered(req_context.req_id, key, answer)
+        if self._timeline is not None:
+            self._timeline.looked_up(req_context.req_id)
         return answer
 
     def _lookup_secondary(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
@@ -164,7 +173,10 @@ class TieringOffloadingManager(OffloadingManager):
         Raises:
             KeyError: a key is not loadable from the primary tier.
         """
-        return self.primary_tier.prepare_load(keys, req_context)
+        spec = self.primary_tier.prepare_load(keys, req_context)
+        if self._timeline is not None:
+            self._timeline.load_prepared(req_context.req_id, len(keys))
+        return spec
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Record a use of `keys` in the primary tier and in every secondary tier."""
@@ -179,6 +191,8 @@ class TieringOffloadingManager(OffloadingManager):
             KeyError: a key has no reader.
         """
         self.primary_tier.complete_load(keys, req_context)
+        if self._timeline is not None:
+            self._timeline.load_completed(req_context.req_id)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Reserve primary rows for a GPU store; None if the primary tier has no room."""
@@ -207,6 +221,8 @@ class TieringOffloadingManager(OffloadingManager):
         run (other requests share prefixes)."""
         self._requests.finished(req_context.req_id)
         self.primary_tier.on_request_finished(req_context)
+        if self._timeline is not None:
+            self._timeline.finished(req_context.req_id)
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events of the primary tier, then of each secondary tier, since the last call;
@@ -233,6 +249,8 @@ class TieringOffloadingManager(OffloadingManager):
             _guarded(tier, "on_schedule_end", None)
         if self._listeners:
             self._publish_stats()
+        if self._timeline is not None:
+            self._timeline.step_ended()
         self._polled_this_step = False
 
     def promotion_source(self, key: OffloadKey) -> str | None:
@@ -370,6 +388,8 @@ class TieringOffloadingManager(OffloadingManager):
         if self._jobs:
             logger.warning("%d jobs were never reported by their tiers", len(self._jobs))
         self.primary_tier.shutdown()
+        if self._timeline is not None:
+            self._timeline.close()
 
     # -- internals ------------------------------------------------------------------------
 
@@ -444,6 +464,8 @@ class TieringOffloadingManager(OffloadingManager):
             self._remember_sources(promoted, job.tier_idx)
             if promoted:
                 self._promotion_seconds.observe(time.perf_counter() - job.queued_at)
+                if self._timeline is not None:
+                    self._timeline.promoted(job.req_context.req_id, self.tier_names[job.tier_idx])
         else:
             self._end_cascade(job, success)
 

@@ -163,7 +163,7 @@ class TieringOffloadingSpec:
             ConfigError: ``cpu_bytes_to_use`` is more than the free shared memory, or a
                 secondary tier cannot be built (its storage cannot be opened, an
                 option does not fit the layout); names the file and the tier, and chains
-                the tier's own error.
+                the tier's own error. Or ``request_log`` cannot be opened for appending.
         """
         if self._manager is not None:
             return self._manager
@@ -190,6 +190,20 @@ class TieringOffloadingSpec:
                     raise ConfigError(self.config.source, exc.located(f"secondary_tiers[{index}]")) from exc
                 except Exception as exc:
                     raise ConfigError(self.config.source, [(f"secondary_tiers[{index}]", describe(exc))]) from exc
+            admission = [AdmissionConfig(**tier.get("admission", {})) for tier in self.config.secondary_tiers]
+            try:
+                self._manager = TieringOffloadingManager(
+                    primary,
+                    tiers,
+                    self.enable_events,
+                    admission=admission,
+                    block_tokens=self.block_size,
+                    recompute_tokens_per_s=self.config.recompute_tokens_per_s,
+                    request_log=self.config.request_log,
+                )
+            except OSError as exc:
+                problem = f"cannot be opened for appending: {exc.strerror}"
+                raise ConfigError(self.config.source, [("request_log", problem)]) from exc
         except BaseException:
             for tier in tiers:
                 tier.shutdown()
@@ -199,15 +213,6 @@ class TieringOffloadingSpec:
                 region.cleanup()
             self.async_runtime.shutdown()
             raise
-        admission = [AdmissionConfig(**tier.get("admission", {})) for tier in self.config.secondary_tiers]
-        self._manager = TieringOffloadingManager(
-            primary,
-            tiers,
-            self.enable_events,
-            admission=admission,
-            block_tokens=self.block_size,
-            recompute_tokens_per_s=self.config.recompute_tokens_per_s,
-        )
         if self.config.metrics is not None:
             self._start_exporter()
         logger.info(

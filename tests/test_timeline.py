@@ -1,0 +1,84 @@
+"""The request log: when each request's prefix was looked up, promoted and loaded, in
+seconds and scheduler steps, one JSON line per finished request."""
+
+import json
+
+import pytest
+
+from tests.helpers import ManualTier, RegionStandIn, engine_regions, key, keys
+from tiering import CPUPrimaryTierOffloadingManager, KVLayout, ReqContext, TieringOffloadingManager
+from tiering.config import parse_config
+from tiering.errors import ConfigError
+from tiering.spec import TieringOffloadingSpec
+from tiering.timeline import RequestTimeline
+
+
+class Clock:
+    def __init__(self):
+        self.now = 10.0
+
+    def __call__(self):
+        return self.now
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_promoted_prefix_shows_its_deferred_steps_promotion_and_load(tmp_path):
+    log = tmp_path / "requests.jsonl"
+    tier = ManualTier("file")
+    manager = TieringOffloadingManager(CPUPrimaryTierOffloadingManager(8, RegionStandIn(8)), [tier], request_log=log)
+    clock = Clock()
+    manager._timeline._clock = clock  # the manager's own clock, moved by the test
+    tier.present.update(dict.fromkeys(keys(1, 2), True))
+    request = ReqContext("req-1")
+    assert [manager.lookup(k, request) for k in keys(1, 2)] == [None, None]  # promotions queued
+    manager.on_schedule_end()  # step 1: submitted
+    clock.now += 0.25
+    tier.finish()
+    manager.on_schedule_end()  # step 2: promoted
+    clock.now += 0.05
+    assert [manager.lookup(k, request) for k in keys(1, 2)] == [True, True]
+    manager.prepare_load(keys(1, 2), request)
+    manager.on_schedule_end()  # step 3: the worker copies
+    clock.now += 0.01
+    manager.complete_load(keys(1, 2), request)
+    manager.on_request_finished(request)
+    other = ReqContext("req-2")
+    assert manager.lookup(key(9), other) is False  # nothing anywhere: no load
+    manager.on_request_finished(other)
+    manager.lookup(key(1), ReqContext("never-finished"))
+    manager.shutdown()
+    promoted, missed = lines(log)  # the unfinished request wrote nothing
+    assert promoted == {
+        "req_id": "req-1",
+        "first_lookup": 10.0,
+        "load_prepared": pytest.approx(10.3),
+        "steps_to_load": 2,
+        "load_completed": pytest.approx(10.31),
+        "steps_loading": 1,
+        "blocks_loaded": 2,
+        "promotions": {"file": pytest.approx(0.25)},
+        "finished": pytest.approx(10.31),
+    }
+    assert missed["req_id"] == "req-2" and missed["load_prepared"] is None and missed["blocks_loaded"] == 0
+
+
+def test_a_log_that_cannot_be_written_switches_itself_off(caplog):
+    timeline = RequestTimeline("/dev/full")  # every write fails with ENOSPC
+    timeline.looked_up("a")
+    timeline.finished("a")
+    timeline.looked_up("b")
+    timeline.finished("b")
+    assert "request_log: cannot write" in caplog.text and caplog.text.count("request_log") == 1
+
+
+def test_a_request_log_that_cannot_be_opened_is_a_config_error_and_leaks_nothing(tmp_path):
+    before = engine_regions()
+    config = parse_config(f"cpu_bytes_to_use: 64KiB\nrequest_log: {tmp_path / 'missing' / 'x.jsonl'}")
+    spec = TieringOffloadingSpec(config, KVLayout("t", 1, 64), f"timeline-{tmp_path.name}")
+    with spec, pytest.raises(ConfigError) as raised:
+        spec.get_manager()
+    assert "request_log: cannot be opened for appending: No such file or directory" in str(raised.value)
+    assert engine_regions() == before
