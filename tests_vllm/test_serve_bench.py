@@ -57,3 +57,16 @@ def test_every_configuration_serves_the_trace_and_the_report_adds_up(tmp_path):
     declined = {name: runs[name]["vllm"]["engine"].get("promotions_declined", {}).get("faulty", 0) for name in "fg"}
     assert declined["f"] == 0 and declined["g"] > 0, declined
     assert report["inputs"]["recompute_tokens_per_s"] > 0  # observed in a
+    # the TTFT of a request that loaded from the engine splits into parts that add up to it
+    for name in "cdefg":
+        loaded = [o for o in runs[name]["outcomes"] if o["engine"]]
+        assert len(loaded) == runs[name]["summary"]["loaded_requests"] >= (name in "def"), name
+        for outcome in loaded:
+            parts = outcome["engine"]
+            assert parts["blocks_loaded"] > 0 and parts["steps_to_load"] >= 0 and parts["steps_loading"] >= 0
+            assert parts["load_s"] >= 0 and parts["after_load_s"] > 0, (name, parts)
+            total = parts["to_lookup_s"] + parts["to_loadable_s"] + parts["load_s"] + parts["after_load_s"]
+            assert total == pytest.approx(outcome["ttft_s"]), (name, outcome)
+        assert not loaded or runs[name]["summary"]["copy_gbps"] > 0, name
+    assert any(o["engine"] and o["engine"]["promotion_s"].get("file") for o in runs["d"]["outcomes"])
+    assert all(o["engine"] is None for name in "ab" for o in runs[name]["outcomes"])  # no engine, no log

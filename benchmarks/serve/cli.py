@@ -1,5 +1,5 @@
 """``tiering-bench serve``: time to first token and throughput of a real vLLM server, with
-and without this engine, on a request trace.
+and without this engine, on a request trace or a built-in synthetic workload.
 
     tiering-bench serve --trace conversation_trace.jsonl --max-requests 200 --output serve.json --plot ttft.png
 
@@ -8,7 +8,9 @@ Llama (seeded random weights, no download), builds token prompts from the trace'
 (`tiering.benchmarks.serve.workload`), and sends them to vLLM's OpenAI server at the
 trace's arrival times, once per configuration (`tiering.benchmarks.serve.run`), each on a
 fresh server. The table shows TTFT percentiles of every request and of the requests whose
-prefix an earlier request shared, throughput, and where prompt tokens came from.
+prefix an earlier request shared, throughput, and where prompt tokens came from; a second
+table splits the TTFT of the requests that loaded blocks from the engine into its parts
+(`tiering.benchmarks.serve.breakdown`, from the engine's ``request_log``).
 
 Exit status: 0 ok; 2 bad input (an option or trace that cannot be used); 3 a server failed.
 """
@@ -27,7 +29,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tiering.benchmarks.loadgen.cli import _positive, _rate, _size, check_output
-from tiering.benchmarks.loadgen.workload import read_trace
+from tiering.benchmarks.loadgen.workload import WORKLOADS, read_trace, synthetic
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
 from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary, summarize
 from tiering.benchmarks.serve.run import CONFIGURATIONS, Setup, run_configuration, s3_server
@@ -51,7 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--trace", type=Path, required=True, help="Mooncake JSONL trace")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", type=Path, help="Mooncake JSONL trace")
+    source.add_argument("--workload", choices=WORKLOADS, help="a built-in synthetic workload instead (seed 0)")
     parser.add_argument("--max-requests", type=_positive, default=100, help="requests to send (default 100)")
     parser.add_argument(
         "--conversation-sample",
@@ -109,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_output(args.output, "--output")
         check_output(args.plot, "--plot")
-        requests = sample_conversations(read_trace(args.trace), args.conversation_sample)[: args.max_requests]
+        source = read_trace(args.trace) if args.trace else synthetic(args.workload, args.max_requests)
+        requests = sample_conversations(source, args.conversation_sample)[: args.max_requests]
     except (ValueError, OSError) as exc:
         print(f"tiering-bench serve: {exc}")
         return 2

@@ -1,9 +1,10 @@
 """An OpenAI-API client that replays requests at their arrival times and times each one.
 
 Each request is a streamed ``/v1/completions`` call with the prompt as token ids, greedy, a
-fixed number of output tokens (``ignore_eos``). Its time to first token is measured from
-the moment it was due (its arrival), so time spent waiting for a connection slot counts, as
-a user would see it.
+fixed number of output tokens (``ignore_eos``), and the request id ``bench-<index>`` (the
+``X-Request-Id`` header; vLLM's own ids for it contain that). Its time to first token is
+measured from the moment it was due (its arrival), so time spent waiting for a connection
+slot counts, as a user would see it.
 
 Thread: `replay` runs its own event loop in the calling thread.
 """
@@ -20,13 +21,16 @@ import httpx
 
 @dataclass
 class Outcome:
-    """One request: `arrival_s` (from the start of the run), `ttft_s` and `latency_s` (from
-    its arrival; None if it failed), tokens generated, prompt tokens vLLM reported cached
-    (its prefix cache and the connector's together), and the error if it failed."""
+    """One request: `arrival_s` (from the start of the run), `due_monotonic` (its arrival on
+    ``time.monotonic``'s clock, as the engine's request log reads it), `ttft_s` and
+    `latency_s` (from its arrival; None if it failed), tokens generated, prompt tokens vLLM
+    reported cached (its prefix cache and the connector's together), and the error if it
+    failed."""
 
     index: int
     arrival_s: float
     prompt_tokens: int
+    due_monotonic: float = 0.0
     ttft_s: float | None = None
     latency_s: float | None = None
     output_tokens: int = 0
@@ -63,13 +67,14 @@ async def _replay(
     slots = asyncio.Semaphore(max_concurrency or len(prompts) or 1)
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1)
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
-        start = time.perf_counter()
+        start = time.monotonic()
 
         async def one(index: int) -> Outcome:
-            outcome = Outcome(index, arrivals_s[index], len(prompts[index]))
-            await asyncio.sleep(max(0.0, start + arrivals_s[index] - time.perf_counter()))
+            due = start + arrivals_s[index]
+            outcome = Outcome(index, arrivals_s[index], len(prompts[index]), due)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             async with slots:
-                await _complete(client, model, prompts[index], max_tokens, outcome, start + arrivals_s[index])
+                await _complete(client, model, prompts[index], max_tokens, outcome, due)
             return outcome
 
         return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
@@ -88,7 +93,8 @@ async def _complete(
         "stream_options": {"include_usage": True},
     }
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        headers = {"X-Request-Id": f"bench-{outcome.index}"}
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
             if response.status_code != 200:
                 outcome.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return
@@ -97,12 +103,12 @@ async def _complete(
                     continue
                 chunk = json.loads(line.removeprefix("data: "))
                 if chunk.get("choices") and outcome.ttft_s is None:
-                    outcome.ttft_s = time.perf_counter() - due
+                    outcome.ttft_s = time.monotonic() - due
                 usage = chunk.get("usage")
                 if usage:
                     outcome.output_tokens = usage.get("completion_tokens", 0)
                     outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        outcome.latency_s = time.perf_counter() - due
+        outcome.latency_s = time.monotonic() - due
     except httpx.HTTPError as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
         outcome.ttft_s = None

@@ -10,6 +10,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from tiering.benchmarks.serve.breakdown import FIELDS
+
 SCHEMA_VERSION = 1
 PERCENTILES = (50, 90, 99)
 
@@ -17,12 +19,17 @@ PERCENTILES = (50, 90, 99)
 def summarize(run: dict[str, Any], reusable: list[int]) -> dict[str, Any]:
     """A configuration's numbers from its outcomes and counters (`run_configuration`'s
     result); `reusable`: each request's reusable prefix tokens (`reusable_prefix_tokens`).
-    Times in seconds; TTFTs of failed requests are left out and the failures counted."""
+    Times in seconds; TTFTs of failed requests are left out and the failures counted.
+    ``breakdown_p50``: the median of each part of the TTFT (`FIELDS`) over the requests
+    that loaded blocks from the engine (``loaded_requests``); ``copy_gbps``: the worker's
+    loads into vLLM's cache, GB/s."""
     outcomes = run["outcomes"]
     done = [o for o in outcomes if o["error"] is None]
     repeat = [o for o in done if reusable[o["index"]] > 0]
     wall_s = run["wall_s"]
     counters = run["vllm"]
+    loaded = [o for o in done if o.get("engine")]
+    load_seconds = counters.get("load_seconds")
     return {
         "requests": len(outcomes),
         "failed": len(outcomes) - len(done),
@@ -35,6 +42,10 @@ def summarize(run: dict[str, Any], reusable: list[int]) -> dict[str, Any]:
         "computed_tokens": counters["computed_tokens"],
         "cached_tokens_by_source": counters["cached_tokens_by_source"],
         "wall_s": wall_s,
+        "loaded_requests": len(loaded),
+        "ttft_loaded_s": _percentiles([o["ttft_s"] for o in loaded]),
+        "breakdown_p50": {f: float(np.median([o["engine"][f] for o in loaded])) for f in FIELDS} if loaded else None,
+        "copy_gbps": counters["load_bytes"] / load_seconds / 1e9 if load_seconds else None,
     }
 
 
@@ -89,6 +100,35 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     for name, run in report["configurations"].items():
         console.print(f"{name}: {run['description']}")
     console.print(table)
+    summaries = {name: run["summary"] for name, run in report["configurations"].items()}
+    loads = {name: summary for name, summary in summaries.items() if summary["loaded_requests"]}
+    if loads:
+        console.print(_breakdown_table(loads))
+
+
+def _breakdown_table(summaries: dict[str, dict[str, Any]]) -> Table:
+    """Per configuration, the median parts of the TTFT of requests that loaded from the
+    engine (`tiering.benchmarks.serve.breakdown`)."""
+    table = Table(box=box.MARKDOWN, title="Requests that loaded from the engine: TTFT and its parts, p50 ms")
+    headers = ("", "requests", "TTFT", "to lookup", "to loadable", "steps", "load", "steps", "after load", "copy GB/s")
+    for header in headers:
+        table.add_column(header, justify="left" if not header else "right")
+    for name, summary in summaries.items():
+        parts = summary["breakdown_p50"]
+        gbps = summary["copy_gbps"]
+        table.add_row(
+            name,
+            str(summary["loaded_requests"]),
+            _ms(summary["ttft_loaded_s"]["p50"]),
+            _ms(parts["to_lookup_s"]),
+            _ms(parts["to_loadable_s"]),
+            f"{parts['steps_to_load']:g}",
+            _ms(parts["load_s"]),
+            f"{parts['steps_loading']:g}",
+            _ms(parts["after_load_s"]),
+            "-" if gbps is None else f"{gbps:.2f}",
+        )
+    return table
 
 
 def plot(report: dict[str, Any], path: str) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiering.benchmarks.serve.breakdown import breakdown, read_request_log
 from tiering.benchmarks.serve.client import Outcome, replay
 from tiering.benchmarks.serve.server import ServerOptions, VllmServer
 
@@ -99,7 +100,12 @@ def server_options(name: str, setup: Setup, s3_endpoint: str | None) -> ServerOp
     }
     engine: dict[str, Any] | None = None
     if name in tiers:
-        engine = {"cpu_bytes_to_use": setup.cpu_bytes, "eviction_policy": "lru", "secondary_tiers": tiers[name]}
+        engine = {
+            "cpu_bytes_to_use": setup.cpu_bytes,
+            "eviction_policy": "lru",
+            "secondary_tiers": tiers[name],
+            "request_log": str(request_log(name, setup)),
+        }
         if name == "g":
             engine["recompute_tokens_per_s"] = setup.recompute_tokens_per_s
     return ServerOptions(
@@ -112,6 +118,11 @@ def server_options(name: str, setup: Setup, s3_endpoint: str | None) -> ServerOp
         extra_args=["--enable-prompt-tokens-details", "--max-num-seqs", "16"],
         env=S3_CREDENTIALS if name == "e" else {},
     )
+
+
+def request_log(name: str, setup: Setup) -> Path:
+    """The engine's request log of configuration `name` (`tiering.timeline`)."""
+    return setup.work_dir / f"requests-{name}.jsonl"
 
 
 @contextlib.contextmanager
@@ -142,12 +153,15 @@ def run_configuration(
     """Start configuration `name`'s server, replay the requests, read its counters, stop it.
 
     Returns:
-        ``{"name", "description", "wall_s", "outcomes": [Outcome dicts], "vllm": counters}``.
+        ``{"name", "description", "wall_s", "outcomes": [Outcome dicts], "vllm": counters}``;
+        an outcome of a request that loaded blocks from the engine has its TTFT's parts
+        under ``"engine"`` (`tiering.benchmarks.serve.breakdown`), else None there.
 
     Raises:
         RuntimeError: the server did not start (the message has its output).
     """
     options = server_options(name, setup, s3_endpoint)
+    request_log(name, setup).unlink(missing_ok=True)
     log = setup.work_dir / f"server-{name}.log"
     logger.info("configuration %s (%s): starting vLLM, log in %s", name, CONFIGURATIONS[name], log)
     server = VllmServer(setup.model, options, log)
@@ -158,6 +172,10 @@ def run_configuration(
         counters = settled_counters(server)
     finally:
         server.stop(signal.SIGINT)
+    entries = read_request_log(request_log(name, setup))
+    results = [outcome.as_dict() for outcome in outcomes]
+    for result in results:
+        result["engine"] = breakdown(result, entries.get(result["index"]))
     failed = sum(outcome.error is not None for outcome in outcomes)
     if failed:
         logger.warning("configuration %s: %d requests failed, first: %s", name, failed, _first_error(outcomes))
@@ -165,7 +183,7 @@ def run_configuration(
         "name": name,
         "description": CONFIGURATIONS[name],
         "wall_s": wall_s,
-        "outcomes": [outcome.as_dict() for outcome in outcomes],
+        "outcomes": results,
         "vllm": counters,
     }
 
@@ -200,5 +218,7 @@ def settled_counters(server: VllmServer) -> dict[str, Any]:
             source: total("vllm:prompt_tokens_cached_by_source", source=source) for source in SOURCES
         },
         "generation_tokens": total("vllm:generation_tokens"),
+        "load_bytes": total("vllm:kv_offload_load_bytes"),  # the worker's copies into vLLM's cache
+        "load_seconds": total("vllm:kv_offload_load_time"),
         "engine": engine,
     }
