@@ -24,12 +24,12 @@ def measure(gate: RecomputeGate, clock: Clock, blocks: int, seconds: float) -> N
 
 def test_without_a_prefill_rate_or_a_measurement_every_block_is_loaded():
     clock = Clock()
-    assert RecomputeGate(None, 32, clock=clock).worth_loading("r", 1)
+    assert RecomputeGate(None, 32, clock=clock).decide(1) == "load"
     gate = RecomputeGate(1000.0, 32, clock=clock)  # a block recomputes in 32 ms
-    assert gate.worth_loading("r", 1)  # no rate yet
+    assert gate.decide(1) == "load"  # no rate yet
     measure(gate, clock, 1, 10.0)  # then a very slow load
-    assert gate.worth_loading("s", 1)  # the probe of this interval
-    assert not gate.worth_loading("t", 1)
+    assert [gate.decide(1) for _ in range(3)] == ["probe", "decline", "decline"]
+    assert gate.declined == 3  # a probe's request recomputes too
 
 
 def test_a_fast_tier_loads_a_slow_one_is_declined_and_counted():
@@ -37,11 +37,10 @@ def test_a_fast_tier_loads_a_slow_one_is_declined_and_counted():
     fast, slow = RecomputeGate(1000.0, 32, clock=clock), RecomputeGate(1000.0, 32, clock=clock)
     measure(fast, clock, 1, 0.01)  # a promotion in 10 ms
     measure(slow, clock, 1, 0.1)  # in 100 ms, slower than 32 ms of prefill
-    assert fast.worth_loading("a", 1) and fast.declined == 0
-    assert slow.worth_loading("a", 1)  # the first decline would be the probe of the interval
-    assert [slow.worth_loading(r, 1) for r in "bcd"] == [False] * 3
-    assert slow.declined == 3
-    assert slow.worth_loading("a", 2)  # the probing request keeps its run
+    assert fast.decide(1) == "load" and fast.declined == 0
+    assert [slow.decide(1) for _ in range(4)] == ["probe"] + ["decline"] * 3
+    assert slow.declined == 4
+    assert slow.decide(4) == "load"  # a run of 4 blocks recomputes in 128 ms: loading is faster
 
 
 def test_a_fast_tier_with_a_deep_backlog_is_declined():
@@ -51,27 +50,26 @@ def test_a_fast_tier_with_a_deep_backlog_is_declined():
         measure(gate, clock, 1, 0.01)
     gate.queued(1)
     gate.submitted(1)  # 1 block ahead: ready in about 10 + 10 ms, before 32 ms
-    assert gate.worth_loading("a", 1)
+    assert gate.decide(1) == "load"
     gate.queued(2)  # 3 ahead of a new request: about 40 ms
-    assert gate.worth_loading("probe", 1)  # (the probe of this interval)
-    assert not gate.worth_loading("b", 1)
-    assert gate.worth_loading("a", 3)  # a's third block: 1 block ahead of its run, against 96 ms of prefill
+    assert [gate.decide(1) for _ in range(2)] == ["probe", "decline"]
+    assert gate.decide(3) == "load"  # the third block of a run: 1 block ahead of it, against 96 ms of prefill
 
 
 def test_a_tier_that_recovers_is_measured_again_by_a_probe_every_interval():
     clock = Clock()
     gate = RecomputeGate(1000.0, 32, probe_interval_s=10.0, clock=clock)
     measure(gate, clock, 1, 1.0)
-    assert gate.worth_loading("probe-1", 1) and not gate.worth_loading("b", 1)
+    assert [gate.decide(1) for _ in range(2)] == ["probe", "decline"]
     clock.now += 10.0
-    assert gate.worth_loading("probe-2", 1)  # the tier is fast again:
+    assert gate.decide(1) == "probe"  # the tier is fast again:
     measure(gate, clock, 1, 0.001)
-    assert not gate.worth_loading("c", 1)  # half-way there: 0.5 s
+    assert gate.decide(1) == "decline"  # half-way there: 0.5 s
     clock.now += 10.0
-    assert gate.worth_loading("probe-3", 1)
+    assert gate.decide(1) == "probe"
     for _ in range(6):
         measure(gate, clock, 1, 0.001)
-    assert gate.worth_loading("d", 1) and gate.worth_loading("e", 1)
+    assert gate.decide(1) == "load" and gate.decide(1) == "load"
 
 
 def test_the_manager_answers_a_miss_for_a_declined_block_and_counts_it_per_tier():
@@ -86,11 +84,17 @@ def test_the_manager_answers_a_miss_for_a_declined_block_and_counts_it_per_tier(
     slow.finish()  # any measurable time is slower than a prefill of a billion tokens a second
     manager.on_schedule_end()
     assert manager.lookup(key(1), first) is True
-    assert manager.lookup(key(2), ReqContext("probe")) is None  # the probe of the interval
+    # the interval's probe: a miss for the request (fast has key 2 too, but is not asked), promoted meanwhile
+    assert manager.lookup(key(2), ReqContext("probe")) is False
+    manager.on_schedule_end()
+    assert [job.keys for job in slow.pending.values()] == [[key(2)]] and not fast.pending
     assert manager.lookup(key(3), ReqContext("x")) is False  # nobody has it
     slow.present[key(4)] = True
     assert manager.lookup(key(4), ReqContext("second")) is False  # declined, and no other tier has it
     stats = manager.get_stats()["tiers"]
-    assert stats["slow"]["counters"]["promotions_declined"] == 1
+    assert stats["slow"]["counters"]["promotions_declined"] == 2
     assert stats["fast"]["counters"]["promotions_declined"] == 0
+    slow.finish()
+    manager.on_schedule_end()
+    assert manager.lookup(key(2), ReqContext("later")) is True  # the probe's block serves later requests
     manager.shutdown()

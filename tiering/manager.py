@@ -159,9 +159,12 @@ class TieringOffloadingManager(OffloadingManager):
                 continue
             if found:
                 queued = self._promotions.get((tier_idx, req_context.req_id))
-                run = 1 + (len(queued.keys) if queued else 0)
-                if self.gates[tier_idx].worth_loading(req_context.req_id, run):
+                decision = self.gates[tier_idx].decide(1 + (len(queued.keys) if queued else 0))
+                if decision == "load":
                     return self._queue_promotion(tier_idx, key, req_context)
+                if decision == "probe":  # measured in the background; the request recomputes
+                    self._queue_promotion(tier_idx, key, req_context)
+                    return False
                 continue  # recomputing beats this tier; a later one may be faster
             if found is None:
                 answer = None

@@ -11,9 +11,10 @@ For the next block of a request's run of ``n`` blocks on that tier it estimates
 where ``ahead`` counts the other requests' blocks in flight or queued there, and declines
 the block when ``load_s`` exceeds ``n * tokens_per_block / recompute_tokens_per_s``, the
 time to recompute the run. A declined block is a miss: the scheduler recomputes it (and
-the rest of the prefix). Before a tier's first promotion nothing is declined; while a tier
-is declining, one request's promotions go through every `probe_interval_s`, so a tier that
-recovered is measured again.
+the rest of the prefix). Before a tier's first promotion nothing is declined. While a tier
+is declining, one block every `probe_interval_s` is a probe: it is promoted in the
+background, so that a tier that recovered is measured again, while its request is answered
+a miss and recomputes, so that no request waits on a tier found slow.
 
 Thread: the scheduler thread only.
 """
@@ -22,10 +23,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from tiering.stats import ServiceRate
 
 _WEIGHT = 0.5  # of the latest promotion in the smoothed duration
+
+Decision = Literal["load", "probe", "decline"]
+"""``load``: promote the block for the request; ``probe``: promote it in the background and
+answer the request a miss; ``decline``: a miss, nothing promoted."""
 
 
 class RecomputeGate:
@@ -43,7 +49,7 @@ class RecomputeGate:
             recompute_tokens_per_s: the model's prefill rate, prompt tokens per second;
                 None: never decline.
             tokens_per_block: tokens per block; None: never decline.
-            probe_interval_s: while declining, let one request's promotions through this
+            probe_interval_s: while declining, promote one block in the background this
                 often, seconds.
             clock: seconds, monotonic (tests pass their own).
         """
@@ -54,26 +60,26 @@ class RecomputeGate:
         self._promotion_s: float | None = None  # smoothed duration of a promotion
         self._queued = 0  # blocks queued this step, not submitted yet
         self._probe_interval_s = probe_interval_s
-        self._probing: str | None = None  # the request let through to measure the tier again
         self._last_probe = -float("inf")
         self._clock = clock
         self.declined = 0
 
-    def worth_loading(self, req_id: str, run_blocks: int) -> bool:
-        """Whether to promote the next block of request `req_id`, of which `run_blocks`
-        blocks are queued on this tier this step, this one included; a decline is counted."""
+    def decide(self, run_blocks: int) -> Decision:
+        """What to do with the next block of a request's run on this tier: `run_blocks`
+        blocks of that request are queued on it this step, this one included. A probe and
+        a decline are counted in `declined` (the request recomputes the block either way)."""
         if self._seconds_per_block is None or self._promotion_s is None:
-            return True
+            return "load"
         ahead = self._service.in_flight + self._queued - (run_blocks - 1)
         load_s = self._promotion_s + (self._service.seconds_for(max(0, ahead)) or 0.0)
-        if load_s <= run_blocks * self._seconds_per_block or req_id == self._probing:
-            return True
+        if load_s <= run_blocks * self._seconds_per_block:
+            return "load"
+        self.declined += 1
         now = self._clock()
         if now - self._last_probe >= self._probe_interval_s:
-            self._probing, self._last_probe = req_id, now
-            return True
-        self.declined += 1
-        return False
+            self._last_probe = now
+            return "probe"
+        return "decline"
 
     def queued(self, blocks: int = 1) -> None:
         """`blocks` were queued for promotion from this tier (negative: dropped)."""
