@@ -98,3 +98,32 @@ def test_the_manager_answers_a_miss_for_a_declined_block_and_counts_it_per_tier(
     manager.on_schedule_end()
     assert manager.lookup(key(2), ReqContext("later")) is True  # the probe's block serves later requests
     manager.shutdown()
+
+
+def test_a_probe_never_evicts_the_hits_its_request_is_about_to_load():
+    """vLLM looks a prefix up block by block and loads the hits before the first miss in the
+    same step: a probe's row, reserved at once, could evict one of them (vLLM's scheduler then
+    died on prepare_load's KeyError). It is reserved at the step's end, after the loads."""
+    slow = ManualTier("slow")
+    primary = CPUPrimaryTierOffloadingManager(2, RegionStandIn(2))
+    manager = TieringOffloadingManager(primary, [slow], block_tokens=32, recompute_tokens_per_s=1e9)
+    slow.present.update(dict.fromkeys(keys(1, 2), True))
+    first = ReqContext("first")
+    assert manager.lookup(key(1), first) is None  # no rate yet: promoted, and measured as slow
+    manager.on_schedule_end()
+    slow.finish()
+    manager.on_schedule_end()
+    stored = ReqContext("stored")
+    manager.complete_store(manager.prepare_store(keys(9), stored).keys_to_store, stored)  # rows full: 1, 9
+    manager.on_schedule_end()
+    slow.finish()  # key 9's cascade: its row is free to evict again
+    manager.on_schedule_end()
+    request = ReqContext("request")
+    assert manager.lookup(key(1), request) is True  # the least recent row
+    assert manager.lookup(key(2), request) is False  # the interval's probe
+    spec = manager.prepare_load(keys(1), request)  # key 1 is still there
+    manager.on_schedule_end()
+    assert [job.keys for job in slow.pending.values()] == [keys(2)]  # the probe took key 9's row
+    assert primary.ref_count(key(9)) is None and list(spec.block_ids) != []
+    manager.complete_load(keys(1), request)
+    manager.shutdown()

@@ -116,6 +116,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._sources: dict[OffloadKey, str] = {}  # recently promoted keys -> tier name, oldest first
         self._held: dict[tuple[int, JobId], _Job] = {}  # jobs whose late I/O still uses their rows
         self._promotions: dict[tuple[int, str], _QueuedPromotion] = {}
+        self._probes: list[tuple[int, OffloadKey, ReqContext]] = []  # (tier, key, request) of the step
         self._polled_this_step = False
         self._shut_down = False
         self.tier_names = unique_names([getattr(tier, "name", tier.tier_type) for tier in self.secondary_tiers])
@@ -162,8 +163,8 @@ class TieringOffloadingManager(OffloadingManager):
                 decision = self.gates[tier_idx].decide(1 + (len(queued.keys) if queued else 0))
                 if decision == "load":
                     return self._queue_promotion(tier_idx, key, req_context)
-                if decision == "probe":  # measured in the background; the request recomputes
-                    self._queue_promotion(tier_idx, key, req_context)
+                if decision == "probe":  # promoted in the background at the step's end; the request recomputes
+                    self._probes.append((tier_idx, key, req_context))
                     return False
                 continue  # recomputing beats this tier; a later one may be faster
             if found is None:
@@ -239,6 +240,10 @@ class TieringOffloadingManager(OffloadingManager):
         """Process finished jobs, submit the step's promotions and write-backs, then let
         tiers flush."""
         self._process_finished()
+        for tier_idx, key, req_context in self._probes:  # rows reserved only now: a reservation may
+            if self.primary_tier.ref_count(key) is None:  # evict, and this step's loads are pinned now
+                self._queue_promotion(tier_idx, key, req_context)
+        self._probes.clear()
         for (tier_idx, _), queued in self._promotions.items():
             self.gates[tier_idx].submitted(len(queued.keys))
             block_ids = np.array(queued.block_ids, dtype=np.int64)
@@ -409,6 +414,7 @@ class TieringOffloadingManager(OffloadingManager):
         return None
 
     def _drop_queued_promotions(self) -> None:
+        self._probes.clear()
         for (tier_idx, _), queued in self._promotions.items():
             self.gates[tier_idx].queued(-len(queued.keys))
             self.primary_tier.complete_write(queued.keys, queued.req_context, success=False)
