@@ -240,10 +240,11 @@ class TieringOffloadingManager(OffloadingManager):
         """Process finished jobs, submit the step's promotions and write-backs, then let
         tiers flush."""
         self._process_finished()
-        for tier_idx, key, req_context in self._probes:  # rows reserved only now: a reservation may
-            if self.primary_tier.ref_count(key) is None:  # evict, and this step's loads are pinned now
-                self._queue_promotion(tier_idx, key, req_context)
-        self._probes.clear()
+        if self._probes:  # their rows reserved only now: a reservation may evict, and the step's loads are pinned now
+            for tier_idx, key, req_context in self._probes:
+                if self.primary_tier.ref_count(key) is None:
+                    self._queue_promotion(tier_idx, key, req_context)
+            self._probes.clear()
         for (tier_idx, _), queued in self._promotions.items():
             self.gates[tier_idx].submitted(len(queued.keys))
             block_ids = np.array(queued.block_ids, dtype=np.int64)
