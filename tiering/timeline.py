@@ -76,11 +76,13 @@ class RequestTimeline:
         return per_request(self._requests, req_id, lambda: _Request(req_id), self._max_requests)
 
     def looked_up(self, req_id: str) -> None:
+        """A lookup for request `req_id` (only the first one is kept). Never raises."""
         request = self._requests.get(req_id) or self._request(req_id)
         if request.first_lookup is None:
             request.first_lookup, request.first_lookup_step = self._clock(), self._step
 
     def load_prepared(self, req_id: str, blocks: int) -> None:
+        """`prepare_load` of `blocks` blocks for `req_id`. Never raises."""
         request = self._request(req_id)
         request.load_prepared = self._clock()
         request.steps_to_load = self._step - request.first_lookup_step if request.first_lookup is not None else 0
@@ -88,20 +90,25 @@ class RequestTimeline:
         request.load_step = self._step
 
     def load_completed(self, req_id: str) -> None:
+        """`complete_load` for `req_id` (ignored without a load prepared). Never raises."""
         request = self._requests.get(req_id)
         if request is not None and request.load_prepared is not None:
             request.load_completed = self._clock()
             request.steps_loading = self._step - request.load_step
 
     def promoted(self, req_id: str, tier: str) -> None:
+        """A promotion job `req_id` queued on `tier` (its name) was reported. Never raises."""
         request = self._requests.get(req_id)
         if request is not None and request.first_lookup is not None:
             request.promotions[tier] = self._clock() - request.first_lookup
 
     def step_ended(self) -> None:
+        """One scheduler step (`on_schedule_end`) ended."""
         self._step += 1
 
     def finished(self, req_id: str) -> None:
+        """Write `req_id`'s line and forget it (nothing for an unknown request, or once the
+        log is off). Never raises: a failed write is logged once and turns the log off."""
         request = self._requests.pop(req_id, None)
         if request is None or self._file.closed:
             return
