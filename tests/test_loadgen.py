@@ -38,7 +38,7 @@ def test_a_bad_trace_line_is_named(tmp_path):
         read_trace(path)
 
 
-@pytest.mark.parametrize("name", ["multi-turn", "long-doc", "zipf"])
+@pytest.mark.parametrize("name", ["multi-turn", "long-doc", "zipf", "shared-prefix"])
 def test_synthetic_workloads_are_deterministic_and_reuse_prefixes(name):
     requests = synthetic(name, 200, seed=1)
     assert requests == synthetic(name, 200, seed=1) and requests != synthetic(name, 200, seed=2)

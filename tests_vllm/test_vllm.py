@@ -101,6 +101,26 @@ def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(m
         close(llm)
 
 
+def test_behind_the_engines_connector_a_hit_is_loaded_in_one_step_and_right(model, baseline, tmp_path):
+    log = tmp_path / "requests.jsonl"
+    config = {"cpu_bytes_to_use": CPU_BYTES, "request_log": str(log)}
+    llm = tiny.make_llm(model, config, connector="KVTieringConnector", disable_log_stats=False)
+    try:
+        assert tiny.generate(llm, [PROMPT])[0] == (*baseline[tuple(PROMPT)][:2], 0)
+        tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
+        assert llm.reset_prefix_cache()
+        tokens, logprobs, cached = tiny.generate(llm, [PROMPT])[0]
+        assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
+        assert counters(llm)["vllm:kv_offload_load_bytes"] == FULL_BLOCKS // tiny.BLOCK * BLOCK_BYTES
+        tiny.settle(llm, lambda: log.read_text().count("\n") == 2)  # vLLM reports a finished request a step later
+    finally:
+        close(llm)
+    (loaded,) = [entry for entry in map(json.loads, log.read_text().splitlines()) if entry["blocks_loaded"]]
+    # the load ran beside the forward of the step that scheduled it and was reported at its
+    # end (vLLM's own connector reports it a step later): the request computed in the next step
+    assert loaded["blocks_loaded"] == FULL_BLOCKS // tiny.BLOCK and loaded["steps_loading"] == 1
+
+
 def test_an_s3_tier_serves_promotions_the_same_way(model, baseline, monkeypatch):
     from tiering.benchmarks.s3_server import MotoServer
 

@@ -8,6 +8,8 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+from tiering.integrations import VLLM_CONNECTOR, VLLM_SPEC
+
 BLOCK = 32  # tokens per vLLM block (a multiple of 32 on the CPU attention backend)
 
 
@@ -18,7 +20,9 @@ def make_model(directory: Path) -> Path:
     return make(directory, max_len=2048)
 
 
-def make_llm(model: Path, extra_config: dict | None = None, **kwargs):
+def make_llm(model: Path, extra_config: dict | None = None, connector: str = "OffloadingConnector", **kwargs):
+    """vLLM's offline engine over `model`; with `extra_config`, this engine behind
+    `connector` (vLLM's ``OffloadingConnector`` or this engine's ``KVTieringConnector``)."""
     from vllm import LLM
 
     options = {
@@ -34,13 +38,9 @@ def make_llm(model: Path, extra_config: dict | None = None, **kwargs):
     }
     if extra_config is not None:
         options["kv_transfer_config"] = {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "spec_name": "KVTieringOffloadingSpec",
-                "spec_module_path": "tiering.integrations.vllm",
-                **extra_config,
-            },
+            **VLLM_CONNECTOR,
+            "kv_connector": connector,
+            "kv_connector_extra_config": {**VLLM_SPEC, **extra_config},
         }
     options.update(kwargs)
     return LLM(**options)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 BLOCK_TOKENS = 512  # tokens per block id in the Mooncake traces
-WORKLOADS = ("multi-turn", "long-doc", "zipf")
+WORKLOADS = ("multi-turn", "long-doc", "zipf", "shared-prefix")
 
 
 @dataclass(frozen=True)
@@ -110,11 +110,13 @@ def synthetic(name: str, num_requests: int, seed: int = 0) -> list[Request]:
       conversation so far plus a new message.
     - ``long-doc``: questions about long documents, documents picked by a Zipf law.
     - ``zipf``: prompts whose prefixes are drawn from a Zipf-distributed pool.
+    - ``shared-prefix``: 8 prefixes of 32 blocks, each request one of them (uniformly) and
+      a block of its own (the serving benchmark's hit-cost workload, issue 30).
 
     Raises:
         ValueError: unknown workload name.
     """
-    generators = {"multi-turn": _multi_turn, "long-doc": _long_doc, "zipf": _zipf}
+    generators = {"multi-turn": _multi_turn, "long-doc": _long_doc, "zipf": _zipf, "shared-prefix": _shared_prefix}
     if name not in generators:
         raise ValueError(f"unknown workload {name!r}; known workloads: {', '.join(WORKLOADS)}")
     rng = np.random.default_rng(seed)
@@ -153,3 +155,9 @@ def _zipf(rng: np.random.Generator, ids: Iterator[int]) -> Iterator[list[int]]:
     while True:
         prefix = prefixes[min(int(rng.zipf(1.2)) - 1, len(prefixes) - 1)]
         yield [*prefix, *(next(ids) for _ in range(int(rng.integers(1, 4))))]
+
+
+def _shared_prefix(rng: np.random.Generator, ids: Iterator[int]) -> Iterator[list[int]]:
+    prefixes = [[next(ids) for _ in range(32)] for _ in range(8)]
+    while True:
+        yield [*prefixes[int(rng.integers(len(prefixes)))], next(ids)]

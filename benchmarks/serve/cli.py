@@ -33,6 +33,7 @@ from tiering.benchmarks.loadgen.workload import WORKLOADS, read_trace, synthetic
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
 from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary, summarize
 from tiering.benchmarks.serve.run import CONFIGURATIONS, Setup, run_configuration, s3_server
+from tiering.benchmarks.serve.server import CONNECTORS
 from tiering.benchmarks.serve.workload import prompts, reusable_prefix_tokens, sample_conversations
 
 logger = logging.getLogger("tiering.bench")
@@ -91,6 +92,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=_rate,
         help="the prefill rate g is configured with (default: the fastest prefill observed in a, which must run first)",
     )
+    parser.add_argument(
+        "--connector",
+        choices=CONNECTORS,
+        default="KVTieringConnector",
+        help="the connector the engine runs behind (c-g): its own, which loads a step sooner, or vLLM's",
+    )
     parser.add_argument("--work-dir", type=Path, help="the model, tiers and server logs (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--output", type=Path, help="write the results as JSON")
@@ -139,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             work_dir,
             args.slow_latency_s,
             args.recompute_tokens_per_s,
+            args.connector,
         )
         runs: list[dict] = []
 

@@ -68,6 +68,7 @@ class Setup:
         work_dir: the tiers' files and the servers' logs go under it.
         slow_latency_s: the slow tier's latency per operation, seconds (``f``, ``g``).
         recompute_tokens_per_s: the prefill rate ``g`` is configured with.
+        connector: the connector the engine runs behind (``server.CONNECTORS``).
     """
 
     model: Path
@@ -79,6 +80,7 @@ class Setup:
     work_dir: Path
     slow_latency_s: float = 0.5
     recompute_tokens_per_s: float | None = None
+    connector: str = "KVTieringConnector"
 
     @property
     def extra_blocks(self) -> int:
@@ -110,6 +112,7 @@ def server_options(name: str, setup: Setup, s3_endpoint: str | None) -> ServerOp
             engine["recompute_tokens_per_s"] = setup.recompute_tokens_per_s
     return ServerOptions(
         engine=engine,
+        connector=setup.connector,
         block_size=setup.block_size,
         max_model_len=setup.max_model_len,
         gpu_blocks=gpu_blocks,

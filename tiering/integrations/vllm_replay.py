@@ -3,13 +3,14 @@
     python -m tiering.integrations.vllm_replay --model DIR --config engine.yaml \\
         --trace conversation_trace.jsonl --max-requests 200 --output replay.json
 
-The numbers come from the code vLLM runs: `KVTieringOffloadingSpec` behind vLLM's
-`OffloadingConnector`, with vLLM's own scheduler and prefix cache in front. Each block id of
-the trace becomes ``--tokens-per-id`` deterministic tokens (so equal ids share a prefix, as
-in the trace), a prompt is cut to fit the model, and each request generates
-``--max-tokens`` tokens, one request after the other. Reported: prompt tokens, tokens vLLM
-found cached (its own prefix cache and this engine together), vLLM's ``kv_offload``
-byte counters, and the engine's stats.
+The numbers come from the code vLLM runs: `KVTieringOffloadingSpec` behind the engine's
+`KVTieringConnector` (vLLM's `OffloadingConnector`, with loads a step sooner), with vLLM's
+own scheduler and prefix cache in front. Each block id of the trace becomes
+``--tokens-per-id`` deterministic tokens (so equal ids share a prefix, as in the trace), a
+prompt is cut to fit the model, and each request generates ``--max-tokens`` tokens, one
+request after the other. Reported: prompt tokens, tokens vLLM found cached (its own prefix
+cache and this engine together), vLLM's ``kv_offload`` byte counters, and the engine's
+stats.
 
 Thread: a command-line tool; the main thread drives vLLM.
 """
@@ -24,6 +25,7 @@ from typing import Any
 
 from tiering.benchmarks.loadgen.workload import read_trace
 from tiering.benchmarks.serve.workload import prompts
+from tiering.integrations import VLLM_CONNECTOR
 from tiering.integrations.vllm import live_specs
 
 COUNTERS = (
@@ -78,15 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         enforce_eager=True,
         disable_log_stats=False,
-        kv_transfer_config={
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "spec_name": "KVTieringOffloadingSpec",
-                "spec_module_path": "tiering.integrations.vllm",
-                "config_file": str(args.config),
-            },
-        },
+        kv_transfer_config={**VLLM_CONNECTOR, "kv_connector_extra_config": {"config_file": str(args.config)}},
     )
     vocab = llm.llm_engine.model_config.get_vocab_size()
     requests = read_trace(args.trace, args.max_requests)

@@ -1,0 +1,67 @@
+"""`KVTieringConnector`: vLLM's `OffloadingConnector` with loads ready one step sooner.
+
+Under vLLM's own connector a hit costs two engine steps before the request computes. In
+step N the scheduler submits the load and parks the request (``WAITING_FOR_REMOTE_KVS``);
+the worker starts the load after step N's forward and polls it at once (still copying);
+it reports the load after step N+1's forward; the request computes in step N+2. A request
+whose prefix is in vLLM's own cache computes in step N. Each step waited is a forward of
+the rest of the batch: milliseconds on an idle server, a prefill chunk (100+ ms on CPU)
+on a busy one.
+
+This connector removes one of the two steps and keeps vLLM's protocol:
+
+- a step that carries loads is marked ``has_sync_kv_loads``, so the worker starts them
+  before the forward, where they overlap it (vLLM's HiSparse connector does the same);
+- after the forward, the worker waits for that step's loads (already done, unless the
+  copy took longer than the forward), so the scheduler hears of them at the end of step N
+  and computes the request in step N+1.
+
+The last step is vLLM's: its offloading scheduler plans a load on blocks it has not
+cached yet, which holds only for asynchronous loads; a load that feeds the very step
+that scheduled it needs a scheduler-side connector of our own (docs/vllm.md).
+
+Use it in place of ``OffloadingConnector``; the extra config is the same, with this
+engine's spec as the default::
+
+    kv_transfer_config={"kv_connector": "KVTieringConnector",
+        "kv_connector_module_path": "tiering.integrations.vllm_connector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30}}
+
+Thread: vLLM's scheduler thread builds the metadata; each worker's thread runs the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+from tiering.integrations import VLLM_SPEC
+
+
+class KVTieringConnector(OffloadingConnector):
+    """`OffloadingConnector` whose loads start before the forward of the step that carries
+    them and are reported at its end (see the module docstring). Constructed by vLLM, once
+    per role and process; raises what `OffloadingConnector` and the spec raise."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        for key, value in VLLM_SPEC.items():
+            extra.setdefault(key, value)
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    def build_connector_meta(self, scheduler_output: Any) -> OffloadingConnectorMetadata:
+        """vLLM's metadata; a step with loads starts them before its forward."""
+        metadata = super().build_connector_meta(scheduler_output)
+        if metadata.load_jobs:
+            scheduler_output.has_sync_kv_loads = True
+        return metadata
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """vLLM's report of finished transfers, after waiting for this step's loads."""
+        assert self.connector_worker is not None and self.connector_worker.worker is not None
+        assert isinstance(self._connector_metadata, OffloadingConnectorMetadata)
+        if self._connector_metadata.load_jobs:
+            self.connector_worker.worker.wait(set(self._connector_metadata.load_jobs))
+        return super().get_finished(finished_req_ids)
