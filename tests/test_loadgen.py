@@ -175,8 +175,13 @@ def test_the_engines_own_token_counters_agree_with_the_replay(tmp_path):
     engine = report["engine"]
     assert engine["requested_tokens"] == sum(512 * len(r.hash_ids) for r in requests)  # no GPU cache: all asked
     assert engine["hit_tokens"]["file"] > 0 and engine["lookups_repeated"] > 0
+    # Equal but for a race the two count differently on a loaded machine: a block that
+    # answered True and was evicted by a promotion the same request queued before it was
+    # loaded is a hit to the engine (it answered True) and a miss to the bench (recomputed).
+    # CI saw 2 such blocks of 763 once; a counting bug moves whole requests.
     for source in ("cpu", "file"):
-        assert engine["hit_tokens"][source] == round(report["hit_rate"][source] * engine["requested_tokens"])
+        bench_tokens = report["hit_rate"][source] * engine["requested_tokens"]
+        assert engine["hit_tokens"][source] == pytest.approx(bench_tokens, rel=0.01)
     assert engine["hit_rate"] == pytest.approx(report["hit_rate"]["total"])
 
 
