@@ -18,7 +18,7 @@ This connector removes one of the two steps and keeps vLLM's protocol:
 
 The last step is vLLM's: its offloading scheduler plans a load on blocks it has not
 cached yet, which holds only for asynchronous loads; a load that feeds the very step
-that scheduled it needs a scheduler-side connector of our own (docs/vllm.md).
+that scheduled it needs a scheduler-side connector of our own (README, "Use with vLLM").
 
 Use it in place of ``OffloadingConnector``; the extra config is the same, with this
 engine's spec as the default::
@@ -59,7 +59,9 @@ class KVTieringConnector(OffloadingConnector):
         return metadata
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """vLLM's report of finished transfers, after waiting for this step's loads."""
+        """vLLM's report of finished transfers: (request ids done sending, done receiving),
+        after waiting for this step's loads (blocks the worker thread for as long as a copy
+        outlasts the forward). Raises what vLLM's worker raises (a failed transfer)."""
         assert self.connector_worker is not None and self.connector_worker.worker is not None
         assert isinstance(self._connector_metadata, OffloadingConnectorMetadata)
         if self._connector_metadata.load_jobs:
