@@ -18,15 +18,33 @@ class Clock:
         return self.now
 
 
-def test_the_bound_admits_a_whole_job_when_nothing_is_in_flight_and_drops_what_exceeds_it():
+def test_the_bound_admits_a_whole_job_when_nothing_is_in_flight_and_what_exceeds_it_waits():
     admission = TierAdmission(AdmissionConfig(max_rows_in_flight=4, max_backlog_s=None), 99)
     assert admission.admit(keys(*range(6))) == keys(*range(6))  # nothing in flight: never starved
     assert admission.admit(keys(6)) == []
+    assert list(admission.waiting) == keys(6)
+    assert admission.admit_waiting(lambda key: True) == []  # no room yet
     admission.finished(keys(*range(6)), success=True)
     assert admission.admit(keys(7, 8)) == keys(7, 8)
     assert admission.admit(keys(9, 10, 11)) == keys(9, 10)  # 2 of the 4 rows were free
-    assert admission.counters == {"cascades_admitted": 10, "cascades_dropped": 2, "cascades_filtered": 0}
-    assert admission.rows_in_flight == 4
+    assert list(admission.waiting) == keys(6, 11)
+    admission.finished(keys(7, 8, 9, 10), success=True)
+    assert admission.admit_waiting(lambda key: key != keys(6)[0]) == keys(11)  # 6 was evicted meanwhile
+    assert admission.counters == {
+        "cascades_admitted": 11,
+        "cascades_deferred": 2,
+        "cascades_dropped": 1,
+        "cascades_filtered": 0,
+    }
+    assert admission.rows_in_flight == 1
+
+
+def test_at_most_the_bounds_worth_of_blocks_wait():
+    admission = TierAdmission(AdmissionConfig(max_rows_in_flight=2, max_backlog_s=None), 99)
+    admission.admit(keys(0, 1))
+    assert admission.admit(keys(2, 3, 4)) == []
+    assert list(admission.waiting) == keys(3, 4)  # the oldest was dropped
+    assert admission.counters["cascades_dropped"] == 1
 
 
 def test_a_tier_that_keeps_up_sheds_nothing_and_one_that_falls_behind_sheds_until_it_catches_up():
@@ -82,7 +100,26 @@ def test_a_tier_that_falls_behind_sheds_cascades_and_the_gpu_keeps_storing():
         stats = manager.get_stats()["tiers"]["manual"]
         assert refused == 0
         assert stats["gauges"]["rows_in_flight"] == 4  # the default bound: half of 8 rows, one tier
-        assert stats["counters"]["cascades_dropped"] == 36
+        assert stats["gauges"]["cascades_waiting"] == 4  # the bound's worth waits, unpinned
+        assert stats["counters"]["cascades_dropped"] == 32
+    finally:
+        manager.shutdown()
+
+
+def test_blocks_over_the_bound_are_cascaded_once_the_tier_has_room():
+    tier = ManualTier()
+    manager = manager_over(tier, admission=AdmissionConfig(max_rows_in_flight=2, max_backlog_s=None))
+    try:
+        store(manager, 0, 1)
+        store(manager, 2, 3)  # over the bound: waits, unpinned
+        assert manager.primary_tier.ref_count(keys(2)[0]) == 0
+        manager.on_schedule_end()
+        assert [list(job.keys) for job in tier.submitted] == [keys(0, 1)]
+        tier.finish()
+        manager.on_schedule_end()
+        assert [list(job.keys) for job in tier.submitted] == [keys(0, 1), keys(2, 3)]
+        counters = manager.get_stats()["tiers"]["manual"]["counters"]
+        assert (counters["cascades_deferred"], counters["cascades_dropped"]) == (2, 0)
     finally:
         manager.shutdown()
 

@@ -464,3 +464,24 @@ def test_a_result_reported_twice_is_ignored(policy, ctx, caplog):
         manager.on_schedule_end()
     assert manager.primary_tier.ref_count(key(0)) == 0
     assert f"job {job.job_id} reported again" in caplog.text
+
+
+def test_promotions_reserve_at_most_max_promotion_rows_and_the_rest_wait(policy, ctx):
+    tier = ManualTier()
+    tier.present.update(dict.fromkeys(keys(*range(6)), True))
+    manager, _ = build(policy, [tier], num_blocks=8)
+    assert manager.max_promotion_rows == 4  # half the primary rows by default
+    assert promote(manager, ctx, *range(6)) == [None] * 6
+    assert [list(job.keys) for job in tier.submitted] == [keys(0, 1, 2, 3)]
+    assert [manager.primary_tier.ref_count(k) for k in keys(4, 5)] == [None, None]  # nothing reserved
+    stats = manager.get_stats()["manager"]
+    assert stats["counters"]["promotions_deferred"] == 2
+    assert stats["gauges"]["promotion_rows"] == 4
+    assert manager.prepare_store(keys(10, 11, 12, 13), ctx) is not None  # the GPU's stores still find rows
+    manager.on_schedule_end()
+    tier.finish()
+    assert promote(manager, ctx, 4, 5) == [None, None]  # the budget came back with the job
+    assert [list(job.keys) for job in tier.submitted][-1] == keys(4, 5)
+    tier.finish(success=False)
+    manager.lookup(key(99), ctx)  # processes the failure
+    assert manager.get_stats()["manager"]["gauges"]["promotion_rows"] == 0

@@ -8,9 +8,11 @@ secondary tier therefore has a `TierAdmission`, configured under the tier's ``ad
 key (`AdmissionConfig`):
 
 - **A bound** on the rows its cascades pin at once (``max_rows_in_flight``, by default half
-  the primary rows shared between the tiers): blocks beyond it are not cascaded
-  (``cascades_dropped``). A cascade that finds nothing in flight always goes whole, so a
-  job larger than the bound is never starved.
+  the primary rows shared between the tiers): blocks beyond it wait, unpinned, and are
+  cascaded as soon as the tier reports enough jobs (``cascades_deferred``); at most the
+  bound's worth wait (older ones are dropped), and a block evicted from the primary tier
+  before its turn is dropped (``cascades_dropped``). A cascade that finds nothing in flight
+  always goes whole, so a job larger than the bound is never starved.
 - **Adaptive shedding**: the tier's service rate is measured (bytes it finished per second
   of busy time, smoothed); a cascade is dropped when the bytes already in flight would take
   longer than ``max_backlog_s`` at that rate. A tier that keeps up never has such a backlog,
@@ -107,8 +109,10 @@ class TierAdmission:
     Attributes:
         write_back: whether the tier is written back (see `writeback_candidates`).
         rows_in_flight: primary rows pinned by this tier's unreported cascades.
-        counters: ``cascades_admitted``, ``cascades_dropped`` (bound or backlog),
+        counters: ``cascades_admitted``, ``cascades_deferred`` (over the bound, made to
+            wait), ``cascades_dropped`` (never copied: behind, or waited in vain),
             ``cascades_filtered`` (reuse), in blocks.
+        waiting: blocks over the bound, oldest first, for `admit_waiting`.
     """
 
     def __init__(
@@ -127,7 +131,8 @@ class TierAdmission:
         """
         self.config = config
         self.max_rows = config.max_rows_in_flight or max(1, primary_rows // (2 * tiers))
-        self.counters = {"cascades_admitted": 0, "cascades_dropped": 0, "cascades_filtered": 0}
+        self.counters = {"cascades_admitted": 0, "cascades_deferred": 0, "cascades_dropped": 0, "cascades_filtered": 0}
+        self.waiting: dict[OffloadKey, None] = {}
         self._sketch = ReuseSketch(config.reuse_window) if config.min_reuse > 1 else None
         self.write_back = config.write == "back"
         self.writeback_window = config.writeback_window or max(1, primary_rows // 8)
@@ -156,17 +161,56 @@ class TierAdmission:
 
     def admit(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """The leading blocks of a cascade of `keys` this tier takes now (they count as in
-        flight until `finished`); the rest are counted as dropped or filtered."""
+        flight until `finished`). Of the rest, those over the bound wait (a write-through
+        tier's, see `admit_waiting`), the others are counted as dropped or filtered."""
         wanted = list(keys)
         if self._sketch is not None:
             sketch, min_reuse = self._sketch, self.config.min_reuse
             wanted = [key for key in keys if sketch.count(key) >= min_reuse]
             self.counters["cascades_filtered"] += len(keys) - len(wanted)
-        room = self.max_rows - self.rows_in_flight if self.rows_in_flight else len(wanted)
         if self._behind():
-            room = 0
-        admitted = wanted[: max(0, room)]
-        self.counters["cascades_dropped"] += len(wanted) - len(admitted)
+            self.counters["cascades_dropped"] += len(wanted)
+            return []
+        admitted = wanted[: self._room(len(wanted))]
+        over = wanted[len(admitted) :]
+        if over and not self.write_back:  # a write-back tier is offered its blocks again anyway
+            self._wait(over)
+        else:
+            self.counters["cascades_dropped"] += len(over)
+        return self._started(admitted)
+
+    def admit_waiting(self, usable: Callable[[OffloadKey], bool]) -> list[OffloadKey]:
+        """The waiting blocks this tier takes now, oldest first, as `admit` would take
+        them; those no longer `usable` (evicted from the primary tier, or being written
+        again) are dropped, and all of them while the tier is behind."""
+        waiting = self.waiting
+        if self._behind():
+            self.counters["cascades_dropped"] += len(waiting)
+            waiting.clear()
+            return []
+        room = self._room(len(waiting))
+        admitted: list[OffloadKey] = []
+        while waiting and len(admitted) < room:
+            key = next(iter(waiting))
+            del waiting[key]
+            if usable(key):
+                admitted.append(key)
+            else:
+                self.counters["cascades_dropped"] += 1
+        return self._started(admitted)
+
+    def _room(self, wanted: int) -> int:
+        return max(0, self.max_rows - self.rows_in_flight) if self.rows_in_flight else wanted
+
+    def _wait(self, keys: list[OffloadKey]) -> None:
+        waiting = self.waiting
+        self.counters["cascades_deferred"] += len(keys)
+        waiting.update(dict.fromkeys(keys))
+        while len(waiting) > self.max_rows:
+            del waiting[next(iter(waiting))]
+            self.counters["cascades_dropped"] += 1
+
+    def _started(self, admitted: list[OffloadKey]) -> list[OffloadKey]:
         self.counters["cascades_admitted"] += len(admitted)
         self._service.started(len(admitted))
         if self.write_back:

@@ -75,6 +75,7 @@ class TieringConfig(BaseModel):
     metrics: MetricsConfig | None = None
     recompute_tokens_per_s: float | None = Field(default=None, gt=0)
     request_log: str | None = Field(default=None, min_length=1)
+    max_promotion_rows: int | None = Field(default=None, gt=0)
     _source: str = PrivateAttr(default="<string>")
 
     @property

@@ -11,7 +11,10 @@ order; the first that has the block, and loads it sooner than the model would re
 (`tiering.recompute`, when the prefill rate is configured), gets it promoted. A primary row
 is reserved at once (so a second lookup sees the block in flight and queues nothing), the
 lookup answers None, and the step's promotions are submitted at ``on_schedule_end`` as one
-load job per (tier, request).
+load job per (tier, request). Promotions queued or in flight reserve at most
+``max_promotion_rows`` rows at once: past that a lookup answers None (retry next step,
+``promotions_deferred``) instead of reserving, so a queue of waiting requests, each looked up
+every step, cannot fill the primary tier with promotions and leave the GPU's stores no row.
 
 Finished jobs are processed once before the step's first ``lookup``/``prepare_store`` and
 once in ``on_schedule_end``. A tier that raises is logged and its job counted as failed; no
@@ -47,7 +50,7 @@ from tiering.timeline import RequestTimeline
 
 logger = logging.getLogger(__name__)
 
-_WRITE_BACK = ReqContext("write-back")  # the request of a write-back tier's cascades
+_BACKGROUND = ReqContext("background")  # the request of cascades no request waits on: write-backs, deferred ones
 
 
 @dataclass
@@ -86,6 +89,7 @@ class TieringOffloadingManager(OffloadingManager):
         block_tokens: int | None = None,
         recompute_tokens_per_s: float | None = None,
         request_log: str | Path | None = None,
+        max_promotion_rows: int | None = None,
     ):
         """
         Args:
@@ -102,6 +106,9 @@ class TieringOffloadingManager(OffloadingManager):
                 None (or no `block_tokens`): every block found is promoted.
             request_log: a JSON Lines file that gets a line per finished request: when
                 its prefix was looked up, loaded and promoted (`tiering.timeline`); None: off.
+            max_promotion_rows: primary rows that promotions queued or in flight may reserve
+                at once (a promotion finds at least one row when none is in flight); None:
+                half the primary rows.
 
         Raises:
             ValueError: more admission configs than tiers.
@@ -128,7 +135,9 @@ class TieringOffloadingManager(OffloadingManager):
         self.admission = [TierAdmission(config or AdmissionConfig(), rows, tiers) for config in configs]
         self.gates = [RecomputeGate(recompute_tokens_per_s, block_tokens) for _ in self.secondary_tiers]
         self.block_tokens = block_tokens
-        self._counters = {"promotions_submitted": 0, "cascades_submitted": 0}
+        self._counters = {"promotions_submitted": 0, "promotions_deferred": 0, "cascades_submitted": 0}
+        self.max_promotion_rows = max_promotion_rows or max(1, primary_tier.num_blocks // 2)
+        self._promotion_rows = 0  # rows reserved by promotions queued or in flight
         self._requests = RequestLookups(self.promotion_source)
         self._promotion_seconds = Histogram()
         self._listeners: list[list[Any]] = []  # [callback, interval_s, next due]
@@ -237,8 +246,8 @@ class TieringOffloadingManager(OffloadingManager):
         return events if self._enable_events else []
 
     def on_schedule_end(self) -> None:
-        """Process finished jobs, submit the step's promotions and write-backs, then let
-        tiers flush."""
+        """Process finished jobs, submit the step's promotions, write-backs and the cascades
+        that waited for room (see `tiering.admission`), then let tiers flush."""
         self._process_finished()
         if self._probes:  # their rows reserved only now: a reservation may evict, and the step's loads are pinned now
             for tier_idx, key, req_context in self._probes:
@@ -254,6 +263,8 @@ class TieringOffloadingManager(OffloadingManager):
         for tier_idx, admission in enumerate(self.admission):
             if admission.write_back:
                 self._write_back(tier_idx, admission)
+            elif admission.waiting:
+                self._cascade(tier_idx, admission.admit_waiting(self._readable), _BACKGROUND)
         for tier in self.secondary_tiers:
             _guarded(tier, "on_schedule_end", None)
         if self._listeners:
@@ -286,8 +297,9 @@ class TieringOffloadingManager(OffloadingManager):
             `tiering.stats`). ``primary`` and each tier (by `tier_names`) is its own
             `get_stats()` plus the lookups counted per request (``hit_blocks``, and
             ``hit_tokens`` when `block_tokens` is set; see `tiering.lookups`); each secondary
-            tier adds its admission's counters (``cascades_admitted``, ``cascades_dropped``,
-            ``cascades_filtered``) and gauge (``rows_in_flight``), and the promotions its
+            tier adds its admission's counters (``cascades_admitted``, ``cascades_deferred``,
+            ``cascades_dropped``, ``cascades_filtered``) and gauges (``rows_in_flight``,
+            ``cascades_waiting``), and the promotions its
             `RecomputeGate` declined (``promotions_declined``). ``manager`` has the
             request-level counters (``requested_blocks``, ``requested_tokens``,
             ``lookups_repeated``), jobs submitted, jobs and promotions in flight, and the
@@ -308,7 +320,11 @@ class TieringOffloadingManager(OffloadingManager):
                 "promotions_declined": gate.declined,
                 **self._hit_counters(name),
             }
-            stats["gauges"] = {**stats.get("gauges", {}), "rows_in_flight": admission.rows_in_flight}
+            stats["gauges"] = {
+                **stats.get("gauges", {}),
+                "rows_in_flight": admission.rows_in_flight,
+                "cascades_waiting": len(admission.waiting),
+            }
             stats.setdefault("histograms", {})
             tiers[name] = stats
         counters = {**self._counters, "requested_blocks": requests.requested_blocks}
@@ -319,6 +335,7 @@ class TieringOffloadingManager(OffloadingManager):
             "jobs_in_flight": len(self._jobs),
             "jobs_holding_rows": len(self._held),
             "promotions_queued": sum(len(queued.keys) for queued in self._promotions.values()),
+            "promotion_rows": self._promotion_rows,
         }
         histograms = {"promotion_seconds": self._promotion_seconds.snapshot()}
         manager = {"counters": counters, "gauges": gauges, "histograms": histograms}
@@ -403,9 +420,13 @@ class TieringOffloadingManager(OffloadingManager):
     # -- internals ------------------------------------------------------------------------
 
     def _queue_promotion(self, tier_idx: int, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        if self._promotion_rows >= self.max_promotion_rows:
+            self._counters["promotions_deferred"] += 1
+            return None
         reserved = self.primary_tier.prepare_write([key], req_context)
         if reserved is None:
             return False
+        self._promotion_rows += 1
         queued = self._promotions.get((tier_idx, req_context.req_id))
         if queued is None:
             queued = self._promotions[(tier_idx, req_context.req_id)] = _QueuedPromotion(req_context)
@@ -418,6 +439,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._probes.clear()
         for (tier_idx, _), queued in self._promotions.items():
             self.gates[tier_idx].queued(-len(queued.keys))
+            self._promotion_rows -= len(queued.keys)
             self.primary_tier.complete_write(queued.keys, queued.req_context, success=False)
         self._promotions.clear()
 
@@ -459,6 +481,7 @@ class TieringOffloadingManager(OffloadingManager):
         job = self._jobs.pop(job_id, None)
         primary = self.primary_tier
         if job is not None and job.is_promotion:
+            self._promotion_rows -= len(job.keys)
             seconds = time.perf_counter() - job.queued_at
             self.gates[job.tier_idx].finished(len(job.keys), success and not job.voided, seconds)
         if job is None:
@@ -495,8 +518,13 @@ class TieringOffloadingManager(OffloadingManager):
         ref_count = self.primary_tier.ref_count
         coldest = self.primary_tier.coldest(admission.writeback_window)
         candidates = admission.writeback_candidates(coldest, lambda key: ref_count(key) == 0)
-        self._cascade(tier_idx, admission.admit(candidates), _WRITE_BACK)
+        self._cascade(tier_idx, admission.admit(candidates), _BACKGROUND)
         admission.forget(lambda key: ref_count(key) is not None)
+
+    def _readable(self, key: OffloadKey) -> bool:
+        """Whether `key` is resident in the primary tier and not being written."""
+        ref_count = self.primary_tier.ref_count(key)
+        return ref_count is not None and ref_count >= 0
 
     def _cascade(self, tier_idx: int, keys: list[OffloadKey], req_context: ReqContext) -> None:
         """Copy `keys` (resident, admitted) to the tier: their rows stay pinned until it reports."""

@@ -200,6 +200,7 @@ class TieringOffloadingSpec:
                     block_tokens=self.block_size,
                     recompute_tokens_per_s=self.config.recompute_tokens_per_s,
                     request_log=self.config.request_log,
+                    max_promotion_rows=self.config.max_promotion_rows,
                 )
             except OSError as exc:
                 problem = f"cannot be opened for appending: {exc.strerror}"
