@@ -85,6 +85,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu-blocks", type=_positive, default=80, help="vLLM's own KV cache, blocks (default 80)")
     parser.add_argument("--cpu-bytes", type=_size, default=256 << 20, help="the CPU tier (default 256MiB)")
     parser.add_argument(
+        "--b-extra-bytes",
+        type=_size,
+        help="the bytes b adds to vLLM's cache (default: --cpu-bytes, the memory of the engine's CPU tier)",
+    )
+    parser.add_argument(
         "--slow-latency-s", type=_rate, default=0.5, help="the slow tier's latency per operation (f, g; default 0.5)"
     )
     parser.add_argument(
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             args.slow_latency_s,
             args.recompute_tokens_per_s,
             args.connector,
+            args.b_extra_bytes,
         )
         runs: list[dict] = []
 

@@ -69,6 +69,8 @@ class Setup:
         slow_latency_s: the slow tier's latency per operation, seconds (``f``, ``g``).
         recompute_tokens_per_s: the prefill rate ``g`` is configured with.
         connector: the connector the engine runs behind (``server.CONNECTORS``).
+        b_extra_bytes: the bytes ``b`` adds to vLLM's cache; None: `cpu_bytes` (the same
+            memory as the engine's CPU tier).
     """
 
     model: Path
@@ -81,11 +83,13 @@ class Setup:
     slow_latency_s: float = 0.5
     recompute_tokens_per_s: float | None = None
     connector: str = "KVTieringConnector"
+    b_extra_bytes: int | None = None
 
     @property
     def extra_blocks(self) -> int:
-        """vLLM blocks the CPU tier's bytes would hold (configuration ``b``)."""
-        return self.cpu_bytes // (self.block_size * self.kv_bytes_per_token)
+        """vLLM blocks configuration ``b`` adds to vLLM's cache."""
+        extra = self.cpu_bytes if self.b_extra_bytes is None else self.b_extra_bytes
+        return extra // (self.block_size * self.kv_bytes_per_token)
 
 
 def server_options(name: str, setup: Setup, s3_endpoint: str | None) -> ServerOptions:
