@@ -221,9 +221,9 @@ class _DirectionHandler(OffloadingHandler):
     def _copy_on_host(self, copies: list[PageCopy]) -> float:
         start = time.perf_counter()
         moves = list(self._moves(copies, gather_below=RUN_PAGE_BYTES))
-        half = len(moves) // 2 if self._helper is not None else 0
-        helped = self._helper.submit(_move, moves[:half]) if half else None
-        _move(moves[half:])
+        helper, half = self._helper, len(moves) // 2
+        helped = helper.submit(_move, moves[:half]) if helper is not None and half else None
+        _move(moves[half:] if helped is not None else moves)
         if helped is not None:
             helped.result()
         return time.perf_counter() - start
@@ -238,13 +238,14 @@ class _DirectionHandler(OffloadingHandler):
         for copy in copies:
             gpu, cpu = self._gpu[copy.tensor_idx], self._cpu[copy.tensor_idx]
             if gpu.shape[1] >= gather_below:
-                for gpu_first, row, sub_first, count in _runs(copy):
-                    gpu_key, cpu_key = slice(gpu_first, gpu_first + count), (row, slice(sub_first, sub_first + count))
-                    yield (cpu, cpu_key, gpu, gpu_key) if self._to_cpu else (gpu, gpu_key, cpu, cpu_key)
-                continue
-            for first in range(0, len(copy.gpu_ids), GATHER_PAGES):
-                at = slice(first, first + GATHER_PAGES)
-                gpu_key, cpu_key = copy.gpu_ids[at], (copy.cpu_rows[at], copy.cpu_subs[at])
+                keys: Iterator[tuple[Any, Any]] = (
+                    (slice(gpu_first, gpu_first + count), (row, slice(sub_first, sub_first + count)))
+                    for gpu_first, row, sub_first, count in _runs(copy)
+                )
+            else:
+                chunks = (slice(first, first + GATHER_PAGES) for first in range(0, len(copy.gpu_ids), GATHER_PAGES))
+                keys = ((copy.gpu_ids[at], (copy.cpu_rows[at], copy.cpu_subs[at])) for at in chunks)
+            for gpu_key, cpu_key in keys:
                 yield (cpu, cpu_key, gpu, gpu_key) if self._to_cpu else (gpu, gpu_key, cpu, cpu_key)
 
     # -- CUDA ------------------------------------------------------------------------------
