@@ -14,6 +14,7 @@ from tiering import (
     GPULoadStoreSpec,
     SharedOffloadRegion,
     canonicalize_kv_caches,
+    cpu_gpu,
 )
 
 DEVICES = [
@@ -61,6 +62,13 @@ class Worker:
         self.handlers.shutdown()
         self.region.cleanup()
         self.scheduler_region.cleanup()
+
+
+@pytest.fixture(params=["runs", "gather"], autouse=True)
+def host_copy(request, monkeypatch):
+    """The CPU device copies large pages run by run and small ones by index: test both."""
+    monkeypatch.setattr(cpu_gpu, "RUN_PAGE_BYTES", 0 if request.param == "runs" else 1 << 30)
+    return request.param
 
 
 @pytest.fixture
