@@ -142,6 +142,13 @@ class TieringOffloadingManager(OffloadingManager):
         self._promotion_seconds = Histogram()
         self._listeners: list[list[Any]] = []  # [callback, interval_s, next due]
         self._timeline = RequestTimeline(request_log) if request_log is not None else None
+        # Per hook, the tiers that implement it: a default (no-op) hook is not called each step.
+        self._hooks = {
+            name: [(idx, tier) for idx, tier in enumerate(self.secondary_tiers) if _overrides(tier, name)]
+            for name in ("touch", "take_events", "on_schedule_end", "take_released_jobs")
+        }
+        self._write_back_tiers = [idx for idx, admission in enumerate(self.admission) if admission.write_back]
+        self._waiting_tiers: set[int] = set()  # tiers with cascades waiting for room
 
     # -- scheduler calls ------------------------------------------------------------------
 
@@ -194,7 +201,7 @@ class TieringOffloadingManager(OffloadingManager):
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Record a use of `keys` in the primary tier and in every secondary tier."""
         self.primary_tier.touch(keys, req_context)
-        for tier in self.secondary_tiers:
+        for _, tier in self._hooks["touch"]:
             _guarded(tier, "touch", None, keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -225,6 +232,8 @@ class TieringOffloadingManager(OffloadingManager):
             admission.stored(stored)
             if not admission.write_back:
                 self._cascade(tier_idx, admission.admit(stored), req_context)
+                if admission.waiting:
+                    self._waiting_tiers.add(tier_idx)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return self.primary_tier.on_new_request(req_context)
@@ -241,7 +250,7 @@ class TieringOffloadingManager(OffloadingManager):
         """Events of the primary tier, then of each secondary tier, since the last call;
         empty unless the manager was built with ``enable_events=True``."""
         events = list(self.primary_tier.take_events())
-        for tier in self.secondary_tiers:
+        for _, tier in self._hooks["take_events"]:
             events.extend(_guarded(tier, "take_events", []))
         return events if self._enable_events else []
 
@@ -254,18 +263,22 @@ class TieringOffloadingManager(OffloadingManager):
                 if self.primary_tier.ref_count(key) is None:
                     self._queue_promotion(tier_idx, key, req_context)
             self._probes.clear()
-        for (tier_idx, _), queued in self._promotions.items():
-            self.gates[tier_idx].submitted(len(queued.keys))
-            block_ids = np.array(queued.block_ids, dtype=np.int64)
-            self._submit(tier_idx, queued.keys, block_ids, True, queued.req_context, queued.queued_at)
-            self._counters["promotions_submitted"] += 1
-        self._promotions.clear()
-        for tier_idx, admission in enumerate(self.admission):
-            if admission.write_back:
-                self._write_back(tier_idx, admission)
-            elif admission.waiting:
+        if self._promotions:
+            for (tier_idx, _), queued in self._promotions.items():
+                self.gates[tier_idx].submitted(len(queued.keys))
+                block_ids = np.array(queued.block_ids, dtype=np.int64)
+                self._submit(tier_idx, queued.keys, block_ids, True, queued.req_context, queued.queued_at)
+                self._counters["promotions_submitted"] += 1
+            self._promotions.clear()
+        for tier_idx in self._write_back_tiers:
+            self._write_back(tier_idx, self.admission[tier_idx])
+        if self._waiting_tiers:
+            for tier_idx in list(self._waiting_tiers):
+                admission = self.admission[tier_idx]
                 self._cascade(tier_idx, admission.admit_waiting(self._readable), _BACKGROUND)
-        for tier in self.secondary_tiers:
+                if not admission.waiting:
+                    self._waiting_tiers.discard(tier_idx)
+        for _, tier in self._hooks["on_schedule_end"]:
             _guarded(tier, "on_schedule_end", None)
         if self._listeners:
             self._publish_stats()
@@ -468,8 +481,17 @@ class TieringOffloadingManager(OffloadingManager):
     def _process_finished(self) -> None:
         self._polled_this_step = True
         for tier_idx, tier in enumerate(self.secondary_tiers):
-            for result in _guarded(tier, "get_finished", []):
+            try:
+                results = tier.get_finished()
+                if not results:
+                    continue
+                results = list(results)
+            except Exception:
+                logger.exception("tier %s: get_finished failed", tier.tier_type)
+                continue
+            for result in results:
                 self._finish(result.job_id, result.success, tier_idx if result.rows_in_use else None)
+        for tier_idx, tier in self._hooks["take_released_jobs"]:
             for job_id in _guarded(tier, "take_released_jobs", []):
                 job = self._held.pop((tier_idx, job_id), None)
                 if job is not None:
@@ -536,6 +558,12 @@ class TieringOffloadingManager(OffloadingManager):
     def _end_cascade(self, job: _Job, success: bool) -> None:
         self.primary_tier.complete_read(job.keys, job.req_context)
         self.admission[job.tier_idx].finished(job.keys, success)
+
+
+def _overrides(tier: SecondaryTierManager, hook: str) -> bool:
+    """Whether `tier` implements `hook` (a tier that does not subclass `SecondaryTierManager`
+    is taken to implement every hook)."""
+    return getattr(type(tier), hook, None) is not getattr(SecondaryTierManager, hook)
 
 
 def _guarded(tier: SecondaryTierManager, method: str, default: Any, *args: Any) -> Any:
