@@ -107,7 +107,7 @@ class CPUOffloadingManager(OffloadingManager):
         return spec
 
     def _pin(self, keys: Collection[OffloadKey], caller: str, counter: str) -> CPULoadStoreSpec:
-        blocks = [self._block(key, caller, lambda b: b.ref_cnt >= 0) for key in keys]
+        blocks = self._blocks(keys, caller, min_ref_cnt=0)
         for block in blocks:
             if block.ref_cnt == 0:
                 self._rows_reading += 1
@@ -126,7 +126,7 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             KeyError: a key is not resident or has no reader; nothing is released.
         """
-        blocks = [self._block(key, "complete_load", lambda b: b.ref_cnt > 0) for key in keys]
+        blocks = self._blocks(keys, "complete_load", min_ref_cnt=1)
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -337,12 +337,20 @@ class CPUOffloadingManager(OffloadingManager):
         # Lowest row first (`_allocate_block_id` pops from the end).
         self._free_block_ids = [row for row in reversed(range(self._num_ids_used)) if row not in quarantined]
 
-    def _block(self, key: OffloadKey, caller: str, valid) -> BlockStatus:
-        block = self._policy.get(key)
-        if block is None or not valid(block):
-            state = "not resident" if block is None else f"ref count {block.ref_cnt}"
-            raise KeyError(f"{caller}: key {key.hex()} is {state}")
-        return block
+    def _blocks(self, keys: Collection[OffloadKey], caller: str, min_ref_cnt: int) -> list[BlockStatus]:
+        """The resident blocks of `keys`, each with a ref count of at least `min_ref_cnt`.
+
+        Raises:
+            KeyError: a key is not resident, or its ref count is lower.
+        """
+        get, blocks = self._policy.get, []
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref_cnt < min_ref_cnt:
+                state = "not resident" if block is None else f"ref count {block.ref_cnt}"
+                raise KeyError(f"{caller}: key {key.hex()} is {state}")
+            blocks.append(block)
+        return blocks
 
     def _allocate_block_id(self) -> int:
         """A free row: the most recently freed one first, then rows never used. (vLLM hands
