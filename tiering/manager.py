@@ -481,7 +481,7 @@ class TieringOffloadingManager(OffloadingManager):
     def _process_finished(self) -> None:
         self._polled_this_step = True
         for tier_idx, tier in enumerate(self.secondary_tiers):
-            try:
+            try:  # `_guarded`'s work, inline: this runs every step, and an empty answer is the rule
                 results = tier.get_finished()
                 if not results:
                     continue
