@@ -7,7 +7,9 @@ For each offloaded-block size it builds a KV cache of `--layers` tensors holding
   transfers of `--job-blocks` blocks through `CpuGpuOffloadingHandlers`, block ids shuffled
   as a paged cache hands them out;
 - baseline: one ``copy_`` of a contiguous tensor of the same total size between the same
-  two memories (pinned host memory under CUDA).
+  two memories (pinned host memory under CUDA). On the CPU device also one ``copy_`` on one
+  thread: the handlers copy on one thread per direction, chosen so that copies do not take the
+  model's cores, so that is the like-for-like baseline for one direction.
 
 Both sides copy into memory touched once before timing (first touch is slow on VMs).
 
@@ -79,16 +81,22 @@ def time_handlers(device: torch.device, block_bytes: int, total_bytes: int, laye
         handlers.shutdown()
 
 
-def time_baseline(device: torch.device, nbytes: int) -> float:
-    """Seconds of one copy_ of `nbytes` from device memory to (pinned) host memory."""
+def time_baseline(device: torch.device, nbytes: int, threads: int) -> float:
+    """Seconds of one copy_ of `nbytes` from device memory to (pinned) host memory, with torch
+    running on `threads` intra-op threads (which matters on the CPU device only)."""
     source = torch.randint(-128, 127, (nbytes,), dtype=torch.int8, device=device)
     target = torch.empty(nbytes, dtype=torch.int8, pin_memory=device.type == "cuda")
     target.copy_(source)  # first touch of fresh memory is slow on VMs: keep it out of the timing
-    _sync(device)
-    start = time.perf_counter()
-    target.copy_(source, non_blocking=True)
-    _sync(device)
-    return time.perf_counter() - start
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        target.copy_(source, non_blocking=True)
+        _sync(device)
+        return time.perf_counter() - start
+    finally:
+        torch.set_num_threads(previous)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,24 +108,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs; the best is kept (default 3)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    baselines = {"copy": torch.get_num_threads()} | ({"copy1": 1} if device.type == "cpu" else {})
     table = Table(title=f"Handlers vs one copy_ on {device} ({args.layers} tensors, best of {args.repeats})")
-    for column in ("block", "store GB/s", "load GB/s", "both GB/s", "one copy_ GB/s", "store", "load", "both"):
+    columns = ["block", "store / load / both GB/s", "one copy_ GB/s", "vs it"]
+    if "copy1" in baselines:
+        columns += ["copy_ on 1 thread", "vs it"]
+    for column in columns:
         table.add_column(column, justify="left" if column == "block" else "right")
     for name in args.block_sizes.split(","):
         runs = []
         for _ in range(args.repeats + 1):
             run = time_handlers(device, SIZES[name], args.total_mib << 20, args.layers, args.job_blocks)
-            run["copy"] = time_baseline(device, int(run["bytes"]))
+            for key, threads in baselines.items():
+                run[key] = time_baseline(device, int(run["bytes"]), threads)
             runs.append(run)
         runs = runs[1:]  # the first round only warms allocations up
-        best = {key: min(run[key] for run in runs) for key in ("store", "load", "both", "copy")}
-        rates = {key: runs[0]["bytes"] / best[key] / 1e9 for key in ("store", "load", "copy")}
+        best = {key: min(run[key] for run in runs) for key in ("store", "load", "both", *baselines)}
+        rates = {key: runs[0]["bytes"] / best[key] / 1e9 for key in ("store", "load", *baselines)}
         rates["both"] = runs[0]["both bytes"] / best["both"] / 1e9
-        table.add_row(
-            name,
-            *(f"{rates[key]:.2f}" for key in ("store", "load", "both", "copy")),
-            *(f"{rates[key] / rates['copy']:.2f}x" for key in ("store", "load", "both")),
-        )
+        row = [name, " / ".join(f"{rates[key]:.2f}" for key in ("store", "load", "both")), f"{rates['copy']:.2f}"]
+        row.append(" / ".join(f"{rates[key] / rates['copy']:.2f}x" for key in ("store", "load", "both")))
+        if "copy1" in baselines:
+            row += [
+                f"{rates['copy1']:.2f}",
+                " / ".join(f"{rates[key] / rates['copy1']:.2f}x" for key in ("store", "load")),
+            ]
+        table.add_row(*row)
     Console().print(table)
 
 
