@@ -131,6 +131,7 @@ class FileBlockStore(BlockStore):
 
     Options = FileOptions
     tier_defaults: ClassVar[dict[str, Any]] = {"max_concurrency": 16, "batch_bytes": 16 << 20}
+    verifies_payloads = True  # `file_io.read_object` checks the CRC in the thread that read
     header_align = file_io.ALIGN
 
     @classmethod
@@ -160,7 +161,7 @@ class FileBlockStore(BlockStore):
         self._io_threads = io_threads
         self._pool: ThreadPoolExecutor | None = None  # writes, deletes, the scan
         self._read_pool: ThreadPoolExecutor | None = None  # reads: a promotion never queues behind writes
-        self._fd = -1  # the namespace directory, open from `open` to `close`
+        self._ns: file_io.Namespace | None = None  # open from `open` to `close`
 
     def __repr__(self) -> str:
         return f"FileBlockStore({str(self.directory)!r})"
@@ -168,6 +169,12 @@ class FileBlockStore(BlockStore):
     def path(self, key: OffloadKey) -> Path:
         """The file of `key` (for operators and tests: the store itself never uses paths)."""
         return self.directory / file_io.shard(key) / file_io.object_name(key)
+
+    @property
+    def _open_ns(self) -> file_io.Namespace:
+        self.check_open()
+        assert self._ns is not None
+        return self._ns
 
     async def _run(self, func: Callable[..., T], *args: Any, read: bool = False) -> T:
         """``func(*args)`` in one hop to the store's write pool (or its read pool); never
@@ -191,9 +198,9 @@ class FileBlockStore(BlockStore):
         self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tiering-file")
         self._read_pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tiering-file-read")
         try:
-            self._fd = await self._hop(self._pool, file_io.open_namespace, self.root_dir, self.directory.name)
+            self._ns = await self._hop(self._pool, file_io.open_namespace, self.root_dir, self.directory.name)
             await super().open()
-            if self.direct_io and not await self._run(file_io.supports_direct_io, self._fd):
+            if self.direct_io and not await self._run(file_io.supports_direct_io, self._open_ns):
                 logger.warning("file tier %s: O_DIRECT is not supported here; using buffered I/O", self.directory)
                 self.direct_io = False
         except OSError as exc:
@@ -206,9 +213,9 @@ class FileBlockStore(BlockStore):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         self._pool = self._read_pool = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._ns is not None:
+            self._ns.close()
+            self._ns = None
 
     async def remove_namespace(self) -> None:
         """Remove the namespace directory with everything in it (symbolic links are removed,
@@ -220,26 +227,29 @@ class FileBlockStore(BlockStore):
         await self._run(shutil.rmtree, self.directory)
 
     async def put(self, key: OffloadKey, payload: memoryview) -> None:
-        await self._run(file_io.write_object, self._fd, key, payload, self.fingerprint, self.fsync, self.direct_io)
+        await self._run(file_io.write_object, self._open_ns, key, payload, self.fingerprint, self.fsync, self.direct_io)
 
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
-        return await self._run(file_io.read_object, self._fd, key, into, self.fingerprint, self.direct_io, read=True)
+        args = (self._open_ns, key, into, self.fingerprint, self.direct_io)
+        return await self._run(file_io.read_object, *args, read=True)
 
     async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
         """All puts in one hop, one after the other in one pool thread."""
-        calls = [(self._fd, key, data, self.fingerprint, self.fsync, self.direct_io) for key, data in items]
+        ns = self._open_ns
+        calls = [(ns, key, data, self.fingerprint, self.fsync, self.direct_io) for key, data in items]
         return await self._run(file_io.each, file_io.write_object, calls)
 
     async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
         """All gets in one hop, one after the other in one pool thread."""
-        calls = [(self._fd, key, into, self.fingerprint, self.direct_io) for key, into in items]
+        ns = self._open_ns
+        calls = [(ns, key, into, self.fingerprint, self.direct_io) for key, into in items]
         return await self._run(file_io.each, file_io.read_object, calls, read=True)
 
     async def exists(self, key: OffloadKey) -> bool:
-        return await self._run(file_io.exists, self._fd, key, read=True)
+        return await self._run(file_io.exists, self._open_ns, key, read=True)
 
     async def delete_many(self, keys: Collection[OffloadKey]) -> None:
-        await self._run(file_io.delete_all, self._fd, list(keys))
+        await self._run(file_io.delete_all, self._open_ns, list(keys))
 
     async def recover(self) -> list[tuple[OffloadKey, int]]:
-        return await self._run(file_io.scan, self._fd, self.directory, self.fingerprint)
+        return await self._run(file_io.scan, self._open_ns, self.directory, self.fingerprint)

@@ -3,11 +3,16 @@
 Worker threads of the tier's pool only (each function runs whole in one thread, one hop per
 block or batch); `open_namespace` also at open. See `tiering.backends.file` for the layout,
 the safety rules and the I/O modes these functions implement.
+
+A block costs three system calls to read (open, one vectored read, close) and five to write
+(open, vectored write, close, rename; fsync when asked): the namespace keeps its shard
+directories open (`Namespace`), and a read learns the file's length from the read itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import logging
@@ -15,7 +20,7 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +29,15 @@ import numpy as np
 from tiering.blockstore.store import RecoveryProgress
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.keys import OffloadKey
-from tiering.object_format import MAX_KEY_BYTES, ObjectHeader, check_length, encode_header, header_size, parse_header
+from tiering.object_format import (
+    MAX_KEY_BYTES,
+    ObjectHeader,
+    check_length,
+    encode_header,
+    header_size,
+    parse_header,
+    verify_payload,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +49,8 @@ _MAX_HEX_NAME = 200  # longer hex names (keys over 100 bytes) become hashes: nam
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link; a FIFO never blocks the open
 # Errors that say one object is unusable, not that the backend is sick.
-_OBJECT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.EIO})
+_OBJECT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EISDIR, errno.ESPIPE, errno.ELOOP, errno.ENXIO, errno.EIO})
+_NOT_A_FILE_ERRNOS = frozenset({errno.EISDIR, errno.ESPIPE})  # a read of a directory, of a FIFO
 _thread_local = threading.local()
 
 
@@ -48,7 +62,11 @@ def object_name(key: OffloadKey) -> str:
 
 
 def shard(key: OffloadKey) -> str:
-    return hashlib.blake2b(key, digest_size=1).hexdigest()
+    return _SHARDS[_shard_index(key)]
+
+
+def _shard_index(key: OffloadKey) -> int:
+    return hashlib.blake2b(key, digest_size=1).digest()[0]
 
 
 def each(func: Callable[..., Any], calls: list[tuple]) -> list[Any]:
@@ -65,23 +83,47 @@ def each(func: Callable[..., Any], calls: list[tuple]) -> list[Any]:
 # -- directories ----------------------------------------------------------------------------
 
 
-def open_namespace(root: Path, name: str) -> int:
+class Namespace:
+    """A namespace directory, open with its 256 shard directories and its quarantine (258
+    descriptors) from `open_namespace` to `close`: an operation on a block opens nothing but
+    the block's file. A directory replaced or removed while open is not followed: the tier
+    keeps using the one it opened (another of this user's processes would have to do it)."""
+
+    def __init__(self, fd: int, shards: list[int], quarantine: int):
+        self.fd = fd
+        self.shards = shards
+        self.quarantine = quarantine
+
+    def shard_fd(self, key: OffloadKey) -> int:
+        return self.shards[_shard_index(key)]
+
+    def close(self) -> None:
+        """Close every descriptor; idempotent."""
+        fds = [*self.shards, self.quarantine, self.fd]
+        self.shards, self.quarantine, self.fd = [], -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+
+def open_namespace(root: Path, name: str) -> Namespace:
     """Make `root` (missing parents too, 0700), check it is private, and open its private
-    subdirectory `name` with the shard and quarantine directories. Returns its fd."""
+    subdirectory `name` with the shard and quarantine directories (creating what is missing)."""
     _make_private_parents(root)
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: links allowed
     try:
         check_root(os.fstat(root_fd), root)
-        ns_fd = _private_subdir(root_fd, name, root / name)
+        namespace = Namespace(_private_subdir(root_fd, name, root / name), [], -1)
     finally:
         os.close(root_fd)
     try:
-        for shard in [*_SHARDS, _QUARANTINE]:
-            os.close(_private_subdir(ns_fd, shard, root / name / shard))
+        for shard in _SHARDS:
+            namespace.shards.append(_private_subdir(namespace.fd, shard, root / name / shard))
+        namespace.quarantine = _private_subdir(namespace.fd, _QUARANTINE, root / name / _QUARANTINE)
     except BaseException:
-        os.close(ns_fd)
+        namespace.close()
         raise
-    return ns_fd
+    return namespace
 
 
 def _make_private_parents(root: Path) -> None:
@@ -145,24 +187,14 @@ def _check_private(info: os.stat_result, path: Path) -> None:
         )
 
 
-@contextlib.contextmanager
-def _directory(parent_fd: int, name: str) -> Iterator[int]:
-    """The directory `name` under `parent_fd`, opened without following a link."""
-    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def supports_direct_io(ns_fd: int) -> bool:
+def supports_direct_io(ns: Namespace) -> bool:
     probe = f".direct-probe-{os.urandom(4).hex()}{_TMP_SUFFIX}"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | _OPEN_FLAGS, 0o600, dir_fd=ns_fd)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | _OPEN_FLAGS, 0o600, dir_fd=ns.fd)
     except OSError:
         return False
     os.close(fd)
-    os.unlink(probe, dir_fd=ns_fd)
+    os.unlink(probe, dir_fd=ns.fd)
     return True
 
 
@@ -170,47 +202,51 @@ def supports_direct_io(ns_fd: int) -> bool:
 
 
 def _is_aligned(buffer: memoryview) -> bool:
-    return buffer.nbytes % ALIGN == 0 and np.frombuffer(buffer, dtype=np.uint8).ctypes.data % ALIGN == 0
+    if buffer.nbytes % ALIGN:
+        return False
+    if buffer.readonly:  # ctypes maps writable buffers only
+        return np.frombuffer(buffer, dtype=np.uint8).ctypes.data % ALIGN == 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % ALIGN == 0
 
 
-def _header_buffer(header: bytes | None, direct: bool) -> memoryview:
-    """A buffer for a header: this thread's page-aligned scratch page under O_DIRECT."""
-    if not direct:
-        return memoryview(bytearray(header or ALIGN))
-    page = getattr(_thread_local, "page", None)
-    if page is None:
-        page = _thread_local.page = mmap.mmap(-1, ALIGN)
-    if header is not None:
-        page[:] = header
-    return memoryview(page)
+def _scratch() -> tuple[memoryview, memoryview]:
+    """This thread's two page-aligned scratch pages: one for a header, one to catch bytes
+    past an object's end (any I/O mode may use them)."""
+    pages = getattr(_thread_local, "pages", None)
+    if pages is None:
+        view = memoryview(mmap.mmap(-1, 2 * ALIGN))
+        pages = _thread_local.pages = (view[:ALIGN], view[ALIGN:])
+    return pages
 
 
-def write_object(ns_fd: int, key: OffloadKey, payload: memoryview, fingerprint: bytes, fsync: bool, direct: bool):
+def write_object(ns: Namespace, key: OffloadKey, payload: memoryview, fingerprint: bytes, fsync: bool, direct: bool):
     payload = payload.cast("B")
     direct = direct and _is_aligned(payload)
     header = encode_header(key, payload, fingerprint, ALIGN)
     tmp = f"{os.urandom(8).hex()}{_TMP_SUFFIX}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS | (os.O_DIRECT if direct else 0)
-    with _directory(ns_fd, shard(key)) as dir_fd:
-        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
-        try:
-            _write_all(fd, [_header_buffer(header, direct), payload])
-            if fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp, dir_fd=dir_fd)
-            raise
+    dir_fd = ns.shard_fd(key)
+    header_page = _scratch()[0]
+    header_page[: len(header)] = header
+    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    try:
+        _write_all(fd, [header_page[: len(header)], payload])
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
         os.close(fd)
-        name = object_name(key)
-        try:
-            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except IsADirectoryError:  # a directory squats the name: set it aside, then retry
-            _quarantine(ns_fd, dir_fd, name)
-            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            os.unlink(tmp, dir_fd=dir_fd)
-            raise
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+    name = object_name(key)
+    try:
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except IsADirectoryError:  # a directory squats the name: set it aside, then retry
+        _quarantine(ns, dir_fd, name)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
 
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:
@@ -222,51 +258,67 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
             buffers[0] = buffers[0][written:]
 
 
-def read_object(ns_fd: int, key: OffloadKey, into: memoryview, fingerprint: bytes, direct: bool) -> ObjectHeader:
+def read_object(ns: Namespace, key: OffloadKey, into: memoryview, fingerprint: bytes, direct: bool) -> ObjectHeader:
+    """Read `key`'s object, its payload into `into`, and check its header, length and CRC
+    (in this thread, while the payload is in the CPU's cache). One vectored read fills the
+    header page, the payload and a page past it, which must stay empty: no `fstat` is
+    needed for the length.
+
+    Raises:
+        ObjectNotFoundError: no such object.
+        UnusableObjectError: something else sits at its name (a directory, a FIFO: reads of
+            those fail with EISDIR or ESPIPE), or reading it fails for a reason of its own.
+        CorruptObjectError: a short or long file, a bad header, or a CRC mismatch.
+        OSError: the directory or the device fails.
+    """
     into = into.cast("B")
     direct = direct and _is_aligned(into)
-    header_buf = _header_buffer(None, direct)
-    with _directory(ns_fd, shard(key)) as dir_fd:
-        name = object_name(key)
-        try:
-            fd = os.open(name, os.O_RDONLY | _OPEN_FLAGS | (os.O_DIRECT if direct else 0), dir_fd=dir_fd)
-        except FileNotFoundError:
-            raise ObjectNotFoundError(key) from None
-        except OSError as exc:
-            if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-                raise UnusableObjectError(f"{name}: not a regular file") from exc
-            raise _unusable(name, exc) from exc
+    header_page, past_end = _scratch()
+    dir_fd = ns.shard_fd(key)
+    name = object_name(key)
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UnusableObjectError(f"{name}: not a regular file (mode {info.st_mode:o})")
-        received = _read_all(fd, [header_buf, into])
+        fd = os.open(name, os.O_RDONLY | _OPEN_FLAGS | (os.O_DIRECT if direct else 0), dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise ObjectNotFoundError(key) from None
+    except OSError as exc:
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            raise UnusableObjectError(f"{name}: not a regular file") from exc
+        raise _unusable(name, exc) from exc
+    try:
+        received = _read_all(fd, [header_page, into, past_end])
     except OSError as exc:
         raise _unusable(name, exc) from exc
     finally:
         os.close(fd)
-    if received < len(header_buf):
+    if received < ALIGN:
         raise CorruptObjectError(f"{name}: {received} bytes, shorter than its header")
-    header = parse_header(header_buf, fingerprint, key)
-    check_length(header, info.st_size - header.size, into.nbytes)
+    header = parse_header(header_page, fingerprint, key)
+    check_length(header, received - header.size, into.nbytes)
+    verify_payload(header, into)
     return header
 
 
 def _unusable(name: str, exc: OSError) -> Exception:
     """`exc` as an `UnusableObjectError` when it is about this object only, else as it is."""
+    if exc.errno in _NOT_A_FILE_ERRNOS:
+        return UnusableObjectError(f"{name}: not a regular file ({exc.strerror})")
     if exc.errno in _OBJECT_ERRNOS:
         return UnusableObjectError(f"{name}: {exc.strerror}")
     return exc
 
 
 def _read_all(fd: int, buffers: list[memoryview]) -> int:
-    total = offset = 0
+    """Fill `buffers` from the start of `fd`; the bytes read. Stops at the end of the file,
+    or as soon as all but the last buffer are full: the last only catches bytes past the
+    expected end, and a regular file that filled the others in one call ends there (a second
+    call would read 0 bytes)."""
+    expected = sum(buffer.nbytes for buffer in buffers[:-1])
+    total = 0
     while buffers:
-        got = os.preadv(fd, buffers, offset)
-        if got == 0:
-            break
+        got = os.preadv(fd, buffers, total)
         total += got
-        offset += got
+        if got == 0 or total == expected:
+            break
         while buffers and got >= buffers[0].nbytes:
             got -= buffers.pop(0).nbytes
         if buffers and got:
@@ -274,41 +326,38 @@ def _read_all(fd: int, buffers: list[memoryview]) -> int:
     return total
 
 
-def exists(ns_fd: int, key: OffloadKey) -> bool:
-    with _directory(ns_fd, shard(key)) as dir_fd:
-        try:
-            return stat.S_ISREG(os.stat(object_name(key), dir_fd=dir_fd, follow_symlinks=False).st_mode)
-        except FileNotFoundError:
-            return False
+def exists(ns: Namespace, key: OffloadKey) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(object_name(key), dir_fd=ns.shard_fd(key), follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
 
 
-def delete_all(ns_fd: int, keys: list[OffloadKey]) -> None:
+def delete_all(ns: Namespace, keys: list[OffloadKey]) -> None:
     for key in keys:
-        with _directory(ns_fd, shard(key)) as dir_fd:
-            name = object_name(key)
-            try:
-                os.unlink(name, dir_fd=dir_fd)
-            except FileNotFoundError:
-                pass
-            except (IsADirectoryError, PermissionError):
-                _quarantine(ns_fd, dir_fd, name)
+        dir_fd, name = ns.shard_fd(key), object_name(key)
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except (IsADirectoryError, PermissionError):
+            _quarantine(ns, dir_fd, name)
 
 
-def _quarantine(ns_fd: int, dir_fd: int, name: str) -> None:
+def _quarantine(ns: Namespace, dir_fd: int, name: str) -> None:
     """Move what sits at `name` (a directory, say) out of the way, into the quarantine."""
-    with _directory(ns_fd, _QUARANTINE) as quarantine_fd:
-        os.rename(name, f"{name}.{os.urandom(4).hex()}", src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
+    os.rename(name, f"{name}.{os.urandom(4).hex()}", src_dir_fd=dir_fd, dst_dir_fd=ns.quarantine)
     logger.warning("file tier: moved an unusable %s to %s/ for inspection", name, _QUARANTINE)
 
 
-def scan(ns_fd: int, directory: Path, fingerprint: bytes) -> list[tuple[OffloadKey, int]]:
+def scan(ns: Namespace, directory: Path, fingerprint: bytes) -> list[tuple[OffloadKey, int]]:
     """Objects in the namespace, oldest first; removes temporaries and regular files that
     are not whole objects of ours. Never follows a link."""
     found: list[tuple[float, OffloadKey, int]] = []
     removed = 0
     progress = RecoveryProgress(f"file tier {directory}")
-    for shard in _SHARDS:
-        with _directory(ns_fd, shard) as dir_fd, os.scandir(dir_fd) as entries:
+    for dir_fd in ns.shards:
+        with os.scandir(dir_fd) as entries:
             for entry in entries:
                 progress.add()
                 if not entry.is_file(follow_symlinks=False):

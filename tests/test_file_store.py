@@ -138,5 +138,5 @@ def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monke
         file_io.write_object(namespace, key(2), unaligned[1:4097], FINGERPRINT, False, True)
         file_io.write_object(namespace, key(3), aligned, FINGERPRINT, False, False)
     finally:
-        os.close(namespace)
+        namespace.close()
     assert opened_flags == [True, True, False, False]

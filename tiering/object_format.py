@@ -15,7 +15,8 @@ by default; the file store uses 4096 so that payloads stay aligned for O_DIRECT)
 A store checks the header and the payload's length as it reads (`parse_header`,
 `check_length`); the CRC is checked by `verify_payload` after every store layer (in
 `BlockStoreTier`), so a corruption anywhere below it is caught before the payload counts
-as loaded.
+as loaded. A store that checks it itself as it reads (`BlockStore.verifies_payloads`, the
+file tier) spares the adapter that second pass over the bytes.
 
 Thread: any; pure functions (the stores call them on the loop or in their pool threads).
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import crc32c
 
@@ -69,8 +70,7 @@ def encode_header(key: OffloadKey, payload: memoryview, fingerprint: bytes, alig
     return (fixed + key).ljust(size, b"\0")
 
 
-@dataclass(frozen=True)
-class ObjectHeader:
+class ObjectHeader(NamedTuple):  # a tuple: built once per block read, it must be cheap
     key: OffloadKey
     payload_len: int
     crc: int

@@ -11,7 +11,8 @@ group ``tiering.secondary_tiers``), the store becomes a tier with the keys of bo
 A store keeps one object per key in the format of `tiering.object_format` (it calls
 `encode_header` on put, and `parse_header` and `check_length` on get), under the namespace
 of its layout fingerprint. A store moves bytes; the payload's CRC is checked above every
-store layer, by the adapter, so a wrapping store (`tiering.backends.faulty`) is checked too.
+store layer, by the adapter, so a wrapping store (`tiering.backends.faulty`) is checked too,
+unless the outermost store checks it itself as it reads (`verifies_payloads`).
 
 All coroutines run on the tier's event loop; a store may move the blocking part of an
 operation to its own threads, one hop per operation. The adapter
@@ -55,11 +56,17 @@ class BlockStore(ABC):
         tier_defaults: defaults of `BlockStoreSettings` keys for tiers of this store, for
             example ``{"max_concurrency": 64}``; the config may still set each key.
         header_align: the store pads object headers to a multiple of this many bytes.
+        verifies_payloads: True when `get` and `get_many` check the payload's CRC32C
+            themselves (`verify_payload`, raising `CorruptObjectError`), in the thread that
+            read it while it is still in the CPU's cache; the adapter then skips its own
+            check, which would read every byte once more on the loop thread. A store that
+            wraps another (and may change bytes the inner one checked) leaves it False.
     """
 
     Options: ClassVar[type[BaseModel]] = NoOptions
     tier_defaults: ClassVar[Mapping[str, Any]] = {}
     header_align = HEADER_ALIGN
+    verifies_payloads: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> BlockStore:
@@ -114,7 +121,8 @@ class BlockStore(ABC):
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
         """Read the payload of `key`'s object into `into` (exactly its length) and return
         the object's header. The header and the length are checked; the CRC is the
-        caller's to check (`tiering.object_format.verify_payload`).
+        caller's to check (`tiering.object_format.verify_payload`), unless the store
+        `verifies_payloads`.
 
         `into` may hold garbage when this raises, and until the CRC is checked.
 

@@ -9,8 +9,9 @@ in the job's outcome and puts it in the `Outbox`; it never touches the index.
 
 Rules kept here: an evicted key's delete finishes before a new put of the same key starts;
 a load's payload CRC is checked above the store (a wrapping store is checked too), off the
-loop; an object found corrupt or unusable is deleted; a call that does not return at its
-timeout keeps its job's rows in use until it does; every task puts exactly one outcome.
+loop, unless the store checked it as it read (`BlockStore.verifies_payloads`); an object
+found corrupt or unusable is deleted; a call that does not return at its timeout keeps its
+job's rows in use until it does; every task puts exactly one outcome.
 """
 
 from __future__ import annotations
@@ -208,14 +209,16 @@ class BlockWorker:
     async def _load_batch(self, done: LoadDone, batch: Items) -> None:
         outcomes = await self._io(done, self.store.get_many, batch)
         read = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, ObjectHeader)]
-        if read:  # the CRC, checked above every store layer; off the loop unless it is quick
+        if self.store.verifies_payloads:
+            verified: list[CorruptObjectError | None] = [None] * len(read)
+        else:  # the CRC, checked above every store layer; off the loop unless it is quick
             checks = [(outcomes[i], memoryview(self._rows[batch[i][1]])) for i in read]
             if len(checks) * self._rows.shape[1] <= INLINE_CRC_BYTES:
                 verified = _verify_all(checks)
             else:
                 verified = await anyio.to_thread.run_sync(_verify_all, checks)
-            for i, error in zip(read, verified, strict=True):
-                outcomes[i] = error
+        for i, error in zip(read, verified, strict=True):
+            outcomes[i] = error
         corrupt = []
         for (key, _), error in zip(batch, outcomes, strict=True):
             if error is None:
