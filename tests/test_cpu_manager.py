@@ -258,3 +258,31 @@ def test_primary_tier_aliases_name_the_secondary_direction(ctx):
     assert primary.ref_count(key(0)) == 1
     primary.complete_read(keys(0), ctx)
     assert primary.ref_count(key(0)) == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_resident_index_follows_the_policy_through_any_calls(policy, ctx):
+    """The manager answers lookups from its own index of resident blocks; after every kind
+    of call (stores that evict, failed stores, loads, touches, a reset) it holds exactly
+    the blocks the policy ranks, with the same states."""
+    rng = np.random.default_rng(7)
+    manager = CPUOffloadingManager(num_blocks=6, cache_policy=policy)
+    for step in range(600):
+        ids = [int(i) for i in rng.choice(12, size=int(rng.integers(1, 4)), replace=False)]
+        action = rng.integers(0, 10)
+        if action < 6:
+            out = manager.prepare_store(keys(*ids), ctx)
+            if out is not None:
+                manager.complete_store(out.keys_to_store, ctx, success=bool(rng.integers(0, 4)))
+        elif action < 8:
+            ready = [k for k in keys(*ids) if manager.lookup(k, ctx)]
+            if ready:
+                manager.prepare_load(ready, ctx)
+                manager.complete_load(ready, ctx)
+        elif action < 9:
+            manager.touch([k for k in keys(*ids) if manager.lookup(k, ctx) is not False], ctx)
+        elif step % 7 == 0:
+            manager.reset_cache()
+        ranked = dict(manager._policy.items())
+        assert {k: b.ref_cnt for k, b in manager._resident.items()} == {k: b.ref_cnt for k, b in ranked.items()}
+        assert all(manager.lookup(key(i), ctx) == (key(i) in ranked) for i in range(12))

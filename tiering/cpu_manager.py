@@ -63,6 +63,9 @@ class CPUOffloadingManager(OffloadingManager):
         self.num_blocks = num_blocks
         self._cache_policy = cache_policy
         self._policy = make_cache_policy(cache_policy, num_blocks)
+        # The resident blocks by key, as the policy holds them: a plain dict, so that the
+        # hot paths (several lookups per stored block) pay one C call, not a policy method.
+        self._resident: dict[OffloadKey, BlockStatus] = {}
         self._free_block_ids: list[int] = []
         self._quarantined: Counter[int] = Counter()  # row -> holders: a late I/O may still use it
         self._num_ids_used = 0  # ids below this were handed out before
@@ -86,12 +89,12 @@ class CPUOffloadingManager(OffloadingManager):
 
     def ref_count(self, key: OffloadKey) -> int | None:
         """The ref count of `key`'s row, or None if the key is not resident."""
-        block = self._policy.get(key)
+        block = self._resident.get(key)
         return None if block is None else block.ref_cnt
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """True if `key` is stored, None while its write is in flight, False otherwise."""
-        block = self._policy.get(key)
+        block = self._resident.get(key)
         answer = False if block is None else (True if block.ref_cnt >= 0 else None)
         self._lookups[answer] += 1
         return answer
@@ -148,14 +151,14 @@ class CPUOffloadingManager(OffloadingManager):
     def _reserve(
         self, keys: Collection[OffloadKey], req_context: ReqContext, refused_counter: str
     ) -> PrepareStoreOutput | None:
-        policy = self._policy
+        policy, resident = self._policy, self._resident
         unique = dict.fromkeys(keys)
-        keys_to_store = [key for key in unique if policy.get(key) is None]
+        keys_to_store = [key for key in unique if key not in resident]
         ready: list[OffloadKey] = []
         seen = keys_to_store  # the request's accesses: new or ready keys, in the order of `keys`
         if len(keys_to_store) < len(unique):
-            seen = [key for key in unique if (block := policy.get(key)) is None or block.ref_cnt >= 0]
-            ready = [key for key in seen if policy.get(key) is not None]
+            seen = [key for key in unique if (block := resident.get(key)) is None or block.ref_cnt >= 0]
+            ready = [key for key in seen if key in resident]
         access = self._accesses.of(req_context.req_id)
         if policy.learns_from_store_misses and keys_to_store:
             store_missed = access.store_missed
@@ -172,6 +175,7 @@ class CPUOffloadingManager(OffloadingManager):
                 self._refuse(refused_counter, len(unique))
                 return None
             for key, block in victims:
+                del resident[key]
                 self._free_block_ids.append(block.block_id)
                 evicted.append(key)
             self._counters["evictions"] += len(victims)
@@ -179,7 +183,8 @@ class CPUOffloadingManager(OffloadingManager):
         block_ids = [self._allocate_block_id() for _ in keys_to_store]
         self._rows_writing += len(block_ids)
         for key, block_id in zip(keys_to_store, block_ids, strict=True):
-            policy.insert(key, BlockStatus(block_id))
+            block = resident[key] = BlockStatus(block_id)
+            policy.insert(key, block)
         access.inserted.update(keys_to_store)
         return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted)
 
@@ -218,10 +223,10 @@ class CPUOffloadingManager(OffloadingManager):
         if not success:
             self._free_block_ids.extend(self._drop_writes(keys))
             return []
-        policy = self._policy
+        resident = self._resident
         stored: list[OffloadKey] = []
         for key in keys:
-            block = policy.get(key)
+            block = resident.get(key)
             if block is None or block.ref_cnt != -1:
                 continue
             block.ref_cnt = 0
@@ -265,9 +270,10 @@ class CPUOffloadingManager(OffloadingManager):
         """Forget the keys whose write is in flight; returns their rows (not freed)."""
         rows = []
         for key in keys:
-            block = self._policy.get(key)
+            block = self._resident.get(key)
             if block is not None and block.ref_cnt == -1:
                 self._policy.remove(key)
+                del self._resident[key]
                 rows.append(block.block_id)
         self._counters["blocks_store_failed"] += len(rows)
         self._rows_writing -= len(rows)
@@ -331,6 +337,7 @@ class CPUOffloadingManager(OffloadingManager):
         """
         self._quarantined.update(keep_rows)
         self._policy = make_cache_policy(self._cache_policy, self.num_blocks)
+        self._resident.clear()
         self._accesses.clear()
         self._rows_reading = self._rows_writing = 0
         quarantined = self._quarantined
@@ -343,7 +350,7 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             KeyError: a key is not resident, or its ref count is lower.
         """
-        get, blocks = self._policy.get, []
+        get, blocks = self._resident.get, []
         for key in keys:
             block = get(key)
             if block is None or block.ref_cnt < min_ref_cnt:
