@@ -109,13 +109,13 @@ class CPUOffloadingManager(OffloadingManager):
         self._accesses.of(req_context.req_id).observe(keys, ready=keys)
         return spec
 
-    def _pin(self, keys: Collection[OffloadKey], caller: str, counter: str) -> CPULoadStoreSpec:
+    def _pin(self, keys: Collection[OffloadKey], caller: str, counter: str, readers: int = 1) -> CPULoadStoreSpec:
         blocks = self._blocks(keys, caller, min_ref_cnt=0)
         for block in blocks:
             if block.ref_cnt == 0:
                 self._rows_reading += 1
-            block.ref_cnt += 1
-        self._counters[counter] += len(blocks)
+            block.ref_cnt += readers
+        self._counters[counter] += len(blocks) * readers
         return CPULoadStoreSpec([block.block_id for block in blocks])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -420,13 +420,15 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         self._region: KVRegion | None = mmap_region
         self._kv_view = kv_view
 
-    def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
-        """Pin rows for a cascade: as `prepare_load`, counted as read by tiers.
+    def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext, readers: int = 1) -> CPULoadStoreSpec:
+        """Pin rows for a cascade: as `prepare_load`, counted as read by tiers. `readers`:
+        how many tiers read the rows (each releases its own with `complete_read`), pinned in
+        one pass.
 
         Raises:
             KeyError: as `prepare_load`.
         """
-        return self._pin(keys, "prepare_read", "blocks_read_by_tiers")
+        return self._pin(keys, "prepare_read", "blocks_read_by_tiers", readers)
 
     complete_read = CPUOffloadingManager.complete_load
 

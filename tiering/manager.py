@@ -228,12 +228,14 @@ class TieringOffloadingManager(OffloadingManager):
             return
         for key in stored:
             self._sources.pop(key, None)
+        cascades = []
         for tier_idx, admission in enumerate(self.admission):
             admission.stored(stored)
             if not admission.write_back:
-                self._cascade(tier_idx, admission.admit(stored), req_context)
+                cascades.append((tier_idx, admission.admit(stored)))
                 if admission.waiting:
                     self._waiting_tiers.add(tier_idx)
+        self._cascade_to_all(cascades, req_context)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return self.primary_tier.on_new_request(req_context)
@@ -547,6 +549,18 @@ class TieringOffloadingManager(OffloadingManager):
         """Whether `key` is resident in the primary tier and not being written."""
         ref_count = self.primary_tier.ref_count(key)
         return ref_count is not None and ref_count >= 0
+
+    def _cascade_to_all(self, cascades: list[tuple[int, list[OffloadKey]]], req_context: ReqContext) -> None:
+        """`_cascade` for each (tier, admitted keys); when every tier took the same keys (the
+        usual case) their rows are pinned in one pass, one reader per tier."""
+        if len(cascades) < 2 or any(keys != cascades[0][1] for _, keys in cascades):
+            for tier_idx, keys in cascades:
+                self._cascade(tier_idx, keys, req_context)
+        elif cascades[0][1]:
+            spec = self.primary_tier.prepare_read(cascades[0][1], req_context, readers=len(cascades))
+            for tier_idx, keys in cascades:
+                self._submit(tier_idx, keys, spec.block_ids, False, req_context)
+            self._counters["cascades_submitted"] += len(cascades)
 
     def _cascade(self, tier_idx: int, keys: list[OffloadKey], req_context: ReqContext) -> None:
         """Copy `keys` (resident, admitted) to the tier: their rows stay pinned until it reports."""
