@@ -1,3 +1,6 @@
+from itertools import islice
+
+import numpy as np
 import pytest
 
 from tests.helpers import key, keys
@@ -149,3 +152,38 @@ def test_arc_ghost_lists_are_bounded():
         if len(policy) == 2:
             policy.evict(1, protected=())
     assert len(policy._b1) <= 2 and len(policy._b2) <= 2
+
+
+def test_arc_evicts_exactly_the_blocks_its_victim_order_names_whatever_the_state():
+    """`evict` takes a shortcut when all victims come from one list; on random states (lists
+    above and below the target, busy and protected blocks, ghost hits) it must evict what
+    the general block-by-block order names, into the right ghost list."""
+    rng = np.random.default_rng(3)
+    policy = ARCCachePolicy(12)
+    universe = [key(i) for i in range(40)]
+    checked = 0
+    for _ in range(3000):
+        chosen = [universe[int(i)] for i in rng.choice(40, size=int(rng.integers(1, 5)), replace=False)]
+        for _, block in policy.items():  # transfers end
+            if rng.integers(0, 4) == 0:
+                block.ref_cnt = 0
+        if rng.integers(0, 3) == 0:
+            policy.touch(chosen)
+            continue
+        new = [k for k in chosen if policy.get(k) is None]
+        protected = {universe[int(i)] for i in rng.choice(40, size=int(rng.integers(0, 4)), replace=False)} | set(new)
+        room = policy.capacity - len(policy)
+        if len(new) > room:
+            expected = list(islice(policy._victims(protected), len(new) - room))
+            victims = policy.evict(len(new) - room, protected)
+            if len(expected) < len(new) - room:
+                assert victims is None
+                continue
+            assert victims == [(k, b) for k, b, _ in expected]
+            assert all((k in policy._b1) == in_t1 and (k in policy._b2) != in_t1 for k, _, in_t1 in expected)
+            checked += 1
+        for k in new:
+            block = BlockStatus(int(rng.integers(0, 99)))
+            block.ref_cnt = int(rng.choice([0, 0, 0, 1, -1]))
+            policy.insert(k, block)
+    assert checked > 200

@@ -274,20 +274,40 @@ class ARCCachePolicy(CachePolicy):
                     t2.move_to_end(key)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        victims = list(islice(self._victims(protected), n))
-        if len(victims) < n:
-            return None
-        for key, _, in_t1 in victims:
-            if in_t1:
-                del self._t1[key]
-                self._b1[key] = None
-            else:
-                del self._t2[key]
-                self._b2[key] = None
+        victims = self._victims_from_one_list(n, protected)
+        if victims is None:  # from both lists: `_victims` chooses block by block
+            chosen = list(islice(self._victims(protected), n))
+            if len(chosen) < n:
+                return None
+            for key, _, in_t1 in chosen:
+                (self._b1 if in_t1 else self._b2)[key] = None
+                del (self._t1 if in_t1 else self._t2)[key]
+            victims = [(key, block) for key, block, _ in chosen]
         for ghosts in (self._b1, self._b2):
             for _ in range(len(ghosts) - self.capacity):
                 ghosts.popitem(last=False)
-        return [(key, block) for key, block, _ in victims]
+        return victims
+
+    def _victims_from_one_list(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        """Evict, as `_victims` orders them, `n` blocks that all come from one list (the
+        common case: T1 stays at or above its target for all `n`, or is below it while T2
+        has `n` idle blocks), without its per-block choice; None (nothing done) otherwise."""
+        t1_size, target = len(self._t1), int(self.target_t1_size)
+        if t1_size - n + 1 >= target:
+            blocks, ghosts = self._t1, self._b1
+        elif t1_size < target:
+            blocks, ghosts = self._t2, self._b2
+        else:
+            return None
+        victims = list(islice(_evictable(blocks, protected), n))
+        if len(victims) < n:
+            return None
+        for key, _ in victims:
+            del blocks[key]
+            ghosts[key] = None
+        return victims
 
     def coldest(self, n: int) -> list[OffloadKey]:
         return [key for key, _, _ in islice(self._victims((), idle_only=False), n)]
