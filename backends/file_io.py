@@ -4,8 +4,8 @@ Worker threads of the tier's pool only (each function runs whole in one thread, 
 block or batch); `open_namespace` also at open. See `tiering.backends.file` for the layout,
 the safety rules and the I/O modes these functions implement.
 
-A block costs three system calls to read (open, one vectored read, close) and five to write
-(open, vectored write, close, rename; fsync when asked): the namespace keeps its shard
+A block costs three system calls to read (open, one vectored read, close) and four to write
+(open, vectored write, close, rename; a fifth, fsync, when asked): the namespace keeps its shard
 directories open (`Namespace`), and a read learns the file's length from the read itself.
 """
 
@@ -95,6 +95,7 @@ class Namespace:
         self.quarantine = quarantine
 
     def shard_fd(self, key: OffloadKey) -> int:
+        """The open descriptor of `key`'s shard directory (valid until `close`)."""
         return self.shards[_shard_index(key)]
 
     def close(self) -> None:
@@ -108,7 +109,14 @@ class Namespace:
 
 def open_namespace(root: Path, name: str) -> Namespace:
     """Make `root` (missing parents too, 0700), check it is private, and open its private
-    subdirectory `name` with the shard and quarantine directories (creating what is missing)."""
+    subdirectory `name` with the shard and quarantine directories (creating what is missing).
+    The caller closes the result (`Namespace.close`).
+
+    Raises:
+        PermissionError: `root` or a directory under it belongs to another user or is
+            writable by group or others, or `root` cannot be written.
+        OSError: a directory cannot be created or opened.
+    """
     _make_private_parents(root)
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: links allowed
     try:

@@ -274,7 +274,7 @@ class ARCCachePolicy(CachePolicy):
                     t2.move_to_end(key)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        victims = self._victims_from_one_list(n, protected)
+        victims = self._evict_from_one_list(n, protected)
         if victims is None:  # from both lists: `_victims` chooses block by block
             chosen = list(islice(self._victims(protected), n))
             if len(chosen) < n:
@@ -288,7 +288,7 @@ class ARCCachePolicy(CachePolicy):
                 ghosts.popitem(last=False)
         return victims
 
-    def _victims_from_one_list(
+    def _evict_from_one_list(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         """Evict, as `_victims` orders them, `n` blocks that all come from one list (the
