@@ -276,6 +276,27 @@ def test_a_terminated_run_shuts_down_and_leaves_no_shared_memory(tmp_path):
     assert not region.exists()
 
 
+def test_an_interrupt_inside_code_run_from_source_text_keeps_the_exit_status(tmp_path):
+    """The signal can land while an import defines a dataclass, whose methods CPython compiles
+    from source text; a plain KeyboardInterrupt leaving that code made the process kill itself
+    with SIGINT at exit, whatever status the run returned."""
+    import subprocess
+    import sys
+
+    (tmp_path / "interrupted_run.py").write_text(
+        "import os, signal, sys\n"
+        "from tiering.benchmarks.loadgen.cli import Interrupts\n"
+        "interrupts = Interrupts()\n"
+        "signal.signal(signal.SIGTERM, interrupts)\n"
+        "try:\n"
+        "    exec('os.kill(os.getpid(), signal.SIGTERM)\\nwhile True: pass')\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(interrupts.exit_status())\n"
+    )
+    run = subprocess.run([sys.executable, "-m", "interrupted_run"], cwd=tmp_path, timeout=60)
+    assert run.returncode == 143
+
+
 def test_a_run_over_a_faulty_tier_loads_no_wrong_byte(tmp_path):
     config = tmp_path / "engine.yaml"
     config.write_text(

@@ -204,11 +204,19 @@ def layout_for(args: argparse.Namespace) -> KVLayout:
     return KVLayout("loadgen", LAYERS, per_token_layer, gpu_block_size=BLOCK_TOKENS)
 
 
+class Interrupted(KeyboardInterrupt):
+    """What `Interrupts` raises. A subclass on purpose: when an exception of exactly
+    KeyboardInterrupt leaves code that CPython runs from source text (``exec``/``eval`` of a
+    string, as ``dataclasses`` does while a lazy import defines a class), CPython 3.11 marks
+    the process and, at exit, kills it with SIGINT, even if the exception was caught and the
+    run exited 143. A subclass passes every ``except KeyboardInterrupt`` but not that check."""
+
+
 class Interrupts:
     """The handler of SIGINT (Ctrl-C) and SIGTERM, run on the main thread: during the replay
     the first one asks it to stop before the next request (no engine call is cut in half, so
     the shutdown finds the engine whole); otherwise, or the second time, it raises
-    KeyboardInterrupt."""
+    `Interrupted`, a KeyboardInterrupt."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -218,7 +226,7 @@ class Interrupts:
     def __call__(self, signum: int, _frame: object) -> None:
         self.received.append(signum)
         if not self.replaying or self.stop.is_set():
-            raise KeyboardInterrupt
+            raise Interrupted
         self.stop.set()
 
     def exit_status(self) -> int:
