@@ -55,6 +55,18 @@ def test_slow_tier_answers_none_until_the_store_lands(engine_factory):
     assert not engine.tier.has_pending_work()
 
 
+def test_a_job_in_flight_keeps_the_loop_polling_so_the_step_makes_no_system_call(engine_factory, monkeypatch):
+    monkeypatch.setattr("tiering.runtime.POLL_IDLE_S", 0.02)
+    engine = engine_factory({"type": "memory", "latency_s": 1.0})
+    out = engine.manager.prepare_store(keys(0), CTX)
+    engine.manager.complete_store(out.keys_to_store, CTX)
+    engine.manager.on_schedule_end()
+    time.sleep(0.2)  # ten idle times, the write still running
+    assert engine.tier._runtime._polling  # the next flush will not ring
+    engine.settle()
+    assert engine.tier.lookup(key(0), CTX) is True
+
+
 def test_a_failing_backend_fails_the_job_and_forgets_its_blocks(engine_factory, caplog):
     engine = engine_factory({"type": "memory", "failure_rate": 1.0})
     results = []

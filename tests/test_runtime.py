@@ -138,3 +138,21 @@ def test_a_busy_loop_polls_and_an_idle_one_is_rung_again_nothing_is_stranded(run
         threading.Event().wait(0.1)
         assert done[-1] == (burst, 19)
     assert done == [(b, i) for b in range(3) for i in range(20)]
+
+
+def test_the_loop_polls_while_work_is_in_flight_and_is_rung_again_after(runtime, monkeypatch):
+    """A tier whose jobs outlast the idle time (writes lagging behind an overload) must not
+    make the scheduler ring: its flush would be a system call on the scheduler thread."""
+    monkeypatch.setattr("tiering.runtime.POLL_IDLE_S", 0.02)
+    runtime.submit(runtime.work_started)
+    runtime.flush()
+    threading.Event().wait(0.2)  # ten idle times with a job running and nothing submitted
+    assert runtime._polling
+    runtime.submit(runtime.work_finished)
+    runtime.flush()
+    deadline = threading.Event()
+    for _ in range(500):
+        if not runtime._polling:
+            break
+        deadline.wait(0.01)
+    assert not runtime._polling

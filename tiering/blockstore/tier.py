@@ -105,11 +105,18 @@ class BlockStoreTier(SecondaryTierManager):
         self._evicted: dict[OffloadKey, None] = {}  # objects to delete at the end of the step
         self._closed = False
         batch_blocks = max(1, settings.batch_bytes // max(1, self.row_bytes))
-        self._worker = BlockWorker(
-            self.name, self.store, rows, self._outbox, settings.max_concurrency, settings.op_timeout_s, batch_blocks
-        )
         runtime = self.context.runtime or AsyncRuntime(f"tiering-{self.name}")
         self._runtime = runtime.acquire()
+        self._worker = BlockWorker(
+            self.name,
+            self.store,
+            rows,
+            self._outbox,
+            settings.max_concurrency,
+            settings.op_timeout_s,
+            batch_blocks,
+            self._runtime,
+        )
         logger.info("tier %s: opening %r and recovering the blocks it holds", self.name, self.store)
         try:
             recovered = self._runtime.run_sync(self._open, timeout_s=settings.open_timeout_s)

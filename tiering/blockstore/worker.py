@@ -41,6 +41,7 @@ from tiering.blockstore.store import BlockStore
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, RuntimeClosedError, UnusableObjectError
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader, verify_payload
+from tiering.runtime import AsyncRuntime
 
 T = TypeVar("T")
 Items = Sequence[tuple[OffloadKey, int]]  # (key, primary row)
@@ -58,6 +59,8 @@ class BlockWorker:
         max_concurrency: store calls in flight at once.
         op_timeout_s: seconds a store call may take.
         batch_blocks: blocks per `put_many`/`get_many` call.
+        runtime: the tier's runtime, told when each job starts and ends (so its loop
+            polls for work while jobs run, see `AsyncRuntime.work_started`).
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class BlockWorker:
         max_concurrency: int,
         op_timeout_s: float,
         batch_blocks: int,
+        runtime: AsyncRuntime,
     ):
         self.name = name
         self.store = store
@@ -79,6 +83,7 @@ class BlockWorker:
         self._delete_lane = anyio.CapacityLimiter(1)
         self._op_timeout_s = op_timeout_s
         self._batch_blocks = batch_blocks
+        self._runtime = runtime
         self._task_group: anyio.abc.TaskGroup | None = None
         self._deleting: dict[OffloadKey, anyio.Event] = {}
         self._stop = anyio.Event()
@@ -142,6 +147,7 @@ class BlockWorker:
         """Run the job ``prepare()`` returns in the tier's task group. If the tier is
         stopped, or anything raises while starting, the outcome is put at once, failed:
         never lost."""
+        self._runtime.work_started()
         try:
             if self._task_group is None:
                 raise RuntimeClosedError(f"tier {self.name} is shut down")
@@ -176,6 +182,7 @@ class BlockWorker:
         if isinstance(done, JobDone):
             done.complete = done.complete and not broken
             done.rows_in_use, done.reported = done.hung > 0, True
+        self._runtime.work_finished()
         self._outbox.put(done)
 
     # -- jobs -------------------------------------------------------------------------------
