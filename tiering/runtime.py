@@ -15,7 +15,9 @@ the scheduler's worst latency under load. After `POLL_IDLE_S` without work the l
 back to waiting for a ring. Work in flight counts as work: while a tier's job runs
 (`work_started` .. `work_finished`), the loop keeps polling, so a tier whose writes lag behind
 the scheduler (an overload, when the scheduler's latency matters most) is never rung, even
-when the scheduler submits nothing new for a while.
+when the scheduler submits nothing new for a while. (A call that never returns ends its job
+at the tier's ``op_timeout_s``, so polling always stops.) Polling costs about 7% of one core
+of a 2-core VM (2,000 wake-ups a second); waiting for a ring costs nothing.
 
 Tiers share a runtime by reference counting: each tier `acquire`s it when built and
 `release`s it at shutdown; the last release stops the loop and joins the thread.
