@@ -144,11 +144,11 @@ def test_the_loop_polls_while_work_is_in_flight_and_is_rung_again_after(runtime,
     """A tier whose jobs outlast the idle time (writes lagging behind an overload) must not
     make the scheduler ring: its flush would be a system call on the scheduler thread."""
     monkeypatch.setattr("tiering.runtime.POLL_IDLE_S", 0.02)
-    runtime.submit(runtime.work_started)
+    runtime.submit(runtime.job_started)
     runtime.flush()
     threading.Event().wait(0.2)  # ten idle times with a job running and nothing submitted
     assert runtime._polling
-    runtime.submit(runtime.work_finished)
+    runtime.submit(runtime.job_finished)
     runtime.flush()
     deadline = threading.Event()
     for _ in range(500):

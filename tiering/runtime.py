@@ -12,8 +12,8 @@ While work keeps coming, the loop polls the inbox every `POLL_S` instead of bein
 `flush()` does nothing: ringing is a system call (a socket write), which releases the GIL,
 and getting it back from a busy loop or I/O thread can take a whole switch interval (5 ms),
 the scheduler's worst latency under load. After `POLL_IDLE_S` without work the loop goes
-back to waiting for a ring. Work in flight counts as work: while a tier's job runs
-(`work_started` .. `work_finished`), the loop keeps polling, so a tier whose writes lag behind
+back to waiting for a ring. A job in flight counts as work: while a tier's job runs
+(`job_started` .. `job_finished`), the loop keeps polling, so a tier whose writes lag behind
 the scheduler (an overload, when the scheduler's latency matters most) is never rung, even
 when the scheduler submits nothing new for a while. (A call that never returns ends its job
 at the tier's ``op_timeout_s``, so polling always stops.) Polling costs about 7% of one core
@@ -69,7 +69,7 @@ class AsyncRuntime:
         self._inbox: deque[Callable[[], None]] = deque()
         self._ring_pending = False
         self._polling = False  # the loop looks at the inbox by itself: no ring needed
-        self._work_in_flight = 0  # jobs between `work_started` and `work_finished`
+        self._jobs_in_flight = 0  # jobs between `job_started` and `job_finished`
         self._active_at = 0.0  # loop clock when a job last finished
         self._users = 0
         self._closed = False
@@ -168,15 +168,15 @@ class AsyncRuntime:
         assert self._running is not None, "the runtime is not running"
         return self._running.task_group
 
-    def work_started(self) -> None:
-        """Count a job (a tier's store call) as running: until its `work_finished`, the loop
+    def job_started(self) -> None:
+        """Count a job (a tier's store call) as running: until its `job_finished`, the loop
         polls its inbox rather than wait for a ring. Loop thread."""
-        self._work_in_flight += 1
+        self._jobs_in_flight += 1
 
-    def work_finished(self) -> None:
-        """End a job `work_started` counted; the loop polls `POLL_IDLE_S` more after the
+    def job_finished(self) -> None:
+        """End a job `job_started` counted; the loop polls `POLL_IDLE_S` more after the
         last one, since its outcome usually brings new work. Loop thread."""
-        self._work_in_flight -= 1
+        self._jobs_in_flight -= 1
         self._active_at = asyncio.get_running_loop().time()
 
     def in_loop_thread(self) -> bool:
@@ -228,7 +228,7 @@ class AsyncRuntime:
                 if self._inbox:
                     self._run_inbox()
                     last_work = loop.time()
-                elif not self._work_in_flight and loop.time() - max(last_work, self._active_at) > POLL_IDLE_S:
+                elif not self._jobs_in_flight and loop.time() - max(last_work, self._active_at) > POLL_IDLE_S:
                     self._polling = False
                     if not self._inbox:  # checked after clearing the flag: a flush now rings
                         break

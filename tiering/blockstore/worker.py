@@ -60,7 +60,7 @@ class BlockWorker:
         op_timeout_s: seconds a store call may take.
         batch_blocks: blocks per `put_many`/`get_many` call.
         runtime: the tier's runtime, told when each job starts and ends (so its loop
-            polls for work while jobs run, see `AsyncRuntime.work_started`).
+            polls for work while jobs run, see `AsyncRuntime.job_started`).
     """
 
     def __init__(
@@ -147,7 +147,7 @@ class BlockWorker:
         """Run the job ``prepare()`` returns in the tier's task group. If the tier is
         stopped, or anything raises while starting, the outcome is put at once, failed:
         never lost."""
-        self._runtime.work_started()
+        self._runtime.job_started()
         try:
             if self._task_group is None:
                 raise RuntimeClosedError(f"tier {self.name} is shut down")
@@ -182,7 +182,7 @@ class BlockWorker:
         if isinstance(done, JobDone):
             done.complete = done.complete and not broken
             done.rows_in_use, done.reported = done.hung > 0, True
-        self._runtime.work_finished()
+        self._runtime.job_finished()
         self._outbox.put(done)
 
     # -- jobs -------------------------------------------------------------------------------
