@@ -57,11 +57,11 @@ def test_slow_tier_answers_none_until_the_store_lands(engine_factory):
 
 def test_a_job_in_flight_keeps_the_loop_polling_so_the_step_makes_no_system_call(engine_factory, monkeypatch):
     monkeypatch.setattr("tiering.runtime.POLL_IDLE_S", 0.02)
-    engine = engine_factory({"type": "memory", "latency_s": 1.0})
+    engine = engine_factory({"type": "memory", "latency_s": 2.0})
     out = engine.manager.prepare_store(keys(0), CTX)
     engine.manager.complete_store(out.keys_to_store, CTX)
     engine.manager.on_schedule_end()
-    time.sleep(0.2)  # ten idle times, the write still running
+    time.sleep(0.1)  # five idle times, the write still running (it takes 2 s)
     assert engine.tier._runtime._polling  # the next flush will not ring
     engine.settle()
     assert engine.tier.lookup(key(0), CTX) is True

@@ -277,7 +277,7 @@ class TieringOffloadingManager(OffloadingManager):
         if self._waiting_tiers:
             for tier_idx in list(self._waiting_tiers):
                 admission = self.admission[tier_idx]
-                self._cascade(tier_idx, admission.admit_waiting(self._readable), _BACKGROUND)
+                self._cascade([tier_idx], admission.admit_waiting(self._readable), _BACKGROUND)
                 if not admission.waiting:
                     self._waiting_tiers.discard(tier_idx)
         for _, tier in self._hooks["on_schedule_end"]:
@@ -542,7 +542,7 @@ class TieringOffloadingManager(OffloadingManager):
         ref_count = self.primary_tier.ref_count
         coldest = self.primary_tier.coldest(admission.writeback_window)
         candidates = admission.writeback_candidates(coldest, lambda key: ref_count(key) == 0)
-        self._cascade(tier_idx, admission.admit(candidates), _BACKGROUND)
+        self._cascade([tier_idx], admission.admit(candidates), _BACKGROUND)
         admission.forget(lambda key: ref_count(key) is not None)
 
     def _readable(self, key: OffloadKey) -> bool:
@@ -552,22 +552,21 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _cascade_to_all(self, cascades: list[tuple[int, list[OffloadKey]]], req_context: ReqContext) -> None:
         """`_cascade` for each (tier, admitted keys); when every tier took the same keys (the
-        usual case) their rows are pinned in one pass, one reader per tier."""
-        if len(cascades) < 2 or any(keys != cascades[0][1] for _, keys in cascades):
+        usual case) their rows are pinned in one pass."""
+        if len(cascades) > 1 and all(keys == cascades[0][1] for _, keys in cascades):
+            self._cascade([tier_idx for tier_idx, _ in cascades], cascades[0][1], req_context)
+        else:
             for tier_idx, keys in cascades:
-                self._cascade(tier_idx, keys, req_context)
-        elif cascades[0][1]:
-            spec = self.primary_tier.prepare_read(cascades[0][1], req_context, readers=len(cascades))
-            for tier_idx, keys in cascades:
-                self._submit(tier_idx, keys, spec.block_ids, False, req_context)
-            self._counters["cascades_submitted"] += len(cascades)
+                self._cascade([tier_idx], keys, req_context)
 
-    def _cascade(self, tier_idx: int, keys: list[OffloadKey], req_context: ReqContext) -> None:
-        """Copy `keys` (resident, admitted) to the tier: their rows stay pinned until it reports."""
+    def _cascade(self, tier_idxs: list[int], keys: list[OffloadKey], req_context: ReqContext) -> None:
+        """Copy `keys` (resident, admitted) to each tier of `tier_idxs`: their rows are pinned
+        once, one reader per tier, and stay pinned until every tier reports."""
         if keys:
-            spec = self.primary_tier.prepare_read(keys, req_context)
-            self._submit(tier_idx, keys, spec.block_ids, False, req_context)
-            self._counters["cascades_submitted"] += 1
+            spec = self.primary_tier.prepare_read(keys, req_context, readers=len(tier_idxs))
+            for tier_idx in tier_idxs:
+                self._submit(tier_idx, keys, spec.block_ids, False, req_context)
+            self._counters["cascades_submitted"] += len(tier_idxs)
 
     def _end_cascade(self, job: _Job, success: bool) -> None:
         self.primary_tier.complete_read(job.keys, job.req_context)

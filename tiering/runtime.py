@@ -170,12 +170,16 @@ class AsyncRuntime:
 
     def job_started(self) -> None:
         """Count a job (a tier's store call) as running: until its `job_finished`, the loop
-        polls its inbox rather than wait for a ring. Loop thread."""
+        polls its inbox rather than wait for a ring. Loop thread; never raises."""
         self._jobs_in_flight += 1
 
     def job_finished(self) -> None:
         """End a job `job_started` counted; the loop polls `POLL_IDLE_S` more after the
-        last one, since its outcome usually brings new work. Loop thread."""
+        last one, since its outcome usually brings new work. Loop thread.
+
+        Raises:
+            RuntimeError: called where no event loop runs (off the loop thread).
+        """
         self._jobs_in_flight -= 1
         self._active_at = asyncio.get_running_loop().time()
 
