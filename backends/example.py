@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from tiering.keys import OffloadKey, ReqContext
-from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
+from tiering.secondary import Doorbell, JobMetadata, JobResult, SecondaryTierManager
 
 logger = logging.getLogger(f"tiering.{__name__}")  # one logger tree: "tiering"
 
@@ -39,6 +39,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         self.custom_param = custom_param
         self.blocks: dict[OffloadKey, bool] = {}
         self.completed_jobs: list[JobResult] = []
+        self.doorbell = Doorbell()
         logger.info("example tier ready (custom_param=%d)", custom_param)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
@@ -55,6 +56,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         for key in job_metadata.keys:
             self.blocks[key] = True
         self.completed_jobs.append(JobResult(job_metadata.job_id, True))
+        self.doorbell.ring()
 
     def submit_load(self, job_metadata: JobMetadata) -> None:
         """Succeed if every key of the job is held, else fail.
@@ -65,6 +67,12 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         _check_lengths(job_metadata)
         success = all(key in self.blocks for key in job_metadata.keys)
         self.completed_jobs.append(JobResult(job_metadata.job_id, success))
+        self.doorbell.ring()
+
+    def attach_doorbell(self, doorbell: Doorbell) -> None:
+        """Ring the manager's `doorbell` on every job submitted, so that idle steps skip this tier."""
+        self.doorbell = doorbell
+        doorbell.ring()
 
     def get_finished(self) -> list[JobResult]:
         """Results since the last call."""

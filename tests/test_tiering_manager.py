@@ -261,6 +261,48 @@ def test_a_job_finished_mid_step_is_seen_at_step_end(policy, ctx):
     assert manager.primary_tier.ref_count(key(0)) == 0
 
 
+class RingingTier(ManualTier):
+    """A `ManualTier` that rings the manager's doorbell when a job finishes."""
+
+    def attach_doorbell(self, doorbell):
+        self.doorbell = doorbell
+
+    def finish(self, job_id=None, success=True):
+        job = super().finish(job_id, success)
+        self.doorbell.ring()
+        return job
+
+
+def test_a_tier_that_rings_is_polled_only_after_a_ring(policy, ctx):
+    ringing, plain = RingingTier("ringing"), ManualTier("plain")
+    manager, _ = build(policy, [ringing, plain])
+    manager.on_schedule_end()  # the doorbell starts rung: the first step polls every tier
+    assert (ringing.polls, plain.polls) == (1, 1)
+    for _ in range(3):
+        manager.on_schedule_end()
+        manager.lookup(key(0), ctx)
+    assert (ringing.polls, plain.polls) == (1, 7)  # the plain tier: every step and every first lookup
+    store(manager, ctx, 0)
+    ringing.finish()
+    manager.on_schedule_end()
+    assert ringing.polls == 2 and manager.primary_tier.ref_count(key(0)) == 1  # the plain tier's store pins it
+    manager.on_schedule_end()
+    assert ringing.polls == 2
+
+
+def test_a_tier_whose_doorbell_hook_raises_is_polled_every_step(policy, ctx, caplog):
+    class BrokenBell(ManualTier):
+        def attach_doorbell(self, doorbell):
+            raise RuntimeError("no bell")
+
+    tier = BrokenBell()
+    with caplog.at_level(logging.ERROR):
+        manager, _ = build(policy, [tier])
+    manager.on_schedule_end()
+    manager.on_schedule_end()
+    assert tier.polls == 2 and "no bell" in caplog.text
+
+
 def test_touch_reaches_every_tier(policy, ctx):
     tiers = [ManualTier("a"), ManualTier("b")]
     manager, _ = build(policy, tiers)

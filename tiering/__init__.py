@@ -47,7 +47,7 @@ from tiering.mediums import (
 from tiering.object_format import layout_fingerprint
 from tiering.policies import ARCCachePolicy, CachePolicy, LRUCachePolicy, make_cache_policy, register_cache_policy
 from tiering.runtime import AsyncRuntime
-from tiering.secondary import JobId, JobMetadata, JobResult, SecondaryTierManager
+from tiering.secondary import Doorbell, JobId, JobMetadata, JobResult, SecondaryTierManager
 from tiering.shared_region import SharedOffloadRegion
 from tiering.spec import KVLayout, TieringOffloadingSpec
 
@@ -73,6 +73,7 @@ __all__ = [
     "ConfigError",
     "CorruptObjectError",
     "CpuGpuOffloadingHandlers",
+    "Doorbell",
     "GPULoadStoreSpec",
     "JobId",
     "JobMetadata",

@@ -17,7 +17,8 @@ load job per (tier, request). Promotions queued or in flight reserve at most
 every step, cannot fill the primary tier with promotions and leave the GPU's stores no row.
 
 Finished jobs are processed once before the step's first ``lookup``/``prepare_store`` and
-once in ``on_schedule_end``. A tier that raises is logged and its job counted as failed; no
+once in ``on_schedule_end``; a tier that rings the manager's `Doorbell` is polled only after
+a ring, so an idle step asks no tier anything. A tier that raises is logged and its job counted as failed; no
 backend exception reaches the scheduler.
 
 Thread: the scheduler thread only (`drain` and `shutdown` may block; every other method
@@ -44,7 +45,7 @@ from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.lookups import RequestLookups
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.recompute import RecomputeGate
-from tiering.secondary import JobId, JobMetadata, SecondaryTierManager
+from tiering.secondary import Doorbell, JobId, JobMetadata, SecondaryTierManager
 from tiering.stats import Histogram
 from tiering.timeline import RequestTimeline
 
@@ -145,8 +146,15 @@ class TieringOffloadingManager(OffloadingManager):
         # Per hook, the tiers that implement it: a default (no-op) hook is not called each step.
         self._hooks = {
             name: [(idx, tier) for idx, tier in enumerate(self.secondary_tiers) if _overrides(tier, name)]
-            for name in ("touch", "take_events", "on_schedule_end", "take_released_jobs")
+            for name in ("touch", "take_events", "on_schedule_end", "take_released_jobs", "attach_doorbell")
         }
+        # Tiers that ring the doorbell are polled only after a ring; the others every step.
+        self._doorbell = Doorbell()
+        ringing = {idx for idx, tier in self._hooks["attach_doorbell"] if _attached(tier, self._doorbell)}
+        releasing = {idx for idx, _ in self._hooks["take_released_jobs"]}
+        polled = [(idx, tier, idx in releasing) for idx, tier in enumerate(self.secondary_tiers)]
+        self._ringing_tiers = [entry for entry in polled if entry[0] in ringing]
+        self._polled_tiers = [entry for entry in polled if entry[0] not in ringing]
         self._write_back_tiers = [idx for idx, admission in enumerate(self.admission) if admission.write_back]
         self._waiting_tiers: set[int] = set()  # tiers with cascades waiting for room
 
@@ -251,15 +259,18 @@ class TieringOffloadingManager(OffloadingManager):
     def take_events(self) -> list[OffloadingEvent]:
         """Events of the primary tier, then of each secondary tier, since the last call;
         empty unless the manager was built with ``enable_events=True``."""
-        events = list(self.primary_tier.take_events())
-        for _, tier in self._hooks["take_events"]:
-            events.extend(_guarded(tier, "take_events", []))
+        events = self.primary_tier.take_events()
+        if self._hooks["take_events"]:
+            events = list(events)
+            for _, tier in self._hooks["take_events"]:
+                events.extend(_guarded(tier, "take_events", []))
         return events if self._enable_events else []
 
     def on_schedule_end(self) -> None:
         """Process finished jobs, submit the step's promotions, write-backs and the cascades
         that waited for room (see `tiering.admission`), then let tiers flush."""
-        self._process_finished()
+        if self._doorbell.rung or self._polled_tiers:
+            self._process_finished()
         if self._probes:  # their rows reserved only now: a reservation may evict, and the step's loads are pinned now
             for tier_idx, key, req_context in self._probes:
                 if self.primary_tier.ref_count(key) is None:
@@ -482,22 +493,28 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _process_finished(self) -> None:
         self._polled_this_step = True
-        for tier_idx, tier in enumerate(self.secondary_tiers):
+        if self._doorbell.rung:
+            self._doorbell.rung = False  # before polling: a ring from now on is seen next time
+            self._poll(self._ringing_tiers)
+        if self._polled_tiers:
+            self._poll(self._polled_tiers)
+
+    def _poll(self, tiers: list[tuple[int, SecondaryTierManager, bool]]) -> None:
+        """Apply what each (index, tier, has `take_released_jobs`) reports."""
+        for tier_idx, tier, releases in tiers:
             try:  # `_guarded`'s work, inline: this runs every step, and an empty answer is the rule
                 results = tier.get_finished()
-                if not results:
-                    continue
-                results = list(results)
+                results = list(results) if results else []
             except Exception:
                 logger.exception("tier %s: get_finished failed", tier.tier_type)
-                continue
+                results = []
             for result in results:
                 self._finish(result.job_id, result.success, tier_idx if result.rows_in_use else None)
-        for tier_idx, tier in self._hooks["take_released_jobs"]:
-            for job_id in _guarded(tier, "take_released_jobs", []):
-                job = self._held.pop((tier_idx, job_id), None)
-                if job is not None:
-                    self._release(job)
+            if releases:
+                for job_id in _guarded(tier, "take_released_jobs", []):
+                    job = self._held.pop((tier_idx, job_id), None)
+                    if job is not None:
+                        self._release(job)
 
     def _finish(self, job_id: JobId, success: bool, held_by: int | None = None) -> None:
         """Apply a job's end to the primary tier. `held_by`: the index of the tier whose late
@@ -577,6 +594,16 @@ def _overrides(tier: SecondaryTierManager, hook: str) -> bool:
     """Whether `tier` implements `hook` (a tier that does not subclass `SecondaryTierManager`
     is taken to implement every hook)."""
     return getattr(type(tier), hook, None) is not getattr(SecondaryTierManager, hook)
+
+
+def _attached(tier: SecondaryTierManager, doorbell: Doorbell) -> bool:
+    """Whether `tier` took `doorbell` (a tier whose hook raises is polled every step)."""
+    try:
+        tier.attach_doorbell(doorbell)
+    except Exception:
+        logger.exception("tier %s: attach_doorbell failed; it is polled every step", tier.tier_type)
+        return False
+    return True
 
 
 def _guarded(tier: SecondaryTierManager, method: str, default: Any, *args: Any) -> Any:

@@ -41,6 +41,22 @@ class JobMetadata:
     req_context: ReqContext
 
 
+class Doorbell:
+    """Tells the scheduler thread that a tier has something to report, so that an idle step
+    polls nothing. The manager gives one to every tier that implements
+    `SecondaryTierManager.attach_doorbell`; such a tier calls `ring` from any thread.
+    `rung` is True from construction until the manager resets it, just before it polls."""
+
+    __slots__ = ("rung",)
+
+    def __init__(self) -> None:
+        self.rung = True
+
+    def ring(self) -> None:
+        """Any thread: something new waits in `get_finished` or `take_released_jobs`."""
+        self.rung = True
+
+
 @dataclass
 class JobResult:
     """How a job ended: ``success`` is True only if every block of the job was moved.
@@ -66,8 +82,8 @@ class SecondaryTierManager(ABC):
     something else and report it later through `get_finished`. A tier reports every
     submitted job exactly once, also when it shuts down with the job still in flight.
 
-    The optional hooks (`touch`, `on_schedule_end`, `take_released_jobs`, `take_events`)
-    are called only if the tier's class overrides them: the manager looks once, when it is
+    The optional hooks (`touch`, `on_schedule_end`, `take_released_jobs`, `take_events`,
+    `attach_doorbell`) are called only if the tier's class overrides them: the manager looks once, when it is
     built, so a default hook costs nothing per step (a hook set on the instance later is
     not seen).
     """
@@ -139,6 +155,13 @@ class SecondaryTierManager(ABC):
         their rows may be reused. Called from the scheduler thread after `get_finished`;
         must not block. The default has none."""
         return ()
+
+    def attach_doorbell(self, doorbell: Doorbell) -> None:
+        """Optional: take the manager's `Doorbell` (called once, when the manager is built)
+        and `ring` it, from any thread, as soon as `get_finished` or `take_released_jobs`
+        has something new. The manager then polls this tier only in steps after a ring; a
+        tier without this hook is polled every step."""
+        return
 
     def get_stats(self) -> dict[str, Any]:
         """``{"counters": {...}, "gauges": {...}, "histograms": {...}}`` of this tier (see

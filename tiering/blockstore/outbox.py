@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tiering.keys import OffloadKey
+from tiering.secondary import Doorbell
 
 
 @dataclass(kw_only=True)
@@ -97,9 +98,11 @@ class RowsReleased(Outcome):
 
 class Outbox:
     """Outcomes from the loop thread to the scheduler thread, and a count of the tasks
-    started and finished, so the scheduler can tell (or wait until) nothing is in flight."""
+    started and finished, so the scheduler can tell (or wait until) nothing is in flight.
+    `doorbell` is rung on every outcome handed over (the tier attaches the manager's)."""
 
     def __init__(self) -> None:
+        self.doorbell = Doorbell()
         self._items: deque[Outcome] = deque()
         self._done = threading.Condition()
         self._started = 0
@@ -115,6 +118,7 @@ class Outbox:
             if outcome is not None:
                 outcome.at = time.perf_counter()
                 self._items.append(outcome)
+                self.doorbell.ring()
             self._finished += task_finished
             self._done.notify_all()
 

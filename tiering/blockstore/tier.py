@@ -38,7 +38,7 @@ from tiering.health import TierHealth
 from tiering.keys import OffloadKey, ReqContext
 from tiering.object_format import object_size
 from tiering.runtime import AsyncRuntime
-from tiering.secondary import JobMetadata, JobResult, SecondaryTierManager
+from tiering.secondary import Doorbell, JobMetadata, JobResult, SecondaryTierManager
 from tiering.stats import JobTimer, TierStats, worth_logging
 
 logger = logging.getLogger(__name__)
@@ -218,6 +218,11 @@ class BlockStoreTier(SecondaryTierManager):
                     results.append(JobResult(outcome.job_id, outcome.success, rows_in_use=outcome.rows_in_use))
                     self._counters["jobs_succeeded" if outcome.success else "jobs_failed"] += 1
         return results
+
+    def attach_doorbell(self, doorbell: Doorbell) -> None:
+        """Ring `doorbell` whenever an outcome is handed to this thread (scheduler thread)."""
+        self._outbox.doorbell = doorbell
+        doorbell.ring()  # outcomes handed over before now
 
     def take_released_jobs(self) -> list[int]:
         """Jobs reported with ``rows_in_use`` whose late store calls have returned since the

@@ -9,7 +9,9 @@ build the tier over given primary rows); pytest then runs every test against tha
             return TierKit(make=lambda rows, capacity_blocks: ...)
 
 The tests call the tier from one thread, as a scheduler does, and wait for its jobs by
-polling `get_finished` after `on_schedule_end` and `drain`. Needs pytest (the ``testing``
+polling `get_finished` after `on_schedule_end` and `drain`; a tier with the
+`attach_doorbell` hook is polled only after it rang, as the manager does, so a result it
+forgets to ring for is never collected. Needs pytest (the ``testing``
 extra).
 """
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from tiering import JobMetadata, JobResult, ReqContext, SecondaryTierManager, make_offload_key
+from tiering import Doorbell, JobMetadata, JobResult, ReqContext, SecondaryTierManager, make_offload_key
 from tiering.keys import OffloadKey
 
 ROWS, ROW_BYTES = 16, 4096
@@ -54,6 +56,9 @@ class Driver:
     def __init__(self, kit: TierKit, capacity_blocks: int | None = None):
         self.rows = np.frombuffer(bytearray(os.urandom(ROWS * ROW_BYTES)), dtype=np.uint8).reshape(ROWS, ROW_BYTES)
         self.tier = kit.make(self.rows.data, capacity_blocks)
+        self.doorbell = Doorbell()
+        self.tier.attach_doorbell(self.doorbell)
+        self.rings = type(self.tier).attach_doorbell is not SecondaryTierManager.attach_doorbell
         self.reported: Counter[int] = Counter()
         self.results: dict[int, JobResult] = {}
         self._next_job = 0
@@ -65,6 +70,9 @@ class Driver:
         return job_id
 
     def poll(self) -> None:
+        if self.rings and not self.doorbell.rung:
+            return
+        self.doorbell.rung = False
         for result in self.tier.get_finished():
             self.reported[result.job_id] += 1
             self.results[result.job_id] = result
