@@ -5,7 +5,8 @@ import pytest
 
 from tests.helpers import CTX, ROW, ManualTier, RegionStandIn, keys
 from tiering import ConfigError, CPUPrimaryTierOffloadingManager, TieringOffloadingManager, parse_config
-from tiering.admission import AdmissionConfig, ReuseSketch, TierAdmission
+from tiering.admission import AdmissionConfig, TierAdmission
+from tiering.sketch import CountMinSketch
 
 UNBOUNDED = AdmissionConfig(max_rows_in_flight=1 << 30, max_backlog_s=None)
 
@@ -74,7 +75,7 @@ def test_the_reuse_filter_cascades_blocks_stored_at_least_n_times_and_forgets_sl
     admission.stored(keys(1, 3))
     assert admission.admit(keys(1, 3)) == keys(1)
     assert admission.counters["cascades_filtered"] == 3
-    sketch = ReuseSketch(window=4)
+    sketch = CountMinSketch(1 << 16, window=4)
     assert [sketch.add(k) for k in keys(1, 1, 1)] == [1, 2, 3]
     sketch.add(keys(2)[0])  # the 4th sighting halves every count
     assert sketch.add(keys(1)[0]) == 2

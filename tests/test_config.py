@@ -49,7 +49,7 @@ BAD = [
     ("cpu_bytes_to_use: -5", "cpu_bytes_to_use: expected a size from 1 byte to 1 EiB; got -5"),
     ("cpu_bytes_to_use: 0", "cpu_bytes_to_use: expected a size from 1 byte to 1 EiB; got 0"),
     ("cpu_bytes_to_use: 1GiB\nblock_size: 0", "block_size: Input should be greater than 0"),
-    ("cpu_bytes_to_use: 1GiB\neviction_policy: fifo", "eviction_policy: expected one of arc, lru"),
+    ("cpu_bytes_to_use: 1GiB\neviction_policy: fifo", "eviction_policy: expected one of arc, arc-s, lru"),
     ("cpu_bytes_to_use: 1GiB\nrecompute_tokens_per_s: 0", "recompute_tokens_per_s: Input should be greater than 0"),
     ("cpu_bytes_to_use: 1GiB\nrecompute_tokens_per_s: .inf", "recompute_tokens_per_s: Input should be a finite number"),
     ("cpu_bytes_to_use: 1GiB\ncolour: blue", "colour: unknown key; expected one of cpu_bytes_to_use, block_size"),

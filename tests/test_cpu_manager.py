@@ -11,7 +11,7 @@ from tiering import (
     ReqContext,
 )
 
-POLICIES = ["lru", "arc"]
+POLICIES = ["lru", "arc", "arc-s"]
 
 
 def store(manager, ctx, *ids):
@@ -29,7 +29,7 @@ def manager(request):
 def test_rejects_bad_construction():
     with pytest.raises(ValueError, match="num_blocks must be at least 1"):
         CPUOffloadingManager(0)
-    with pytest.raises(ValueError, match="known policies: arc, lru"):
+    with pytest.raises(ValueError, match="known policies: arc, arc-s, lru"):
         CPUOffloadingManager(4, cache_policy="mru")
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tiering.benchmarks.loadgen import cli
-from tiering.benchmarks.loadgen.bounds import belady_hit_rate, unbounded_hit_rate
+from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.workload import Request, read_trace, synthetic
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
@@ -65,6 +65,29 @@ def test_bounds_on_hand_checked_sequences():
     assert belady_hit_rate(blocks(a, a), 0) == 0.0
     # A partial last block counts its own tokens: 700 tokens = 512 + 188.
     assert unbounded_hit_rate([Request(0, 700, 1, (a, b)), Request(0, 700, 1, (a, c))]) == pytest.approx(512 / 1400)
+    # It is never cached, as under vLLM, even when a later request shows its id again.
+    partial_then_full = [Request(0, 700, 1, (a, b)), Request(0, 1024, 1, (a, b)), Request(0, 1024, 1, (a, b))]
+    expected = (512 + 512 + 512) / (700 + 1024 + 1024)  # a twice, b only once stored in full
+    for bound in (unbounded_hit_rate, prefix_hit_rate, lambda requests: belady_hit_rate(requests, 2)):
+        assert bound(partial_then_full) == pytest.approx(expected)
+
+
+def test_the_replay_never_looks_up_or_stores_a_partial_last_block(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    lines = [(700, [1, 2]), (1024, [1, 2]), (1024, [1, 2])]  # block 2 partial, then full
+    trace.write_text(
+        "".join(
+            f'{{"timestamp": {i}, "input_length": {n}, "output_length": 1, "hash_ids": {ids}}}\n'
+            for i, (n, ids) in enumerate(lines)
+        )
+    )
+    output = tmp_path / "run.json"
+    argv = ["--trace", str(trace), "--gpu-cache-blocks", "0", "--config", str(tmp_path / "engine.yaml")]
+    (tmp_path / "engine.yaml").write_text("cpu_bytes_to_use: 1MiB\n")
+    assert cli.main([*argv, "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    assert report["hit_rate"]["cpu"] == pytest.approx((512 + 512 + 512) / (700 + 1024 + 1024))
+    assert report["transfers"]["gpu_to_cpu"]["bytes"] == 2 * 64 * 1024  # block 1, and block 2 once full
 
 
 def test_the_default_run_verifies_every_byte_and_writes_its_report(tmp_path, capsys):
@@ -328,7 +351,7 @@ def test_two_tiers_of_one_type_are_reported_apart(tmp_path):
         "  - {type: memory}\n"
     )
     output = tmp_path / "run.json"
-    assert cli.main(["--config", str(config), "--max-requests", "300", "--output", str(output)]) == 0
+    assert cli.main(["--config", str(config), "--max-requests", "100", "--output", str(output)]) == 0
     report = json.loads(output.read_text())
     names = ["memory", "file", "archive", "memory-2"]
     assert list(report["tiers"]) == names and set(names) <= set(report["hit_rate"])

@@ -25,11 +25,11 @@ def test_registry_builds_by_name():
 
 
 def test_unknown_policy_lists_known_ones():
-    with pytest.raises(ValueError, match=r"unknown cache policy 'fifo'; known policies: arc, lru"):
+    with pytest.raises(ValueError, match=r"unknown cache policy 'fifo'; known policies: arc, arc-s, lru"):
         make_cache_policy("fifo", 4)
 
 
-@pytest.mark.parametrize("name", ["lru", "arc"])
+@pytest.mark.parametrize("name", ["lru", "arc", "arc-s"])
 def test_evicts_least_recent_first(name):
     policy = make_cache_policy(name, 4)
     fill(policy, 0, 1, 2, 3)
@@ -38,7 +38,7 @@ def test_evicts_least_recent_first(name):
     assert policy.get(key(0)) is None and policy.get(key(2)) is not None
 
 
-@pytest.mark.parametrize("name", ["lru", "arc"])
+@pytest.mark.parametrize("name", ["lru", "arc", "arc-s"])
 def test_never_evicts_pinned_in_flight_or_protected_blocks(name):
     policy = make_cache_policy(name, 4)
     fill(policy, 0)  # idle
@@ -49,7 +49,7 @@ def test_never_evicts_pinned_in_flight_or_protected_blocks(name):
     assert policy.evict(1, protected={key(3)}) is None
 
 
-@pytest.mark.parametrize("name", ["lru", "arc"])
+@pytest.mark.parametrize("name", ["lru", "arc", "arc-s"])
 def test_evict_is_all_or_nothing(name):
     policy = make_cache_policy(name, 4)
     fill(policy, 0, 1)
@@ -58,7 +58,7 @@ def test_evict_is_all_or_nothing(name):
     assert len(policy) == 3
 
 
-@pytest.mark.parametrize("name", ["lru", "arc"])
+@pytest.mark.parametrize("name", ["lru", "arc", "arc-s"])
 def test_touch_leaves_first_key_most_recent(name):
     policy = make_cache_policy(name, 8)
     fill(policy, 0, 1, 2, 3, 4)
@@ -67,7 +67,7 @@ def test_touch_leaves_first_key_most_recent(name):
     assert evicted_ids(policy.evict(5, protected=())) == [3, 4, 0, 1, 2]
 
 
-@pytest.mark.parametrize("name", ["lru", "arc"])
+@pytest.mark.parametrize("name", ["lru", "arc", "arc-s"])
 def test_a_finished_request_ranks_its_head_most_recent(name):
     policy = make_cache_policy(name, 8)
     fill(policy, 3, 2, 1, 0, 9)  # reserved tail first, as a set might complete them
@@ -75,7 +75,7 @@ def test_a_finished_request_ranks_its_head_most_recent(name):
     assert evicted_ids(policy.evict(5, protected=())) == [9, 3, 2, 1, 0]
 
 
-@pytest.mark.parametrize("name", ["lru", "arc"])
+@pytest.mark.parametrize("name", ["lru", "arc", "arc-s"])
 def test_touch_ignores_unknown_keys_and_remove_forgets(name):
     policy = make_cache_policy(name, 4)
     fill(policy, 0, 1)
@@ -187,3 +187,95 @@ def test_arc_evicts_exactly_the_blocks_its_victim_order_names_whatever_the_state
             block.ref_cnt = int(rng.choice([0, 0, 0, 1, -1]))
             policy.insert(k, block)
     assert checked > 200
+
+
+def finish_request(policy, *ids):
+    """A request that offered or loaded `ids` (head first) finishes."""
+    policy.on_request_finished(keys(*ids), inserted=set(), reused=set())
+
+
+def test_arc_s_learns_reuse_from_requests_even_when_the_block_was_evicted_between_them():
+    policy = make_cache_policy("arc-s", 2)  # ghost lists of one key
+    fill(policy, 0)
+    finish_request(policy, 0)  # counted once: the "once" list
+    fill(policy, 1)
+    finish_request(policy, 1)
+    assert evicted_ids(policy.evict(1, protected=())) == [0]
+    fill(policy, 2)
+    finish_request(policy, 2)
+    policy.evict(1, protected=())  # 1 evicted: 0 is no longer remembered as a ghost
+    assert list(policy._once_ghosts) == keys(1)
+    fill(policy, 0)  # a new block to the "once" list: nothing remembers it...
+    assert list(policy._once) == keys(2, 0)
+    finish_request(policy, 0)  # ...but the sketch does: its second request
+    assert list(policy._repeat) == keys(0)
+    for scan in range(10, 20):  # a scan of blocks used once never evicts it
+        if len(policy) == 2:
+            assert evicted_ids(policy.evict(1, protected=())) != [0]
+        fill(policy, scan)
+        finish_request(policy, scan)
+    assert policy.get(key(0)) is not None
+
+
+def test_arc_s_counts_once_per_request_and_forgets_by_halving():
+    policy = make_cache_policy("arc-s", 2)  # halves after 20 increments
+    fill(policy, 0)
+    finish_request(policy, 0)
+    finish_request(policy, 0)  # a second request: "repeat"
+    assert list(policy._repeat) == keys(0)
+    for other in range(100, 118):  # 20 increments: 0's count 2 -> 1 (at the last of them)
+        finish_request(policy, other)
+    assert policy.sketch.count(key(0)) == 1
+    for other in range(200, 220):  # 1 -> 0
+        finish_request(policy, other)
+    finish_request(policy, 0)  # counted once again: back to "once"
+    assert list(policy._once) == keys(0) and not policy._repeat
+
+
+def test_arc_s_ghost_hits_move_the_target_by_four_within_bounds():
+    policy = make_cache_policy("arc-s", 6)
+    fill(policy, 0, 1)
+    finish_request(policy, 1)
+    finish_request(policy, 1)  # 1 in "repeat", 0 in "once"
+    assert evicted_ids(policy.evict(1, protected=())) == [0]  # "once" is over its target of 0
+    policy.on_store_miss(keys(0))
+    assert policy.target_once == 4
+    policy.on_store_miss(keys(0))
+    assert policy.target_once == 6  # at most the capacity
+    policy.target_once = 2
+    assert evicted_ids(policy.evict(1, protected=())) == [1]  # now "repeat" is furthest over (1 > 0)
+    policy.on_store_miss(keys(1))
+    assert policy.target_once == 0  # at least 0
+    fill(policy, 0)  # remembered: back into "repeat", and no longer a ghost
+    assert list(policy._repeat) == keys(0) and not policy._once_ghosts
+
+
+def test_arc_s_evicts_from_the_list_furthest_over_its_target_then_from_the_other():
+    policy = make_cache_policy("arc-s", 8)
+    fill(policy, 0, 1, 2)
+    fill(policy, 3, 4)
+    finish_request(policy, 3, 4)
+    finish_request(policy, 3, 4)  # "once" = [0, 1, 2], "repeat" = [4, 3]
+    policy.target_once = 6  # "once" is 3 under its target; "repeat" 1 under its 2
+    assert policy.coldest(5) == keys(4, 3, 0, 1, 2)
+    block = policy.get(key(4))
+    block.ref_cnt = 1  # busy: never a victim
+    assert evicted_ids(policy.evict(3, protected={key(0)})) == [3, 1, 2]
+    assert list(policy._repeat_ghosts) == keys(3) and list(policy._once_ghosts) == keys(1, 2)
+
+
+def test_arc_s_ghost_lists_hold_half_the_capacity():
+    policy = make_cache_policy("arc-s", 4)
+    for i in range(50):
+        fill(policy, i)
+        if len(policy) == 4:
+            policy.evict(1, protected=())
+    assert len(policy._once_ghosts) == 2 and not policy._repeat_ghosts
+
+
+def test_arc_s_a_block_an_earlier_request_counted_enters_repeat():
+    policy = make_cache_policy("arc-s", 4)
+    finish_request(policy, 0)  # counted while not resident (a request that recomputed it)
+    policy.on_store_miss(keys(0, 1))  # a request about to store 0 and 1
+    fill(policy, 0, 1)
+    assert list(policy._repeat) == keys(0) and list(policy._once) == keys(1)

@@ -15,7 +15,7 @@ from tiering import (
 from tiering.backends import ExampleSecondaryTierManager
 
 
-@pytest.fixture(params=["lru", "arc"])
+@pytest.fixture(params=["lru", "arc", "arc-s"])
 def policy(request):
     return request.param
 

@@ -31,19 +31,18 @@ Dropped and filtered blocks stay in the primary tier; only the copy to this tier
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from tiering.keys import OffloadKey
 from tiering.options import STRICT, Count, Seconds
+from tiering.sketch import CountMinSketch
 from tiering.stats import ServiceRate
 
-_SKETCH_ROWS, _SKETCH_WIDTH = 4, 1 << 16
+_SKETCH_WIDTH = 1 << 16
 
 
 class AdmissionConfig(BaseModel):
@@ -70,37 +69,6 @@ class AdmissionConfig(BaseModel):
     reuse_window: Count = 100_000
     write: Literal["through", "back"] = "through"
     writeback_window: Count | None = None
-
-
-class ReuseSketch:
-    """A count-min sketch of how often keys were seen, with aging (halving)."""
-
-    def __init__(self, window: int):
-        self._counts = np.zeros((_SKETCH_ROWS, _SKETCH_WIDTH), dtype=np.uint32)
-        self._window = window
-        self._seen = 0
-
-    def add(self, key: OffloadKey) -> int:
-        """Count one sighting of `key`; returns its estimated count, this one included."""
-        cells = self._cells(key)
-        counts = self._counts
-        for row, cell in enumerate(cells):
-            counts[row, cell] += 1
-        self._seen += 1
-        if self._seen >= self._window:
-            counts >>= 1
-            self._seen = 0
-        return self.count(key)
-
-    def count(self, key: OffloadKey) -> int:
-        """The estimated sightings of `key` (never fewer than the true count, aging aside)."""
-        counts = self._counts
-        return int(min(counts[row, cell] for row, cell in enumerate(self._cells(key))))
-
-    @staticmethod
-    def _cells(key: OffloadKey) -> list[int]:
-        digest = hashlib.blake2b(key, digest_size=2 * _SKETCH_ROWS).digest()
-        return [int.from_bytes(digest[2 * i : 2 * i + 2], "little") for i in range(_SKETCH_ROWS)]
 
 
 class TierAdmission:
@@ -133,7 +101,7 @@ class TierAdmission:
         self.max_rows = config.max_rows_in_flight or max(1, primary_rows // (2 * tiers))
         self.counters = {"cascades_admitted": 0, "cascades_deferred": 0, "cascades_dropped": 0, "cascades_filtered": 0}
         self.waiting: dict[OffloadKey, None] = {}
-        self._sketch = ReuseSketch(config.reuse_window) if config.min_reuse > 1 else None
+        self._sketch = CountMinSketch(_SKETCH_WIDTH, config.reuse_window) if config.min_reuse > 1 else None
         self.write_back = config.write == "back"
         self.writeback_window = config.writeback_window or max(1, primary_rows // 8)
         self._written: set[OffloadKey] = set()  # write-back: held by the tier (or being written)

@@ -3,7 +3,7 @@
 ```yaml
 cpu_bytes_to_use: 8GiB          # int bytes or a size string
 block_size: 256                 # tokens per offloaded block, a multiple of the GPU block size
-eviction_policy: arc            # lru | arc
+eviction_policy: arc            # lru | arc | arc-s
 secondary_tiers:                # looked up in this order
   - type: file
     root_dir: /mnt/nvme/kv-cache

@@ -1,7 +1,8 @@
 """Offline bounds on the hit rate of a request stream, in tokens.
 
-Every request references all its blocks, in order. A block is a hit if it is cached when
-referenced; it is cached after it has been referenced (computed or loaded).
+Every request references its full blocks, in order (its partial last block is computed
+and never cached, as under vLLM: `Request.full_blocks`). A block is a hit if it is cached
+when referenced; it is cached after it has been referenced (computed or loaded).
 """
 
 from __future__ import annotations
@@ -12,24 +13,29 @@ from collections.abc import Sequence
 from tiering.benchmarks.loadgen.workload import Request
 
 
-def _references(requests: Sequence[Request]) -> tuple[list[int], list[int]]:
-    blocks, tokens = [], []
+def _references(requests: Sequence[Request]) -> tuple[list[int], list[int], int]:
+    """The block ids and token counts of every full block referenced, in order, and the
+    tokens of every prompt (partial blocks included)."""
+    blocks, tokens, total = [], [], 0
     for request in requests:
-        blocks.extend(request.hash_ids)
-        tokens.extend(request.block_tokens())
-    return blocks, tokens
+        full = request.full_blocks()
+        counts = request.block_tokens()
+        blocks.extend(request.hash_ids[:full])
+        tokens.extend(counts[:full])
+        total += sum(counts)
+    return blocks, tokens, total
 
 
 def unbounded_hit_rate(requests: Sequence[Request]) -> float:
     """Hit rate of a cache that never evicts: every reference after a block's first hits."""
-    blocks, tokens = _references(requests)
+    blocks, tokens, total = _references(requests)
     seen: set[int] = set()
     hits = 0
     for block, count in zip(blocks, tokens, strict=True):
         if block in seen:
             hits += count
         seen.add(block)
-    return hits / max(1, sum(tokens))
+    return hits / max(1, total)
 
 
 def prefix_hit_rate(requests: Sequence[Request]) -> float:
@@ -39,12 +45,14 @@ def prefix_hit_rate(requests: Sequence[Request]) -> float:
     seen: set[int] = set()
     hits = total = 0
     for request in requests:
+        full = request.full_blocks()
+        counts = request.block_tokens()
         prefix = True
-        for block, count in zip(request.hash_ids, request.block_tokens(), strict=True):
+        for block, count in zip(request.hash_ids[:full], counts, strict=False):
             prefix = prefix and block in seen
             hits += count if prefix else 0
-            total += count
-        seen.update(request.hash_ids)
+        total += sum(counts)
+        seen.update(request.hash_ids[:full])
     return hits / max(1, total)
 
 
@@ -52,7 +60,7 @@ def belady_hit_rate(requests: Sequence[Request], capacity_blocks: int) -> float:
     """Hit rate of the offline-optimal cache of `capacity_blocks` blocks (Belady's MIN: on a
     miss with the cache full, evict the block whose next reference is farthest away, or
     never; a block never referenced again is not cached at all)."""
-    blocks, tokens = _references(requests)
+    blocks, tokens, total = _references(requests)
     if capacity_blocks <= 0:
         return 0.0
     never = len(blocks)
@@ -83,4 +91,4 @@ def belady_hit_rate(requests: Sequence[Request], capacity_blocks: int) -> float:
             continue
         cached[block] = next_use[position]
         heapq.heappush(farthest, (-next_use[position], block))
-    return hits / max(1, sum(tokens))
+    return hits / max(1, total)

@@ -107,7 +107,8 @@ class SchedulerLoop:
         engine, stats = self.engine, self.stats
         context = ReqContext(f"req-{index}")
         self._call("on_new_request", self.manager.on_new_request, context)
-        keys = [make_offload_key(block.to_bytes(8, "big"), 0) for block in request.hash_ids]
+        # A partial last block is computed, never cached (`Request.full_blocks`).
+        keys = [make_offload_key(block.to_bytes(8, "big"), 0) for block in request.hash_ids[: request.full_blocks()]]
         tokens = request.block_tokens()
         gpu_hits = engine.gpu_prefix(keys)
         offload_hits, sources = self._lookup_prefix(keys[gpu_hits:], context)
@@ -118,8 +119,8 @@ class SchedulerLoop:
             hit_keys = []
         missed = keys[gpu_hits + offload_hits :]
         # As vLLM's connector offers blocks (block-level requests): after a load, the blocks
-        # past the loaded ones; else every block, the GPU cache's hits too, which the engine
-        # counts as a reuse of those it holds. Its uses are ranked when the request finishes.
+        # past the loaded ones; else every full block, the GPU cache's hits too, which the
+        # engine counts as a reuse of those it holds. Its uses are ranked when it finishes.
         offered = missed if offload_hits else keys
         self._compute_and_store(missed, offered, keys, context)
         self._call("on_schedule_end", self.manager.on_schedule_end)
