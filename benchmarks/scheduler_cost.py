@@ -1,7 +1,9 @@
 """Scheduler-thread cost of each manager call, against a raw-Python baseline in the same run.
 
-The engine is a `TieringOffloadingManager` over a real shared-memory primary tier with two
-`example` secondary tiers. The baseline does the least any manager must do for the same
+The engine is a `TieringOffloadingManager` over a real shared-memory primary tier (its
+policy chosen by ``--policy``) with two `example` secondary tiers; each batch of stores is
+one request, opened and finished around it as a scheduler does (a policy that learns from
+requests pays for it there). The baseline does the least any manager must do for the same
 call: the dict operations on plain Python objects, nothing else. Both run interleaved,
 `--repeats` times, and the fastest run of each is kept (the machines are shared and noisy).
 
@@ -13,7 +15,7 @@ A second table gives the cost of handing one job to an async tier on the schedul
 meanwhile), against a bare `AsyncRuntime.submit` and against one
 `asyncio.run_coroutine_threadsafe` per job to a loop thread.
 
-    python -m tiering.benchmarks.scheduler_cost --blocks 20000
+    python -m tiering.benchmarks.scheduler_cost --blocks 20000 [--policy arc-s]
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from tiering import (
     TieringOffloadingManager,
     make_offload_key,
 )
+from tiering.policies import cache_policy_names
 
 CTX = ReqContext("bench")
 
@@ -50,11 +53,11 @@ def _keys(start: int, count: int) -> list[bytes]:
 
 
 class Engine:
-    """One fresh engine: `num_blocks` primary rows, two example tiers."""
+    """One fresh engine: `num_blocks` primary rows under `policy`, two example tiers."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, policy: str):
         self.region = SharedOffloadRegion(f"bench-{os.getpid()}", num_blocks, cpu_page_size=64)
-        primary = CPUPrimaryTierOffloadingManager(num_blocks, self.region)
+        primary = CPUPrimaryTierOffloadingManager(num_blocks, self.region, cache_policy=policy)
         view = primary.get_kv_memoryview()
         tiers = [SecondaryTierFactory.create_secondary_tier({"type": "example"}, view, None) for _ in range(2)]
         self.manager = TieringOffloadingManager(primary, tiers)
@@ -63,21 +66,23 @@ class Engine:
         self.manager.shutdown()
 
 
-def time_engine(num_blocks: int, batch: int) -> dict[str, float]:
+def time_engine(num_blocks: int, batch: int, policy: str) -> dict[str, float]:
     """Seconds per block (store) or per call (the others) of the real engine."""
-    engine = Engine(num_blocks)
+    engine = Engine(num_blocks, policy)
     manager = engine.manager
     stored, missing = _keys(0, num_blocks), _keys(num_blocks, num_blocks)
     try:
         elapsed = 0.0
         for i in range(0, num_blocks, batch):
-            chunk = stored[i : i + batch]
+            chunk, request = stored[i : i + batch], ReqContext(f"bench-{i}")
             start = time.perf_counter()
-            out = manager.prepare_store(chunk, CTX)
-            manager.complete_store(out.keys_to_store, CTX)
+            manager.on_new_request(request)
+            out = manager.prepare_store(chunk, request)
+            manager.complete_store(out.keys_to_store, request)
+            manager.on_request_finished(request)  # the policy learns from the request here
             elapsed += time.perf_counter() - start
             manager.on_schedule_end()  # the tiers' results free the cascade references
-        results = {"prepare_store + complete_store (per block)": elapsed / num_blocks}
+        results = {"request of a batch: store + complete, per block": elapsed / num_blocks}
         results["lookup, primary hit"] = _per_call(manager.lookup, stored)
         results["lookup, miss in every tier"] = _per_call(manager.lookup, missing)
         manager.on_schedule_end()
@@ -104,7 +109,7 @@ def time_baseline(num_blocks: int, batch: int) -> dict[str, float]:
         primary[key] = Status(i)
         for tier in tiers:
             tier[key] = True
-    results = {"prepare_store + complete_store (per block)": (time.perf_counter() - start) / num_blocks}
+    results = {"request of a batch: store + complete, per block": (time.perf_counter() - start) / num_blocks}
 
     def hit(key: bytes, _ctx: ReqContext) -> bool:
         block = primary.get(key)
@@ -136,12 +141,12 @@ def _per_call(call: Callable[[bytes, ReqContext], object], keys: list[bytes]) ->
     return (time.perf_counter() - start) / len(keys)
 
 
-def measure(num_blocks: int, batch: int, repeats: int) -> dict[str, tuple[float, float]]:
+def measure(num_blocks: int, batch: int, repeats: int, policy: str = "lru") -> dict[str, tuple[float, float]]:
     """Best (engine, baseline) seconds of each operation over `repeats` interleaved runs."""
     best: dict[str, tuple[float, float]] = {}
     for _ in range(repeats):
         with _gc_paused():
-            engine, baseline = time_engine(num_blocks, batch), time_baseline(num_blocks, batch)
+            engine, baseline = time_engine(num_blocks, batch, policy), time_baseline(num_blocks, batch)
         for op, seconds in engine.items():
             old = best.get(op, (float("inf"), float("inf")))
             best[op] = (min(old[0], seconds), min(old[1], baseline[op]))
@@ -200,9 +205,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=int, default=20_000, help="blocks stored and looked up (default 20000)")
     parser.add_argument("--batch", type=int, default=16, help="blocks per prepare_store call (default 16)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved runs; the best is kept (default 5)")
+    parser.add_argument(
+        "--policy", choices=cache_policy_names(), default="lru", help="the CPU tier's eviction policy (default lru)"
+    )
     args = parser.parse_args(argv)
-    results = measure(args.blocks, args.batch, args.repeats)
-    table = Table(title=f"Scheduler-thread cost, {args.blocks} blocks, two example tiers, best of {args.repeats}")
+    results = measure(args.blocks, args.batch, args.repeats, args.policy)
+    table = Table(
+        title=f"Scheduler-thread cost, {args.blocks} blocks, {args.policy}, two example tiers, best of {args.repeats}"
+    )
     table.add_column("operation")
     table.add_column("engine (us)", justify="right")
     table.add_column("raw baseline (us)", justify="right")

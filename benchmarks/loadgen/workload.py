@@ -1,7 +1,8 @@
 """Requests to replay: a Mooncake trace, or a synthetic workload.
 
 A request is a list of prefix block ids (equal ids are the same KV block, whose prefix is
-the same too) of `BLOCK_TOKENS` tokens each, the last one possibly partial.
+the same too) of `BLOCK_TOKENS` tokens each, the last one possibly partial (never cached:
+see `Request.full_blocks`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ class Request:
         """Tokens of each block: full blocks, then the remainder of the prompt."""
         last = self.input_length - BLOCK_TOKENS * (len(self.hash_ids) - 1)
         return [BLOCK_TOKENS] * (len(self.hash_ids) - 1) + [max(1, min(last, BLOCK_TOKENS))]
+
+    def full_blocks(self) -> int:
+        """How many leading blocks hold `BLOCK_TOKENS` tokens: those a prefix cache can hold.
+        vLLM hashes, and so caches and offloads, no partial block: a prompt's partial last
+        block is always computed, never looked up or stored."""
+        return min(len(self.hash_ids), self.input_length // BLOCK_TOKENS)
 
 
 TRACE_FORMAT = (
