@@ -271,11 +271,3 @@ def test_arc_s_ghost_lists_hold_half_the_capacity():
         if len(policy) == 4:
             policy.evict(1, protected=())
     assert len(policy._once_ghosts) == 2 and not policy._repeat_ghosts
-
-
-def test_arc_s_a_block_an_earlier_request_counted_enters_repeat():
-    policy = make_cache_policy("arc-s", 4)
-    finish_request(policy, 0)  # counted while not resident (a request that recomputed it)
-    policy.on_store_miss(keys(0, 1))  # a request about to store 0 and 1
-    fill(policy, 0, 1)
-    assert list(policy._repeat) == keys(0) and list(policy._once) == keys(1)

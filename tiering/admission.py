@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tiering.keys import OffloadKey
 from tiering.options import STRICT, Count, Seconds
@@ -53,7 +53,8 @@ class AdmissionConfig(BaseModel):
             the primary rows divided by the number of secondary tiers.
         max_backlog_s: drop cascades while the bytes in flight would take longer than this
             at the tier's measured rate, seconds; None: no adaptive shedding.
-        min_reuse: cascade only blocks stored at least this many times (1: every block).
+        min_reuse: cascade only blocks stored at least this many times (1: every block; at
+            most 255, where the sketch's counters saturate).
         reuse_window: stores after which the reuse counts are halved.
         write: ``through`` (cascade every stored block) or ``back`` (cascade blocks nearing
             eviction).
@@ -65,7 +66,7 @@ class AdmissionConfig(BaseModel):
 
     max_rows_in_flight: Count | None = None
     max_backlog_s: Seconds | None = 1.0
-    min_reuse: Count = 1
+    min_reuse: Annotated[int, Field(ge=1, le=255)] = 1
     reuse_window: Count = 100_000
     write: Literal["through", "back"] = "through"
     writeback_window: Count | None = None
