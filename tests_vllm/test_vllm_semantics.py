@@ -129,7 +129,7 @@ def cached_tokens_under_hash_seed(model, policy: str, seed: int) -> int:
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT ")).split()[1])
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "arc-s"])
 def test_a_prefix_is_evicted_tail_first_whatever_the_hash_seed(model, policy):
     """A 4-row CPU tier holds A (3 blocks), then B (2 blocks) evicts one of A's: its tail, so
     A comes back with its first two blocks, as vLLM's own manager does for every seed (vLLM
