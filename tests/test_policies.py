@@ -204,11 +204,11 @@ def test_arc_s_learns_reuse_from_requests_even_when_the_block_was_evicted_betwee
     fill(policy, 2)
     finish_request(policy, 2)
     policy.evict(1, protected=())  # 1 evicted: 0 is no longer remembered as a ghost
-    assert list(policy._once_ghosts) == keys(1)
+    assert list(policy._b1) == keys(1)
     fill(policy, 0)  # a new block to the "once" list: nothing remembers it...
-    assert list(policy._once) == keys(2, 0)
+    assert list(policy._t1) == keys(2, 0)
     finish_request(policy, 0)  # ...but the sketch does: its second request
-    assert list(policy._repeat) == keys(0)
+    assert list(policy._t2) == keys(0)
     for scan in range(10, 20):  # a scan of blocks used once never evicts it
         if len(policy) == 2:
             assert evicted_ids(policy.evict(1, protected=())) != [0]
@@ -222,14 +222,14 @@ def test_arc_s_counts_once_per_request_and_forgets_by_halving():
     fill(policy, 0)
     finish_request(policy, 0)
     finish_request(policy, 0)  # a second request: "repeat"
-    assert list(policy._repeat) == keys(0)
+    assert list(policy._t2) == keys(0)
     for other in range(100, 118):  # 20 increments: 0's count 2 -> 1 (at the last of them)
         finish_request(policy, other)
     assert policy.sketch.count(key(0)) == 1
     for other in range(200, 220):  # 1 -> 0
         finish_request(policy, other)
     finish_request(policy, 0)  # counted once again: back to "once"
-    assert list(policy._once) == keys(0) and not policy._repeat
+    assert list(policy._t1) == keys(0) and not policy._t2
 
 
 def test_arc_s_ghost_hits_move_the_target_by_four_within_bounds():
@@ -239,15 +239,15 @@ def test_arc_s_ghost_hits_move_the_target_by_four_within_bounds():
     finish_request(policy, 1)  # 1 in "repeat", 0 in "once"
     assert evicted_ids(policy.evict(1, protected=())) == [0]  # "once" is over its target of 0
     policy.on_store_miss(keys(0))
-    assert policy.target_once == 4
+    assert policy.target_t1_size == 4
     policy.on_store_miss(keys(0))
-    assert policy.target_once == 6  # at most the capacity
-    policy.target_once = 2
+    assert policy.target_t1_size == 6  # at most the capacity
+    policy.target_t1_size = 2
     assert evicted_ids(policy.evict(1, protected=())) == [1]  # now "repeat" is furthest over (1 > 0)
     policy.on_store_miss(keys(1))
-    assert policy.target_once == 0  # at least 0
+    assert policy.target_t1_size == 0  # at least 0
     fill(policy, 0)  # remembered: back into "repeat", and no longer a ghost
-    assert list(policy._repeat) == keys(0) and not policy._once_ghosts
+    assert list(policy._t2) == keys(0) and not policy._b1
 
 
 def test_arc_s_evicts_from_the_list_furthest_over_its_target_then_from_the_other():
@@ -256,12 +256,12 @@ def test_arc_s_evicts_from_the_list_furthest_over_its_target_then_from_the_other
     fill(policy, 3, 4)
     finish_request(policy, 3, 4)
     finish_request(policy, 3, 4)  # "once" = [0, 1, 2], "repeat" = [4, 3]
-    policy.target_once = 6  # "once" is 3 under its target; "repeat" 1 under its 2
+    policy.target_t1_size = 6  # "once" is 3 under its target; "repeat" 1 under its 2
     assert policy.coldest(5) == keys(4, 3, 0, 1, 2)
     block = policy.get(key(4))
     block.ref_cnt = 1  # busy: never a victim
     assert evicted_ids(policy.evict(3, protected={key(0)})) == [3, 1, 2]
-    assert list(policy._repeat_ghosts) == keys(3) and list(policy._once_ghosts) == keys(1, 2)
+    assert list(policy._b2) == keys(3) and list(policy._b1) == keys(1, 2)
 
 
 def test_arc_s_ghost_lists_hold_half_the_capacity():
@@ -270,4 +270,4 @@ def test_arc_s_ghost_lists_hold_half_the_capacity():
         fill(policy, i)
         if len(policy) == 4:
             policy.evict(1, protected=())
-    assert len(policy._once_ghosts) == 2 and not policy._repeat_ghosts
+    assert len(policy._b1) == 2 and not policy._b2

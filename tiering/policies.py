@@ -313,15 +313,20 @@ class ARCCachePolicy(CachePolicy):
     def coldest(self, n: int) -> list[OffloadKey]:
         return [key for key, _, _ in islice(self._victims((), idle_only=False), n)]
 
+    def _scans(
+        self, protected: Collection[OffloadKey], idle_only: bool
+    ) -> tuple[Iterator[tuple[OffloadKey, BlockStatus]], Iterator[tuple[OffloadKey, BlockStatus]]]:
+        """T1's and T2's entries, oldest first: the evictable ones, or all of them."""
+        if idle_only:
+            return _evictable(self._t1, protected), _evictable(self._t2, protected)
+        return iter(self._t1.items()), iter(self._t2.items())
+
     def _victims(
         self, protected: Collection[OffloadKey], idle_only: bool = True
     ) -> Iterator[tuple[OffloadKey, BlockStatus, bool]]:
         """(key, block, from T1) in the order `evict` takes them: evictable ones, or with
         `idle_only` False busy ones too. Each list is scanned once, oldest first."""
-        if idle_only:
-            from_t1, from_t2 = _evictable(self._t1, protected), _evictable(self._t2, protected)
-        else:
-            from_t1, from_t2 = iter(self._t1.items()), iter(self._t2.items())
+        from_t1, from_t2 = self._scans(protected, idle_only)
         t1_size, target = len(self._t1), int(self.target_t1_size)
         while True:
             picked = next(from_t1, None) if t1_size >= target else None
@@ -344,10 +349,11 @@ class ARCCachePolicy(CachePolicy):
 
 
 @register_cache_policy("arc-s")
-class ARCSCachePolicy(CachePolicy):
-    """ARC with frequency learned from requests (``arc-s``): ARC's two lists and two ghost
-    lists, but a block's list is chosen by how many requests used its key, counted in a
-    `CountMinSketch`, not by whether it was reused while resident.
+class ARCSCachePolicy(ARCCachePolicy):
+    """ARC with frequency learned from requests (``arc-s``): ARC's lists, but a block's list
+    follows how many requests used its key, counted in a `CountMinSketch`, not whether it
+    was reused while resident. T1 holds keys counted once ("once"), T2 keys counted at
+    least twice ("repeat"); B1 and B2 remember their evicted keys.
 
     - **Counting.** Once per request, every key the request loaded or offered for storage
       is counted (`on_request_finished`; `touch` counts its keys too), resident or not. The
@@ -356,61 +362,37 @@ class ARCSCachePolicy(CachePolicy):
       collisions make new keys look repeated), and halves them every 10 times the
       capacity's increments (measured: every 20 times lost a point of hit rate with a tier
       of 1% of the Mooncake trace's blocks; 10 reproduces the simulation that chose ARC-S).
-    - **Lists.** A key counted at least twice belongs to the "repeat" list, else to the
-      "once" list. Counting a request's keys moves each resident one to the most recent end
-      of its list, tail first, so that the head of a prefix ends most recent; a block may
-      move either way. A new block enters "repeat" if its key is remembered as evicted,
-      else "once", until its request finishes and counts it (measured with
-      `tiering-bench`: placing it by its count at once changed no hit rate, and cost 2 us
-      a block).
-    - **Ghosts.** Evicted keys are remembered per list, at most half the capacity each. A
-      request storing a key remembered from "once" (once per request, `on_store_miss`)
-      raises the target size of "once" by 4 blocks; one remembered from "repeat" lowers it
-      by 4 (within 0 and the capacity).
+    - **Lists.** Counting a request's keys moves each resident one to the most recent end
+      of its list (T2 if counted at least twice, else T1), tail first, so that the head of
+      a prefix ends most recent; a block may move either way. A new block enters T2 if its
+      key is in a ghost list, else T1, until its request finishes and counts it (measured
+      with `tiering-bench`: placing it by its count at once changed no hit rate, and cost
+      2 us a block).
+    - **Ghosts.** B1 and B2 hold at most half the capacity each. A request storing a key
+      found in B1 (once per request, `on_store_miss`) raises T1's target by `STEP` blocks;
+      one found in B2 lowers it by `STEP` (within 0 and the capacity).
     - **Eviction** takes the least recent idle block of the list furthest over its target
-      ("repeat"'s target is the capacity minus "once"'s), then of the other.
+      (T2's target is the capacity minus T1's), then of the other.
 
     Measured with `tiering-bench` (README, "Eviction policies"): it beats ARC where the CPU
     tier is small against the working set, as it keeps blocks that many requests share
     even when each stay in the tier is too short for a reuse to happen there.
     """
 
-    learns_from_store_misses = True
-    STEP = 4
-    """Blocks a ghost hit moves the target by."""
+    STEP = 4.0
+    """Blocks a ghost hit moves T1's target by."""
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self._once: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        self._repeat: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        self._once_ghosts: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._repeat_ghosts: OrderedDict[OffloadKey, None] = OrderedDict()
         self._max_ghosts = max(1, capacity // 2)
-        self.target_once = 0
         self.sketch = CountMinSketch(1 << max(4, (32 * capacity - 1).bit_length()), 10 * capacity, max_count=15)
-
-    def get(self, key: OffloadKey) -> BlockStatus | None:
-        block = self._once.get(key)
-        return block if block is not None else self._repeat.get(key)
-
-    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        if key in self._once_ghosts or key in self._repeat_ghosts:  # an earlier request's
-            self._once_ghosts.pop(key, None)
-            self._repeat_ghosts.pop(key, None)
-            self._repeat[key] = block
-        else:
-            self._once[key] = block
-
-    def remove(self, key: OffloadKey) -> BlockStatus | None:
-        block = self._once.pop(key, None)
-        return block if block is not None else self._repeat.pop(key, None)
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
-            if key in self._once_ghosts:
-                self.target_once = min(self.capacity, self.target_once + self.STEP)
-            elif key in self._repeat_ghosts:
-                self.target_once = max(0, self.target_once - self.STEP)
+            if key in self._b1:
+                self.target_t1_size = min(float(self.capacity), self.target_t1_size + self.STEP)
+            elif key in self._b2:
+                self.target_t1_size = max(0.0, self.target_t1_size - self.STEP)
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
         """Count `keys` as one use each and rank the resident ones, the first most recent."""
@@ -422,9 +404,9 @@ class ARCSCachePolicy(CachePolicy):
         self._count(keys)
 
     def _count(self, keys: Sequence[OffloadKey]) -> None:
-        once, repeat = self._once, self._repeat
+        t1, t2 = self._t1, self._t2
         for key, count in zip(reversed(keys), reversed(self.sketch.add_many(keys)), strict=True):
-            into, other = (repeat, once) if count >= 2 else (once, repeat)
+            into, other = (t2, t1) if count >= 2 else (t1, t2)
             if key in into:
                 into.move_to_end(key)
             elif key in other:
@@ -435,9 +417,9 @@ class ARCSCachePolicy(CachePolicy):
         if len(chosen) < n:
             return None
         victims = []
-        for key, block, from_once in chosen:
-            del (self._once if from_once else self._repeat)[key]
-            ghosts = self._once_ghosts if from_once else self._repeat_ghosts
+        for key, block, in_t1 in chosen:
+            del (self._t1 if in_t1 else self._t2)[key]
+            ghosts = self._b1 if in_t1 else self._b2
             ghosts[key] = None
             if len(ghosts) > self._max_ghosts:
                 ghosts.popitem(last=False)
@@ -447,33 +429,21 @@ class ARCSCachePolicy(CachePolicy):
     def _victims(
         self, protected: Collection[OffloadKey], idle_only: bool = True
     ) -> Iterator[tuple[OffloadKey, BlockStatus, bool]]:
-        """(key, block, from "once") in the order `evict` takes them: evictable ones, or
-        with `idle_only` False busy ones too. Each list is scanned once, oldest first."""
-        if idle_only:
-            once, repeat = _evictable(self._once, protected), _evictable(self._repeat, protected)
-        else:
-            once, repeat = iter(self._once.items()), iter(self._repeat.items())
-        once_over = len(self._once) - self.target_once
-        repeat_over = len(self._repeat) - (self.capacity - self.target_once)
+        """(key, block, from T1) in the order `evict` takes them: evictable ones, or with
+        `idle_only` False busy ones too. Each list is scanned once, oldest first."""
+        t1, t2 = self._scans(protected, idle_only)
+        t1_over = len(self._t1) - self.target_t1_size
+        t2_over = len(self._t2) - (self.capacity - self.target_t1_size)
         while True:
-            in_once = once_over >= repeat_over
-            picked = next(once if in_once else repeat, None)
+            in_t1 = t1_over >= t2_over
+            picked = next(t1 if in_t1 else t2, None)
             if picked is None:
-                in_once = not in_once
-                picked = next(once if in_once else repeat, None)
+                in_t1 = not in_t1
+                picked = next(t1 if in_t1 else t2, None)
             if picked is None:
                 return
-            if in_once:
-                once_over -= 1
+            if in_t1:
+                t1_over -= 1
             else:
-                repeat_over -= 1
-            yield (*picked, in_once)
-
-    def coldest(self, n: int) -> list[OffloadKey]:
-        return [key for key, _, _ in islice(self._victims((), idle_only=False), n)]
-
-    def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        return iter([*self._once.items(), *self._repeat.items()])
-
-    def __len__(self) -> int:
-        return len(self._once) + len(self._repeat)
+                t2_over -= 1
+            yield (*picked, in_t1)
