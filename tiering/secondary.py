@@ -83,9 +83,9 @@ class SecondaryTierManager(ABC):
     submitted job exactly once, also when it shuts down with the job still in flight.
 
     The optional hooks (`touch`, `on_schedule_end`, `take_released_jobs`, `take_events`,
-    `attach_doorbell`) are called only if the tier's class overrides them: the manager looks once, when it is
-    built, so a default hook costs nothing per step (a hook set on the instance later is
-    not seen).
+    `attach_doorbell`) are called only if the tier's class overrides them: the manager
+    looks once, when it is built, so a default hook costs nothing per step (a hook set on
+    the instance later is not seen).
     """
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str):
