@@ -79,11 +79,17 @@ def test_a_server_stopped_by_sigint_mid_load_leaves_nothing_and_showed_the_engin
     try:
         assert all(server.complete(tokens) for tokens in PROMPTS)  # fill both tiers
         assert all(server.complete(tokens) for tokens in PROMPTS)  # and hit them
-        deadline = time.monotonic() + 60  # the engine's counts reach vLLM within a second of a step
+        # The engine's counts reach vLLM within a second of a step, and its log within an
+        # interval of them. Cycling the prompts keeps the counts growing (72 blocks overflow
+        # vLLM's cache, so each pass loads from the tiers): one prompt sent again and again is
+        # served by vLLM's own cache, the counts stop, and the log line then hung on the
+        # timing of the first passes (it was missing in one CI run).
+        deadline = time.monotonic() + 120
+        prompts = iter(PROMPTS * 100)
         while not server.metric("vllm:kv_tiering_hit_blocks") and time.monotonic() < deadline:
-            server.complete(PROMPTS[0])
+            server.complete(next(prompts))
         while "KV Transfer metrics" not in server.output() and time.monotonic() < deadline:
-            server.complete(PROMPTS[0])  # and its log within an interval of them
+            server.complete(next(prompts))
         stored, hits = server.metric("vllm:kv_tiering_blocks_stored"), server.metric("vllm:kv_tiering_hit_blocks")
         assert stored.get("cpu", 0) >= 9 and stored.get("file", 0) >= 9, stored
         assert sum(hits.values()) >= 9, hits
