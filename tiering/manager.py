@@ -18,8 +18,8 @@ every step, cannot fill the primary tier with promotions and leave the GPU's sto
 
 Finished jobs are processed once before the step's first ``lookup``/``prepare_store`` and
 once in ``on_schedule_end``; a tier that rings the manager's `Doorbell` is polled only after
-a ring, so an idle step asks no tier anything. A tier that raises is logged and its job counted as failed; no
-backend exception reaches the scheduler.
+a ring, so an idle step asks no tier anything. A tier that raises is logged and its job
+counted as failed; no backend exception reaches the scheduler.
 
 Thread: the scheduler thread only (`drain` and `shutdown` may block; every other method
 returns in microseconds).

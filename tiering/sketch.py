@@ -67,8 +67,8 @@ class CountMinSketch:
 
     def add_many(self, keys: Iterable[OffloadKey]) -> list[int]:
         """Count one sighting of each of `keys`, in order (a key listed twice counts twice);
-        returns each one's estimate right after its own sighting. The halving, when due,
-        comes after the last of them."""
+        returns a list of ``len(keys)`` ints, each key's estimate right after its own
+        sighting. The halving, when due, comes after the last of them."""
         r0, r1, r2, r3 = self._rows
         mask, bump = self._mask, self._bump
         estimates = []
@@ -90,7 +90,8 @@ class CountMinSketch:
         return estimates
 
     def estimate_many(self, keys: Iterable[OffloadKey]) -> list[int]:
-        """`count` of each of `keys`; counts nothing."""
+        """`count` of each of `keys`, as a list of ``len(keys)`` ints in their order; counts
+        nothing. Never raises for a hashable key."""
         r0, r1, r2, r3 = self._rows
         mask = self._mask
         estimates = []
