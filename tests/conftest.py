@@ -7,6 +7,7 @@ import pytest
 from tests import helpers
 from tiering import ReqContext
 from tiering.benchmarks.s3_server import MotoServer
+from tiering.benchmarks.valkey_server import ValkeyCluster, ValkeyServer
 
 # Test credentials for the local S3 server, and no other source of them: no config files,
 # no instance metadata service (botocore would otherwise try an address off this machine).
@@ -66,6 +67,31 @@ def s3_bucket(s3_server) -> str:
     name = f"test-{uuid.uuid4().hex[:16]}"
     s3_server.create_bucket(name)
     return name
+
+
+@pytest.fixture(scope="session")
+def valkey_server():
+    """One standalone redis-server for the session, on a free loopback port (each test
+    uses a key prefix of its own)."""
+    server = ValkeyServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster():
+    """One 3-node redis-server cluster for the session (no replicas), on free loopback ports."""
+    cluster = ValkeyCluster(primaries=3)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A key prefix no other test uses, so tests sharing a server never see each other's keys."""
+    return f"test-{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture

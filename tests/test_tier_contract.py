@@ -20,7 +20,10 @@ def kit(config, header_align=64, bounded=True, copies_bytes=True):
     return TierKit(make, bounded=bounded, copies_bytes=copies_bytes)
 
 
-@pytest.fixture(params=["memory", "file-direct", "file-buffered", "faulty", "s3", "example"])
+TIER_TYPES = ["memory", "file-direct", "file-buffered", "faulty", "s3", "valkey", "valkey-cluster", "example"]
+
+
+@pytest.fixture(params=TIER_TYPES)
 def tier_kit(request, tmp_path):
     match request.param:
         case "memory":
@@ -34,6 +37,12 @@ def tier_kit(request, tmp_path):
         case "s3":
             server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
             return kit({"type": "s3", "bucket": bucket, "endpoint_url": server.endpoint_url})
+        case "valkey" | "valkey-cluster":  # the server evicts: the tier has no capacity of its own
+            cluster = request.param == "valkey-cluster"
+            target = request.getfixturevalue("valkey_cluster" if cluster else "valkey_server")
+            addresses = target.addresses if cluster else [target.address]
+            config = {"type": "valkey", "addresses": addresses, "cluster_mode": cluster}
+            return kit({**config, "key_prefix": request.getfixturevalue("key_prefix")}, bounded=False)
         case "example":
             return kit({"type": "example"}, bounded=False, copies_bytes=False)
 

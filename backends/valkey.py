@@ -1,0 +1,403 @@
+"""The ``valkey`` tier (alias ``redis``): one value per block on a Valkey or Redis server or
+cluster, through valkey-glide, shared by every engine of the same layout.
+
+Keys are ``<key_prefix>:<layout fingerprint hex>:<block key hex>``: engines of different
+models or layouts never collide, engines of the same layout share. Values are the stored
+format of `tiering.object_format` (header + payload, CRC32C checked above the store), so a
+stale, foreign or torn value is a miss, never loaded. Keys of different blocks hash to
+different slots; requests go out one per key, concurrently (no cross-slot MGET), at most
+the tier's `max_concurrency` at once.
+
+The server owns eviction: run it with ``maxmemory`` and an LRU policy; an absent key is a
+miss. The tier sets no capacity of its own (``capacity_bytes`` is refused: one owner of
+eviction); an optional ``ttl_s`` stores each value with an expiry, refreshed by every load
+(GETEX). Tiers probe keys they have not seen (one EXISTS per key, a short negative cache),
+since other engines write the same keys.
+
+Loop thread: every coroutine of `ValkeyBlockStore`; `ValkeyOptions` and the class methods run
+where the config is loaded. One glide client per tier, created and closed on the runtime's
+loop; glide's core keeps one connection per node, follows slot moves and reconnects. The
+password comes from an environment variable or a file, read when the tier is built; it is
+never logged, printed or kept in a repr.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Collection
+from typing import Any, ClassVar
+
+import anyio
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from tiering.blockstore import BlockStore, BlockStoreSettings
+from tiering.blockstore.store import RecoveryProgress
+from tiering.errors import CorruptObjectError, ObjectNotFoundError
+from tiering.keys import OffloadKey
+from tiering.object_format import ObjectHeader, check_length, encode_header, parse_header
+from tiering.options import STRICT, Seconds, Size
+
+try:
+    from glide import (
+        AdvancedGlideClientConfiguration,
+        AdvancedGlideClusterClientConfiguration,
+        ClusterScanCursor,
+        ExpiryGetEx,
+        ExpirySet,
+        ExpiryType,
+        ExpiryTypeGetEx,
+        GlideClient,
+        GlideClientConfiguration,
+        GlideClusterClient,
+        GlideClusterClientConfiguration,
+        GlideError,
+        NodeAddress,
+        RequestError,
+        ServerCredentials,
+    )
+    from glide_shared.config import TlsAdvancedConfiguration
+except ImportError as exc:
+    raise ImportError(f"the valkey tier needs valkey-glide: pip install 'kv-tiering[valkey]' ({exc})") from exc
+
+_DELETE_BATCH = 512  # keys per DEL (glide splits a cluster's batch by slot)
+_SCAN_COUNT = 1000  # keys per SCAN step when recovering
+_SIZE_CONCURRENCY = 64  # STRLEN requests in flight when recovering
+
+
+class ValkeyOptions(BaseModel):
+    """Config keys of the ``valkey`` tier, besides every block-store tier's (see
+    `ValkeyBlockStore`)."""
+
+    model_config = STRICT
+
+    addresses: list[str] = Field(min_length=1)
+    cluster_mode: bool = False
+    key_prefix: str = Field("kvt", min_length=1)
+    tls: bool = False
+    tls_ca_file: str | None = None
+    username: str | None = None
+    password_env: str | None = None
+    password_file: str | None = None
+    connect_timeout_s: Seconds = 2.0
+    request_timeout_s: Seconds = 5.0
+    ttl_s: Seconds | None = None
+    max_value_bytes: Size = 512 << 20
+
+    @field_validator("addresses")
+    @classmethod
+    def _host_port(cls, addresses: list[str]) -> list[str]:
+        for address in addresses:
+            parse_address(address)
+        return addresses
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _no_hash_tag(cls, prefix: str) -> str:
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(f"key_prefix {prefix!r} holds '{{' or '}}': a hash tag would put every block in one slot")
+        return prefix
+
+    @model_validator(mode="after")
+    def _one_password_source(self) -> ValkeyOptions:
+        if self.password_env and self.password_file:
+            raise ValueError("set password_env or password_file, not both")
+        if self.tls_ca_file and not self.tls:
+            raise ValueError("tls_ca_file needs tls: true")
+        return self
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """(host, port) from ``"host:port"``.
+
+    Raises:
+        ValueError: not ``host:port`` with a port in 1..65535.
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, such as 10.0.0.5:6379; got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class ValkeyBlockStore(BlockStore):
+    """Blocks as values on a Valkey/Redis server (standalone) or cluster. Tier type
+    ``valkey`` (alias ``redis``): its tiers probe keys they have not seen and send one
+    request per block, at most `max_concurrency` (64) at once, each within `op_timeout_s`
+    (10 s).
+
+    Args:
+        fingerprint: the layout fingerprint; it is part of every key.
+        addresses: ``host:port`` of the server, or of some nodes of the cluster (glide finds
+            the others).
+        cluster_mode: the servers are a cluster.
+        key_prefix: first part of every key (no ``{}``: no hash tags).
+        tls: connect with TLS, verifying the server's certificate.
+        tls_ca_file: PEM file of the CAs to trust instead of the system's.
+        username: ACL user, or None for ``default``.
+        password: the password, or None to connect without one.
+        connect_timeout_s: seconds to open a connection.
+        request_timeout_s: seconds one request may take, retries and reconnects included.
+        ttl_s: expiry of every value, refreshed when it is loaded; None: none (the server's
+            ``maxmemory`` policy evicts).
+        max_value_bytes: a value larger than this is refused before it is sent (the
+            server's ``proto-max-bulk-len``, 512 MiB by default).
+        max_inflight: requests glide lets be in flight at once (both lanes of the tier).
+    """
+
+    Options = ValkeyOptions
+    tier_defaults: ClassVar[dict[str, Any]] = {
+        "max_concurrency": 64,
+        "op_timeout_s": 10.0,
+        "batch_bytes": 1,  # one request per block: requests run concurrently, not in a batch
+        "probe_misses": True,
+    }
+
+    @classmethod
+    def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> ValkeyBlockStore:
+        """A store of the tier's config, its password read from `password_env` or
+        `password_file`.
+
+        Raises:
+            ValueError: the variable is not set, or the file cannot be read (the message
+                names the variable or the file, never the password).
+        """
+        assert isinstance(options, ValkeyOptions)
+        values = options.model_dump(exclude={"password_env", "password_file"})
+        return cls(fingerprint, **values, password=_read_password(options), max_inflight=4 * settings.max_concurrency)
+
+    @classmethod
+    def check_config(cls, options: BaseModel, settings: BlockStoreSettings) -> None:
+        """The server owns eviction, and client timeouts are below the operation timeout (so
+        a frozen node fails requests, and trips the breaker, within seconds).
+
+        Raises:
+            ValueError: `capacity_bytes` is set, or a client timeout is not below
+                `op_timeout_s`.
+        """
+        assert isinstance(options, ValkeyOptions)
+        if settings.capacity_bytes is not None:
+            raise ValueError(
+                "capacity_bytes is not taken: the server evicts (set its maxmemory and an LRU maxmemory-policy)"
+            )
+        connect, request, operation = options.connect_timeout_s, options.request_timeout_s, settings.op_timeout_s
+        if not max(connect, request) < operation:
+            raise ValueError(
+                f"connect_timeout_s ({connect}) and request_timeout_s ({request}) must be below op_timeout_s "
+                f"({operation})"
+            )
+
+    def __init__(
+        self,
+        fingerprint: bytes,
+        addresses: list[str],
+        cluster_mode: bool = False,
+        key_prefix: str = "kvt",
+        tls: bool = False,
+        tls_ca_file: str | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        connect_timeout_s: float = 2.0,
+        request_timeout_s: float = 5.0,
+        ttl_s: float | None = None,
+        max_value_bytes: int = 512 << 20,
+        max_inflight: int = 1000,
+    ):
+        super().__init__(fingerprint)
+        self.addresses = [parse_address(address) for address in addresses]
+        self.cluster_mode = cluster_mode
+        self.key_prefix = key_prefix
+        self.tls = tls
+        self.tls_ca_file = tls_ca_file
+        self.username = username
+        # The password lives only inside glide's credentials object, whose repr shows nothing.
+        self._credentials = None if password is None else ServerCredentials(password, username)
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.ttl_s = ttl_s
+        self.max_value_bytes = max_value_bytes
+        self._max_inflight = max_inflight
+        self._namespace = f"{key_prefix}:{fingerprint.hex()}:".encode()
+        self._client: Any = None
+
+    def __repr__(self) -> str:
+        nodes = ",".join(f"{host}:{port}" for host, port in self.addresses)
+        mode = "cluster" if self.cluster_mode else "standalone"
+        return f"ValkeyBlockStore({mode} {nodes}, key_prefix={self.key_prefix!r}, tls={self.tls})"
+
+    def value_name(self, key: OffloadKey) -> bytes:
+        """The server's key of the value of `key`."""
+        return self._namespace + key.hex().encode()
+
+    async def open(self) -> None:
+        """Connect (to every node, in cluster mode) and check that the mode matches.
+
+        Raises:
+            PermissionError: the server refused the credentials.
+            ConnectionError: no server answered in time.
+            OSError: the server is a cluster node and `cluster_mode` is off, or the reverse.
+        """
+        try:
+            if self.cluster_mode:
+                self._client = await GlideClusterClient.create(self._client_config())
+            else:
+                self._client = await GlideClient.create(self._client_config())
+                info = await self._client.custom_command(["INFO", "cluster"])
+                if b"cluster_enabled:1" in info:
+                    raise OSError(errno.EINVAL, f"{self._where()} is a cluster node: set cluster_mode: true")
+        except GlideError as exc:
+            await self._close_client()
+            raise self._open_error(exc) from None
+        except BaseException:
+            await self._close_client()
+            raise
+        await super().open()
+
+    def _client_config(self) -> Any:
+        tls_config = None
+        if self.tls_ca_file:
+            with open(self.tls_ca_file, "rb") as file:
+                tls_config = TlsAdvancedConfiguration(root_pem_cacerts=file.read())
+        advanced = (AdvancedGlideClusterClientConfiguration if self.cluster_mode else AdvancedGlideClientConfiguration)(
+            connection_timeout=int(self.connect_timeout_s * 1000), tls_config=tls_config
+        )
+        config = GlideClusterClientConfiguration if self.cluster_mode else GlideClientConfiguration
+        return config(
+            [NodeAddress(host, port) for host, port in self.addresses],
+            use_tls=self.tls,
+            credentials=self._credentials,
+            request_timeout=int(self.request_timeout_s * 1000),
+            client_name="kv-tiering",
+            inflight_requests_limit=self._max_inflight,
+            advanced_config=advanced,
+        )
+
+    def _where(self) -> str:
+        nodes = ", ".join(f"{host}:{port}" for host, port in self.addresses)
+        return f"valkey tier: {'cluster' if self.cluster_mode else 'server'} {nodes}"
+
+    def _open_error(self, exc: Exception) -> OSError:
+        message = str(exc)
+        if any(word in message for word in ("WRONGPASS", "NOAUTH", "NOPERM", "invalid username-password")):
+            user = self.username or "default"
+            return PermissionError(errno.EACCES, f"{self._where()}: authentication refused for user {user!r}")
+        if "cluster" in message.lower() and not self.cluster_mode:
+            return OSError(errno.EINVAL, f"{self._where()}: {message}; is it a cluster? set cluster_mode: true")
+        return ConnectionError(errno.ECONNREFUSED, f"{self._where()}: cannot connect ({type(exc).__name__}: {message})")
+
+    async def _close_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+    async def close(self) -> None:
+        await super().close()
+        await self._close_client()
+
+    async def put(self, key: OffloadKey, payload: memoryview) -> None:
+        self.check_open()
+        header = encode_header(key, payload, self.fingerprint)
+        size = len(header) + payload.nbytes
+        if size > self.max_value_bytes:
+            raise OSError(errno.EFBIG, f"a value of {size} bytes is over max_value_bytes ({self.max_value_bytes})")
+        value = b"".join((header, payload))
+        expiry = None if self.ttl_s is None else ExpirySet(ExpiryType.MILLSEC, max(1, int(self.ttl_s * 1000)))
+        try:
+            await self._client.set(self.value_name(key), value, expiry=expiry)
+        except RequestError as exc:
+            if str(exc).startswith("OOM") or "OOM command not allowed" in str(exc):
+                raise OSError(errno.ENOSPC, f"{self._where()}: out of memory (maxmemory, noeviction)") from exc
+            raise
+
+    async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
+        self.check_open()
+        into = into.cast("B")
+        if self.ttl_s is None:
+            value = await self._client.get(self.value_name(key))
+        else:
+            expiry = ExpiryGetEx(ExpiryTypeGetEx.MILLSEC, max(1, int(self.ttl_s * 1000)))
+            value = await self._client.getex(self.value_name(key), expiry)
+        if value is None:
+            raise ObjectNotFoundError(key)
+        if not isinstance(value, bytes):
+            raise CorruptObjectError(f"value of type {type(value).__name__}, not a string")
+        header = parse_header(value, self.fingerprint, key)
+        payload = memoryview(value)[header.size :]
+        check_length(header, payload.nbytes, into.nbytes)
+        into[:] = payload
+        return header
+
+    async def exists(self, key: OffloadKey) -> bool:
+        self.check_open()
+        return bool(await self._client.exists([self.value_name(key)]))
+
+    async def delete_many(self, keys: Collection[OffloadKey]) -> None:
+        self.check_open()
+        names = [self.value_name(key) for key in keys]
+        for start in range(0, len(names), _DELETE_BATCH):
+            await self._client.delete(names[start : start + _DELETE_BATCH])
+
+    async def recover(self) -> list[tuple[OffloadKey, int]]:
+        """Values under the namespace with their sizes, in the server's scan order (the
+        server tracks recency, not the tier). Values that vanish during the scan (expired,
+        evicted) are left out; values are verified when loaded, not here."""
+        self.check_open()
+        progress = RecoveryProgress(f"valkey tier {self._namespace.decode()}*")
+        names = await self._scan(progress)
+        sizes = [0] * len(names)
+        limit = anyio.Semaphore(_SIZE_CONCURRENCY)
+
+        async def size_of(i: int) -> None:
+            async with limit:
+                sizes[i] = await self._client.strlen(names[i])
+
+        async with anyio.create_task_group() as task_group:
+            for i in range(len(names)):
+                task_group.start_soon(size_of, i)
+        found = []
+        for name, size in zip(names, sizes, strict=True):
+            try:
+                key = OffloadKey(bytes.fromhex(name[len(self._namespace) :].decode()))
+            except ValueError:
+                continue  # not one of ours
+            if size:
+                found.append((key, size))
+        return found
+
+    async def _scan(self, progress: RecoveryProgress) -> list[bytes]:
+        """Every key of the namespace (cluster: of every primary), each once."""
+        pattern = self._namespace + b"*"
+        names: dict[bytes, None] = {}
+        if self.cluster_mode:
+            cursor = ClusterScanCursor()
+            while not cursor.is_finished():
+                cursor, batch = await self._client.scan(cursor, match=pattern, count=_SCAN_COUNT)
+                names.update(dict.fromkeys(batch))
+                progress.add(len(batch))
+        else:
+            position: Any = b"0"
+            while True:
+                position, batch = await self._client.scan(position, match=pattern, count=_SCAN_COUNT)
+                names.update(dict.fromkeys(batch))
+                progress.add(len(batch))
+                if position in (b"0", "0", 0):
+                    break
+        return list(names)
+
+    async def ping(self) -> None:
+        self.check_open()
+        await self._client.ping()
+
+
+def _read_password(options: ValkeyOptions) -> str | None:
+    if options.password_env:
+        password = os.environ.get(options.password_env)
+        if password is None:
+            raise ValueError(f"password_env: the environment variable {options.password_env} is not set")
+        return password
+    if options.password_file:
+        try:
+            with open(options.password_file, encoding="utf-8") as file:
+                return file.read().strip()
+        except OSError as exc:
+            raise ValueError(f"password_file: cannot read {options.password_file} ({exc.strerror})") from None
+    return None

