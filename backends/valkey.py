@@ -52,6 +52,8 @@ try:
         GlideClusterClient,
         GlideClusterClientConfiguration,
         GlideError,
+        Logger,
+        LogLevel,
         NodeAddress,
         RequestError,
         ServerCredentials,
@@ -151,6 +153,7 @@ class ValkeyBlockStore(BlockStore):
         "batch_bytes": 1,  # one request per block: requests run concurrently, not in a batch
         "probe_misses": True,
     }
+    evicts_itself = True
 
     @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> ValkeyBlockStore:
@@ -236,6 +239,9 @@ class ValkeyBlockStore(BlockStore):
             ConnectionError: no server answered in time.
             OSError: the server is a cluster node and `cluster_mode` is off, or the reverse.
         """
+        # glide's core prints every request timeout to the console at WARN; the tier logs
+        # failures itself (rate-limited). init() keeps a logger the application set first.
+        Logger.init(LogLevel.ERROR)
         try:
             if self.cluster_mode:
                 self._client = await GlideClusterClient.create(self._client_config())

@@ -81,6 +81,10 @@ class ValkeyServer:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def running(self) -> bool:
+        return self._process is not None
+
+    @property
     def pid(self) -> int:
         """The server's process id.
 
@@ -111,28 +115,32 @@ class ValkeyServer:
         for name, value in settings.items():
             command += [f"--{name}", value]
         self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import redis
+
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                code, self._process = self._process.returncode, None
-                raise RuntimeError(f"redis-server on port {self.port} exited with {code}")
+            if self._process is None or self._process.poll() is not None:
+                raise RuntimeError(f"redis-server on port {self.port} exited")
             try:
                 self.admin().ping()
                 return
-            except OSError:
+            except (redis.ConnectionError, redis.BusyLoadingError, redis.TimeoutError):
                 time.sleep(0.05)
-            except Exception as exc:  # redis.ConnectionError, BusyLoadingError: not up yet
-                if "connect" not in str(exc).lower() and "loading" not in str(exc).lower():
-                    raise
-                time.sleep(0.05)
-        self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} in {timeout_s} s")
 
     def admin(self):
         """A synchronous redis-py client of this server, for set-up and raw access."""
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, socket_connect_timeout=2)
+        password = self.settings.get("requirepass")
+        return redis.Redis(port=self.port, password=password, socket_timeout=5, socket_connect_timeout=2)
 
     def freeze(self) -> None:
         """Stop the process (SIGSTOP): connections stay open, nothing answers."""
@@ -212,35 +220,36 @@ class ValkeyCluster:
             raise
 
     def ok(self) -> bool:
-        """Whether every running node reports ``cluster_state:ok`` and every replica is in
-        sync with its primary."""
-        for node in self.nodes:
-            try:
-                info = node.admin().execute_command("CLUSTER", "INFO")
-                if b"cluster_state:ok" not in info:
-                    return False
-                replication = node.admin().info("replication")
-                if replication.get("role") == "slave" and replication.get("master_link_status") != "up":
-                    return False
-            except (OSError, RuntimeError):
-                continue  # a killed node
-            except Exception:
+        """Whether every running node reports ``cluster_state:ok`` and every running replica
+        is in sync with its primary."""
+        for node in self.running_nodes:
+            admin = node.admin()
+            if b"cluster_state:ok" not in admin.execute_command("CLUSTER", "INFO"):
+                return False
+            replication = admin.info("replication")
+            if replication.get("role") == "slave" and replication.get("master_link_status") != "up":
                 return False
         return True
 
-    def primary_of(self, name: str) -> ValkeyServer:
-        """The running node that now serves the slot of key `name` as primary."""
-        slot = self.nodes[0].admin().execute_command("CLUSTER", "KEYSLOT", name)
-        for node in self.nodes:
-            try:
-                ranges = node.admin().execute_command("CLUSTER", "SLOTS")
-            except Exception:
-                continue
-            for start, end, primary, *_ in ranges:
-                if start <= slot <= end:
-                    port = int(primary[1])
-                    return next(n for n in self.nodes if n.port == port)
-        raise RuntimeError(f"no node serves slot {slot}")
+    @property
+    def running_nodes(self) -> list[ValkeyServer]:
+        return [node for node in self.nodes if node.running]
+
+    def primary_of(self, name: str | bytes) -> ValkeyServer:
+        """The running node that now serves the slot of key `name` as primary, as the
+        running nodes see it.
+
+        Raises:
+            RuntimeError: no running node serves it.
+        """
+        admin = self.running_nodes[0].admin()
+        slot = admin.execute_command("CLUSTER", "KEYSLOT", name)
+        for start, end, primary, *_ in admin.execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                node = next(n for n in self.nodes if n.port == int(primary[1]))
+                if node.running:
+                    return node
+        raise RuntimeError(f"no running node serves slot {slot}")
 
     def _wait(self, condition, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -1,9 +1,16 @@
 """The valkey tier against real redis-server processes on 127.0.0.1: a standalone server and a
 3-node cluster started by the fixtures, and servers of a test's own for the faults."""
 
+import time
+
+import numpy as np
 import pytest
 
+from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, keys
+from tiering import JobMetadata, SecondaryTierFactory, TierConfigError
 from tiering.backends.valkey import ValkeyBlockStore
+from tiering.benchmarks.s3_server import free_port
+from tiering.benchmarks.valkey_server import ValkeyCluster, ValkeyServer
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, key
 
@@ -63,3 +70,260 @@ async def test_values_are_named_by_prefix_layout_and_key_and_spread_over_slots(s
         assert len(owners) == 3  # no hash tag: the blocks are spread over every primary
     finally:
         await store.close()
+
+
+# -- config and connection errors -----------------------------------------------------------
+
+
+def make_tier(config):
+    return SecondaryTierFactory.create_secondary_tier(config, RegionStandIn(4, ROW).create_kv_memoryview(), None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"capacity_bytes": "1GiB"}, "capacity_bytes is not taken: the server evicts"),
+        ({"request_timeout_s": 30}, r"request_timeout_s \(30.0\) must be below op_timeout_s \(10.0\)"),
+        ({"addresses": ["localhost"]}, "expected host:port"),
+        ({"addresses": []}, "addresses"),
+        ({"key_prefix": "kv{1}"}, "a hash tag would put every block in one slot"),
+        ({"password_env": "A", "password_file": "/f"}, "set password_env or password_file, not both"),
+        ({"tls_ca_file": "/ca.pem"}, "tls_ca_file needs tls: true"),
+    ],
+)
+def test_bad_options_fail_at_load_naming_the_key(extra, message):
+    config = {"type": "valkey", "addresses": ["127.0.0.1:6379"], **extra}
+    with pytest.raises(TierConfigError, match=message):
+        make_tier(config)
+
+
+def test_the_redis_alias_is_the_same_tier(valkey_server, key_prefix, engine_factory):
+    engine = engine_factory({**valkey_config(valkey_server, key_prefix), "type": "redis"})
+    assert isinstance(engine.tier.store, ValkeyBlockStore)
+
+
+def test_an_unset_password_variable_is_named_and_the_server_never_reached(monkeypatch):
+    monkeypatch.delenv("KVT_TEST_NO_SUCH_PASSWORD", raising=False)
+    config = {"type": "valkey", "addresses": ["127.0.0.1:1"], "password_env": "KVT_TEST_NO_SUCH_PASSWORD"}
+    with pytest.raises(ValueError, match="the environment variable KVT_TEST_NO_SUCH_PASSWORD is not set"):
+        make_tier(config)
+
+
+def test_nothing_listening_is_a_clear_connection_error():
+    config = {"type": "valkey", "addresses": [f"127.0.0.1:{free_port()}"], "connect_timeout_s": 0.5}
+    with pytest.raises(ConnectionError, match=r"valkey tier: server 127.0.0.1:\d+: cannot connect"):
+        make_tier(config)
+
+
+def test_a_cluster_configured_as_standalone_is_a_clear_error(valkey_cluster, key_prefix):
+    config = {"type": "valkey", "addresses": valkey_cluster.addresses[:1], "key_prefix": key_prefix}
+    with pytest.raises(OSError, match="is a cluster node: set cluster_mode: true"):
+        make_tier(config)
+
+
+@pytest.fixture
+def password_server():
+    """A server of its own that requires a password, and has an ACL user ``kv``."""
+    server = ValkeyServer(settings={"requirepass": "server-secret-never-printed"})
+    server.start()
+    server.admin().execute_command("ACL", "SETUSER", "kv", "on", ">kv-secret-never-printed", "~*", "+@all")
+    yield server
+    server.stop()
+
+
+def test_passwords_come_from_a_variable_or_a_file_and_never_appear(
+    password_server, key_prefix, tmp_path, monkeypatch, engine_factory, caplog
+):
+    monkeypatch.setenv("KVT_TEST_PASSWORD", "server-secret-never-printed")
+    secret_file = tmp_path / "password"
+    secret_file.write_text("kv-secret-never-printed\n")
+    base = valkey_config(password_server, key_prefix)
+    for config in (
+        {**base, "password_env": "KVT_TEST_PASSWORD"},
+        {**base, "username": "kv", "password_file": str(secret_file)},
+    ):
+        engine = engine_factory(config)
+        engine.store(0)
+        assert engine.lookup_until_done(0) == [True]
+        store = engine.tier.store
+        for text in (repr(engine.tier), repr(store), str(vars(store)), str(engine.tier.get_stats()), caplog.text):
+            assert "never-printed" not in text
+    with pytest.raises(PermissionError, match="authentication refused for user 'kv'"):
+        make_tier({**base, "username": "kv", "password_env": "KVT_TEST_PASSWORD"})
+    assert "never-printed" not in caplog.text
+
+
+# -- the engine over the tier ---------------------------------------------------------------
+
+
+def test_two_engines_share_blocks_through_one_cluster(valkey_cluster, key_prefix, engine_factory):
+    config = valkey_config(valkey_cluster, key_prefix)
+    first, second = engine_factory(config), engine_factory(config)
+    first.store(0, 1, 2)
+    assert second.lookup_until_done(0, 1, 2, 3, steps=10) == [True, True, True, False]  # probes, promotions
+    assert second.loaded_bytes(0, 1, 2) == [block_bytes(k, ROW) for k in keys(0, 1, 2)]
+    assert second.tier.get_stats()["counters"]["blocks_loaded"] == 3
+
+
+def test_blocks_the_server_evicted_are_misses_never_wrong_bytes(engine_factory, key_prefix):
+    server = ValkeyServer(settings={"maxmemory-policy": "allkeys-lru"})
+    server.start()
+    try:
+        admin = server.admin()
+        admin.config_set("maxmemory", admin.info("memory")["used_memory"] + 16 * ROW)
+        engine = engine_factory(valkey_config(server, key_prefix))
+        for i in range(0, 40, 4):
+            engine.store(i, i + 1, i + 2, i + 3)  # 4 primary rows: the tier holds the rest
+        assert admin.dbsize() < 40
+        hits = 0
+        for i in range(40):
+            if engine.lookup_until_done(i, steps=10) == [True]:  # a load of an evicted value fails: a miss
+                assert engine.loaded_bytes(i) == [block_bytes(keys(i)[0], ROW)]
+                hits += 1
+        assert 4 < hits < 40
+        assert engine.tier.failures["load_missing"] > 0
+    finally:
+        server.stop()
+
+
+def test_a_full_server_fails_stores_as_no_space_and_keeps_serving_loads(engine_factory, key_prefix):
+    server = ValkeyServer(settings={"maxmemory-policy": "noeviction"})
+    server.start()
+    try:
+        admin = server.admin()
+        admin.config_set("maxmemory", admin.info("memory")["used_memory"] + 16 * ROW)
+        engine = engine_factory(valkey_config(server, key_prefix))
+        engine.store(0, 1)
+        for i in range(2, 40, 2):
+            engine.store(i, i + 1)
+        assert engine.tier.failures["store_no_space"] > 0
+        assert engine.tier.health.healthy  # a full server is not a sick one
+        assert engine.lookup_until_done(0, 1) == [True, True]
+        assert engine.loaded_bytes(0, 1) == [block_bytes(k, ROW) for k in keys(0, 1)]
+    finally:
+        server.stop()
+
+
+def test_values_over_the_limits_fail_their_jobs(engine_factory, key_prefix, caplog):
+    server = ValkeyServer(settings={"proto-max-bulk-len": "1mb"})
+    server.start()
+    try:
+        big_rows = RegionStandIn(2, 2 << 20)  # 2 MiB blocks: over the server's 1 MiB limit
+        tier = SecondaryTierFactory.create_secondary_tier(
+            {**valkey_config(server, key_prefix), "op_timeout_s": 3, "request_timeout_s": 1},
+            big_rows.create_kv_memoryview(),
+            None,
+        )
+        try:
+            driver_results = _store_rows(tier, 2)
+            assert driver_results == [False, False] and tier.failures["store"] == 2
+            assert all(tier.lookup(k, CTX) is not True for k in keys(0, 1))
+        finally:
+            tier.shutdown()
+        capped = make_tier({**valkey_config(server, key_prefix), "max_value_bytes": 1024})
+        try:
+            assert _store_rows(capped, 1) == [False]
+            assert capped.failures["store"] == 1 and "over max_value_bytes (1024)" in caplog.text
+        finally:
+            capped.shutdown()
+    finally:
+        server.stop()
+
+
+def _store_rows(tier, count):
+    """Store blocks 0..count-1 from rows of the same numbers, one job each; their successes."""
+    for i in range(count):
+        tier.submit_store(JobMetadata(i, keys(i), np.array([i]), False, CTX))
+    tier.on_schedule_end()
+    assert tier.drain(30)
+    return [result.success for result in sorted(tier.get_finished(), key=lambda r: r.job_id)]
+
+
+def test_ttl_sets_an_expiry_that_loads_refresh(valkey_server, key_prefix, engine_factory):
+    engine = engine_factory(valkey_config(valkey_server, key_prefix, ttl_s=60))
+    engine.store(0, 1, 2, 3)
+    engine.store(4)  # 4 primary rows: block 0 is in the tier only now
+    name = engine.tier.store.value_name(keys(0)[0])
+    admin = valkey_server.admin()
+    admin.pexpire(name, 5000)  # as if most of its minute had passed
+    assert engine.lookup_until_done(0) == [True]
+    assert engine.loaded_bytes(0) == [block_bytes(keys(0)[0], ROW)]
+    assert 50_000 < admin.pttl(name) <= 60_000
+
+
+# -- faults: a node killed, frozen, failed over ---------------------------------------------
+
+FAST_FAULTS = {"request_timeout_s": 0.5, "connect_timeout_s": 0.5, "op_timeout_s": 2, "failure_threshold": 2}
+FAST_FAULTS |= {"backoff_s": 0.2, "max_backoff_s": 0.4}
+
+
+def store_attempt(engine, *ids):
+    """Store blocks as the GPU would, without asserting that the cascade worked."""
+    out = engine.manager.prepare_store(keys(*ids), CTX)
+    for k, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+        engine.rows[row] = np.frombuffer(block_bytes(k, ROW), dtype=engine.rows.dtype)
+    engine.manager.complete_store(out.keys_to_store, CTX)
+    engine.settle()
+
+
+def wait_healthy(engine, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not engine.tier.health.healthy:
+        assert time.monotonic() < deadline, "the tier did not recover"
+        engine.settle()
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_a_dead_or_frozen_server_turns_into_failed_jobs_then_recovers(fault, engine_factory, key_prefix):
+    server = ValkeyServer()
+    server.start()
+    try:
+        engine = engine_factory(valkey_config(server, key_prefix, **FAST_FAULTS), num_blocks=8)
+        engine.store(0, 1)
+        server.kill() if fault == "killed" else server.freeze()
+        try:
+            store_attempt(engine, 2, 3)
+            store_attempt(engine, 4, 5)
+            assert not engine.tier.health.healthy
+            assert engine.tier.failures["store"] >= 2
+            assert engine.tier.lookup(keys(0)[0], CTX) is False  # an unhealthy tier answers misses
+        finally:
+            server.start() if fault == "killed" else server.thaw()
+        wait_healthy(engine)
+        engine.store(6, 7)
+        assert engine.tier.get_stats()["counters"]["blocks_stored"] == 4
+        if fault == "frozen":  # its data survived
+            assert engine.tier.lookup(keys(0)[0], CTX) is True
+    finally:
+        server.stop()
+
+
+def test_a_cluster_failover_loses_no_byte_and_the_tier_follows_the_new_primary(engine_factory, key_prefix):
+    cluster = ValkeyCluster(primaries=3, replicas=1)
+    cluster.start()
+    try:
+        config = {**valkey_config(cluster, key_prefix), **FAST_FAULTS, "failure_threshold": 1000}
+        engine = engine_factory({**config, "addresses": cluster.addresses}, num_blocks=8)
+        engine.store(*range(8))
+        engine.store(*range(8, 16))  # 8 primary rows: blocks 0..7 are in the cluster only
+        for node in cluster.primaries:  # every write reached its replica
+            node.admin().execute_command("WAIT", 1, 2000)
+        victim = cluster.primary_of(engine.tier.store.value_name(keys(0)[0]))
+        victim.kill()
+        deadline = time.monotonic() + 30
+        while not cluster.ok():
+            assert time.monotonic() < deadline, "no replica took over"
+            time.sleep(0.1)
+        assert cluster.primary_of(engine.tier.store.value_name(keys(0)[0])) in cluster.replicas
+        loaded = 0
+        for i in range(8):
+            answer = engine.lookup_until_done(i, steps=40)
+            if answer == [True]:
+                assert engine.loaded_bytes(i) == [block_bytes(keys(i)[0], ROW)]
+                loaded += 1
+        assert loaded == 8  # replicated before the failover: nothing lost
+        store_attempt(engine, *range(16, 24))
+        assert engine.tier.get_stats()["counters"]["blocks_stored"] >= 16
+    finally:
+        cluster.stop()

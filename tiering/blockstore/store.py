@@ -56,6 +56,10 @@ class BlockStore(ABC):
         tier_defaults: defaults of `BlockStoreSettings` keys for tiers of this store, for
             example ``{"max_concurrency": 64}``; the config may still set each key.
         header_align: the store pads object headers to a multiple of this many bytes.
+        evicts_itself: True for a backend that evicts by its own policy (a cache server's
+            ``maxmemory``): an absent object is simply a miss, and a store refused for lack
+            of room (ENOSPC) fails alone, without the tier holding back or evicting to make
+            room, since room comes back as the server evicts.
         verifies_payloads: True when `get` and `get_many` check the payload's CRC32C
             themselves (`verify_payload`, raising `CorruptObjectError`), in the thread that
             read it while it is still in the CPU's cache; the adapter then skips its own
@@ -66,6 +70,7 @@ class BlockStore(ABC):
     Options: ClassVar[type[BaseModel]] = NoOptions
     tier_defaults: ClassVar[Mapping[str, Any]] = {}
     header_align = HEADER_ALIGN
+    evicts_itself: ClassVar[bool] = False
     verifies_payloads: ClassVar[bool] = False
 
     @classmethod

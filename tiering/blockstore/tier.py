@@ -380,7 +380,7 @@ class BlockStoreTier(SecondaryTierManager):
                 self._counters["bytes_stored"] += entry.size
             else:
                 self._index.remove(key)
-        if done.no_space:
+        if done.no_space and not self.store.evicts_itself:
             self._index.device_full()
         elif done.ok:
             self._index.device_stored()
