@@ -30,36 +30,15 @@ from botocore.config import Config
 from rich.console import Console
 from rich.table import Table
 
-from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
+from tiering import make_offload_key
 from tiering.benchmarks.file_tier import aligned_rows
+from tiering.benchmarks.tier_jobs import best_of, run_tier_jobs
 from tiering.object_format import encode_header
-
-CTX = ReqContext("bench")
 
 
 def run_engine(rows: np.ndarray, endpoint: str, bucket: str, concurrency: int, job_blocks: int) -> dict[str, float]:
     config = {"type": "s3", "bucket": bucket, "prefix": f"engine-{uuid.uuid4().hex[:8]}/", "endpoint_url": endpoint}
-    tier = SecondaryTierFactory.create_secondary_tier(
-        {**config, "max_concurrency": concurrency}, memoryview(rows), None
-    )
-    keys = [make_offload_key(i.to_bytes(16, "big"), 0) for i in range(len(rows))]
-    spans = [range(i, min(i + job_blocks, len(rows))) for i in range(0, len(rows), job_blocks)]
-    try:
-        seconds = {}
-        for direction, promotion in (("store", False), ("load", True)):
-            submit = tier.submit_load if promotion else tier.submit_store
-            start = time.perf_counter()
-            for job_id, span in enumerate(spans):
-                submit(JobMetadata(job_id, keys[span.start : span.stop], np.array(span), promotion, CTX))
-            tier.on_schedule_end()
-            if not tier.drain(600):
-                raise RuntimeError("s3 tier did not finish in 600 s")
-            seconds[direction] = time.perf_counter() - start
-            if not all(result.success for result in tier.get_finished()):
-                raise RuntimeError(f"s3 tier: a {direction} job failed")
-        return seconds
-    finally:
-        tier.shutdown()
+    return run_tier_jobs(rows, {**config, "max_concurrency": concurrency}, job_blocks)
 
 
 async def run_raw(rows: np.ndarray, endpoint: str, bucket: str, concurrency: int) -> dict[str, float]:
@@ -103,13 +82,7 @@ def measure(
         ("engine", lambda: run_engine(rows, endpoint, bucket, concurrency, job_blocks)),
         ("raw", lambda: asyncio.run(run_raw(rows, endpoint, bucket, concurrency))),
     ]
-    best: dict[str, float] = {"bytes": rows.nbytes}
-    for repeat in range(-1, repeats):
-        for name, run in sides if repeat % 2 == 0 else sides[::-1]:
-            for direction, seconds in run().items():
-                if repeat >= 0:
-                    best[f"{name} {direction}"] = min(best.get(f"{name} {direction}", float("inf")), seconds)
-    return best
+    return {"bytes": rows.nbytes, **best_of(sides, repeats)}
 
 
 def main(argv: list[str] | None = None) -> None:

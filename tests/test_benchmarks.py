@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tiering.benchmarks import file_tier, loadgen, s3_tier, scheduler_cost
+from tiering.benchmarks import file_tier, loadgen, s3_tier, scheduler_cost, valkey_tier
 
 
 def test_scheduler_cost(capsys):
@@ -88,3 +88,9 @@ def test_a_trace_thinned_by_conversation_keeps_each_conversation_whole():
     assert sample_conversations(trace, 1) == trace
     assert [r.hash_ids for r in sample_conversations(trace, 2)] == [(0, 1), (0, 1, 2), (0, 7), (0, 1, 2, 3)]
     assert [r.timestamp_ms for r in sample_conversations(trace, 3)] == [0, 2, 5]
+
+
+def test_valkey_tier(capsys):
+    valkey_tier.main(["--total-mib", "4", "--repeats", "1", "--block-sizes", "64KiB"])
+    out = capsys.readouterr().out
+    assert "Valkey tier vs bare valkey-glide" in out and "64KiB" in out

@@ -209,6 +209,11 @@ async def _each(
     operation: Callable[[OffloadKey, memoryview], Awaitable[Any]], items: Sequence[tuple[OffloadKey, memoryview]]
 ) -> list[Any]:
     """operation(*item) for each item, concurrently: its result, or the exception it raised."""
+    if len(items) == 1:  # no task group: a store called one block at a time pays for none
+        try:
+            return [await operation(*items[0])]
+        except Exception as exc:
+            return [exc]
     outcomes: list[Any] = [None] * len(items)
 
     async def run(i: int) -> None:

@@ -1,0 +1,156 @@
+"""Valkey tier GB/s against bare valkey-glide GET/SET on the same server, side by side.
+
+Both move the same blocks (the same value bytes: header and payload) at the same
+concurrency, with the same client settings; interleaved `--repeats` times after an untimed
+round, best kept:
+
+- engine: a ``valkey`` tier fed store jobs of `--job-blocks` blocks, then load jobs back into
+  page-aligned rows, timed from the first submission to the last result (CRC checked);
+- raw: ``SET`` of pre-joined bytes and ``GET`` under an ``asyncio.Semaphore``, nothing else
+  (no header, no CRC, no index, no copy into rows).
+
+Without ``--addresses`` it starts a local redis-server (``--cluster``: a 3-node cluster) from
+the ``valkey`` extra; pass ``host:port`` of a real server or cluster node to measure that.
+
+    python -m tiering.benchmarks.valkey_tier --block-sizes 64KiB,2MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+import uuid
+
+import numpy as np
+from glide import (
+    GlideClient,
+    GlideClientConfiguration,
+    GlideClusterClient,
+    GlideClusterClientConfiguration,
+    NodeAddress,
+)
+from rich.console import Console
+from rich.table import Table
+
+from tiering import make_offload_key
+from tiering.backends.valkey import parse_address
+from tiering.benchmarks.file_tier import aligned_rows
+from tiering.benchmarks.tier_jobs import best_of, run_tier_jobs
+from tiering.object_format import encode_header
+from tiering.options import parse_size
+
+REQUEST_TIMEOUT_S = 5.0  # the tier's default request_timeout_s, on both sides
+
+
+def run_engine(rows: np.ndarray, addresses: list[str], cluster: bool, concurrency: int, job_blocks: int):
+    config = {
+        "type": "valkey",
+        "addresses": addresses,
+        "cluster_mode": cluster,
+        "key_prefix": f"engine-{uuid.uuid4().hex[:8]}",
+        "request_timeout_s": REQUEST_TIMEOUT_S,
+        "max_concurrency": concurrency,
+    }
+    return run_tier_jobs(rows, config, job_blocks)
+
+
+async def run_raw(rows: np.ndarray, addresses: list[str], cluster: bool, concurrency: int) -> dict[str, float]:
+    prefix = f"raw-{uuid.uuid4().hex[:8]}:"
+    values = []
+    for i, row in enumerate(rows):
+        key = make_offload_key(i.to_bytes(16, "big"), 0)
+        values.append(encode_header(key, memoryview(row), b"\0" * 16) + row.tobytes())
+    nodes = [NodeAddress(*parse_address(address)) for address in addresses]
+    timeout_ms = int(REQUEST_TIMEOUT_S * 1000)
+    if cluster:
+        client = await GlideClusterClient.create(GlideClusterClientConfiguration(nodes, request_timeout=timeout_ms))
+    else:
+        client = await GlideClient.create(GlideClientConfiguration(nodes, request_timeout=timeout_ms))
+    limit = asyncio.Semaphore(concurrency)
+
+    async def put(i: int) -> None:
+        async with limit:
+            await client.set(f"{prefix}{i}", values[i])
+
+    async def get(i: int) -> None:
+        async with limit:
+            await client.get(f"{prefix}{i}")
+
+    try:
+        seconds = {}
+        for direction, op in (("store", put), ("load", get)):
+            start = time.perf_counter()
+            await asyncio.gather(*(op(i) for i in range(len(rows))))
+            seconds[direction] = time.perf_counter() - start
+        names: list[str | bytes] = [f"{prefix}{i}" for i in range(len(rows))]
+        for start in range(0, len(names), 512):
+            await client.delete(names[start : start + 512])
+        return seconds
+    finally:
+        await client.close()
+
+
+def measure(
+    block_bytes: int,
+    total_bytes: int,
+    addresses: list[str],
+    cluster: bool,
+    concurrency: int,
+    job_blocks: int,
+    repeats: int,
+) -> dict[str, float]:
+    rows = aligned_rows(max(total_bytes // block_bytes, job_blocks), block_bytes)
+    sides = [
+        ("engine", lambda: run_engine(rows, addresses, cluster, concurrency, job_blocks)),
+        ("raw", lambda: asyncio.run(run_raw(rows, addresses, cluster, concurrency))),
+    ]
+    return {"bytes": rows.nbytes, **best_of(sides, repeats)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--addresses", default=None, help="host:port,... of a server (default: start a local one)")
+    parser.add_argument("--cluster", action="store_true", help="a cluster (the local one: 3 nodes)")
+    parser.add_argument("--block-sizes", default="64KiB,2MiB", help="comma-separated, e.g. 64KiB,2MiB")
+    parser.add_argument("--total-mib", type=int, default=128, help="data moved per measurement (default 128)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    parser.add_argument("--job-blocks", type=int, default=16, help="blocks per job (default 16)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs; the best is kept (default 3)")
+    args = parser.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.addresses is None:
+            from tiering.benchmarks.valkey_server import ValkeyCluster, ValkeyServer
+
+            local = ValkeyCluster(primaries=3) if args.cluster else ValkeyServer()
+            stack.callback(local.stop)
+            local.start()
+            addresses = local.addresses if args.cluster else [local.address]
+        else:
+            addresses = args.addresses.split(",")
+        where = f"{'cluster' if args.cluster else 'server'} {addresses[0]}"
+        table = Table(
+            title=f"Valkey tier vs bare valkey-glide on {where}, {args.concurrency} in flight, best of {args.repeats}"
+        )
+        for column in ("block", "direction", "engine GB/s", "raw GB/s", "ratio"):
+            table.add_column(column, justify="left" if column in ("block", "direction") else "right")
+        for size_name in args.block_sizes.split(","):
+            best = measure(
+                parse_size(size_name),
+                args.total_mib << 20,
+                addresses,
+                args.cluster,
+                args.concurrency,
+                args.job_blocks,
+                args.repeats,
+            )
+            for direction in ("store", "load"):
+                engine = best["bytes"] / best[f"engine {direction}"]
+                raw = best["bytes"] / best[f"raw {direction}"]
+                table.add_row(size_name, direction, f"{engine / 1e9:.3f}", f"{raw / 1e9:.3f}", f"{engine / raw:.2f}x")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
