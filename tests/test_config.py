@@ -64,7 +64,7 @@ BAD = [
     ),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: nvme}]",
-        "secondary_tiers[0].type: unknown tier type; known types: example, faulty, file, memory, s3",
+        "secondary_tiers[0].type: unknown tier type; known types: example, faulty, file, memory, redis, s3, valkey",
     ),
     ("cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file}]", "secondary_tiers[0].root_dir: required key is missing"),
     (
