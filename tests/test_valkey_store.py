@@ -1,6 +1,7 @@
 """The valkey tier against real redis-server processes on 127.0.0.1: a standalone server and a
 3-node cluster started by the fixtures, and servers of a test's own for the faults."""
 
+import json
 import sys
 import time
 
@@ -10,6 +11,7 @@ import pytest
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, keys
 from tiering import JobMetadata, SecondaryTierFactory, TierConfigError
 from tiering.backends.valkey import ValkeyBlockStore
+from tiering.benchmarks import loadgen
 from tiering.benchmarks.s3_server import free_port
 from tiering.benchmarks.valkey_server import ValkeyCluster, ValkeyServer
 from tiering.testing import BlockStoreSuite, StoreKit
@@ -39,9 +41,8 @@ def store_kit(valkey_target, key_prefix):
     config = valkey_config(valkey_target, key_prefix)
 
     def make(fingerprint):
-        return ValkeyBlockStore(
-            fingerprint, config["addresses"], cluster_mode=config["cluster_mode"], key_prefix=key_prefix
-        )
+        cluster = config["cluster_mode"]
+        return ValkeyBlockStore(fingerprint, config["addresses"], cluster, key_prefix, recover_index=True)
 
     def read_raw(store, key):
         name = store.value_name(key)
@@ -336,3 +337,44 @@ def test_importing_the_tier_leaves_no_warning_for_module_scans():
     here)."""
     for module in list(sys.modules.values()):
         hasattr(module, "__file__")
+
+
+@pytest.mark.asyncio
+async def test_without_recover_index_a_new_tier_lists_nothing_yet_finds_blocks_by_probes(valkey_server, key_prefix):
+    first = ValkeyBlockStore(FINGERPRINT, [valkey_server.address], key_prefix=key_prefix)
+    await first.open()
+    try:
+        await first.put(key(1), memoryview(bytearray(64)))
+        assert await first.recover() == [] and await first.exists(key(1))
+        await first.remove_namespace()  # lists for itself
+        assert not await first.exists(key(1))
+    finally:
+        await first.close()
+
+
+def test_a_second_engine_finds_the_first_ones_blocks_by_probes_without_recovery(
+    valkey_server, key_prefix, engine_factory
+):
+    config = valkey_config(valkey_server, key_prefix)
+    engine_factory(config).store(0, 1, 2)
+    second = engine_factory(config)
+    assert second.tier.num_blocks == 0  # nothing listed at start
+    assert second.lookup_until_done(0, 1, 2, 3, steps=10) == [True, True, True, False]
+    assert second.tier.get_stats()["counters"]["lookups_deferred"] >= 4  # each key probed once
+
+
+def test_tiering_bench_credits_the_shared_tier_with_the_hits_another_engine_stored(valkey_server, key_prefix, tmp_path):
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        f"cpu_bytes_to_use: 2MiB\nsecondary_tiers:\n  - type: valkey\n    addresses: [{valkey_server.address}]\n"
+        f"    key_prefix: {key_prefix}\n"
+    )
+    reports = []
+    for run in ("first", "second"):  # two engines, one after the other, on one server
+        output = tmp_path / f"{run}.json"
+        args = ["--config", str(config), "--max-requests", "60", "--warm-start", "--verify", "--quiet"]
+        assert loadgen.main([*args, "--output", str(output)]) == 0
+        reports.append(json.loads(output.read_text()))
+    first, second = (report["hit_rate"] for report in reports)
+    assert second["valkey"] > first["valkey"] and second["total"] > first["total"]
+    assert reports[1]["tiers"]["valkey"]["stats"]["counters"]["lookups_deferred"] > 0  # found by probes

@@ -147,14 +147,17 @@ class SchedulerLoop:
             waiting = False
             for key in keys:
                 if key not in holders:
-                    holders[key] = self._holder(key, context)
+                    holder = self._holder(key, context)
+                    if holder is not None:
+                        holders[key] = holder
                 answer = self._call("lookup", self.manager.lookup, key, context)
                 if answer is False:
                     break
                 if answer is None:
                     waiting = True
                 elif not waiting:
-                    sources.append(holders[key])
+                    # unknown at first sight (a probe was in flight): the tier it was promoted from
+                    sources.append(holders.get(key) or self.manager.promotion_source(key) or "cpu")
             if not waiting or step == self.max_steps:
                 break
             waiting_since = waiting_since or time.perf_counter()
@@ -175,14 +178,18 @@ class SchedulerLoop:
                 return count
         return len(hit_keys)
 
-    def _holder(self, key: bytes, context: ReqContext) -> str:
+    def _holder(self, key: bytes, context: ReqContext) -> str | None:
         """The tier a hit on `key` would come from: the CPU tier, or the first secondary
-        tier that holds it."""
+        tier that holds it; None while a tier is still unsure (its existence probe is in
+        flight: the next step asks again)."""
         if self.manager.primary_tier.lookup(key, context) is not False:
             return "cpu"
         for name, tier in zip(self.manager.tier_names, self.manager.secondary_tiers, strict=True):
-            if tier.lookup(key, context):
+            answer = tier.lookup(key, context)
+            if answer:
                 return name
+            if answer is None:
+                return None
         return "cpu"
 
     def _load(self, hit_keys: list[bytes], keys: list[bytes], context: ReqContext) -> bool:
