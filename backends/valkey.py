@@ -442,6 +442,19 @@ class ValkeyBlockStore(BlockStore):
         self.check_open()
         return bool(await self._client.exists([self.value_name(key)]))
 
+    async def exists_many(self, keys: Sequence[OffloadKey]) -> list[bool | Exception]:
+        """One pipeline of single-key EXISTS (a multi-key EXISTS counts, it does not say which).
+
+        Raises:
+            Exception: the pipeline as a whole failed.
+        """
+        self.check_open()
+        batch = self._pipeline()
+        for key in keys:
+            batch.exists([self.value_name(key)])
+        answers = await self._client.exec(batch, raise_on_error=False)
+        return [answer if isinstance(answer, Exception) else bool(answer) for answer in answers]
+
     async def delete_many(self, keys: Collection[OffloadKey]) -> None:
         self.check_open()
         names = [self.value_name(key) for key in keys]

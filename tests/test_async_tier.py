@@ -300,10 +300,15 @@ class CountingStore(MemoryBlockStore):
         super().__init__(fingerprint, **kwargs)
         self.objects = backing
         self.exists_calls = 0
+        self.exists_many_calls = 0
 
     async def exists(self, key):
         self.exists_calls += 1
         return await super().exists(key)
+
+    async def exists_many(self, keys):
+        self.exists_many_calls += 1
+        return await super().exists_many(keys)
 
 
 def shared_tiers(count=2, **options):
@@ -333,6 +338,20 @@ def test_a_miss_is_probed_once_and_a_block_another_engine_wrote_is_found():
         assert reader.lookup(key(0), CTX) is True
         reader.submit_load(job(1, [0], [3], True))
         assert [r.success for r in finish(reader)] == [True]
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
+def test_a_steps_probes_go_out_together_in_calls_of_batch_bytes():
+    writer, reader = shared_tiers(batch_bytes=2 * ROW)  # 2 keys per call
+    try:
+        writer.submit_store(job(0, [0, 2], [0, 2], False))
+        finish(writer)
+        assert [reader.lookup(key(i), CTX) for i in range(5)] == [None] * 5
+        finish(reader)
+        assert (reader.store.exists_many_calls, reader.store.exists_calls) == (3, 5)
+        assert [reader.lookup(key(i), CTX) for i in range(5)] == [True, False, True, False, False]
     finally:
         writer.shutdown()
         reader.shutdown()

@@ -73,10 +73,11 @@ class LoadDone(JobDone):
 
 @dataclass(kw_only=True)
 class ProbeDone(Outcome):
-    """An existence check of `key` for a lookup that missed the index."""
+    """Existence checks of `keys`, the lookups of one step that missed the index; `found`:
+    those that exist (a key whose check failed counts as absent)."""
 
-    key: OffloadKey
-    found: bool = False
+    keys: list[OffloadKey]
+    found: set[OffloadKey] = field(default_factory=set)
 
 
 @dataclass(kw_only=True)

@@ -152,6 +152,14 @@ class BlockStore(ABC):
     async def exists(self, key: OffloadKey) -> bool:
         """Whether an object for `key` exists (it is not read or verified)."""
 
+    async def exists_many(self, keys: Sequence[OffloadKey]) -> list[bool | Exception]:
+        """`exists` of each key; returns, per key, the answer or the exception it raised.
+
+        The default checks the keys concurrently; a store with a cheaper way to ask for many
+        (a pipeline) overrides it.
+        """
+        return await _each(self.exists, [(key,) for key in keys])
+
     @abstractmethod
     async def delete_many(self, keys: Collection[OffloadKey]) -> None:
         """Delete the objects of `keys`; missing ones are ignored."""
@@ -205,9 +213,7 @@ class RecoveryProgress:
             logger.info("%s: recovering, %d objects looked at in %.0f s", self._what, self.count, now - self._start)
 
 
-async def _each(
-    operation: Callable[[OffloadKey, memoryview], Awaitable[Any]], items: Sequence[tuple[OffloadKey, memoryview]]
-) -> list[Any]:
+async def _each(operation: Callable[..., Awaitable[Any]], items: Sequence[tuple[Any, ...]]) -> list[Any]:
     """operation(*item) for each item, concurrently: its result, or the exception it raised."""
     if len(items) == 1:  # no task group: a store called one block at a time pays for none
         try:

@@ -103,8 +103,9 @@ class BlockStoreTier(SecondaryTierManager):
         self._object_bytes: dict[int, int] = {}  # by key length
         self._released: list[int] = []
         self._evicted: dict[OffloadKey, None] = {}  # objects to delete at the end of the step
+        self._probing: list[OffloadKey] = []  # keys to check for at the end of the step
         self._closed = False
-        batch_blocks = max(1, settings.batch_bytes // max(1, self.row_bytes))
+        self._batch_blocks = batch_blocks = max(1, settings.batch_bytes // max(1, self.row_bytes))
         runtime = self.context.runtime or AsyncRuntime(f"tiering-{self.name}")
         self._runtime = runtime.acquire()
         self._worker = BlockWorker(
@@ -205,7 +206,7 @@ class BlockStoreTier(SecondaryTierManager):
                 case outbox.DeletesDone():
                     pass
                 case outbox.ProbeDone():
-                    self.health.record(int(outcome.found), outcome.errors)
+                    self.health.record(len(outcome.keys) - outcome.errors, outcome.errors)
                     self._apply_probe(outcome)
                 case StoreDone() | LoadDone():
                     self.health.record(len(outcome.ok), outcome.errors)
@@ -268,6 +269,7 @@ class BlockStoreTier(SecondaryTierManager):
             return
         if not self.health.healthy and self.health.probe_due():
             self._submit(self._worker.start_ping, outbox.PingDone())
+        self._flush_probes()
         self._flush_deletes()
         self._runtime.flush()
 
@@ -283,6 +285,7 @@ class BlockStoreTier(SecondaryTierManager):
         if self._runtime.in_loop_thread():
             raise RuntimeError(f"tier {self.name}: drain() from the loop thread would deadlock")
         if not self._closed:  # after shutdown nothing new can start; only wait
+            self._flush_probes()
             self._flush_deletes()
             self._runtime.flush()
         return self._outbox.wait_idle(timeout_s)
@@ -407,16 +410,27 @@ class BlockStoreTier(SecondaryTierManager):
             now = time.monotonic()
             self._probes = {k: v for k, v in self._probes.items() if v is None or v > now}
         self._probes[key] = None
-        self._submit(self._worker.start_probe, outbox.ProbeDone(key=key))
+        self._probing.append(key)
         return None
 
+    def _flush_probes(self) -> None:
+        """Send the step's existence checks, `batch_bytes` worth of blocks per call."""
+        probing, self._probing = self._probing, []
+        for start in range(0, len(probing), self._batch_blocks):
+            keys = probing[start : start + self._batch_blocks]
+            self._submit(self._worker.start_probe, outbox.ProbeDone(keys=keys))
+
     def _apply_probe(self, done: outbox.ProbeDone) -> None:
-        if not done.found:
-            self._probes[done.key] = time.monotonic() + self.settings.negative_ttl_s
-            return
-        self._probes.pop(done.key, None)
-        if done.key not in self._index:
-            self._add_stored(done.key, self.object_bytes(done.key))
+        absent_until = time.monotonic() + self.settings.negative_ttl_s
+        for key in done.keys:
+            if self._probes.get(key, 0.0) is not None:
+                continue  # stored meanwhile, or the answer is moot
+            if key not in done.found:
+                self._probes[key] = absent_until
+                continue
+            del self._probes[key]
+            if key not in self._index:
+                self._add_stored(key, self.object_bytes(key))
 
     def _add_stored(self, key: OffloadKey, size: int) -> None:
         self._evicted.pop(key, None)  # found again (a probe): keep the object

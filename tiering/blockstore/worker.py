@@ -254,11 +254,13 @@ class BlockWorker:
         return outcome
 
     async def _probe(self, done: ProbeDone) -> None:
-        outcome = await self._call(None, self._load_lane, self.store.exists, done.key)
-        if isinstance(outcome, Exception):
-            done.failed("probe", outcome)
-        else:
-            done.found = bool(outcome)
+        outcome = await self._call(None, self._load_lane, self.store.exists_many, done.keys)
+        outcomes = [outcome] * len(done.keys) if isinstance(outcome, Exception) else outcome
+        for key, found in zip(done.keys, outcomes, strict=True):
+            if isinstance(found, Exception):
+                done.failed("probe", found)
+            elif found:
+                done.found.add(key)
 
     async def _ping(self, done: PingDone) -> None:
         outcome = await self._call(None, self._load_lane, self.store.ping)

@@ -224,6 +224,16 @@ class BlockStoreSuite:
             await store.close()
 
     @pytest.mark.asyncio
+    async def test_exists_many_answers_for_each_key_in_order(self, store_kit):
+        store = await opened(store_kit)
+        try:
+            for i in (1, 3):
+                await store.put(key(i), payload(100))
+            assert await store.exists_many([key(i) for i in range(5)]) == [False, True, False, True, False]
+        finally:
+            await store.close()
+
+    @pytest.mark.asyncio
     async def test_remove_namespace_leaves_nothing_to_recover(self, store_kit):
         store = await opened(store_kit)
         try:
