@@ -32,7 +32,7 @@ from rich.table import Table
 
 from tiering import make_offload_key
 from tiering.benchmarks.file_tier import aligned_rows
-from tiering.benchmarks.tier_jobs import best_of, run_tier_jobs
+from tiering.benchmarks.tier_jobs import interleaved, run_tier_jobs
 from tiering.object_format import encode_header
 
 
@@ -82,7 +82,7 @@ def measure(
         ("engine", lambda: run_engine(rows, endpoint, bucket, concurrency, job_blocks)),
         ("raw", lambda: asyncio.run(run_raw(rows, endpoint, bucket, concurrency))),
     ]
-    return {"bytes": rows.nbytes, **best_of(sides, repeats)}
+    return {"bytes": rows.nbytes, **{name: min(runs) for name, runs in interleaved(sides, repeats).items()}}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,5 @@
 """What the tier benchmarks share: a tier built from a config, fed store jobs then load jobs as
-the manager would, timed; and interleaved repeats of several sides, best kept.
+the manager would, timed; and interleaved repeats of several sides.
 
 Scheduler thread (the caller's); the tier does its I/O on its own loop.
 """
@@ -47,14 +47,15 @@ def run_tier_jobs(rows: np.ndarray, config: Mapping[str, Any], job_blocks: int) 
         tier.remove_namespace()
 
 
-def best_of(sides: Sequence[tuple[str, Callable[[], Mapping[str, float]]]], repeats: int) -> dict[str, float]:
-    """The least seconds of each ``"<side> <measurement>"`` over `repeats` rounds, after one
+def interleaved(sides: Sequence[tuple[str, Callable[[], Mapping[str, float]]]], repeats: int) -> dict[str, list[float]]:
+    """The seconds of each ``"<side> <measurement>"`` in each of `repeats` rounds, after one
     untimed round; the sides run in turn, in reverse order every other round, so that none
-    always runs first (noisy, shared machines)."""
-    best: dict[str, float] = {}
+    always runs first (noisy, shared machines). Round i of every list ran in the same
+    round, side by side."""
+    runs: dict[str, list[float]] = {}
     for repeat in range(-1, repeats):
         for name, run in sides if repeat % 2 == 0 else sides[::-1]:
             for measurement, seconds in run().items():
                 if repeat >= 0:
-                    best[f"{name} {measurement}"] = min(best.get(f"{name} {measurement}", float("inf")), seconds)
-    return best
+                    runs.setdefault(f"{name} {measurement}", []).append(seconds)
+    return runs
