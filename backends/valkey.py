@@ -3,16 +3,18 @@ cluster, through valkey-glide, shared by every engine of the same layout.
 
 Keys are ``<key_prefix>:<layout fingerprint hex>:<block key hex>``: engines of different
 models or layouts never collide, engines of the same layout share. Values are the stored
-format of `tiering.object_format` (header + payload, CRC32C checked above the store), so a
-stale, foreign or torn value is a miss, never loaded. Keys of different blocks hash to
-different slots; requests go out one per key, concurrently (no cross-slot MGET), at most
-the tier's `max_concurrency` at once.
+format of `tiering.object_format` (header + payload; the CRC32C is checked as each value
+arrives, before its copy into the row), so a stale, foreign or torn value is a miss, never
+loaded. Keys of different blocks hash to different slots; there is no multi-key command:
+a store call sends its blocks (`batch_bytes` worth) as one non-atomic pipeline of SETs or
+GETs, which glide splits by node, at most the tier's `max_concurrency` calls at once.
 
 The server owns eviction: run it with ``maxmemory`` and an LRU policy; an absent key is a
 miss. The tier sets no capacity of its own (``capacity_bytes`` is refused: one owner of
 eviction); an optional ``ttl_s`` stores each value with an expiry, refreshed by every load
-(GETEX). Tiers probe keys they have not seen (one EXISTS per key, a short negative cache),
-since other engines write the same keys.
+(GETEX). Tiers probe keys they have not seen (a step's probes as one pipeline of EXISTS, a
+short negative cache), since other engines write the same keys; the index starts empty
+unless `recover_index`.
 
 Loop thread: every coroutine of `ValkeyBlockStore`; `ValkeyOptions` and the class methods run
 where the config is loaded. One glide client per tier, created and closed on the runtime's
@@ -143,9 +145,9 @@ def parse_address(address: str) -> tuple[str, int]:
 
 class ValkeyBlockStore(BlockStore):
     """Blocks as values on a Valkey/Redis server (standalone) or cluster. Tier type
-    ``valkey`` (alias ``redis``): its tiers probe keys they have not seen and send one
-    request per block, at most `max_concurrency` (64) at once, each within `op_timeout_s`
-    (10 s).
+    ``valkey`` (alias ``redis``): its tiers probe keys they have not seen and send a
+    pipeline of about `batch_bytes` (1 MiB) of blocks per call, at most `max_concurrency`
+    (64) calls at once, each within `op_timeout_s` (10 s).
 
     Args:
         fingerprint: the layout fingerprint; it is part of every key.
@@ -284,6 +286,8 @@ class ValkeyBlockStore(BlockStore):
                     raise OSError(errno.EINVAL, f"{self._where()} is a cluster node: set cluster_mode: true")
         except GlideError as exc:
             await self._close_client()
+            if self.cluster_mode and await self._standalone_answers():
+                raise OSError(errno.EINVAL, f"{self._where()} is not a cluster: set cluster_mode: false") from None
             raise self._open_error(exc) from None
         except BaseException:
             await self._close_client()
@@ -308,6 +312,27 @@ class ValkeyBlockStore(BlockStore):
             inflight_requests_limit=self._max_inflight,
             advanced_config=advanced,
         )
+
+    async def _standalone_answers(self) -> bool:
+        """Whether the first address answers as a server without cluster support (the usual
+        reason a cluster client cannot connect: glide then reports only a timeout)."""
+        host, port = self.addresses[0]
+        config = GlideClientConfiguration(
+            [NodeAddress(host, port)],
+            use_tls=self.tls,
+            credentials=self._credentials,
+            request_timeout=int(self.request_timeout_s * 1000),
+        )
+        try:
+            client = await GlideClient.create(config)
+        except GlideError:
+            return False
+        try:
+            return b"cluster_enabled:0" in await client.custom_command(["INFO", "cluster"])
+        except GlideError:
+            return False
+        finally:
+            await client.close()
 
     def _where(self) -> str:
         nodes = ", ".join(f"{host}:{port}" for host, port in self.addresses)

@@ -123,6 +123,12 @@ def test_a_cluster_configured_as_standalone_is_a_clear_error(valkey_cluster, key
         make_tier(config)
 
 
+def test_a_standalone_server_configured_as_a_cluster_is_a_clear_error(valkey_server, key_prefix):
+    config = {"type": "valkey", "addresses": [valkey_server.address], "cluster_mode": True, "connect_timeout_s": 1}
+    with pytest.raises(OSError, match="is not a cluster: set cluster_mode: false"):
+        make_tier({**config, "key_prefix": key_prefix})
+
+
 @pytest.fixture
 def password_server():
     """A server of its own that requires a password, and has an ACL user ``kv``."""
