@@ -345,7 +345,9 @@ class ValkeyBlockStore(BlockStore):
             return PermissionError(errno.EACCES, f"{self._where()}: authentication refused for user {user!r}")
         if "cluster" in message.lower() and not self.cluster_mode:
             return OSError(errno.EINVAL, f"{self._where()}: {message}; is it a cluster? set cluster_mode: true")
-        return ConnectionError(errno.ECONNREFUSED, f"{self._where()}: cannot connect ({type(exc).__name__}: {message})")
+        hint = "; with tls, also check tls_ca_file and the server's certificate" if self.tls else ""
+        reason = f"{type(exc).__name__}: {message.strip()}"
+        return ConnectionError(errno.ECONNREFUSED, f"{self._where()}: cannot connect ({reason}){hint}")
 
     async def _close_client(self) -> None:
         client, self._client = self._client, None

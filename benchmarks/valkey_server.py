@@ -15,14 +15,17 @@ frozen or dead node.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -175,6 +178,58 @@ class ValkeyServer:
                 self._process.wait()
             self._process = None
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class TlsFront:
+    """A TLS endpoint on 127.0.0.1 in front of a plain server (the bundled redis-server is
+    built without TLS): each connection is decrypted and piped to ``127.0.0.1:target_port``,
+    on a loop thread of its own, until `stop`. For tests of the client's TLS.
+
+    Args:
+        target_port: the plain server's port.
+        context: the server side's `ssl.SSLContext` (its certificate and key loaded).
+    """
+
+    def __init__(self, target_port: int, context: ssl.SSLContext):
+        self.target_port = target_port
+        self.port = free_port()
+        self._context = context
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tls-front", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        server = asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self._context)
+        self._server = asyncio.run_coroutine_threadsafe(server, self._loop).result(10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            target_reader, target_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(_pipe(reader, target_writer), _pipe(target_reader, writer), return_exceptions=True)
+
+    def stop(self) -> None:
+        async def close() -> None:
+            self._server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.close()
 
 
 class ValkeyCluster:

@@ -2,18 +2,20 @@
 3-node cluster started by the fixtures, and servers of a test's own for the faults."""
 
 import json
+import ssl
 import sys
 import time
 
 import numpy as np
 import pytest
+import trustme
 
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, keys
 from tiering import JobMetadata, SecondaryTierFactory, TierConfigError
 from tiering.backends.valkey import ValkeyBlockStore
 from tiering.benchmarks import loadgen
 from tiering.benchmarks.s3_server import free_port
-from tiering.benchmarks.valkey_server import ValkeyCluster, ValkeyServer
+from tiering.benchmarks.valkey_server import TlsFront, ValkeyCluster, ValkeyServer
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, key
 
@@ -384,3 +386,30 @@ def test_tiering_bench_credits_the_shared_tier_with_the_hits_another_engine_stor
     first, second = (report["hit_rate"] for report in reports)
     assert second["valkey"] > first["valkey"] and second["total"] > first["total"]
     assert reports[1]["tiers"]["valkey"]["stats"]["counters"]["lookups_deferred"] > 0  # found by probes
+
+
+@pytest.fixture
+def tls_server(valkey_server, tmp_path):
+    """The session's server behind a TLS endpoint with a certificate of a test CA; yields
+    (address, path of the CA's PEM file)."""
+    authority = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    authority.issue_cert("127.0.0.1").configure_cert(context)
+    ca_file = tmp_path / "ca.pem"
+    authority.cert_pem.write_to_path(str(ca_file))
+    front = TlsFront(valkey_server.port, context)
+    front.start()
+    yield f"127.0.0.1:{front.port}", ca_file
+    front.stop()
+
+
+def test_tls_verifies_the_server_against_the_given_ca(tls_server, key_prefix, engine_factory, tmp_path):
+    address, ca_file = tls_server
+    config = {"type": "valkey", "addresses": [address], "key_prefix": key_prefix, "tls": True, "connect_timeout_s": 1}
+    engine = engine_factory({**config, "tls_ca_file": str(ca_file)})
+    engine.store(0, 1)
+    assert engine.tier.get_stats()["counters"]["blocks_stored"] == 2
+    other = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other))
+    with pytest.raises(ConnectionError, match=r"cannot connect .*; with tls, also check tls_ca_file"):
+        make_tier({**config, "tls_ca_file": str(other)})  # a certificate this CA did not sign
