@@ -18,6 +18,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM `process` and wait for it; SIGKILL it if it has not exited in `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 class MotoServer:
     """moto_server on 127.0.0.1:`port`; `stop` and `start` again to simulate an outage (the
     restarted server has lost every bucket and object)."""
@@ -60,12 +70,7 @@ class MotoServer:
 
     def stop(self) -> None:
         if self._process is not None:
-            self._process.terminate()
-            try:
-                self._process.wait(10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+            stop_process(self._process)
             self._process = None
 
     def client(self):

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from tiering.benchmarks.s3_server import free_port
+from tiering.benchmarks.s3_server import free_port, stop_process
 
 CLUSTER_SLOTS = 16384
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000 (so its port is <= 55535)
@@ -170,12 +170,7 @@ class ValkeyServer:
         """Stop the server (thawed first) and remove its directory. Later calls do nothing."""
         if self._process is not None:
             os.kill(self._process.pid, signal.SIGCONT)
-            self._process.terminate()
-            try:
-                self._process.wait(10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+            stop_process(self._process)
             self._process = None
         shutil.rmtree(self._dir, ignore_errors=True)
 

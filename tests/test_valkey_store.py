@@ -1,6 +1,7 @@
 """The valkey tier against real redis-server processes on 127.0.0.1: a standalone server and a
 3-node cluster started by the fixtures, and servers of a test's own for the faults."""
 
+import contextlib
 import json
 import ssl
 import sys
@@ -175,12 +176,21 @@ def test_two_engines_share_blocks_through_one_cluster(valkey_cluster, key_prefix
     assert second.tier.get_stats()["counters"]["blocks_loaded"] == 3
 
 
-def test_blocks_the_server_evicted_are_misses_never_wrong_bytes(engine_factory, key_prefix):
-    server = ValkeyServer(settings={"maxmemory-policy": "allkeys-lru"})
+@contextlib.contextmanager
+def server_with_room(policy, rows=16):
+    """A server of its own with room for about `rows` more blocks, under `policy`."""
+    server = ValkeyServer(settings={"maxmemory-policy": policy})
     server.start()
     try:
         admin = server.admin()
-        admin.config_set("maxmemory", admin.info("memory")["used_memory"] + 16 * ROW)
+        admin.config_set("maxmemory", admin.info("memory")["used_memory"] + rows * ROW)
+        yield server, admin
+    finally:
+        server.stop()
+
+
+def test_blocks_the_server_evicted_are_misses_never_wrong_bytes(engine_factory, key_prefix):
+    with server_with_room("allkeys-lru") as (server, admin):
         engine = engine_factory(valkey_config(server, key_prefix))
         for i in range(0, 40, 4):
             engine.store(i, i + 1, i + 2, i + 3)  # 4 primary rows: the tier holds the rest
@@ -192,16 +202,10 @@ def test_blocks_the_server_evicted_are_misses_never_wrong_bytes(engine_factory, 
                 hits += 1
         assert 4 < hits < 40
         assert engine.tier.failures["load_missing"] > 0
-    finally:
-        server.stop()
 
 
 def test_a_full_server_fails_stores_as_no_space_and_keeps_serving_loads(engine_factory, key_prefix):
-    server = ValkeyServer(settings={"maxmemory-policy": "noeviction"})
-    server.start()
-    try:
-        admin = server.admin()
-        admin.config_set("maxmemory", admin.info("memory")["used_memory"] + 16 * ROW)
+    with server_with_room("noeviction") as (server, _):
         engine = engine_factory(valkey_config(server, key_prefix))
         engine.store(0, 1)
         for i in range(2, 40, 2):
@@ -210,8 +214,6 @@ def test_a_full_server_fails_stores_as_no_space_and_keeps_serving_loads(engine_f
         assert engine.tier.health.healthy  # a full server is not a sick one
         assert engine.lookup_until_done(0, 1) == [True, True]
         assert engine.loaded_bytes(0, 1) == [block_bytes(k, ROW) for k in keys(0, 1)]
-    finally:
-        server.stop()
 
 
 def test_values_over_the_limits_fail_their_jobs(engine_factory, key_prefix, caplog):
@@ -267,15 +269,6 @@ FAST_FAULTS = {"request_timeout_s": 0.5, "connect_timeout_s": 0.5, "op_timeout_s
 FAST_FAULTS |= {"backoff_s": 0.2, "max_backoff_s": 0.4}
 
 
-def store_attempt(engine, *ids):
-    """Store blocks as the GPU would, without asserting that the cascade worked."""
-    out = engine.manager.prepare_store(keys(*ids), CTX)
-    for k, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
-        engine.rows[row] = np.frombuffer(block_bytes(k, ROW), dtype=engine.rows.dtype)
-    engine.manager.complete_store(out.keys_to_store, CTX)
-    engine.settle()
-
-
 def wait_healthy(engine, timeout_s=20.0):
     deadline = time.monotonic() + timeout_s
     while not engine.tier.health.healthy:
@@ -293,8 +286,8 @@ def test_a_dead_or_frozen_server_turns_into_failed_jobs_then_recovers(fault, eng
         engine.store(0, 1)
         server.kill() if fault == "killed" else server.freeze()
         try:
-            store_attempt(engine, 2, 3)
-            store_attempt(engine, 4, 5)
+            engine.store(2, 3)
+            engine.store(4, 5)
             assert not engine.tier.health.healthy
             assert engine.tier.failures["store"] >= 2
             assert engine.tier.lookup(keys(0)[0], CTX) is False  # an unhealthy tier answers misses
@@ -333,7 +326,7 @@ def test_a_cluster_failover_loses_no_byte_and_the_tier_follows_the_new_primary(e
                 assert engine.loaded_bytes(i) == [block_bytes(keys(i)[0], ROW)]
                 loaded += 1
         assert loaded == 8  # replicated before the failover: nothing lost
-        store_attempt(engine, *range(16, 24))
+        engine.store(*range(16, 24))
         assert engine.tier.get_stats()["counters"]["blocks_stored"] >= 16
     finally:
         cluster.stop()
