@@ -180,6 +180,7 @@ class ValkeyBlockStore(BlockStore):
         "op_timeout_s": 10.0,
         "batch_bytes": 1 << 20,  # a call sends its blocks as one pipeline: 16 of 64 KiB, 1 of 2 MiB
         "probe_misses": True,
+        "index_max_blocks": 1 << 20,  # ~200 MiB of index; the server may hold far more
     }
     evicts_itself = True
     verifies_payloads = True  # each value is checked as it arrives, before the copy into its row

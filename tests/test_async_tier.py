@@ -421,3 +421,18 @@ def test_a_shut_down_tier_raises_nothing_on_later_steps():
     assert tier.drain(1) is True
     tier.submit_store(job(1, [0], [0], False))
     assert [(r.job_id, r.success) for r in tier.get_finished()] == [(1, False)]
+
+
+def test_an_index_over_its_max_keys_forgets_the_least_recent_without_deleting():
+    (tier,) = shared_tiers(count=1, index_max_blocks=3)
+    try:
+        for i in range(5):
+            tier.submit_store(job(i, [i], [i], False))
+            finish(tier)
+        assert tier.num_blocks == 3 and tier.get_stats()["counters"]["index_forgotten"] == 2
+        assert len(tier.store.objects) == 5  # forgotten, not deleted
+        assert tier.lookup(key(0), CTX) is None  # unknown now: probed, and found again
+        finish(tier)
+        assert tier.lookup(key(0), CTX) is True
+    finally:
+        tier.shutdown()

@@ -99,6 +99,7 @@ HELP = {
     "stores_refused": "GPU stores the CPU tier refused, by reason (rows_in_flight, larger_than_tier).",
     "blocks_store_failed": "Writes into CPU-tier rows (GPU stores, promotions) that failed.",
     "evictions": "Blocks evicted to make room.",
+    "index_forgotten": "Keys a tier whose store evicts by itself forgot beyond index_max_blocks (objects kept).",
     "jobs_succeeded": "Store and load jobs that moved every block.",
     "jobs_failed": "Store and load jobs that failed (some block was not moved).",
     "failures": "Failed store calls by reason (store, load_corrupt, ...).",

@@ -43,6 +43,9 @@ class BlockIndex:
         room_bytes: while the device is full, what it was found to hold; else None.
         used_bytes: bytes of every key held or being stored.
         evictions: keys evicted so far.
+        max_keys: keys held at most, or None; beyond it the least recent idle stored keys are
+            forgotten (not evicted: their objects stay, for a store that evicts by itself).
+        forgotten: keys forgotten so far.
     """
 
     def __init__(
@@ -51,12 +54,15 @@ class BlockIndex:
         capacity_bytes: int | None,
         room_backoff_s: tuple[float, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_keys: int | None = None,
     ):
         self.name = name
         self.capacity_bytes = capacity_bytes
+        self.max_keys = max_keys
         self.room_bytes: int | None = None
         self.used_bytes = 0
         self.evictions = 0
+        self.forgotten = 0
         self._entries: OrderedDict[OffloadKey, Entry] = OrderedDict()
         self._room_backoff = room_backoff_s or ROOM_BACKOFF_S
         self._room_wait_s = self._room_backoff[0]
@@ -96,6 +102,7 @@ class BlockIndex:
             entries[key] = Entry(size)
             self.used_bytes += size
             reserved.append((key, row))
+        self._forget_beyond_max()
         return reserved, complete
 
     def add_stored(self, key: OffloadKey, size: int) -> list[OffloadKey]:
@@ -105,6 +112,7 @@ class BlockIndex:
         self.used_bytes += size
         evicted: list[OffloadKey] = []
         self._make_room(0, evicted)
+        self._forget_beyond_max()
         return evicted
 
     def remove(self, key: OffloadKey) -> None:
@@ -166,6 +174,19 @@ class BlockIndex:
         if self.room_bytes is None or (self.capacity_bytes is not None and self.capacity_bytes < self.room_bytes):
             return self.capacity_bytes
         return self.room_bytes
+
+    def _forget_beyond_max(self) -> None:
+        if self.max_keys is None or len(self._entries) <= self.max_keys:
+            return
+        entries, excess, victims = self._entries, len(self._entries) - self.max_keys, []
+        for key, entry in entries.items():  # least recent first: usually the first ones found
+            if entry.stored and entry.readers == 0:
+                victims.append(key)
+                if len(victims) == excess:
+                    break
+        for key in victims:
+            self.used_bytes -= entries.pop(key).size
+        self.forgotten += len(victims)
 
     def _make_room(self, size: int, evicted: list[OffloadKey]) -> bool:
         limit = self.capacity_bytes if self.room_bytes is None else self.limit()

@@ -26,6 +26,10 @@ class BlockStoreSettings(BaseModel):
             (None until the answer), for stores other engines write to (a shared directory
             or bucket).
         negative_ttl_s: how long a probe's "absent" is believed, seconds.
+        index_max_blocks: keys the tier's index remembers at most, or None for no limit;
+            beyond it the least recent are forgotten, not deleted (for a store that evicts by
+            itself, whose index would otherwise keep every key it ever stored; a forgotten
+            block that is still there is found again by a probe).
         failure_threshold: consecutive failed calls that turn the tier unhealthy.
         backoff_s: first wait, seconds, before an unhealthy tier is probed; it doubles
             after each failed probe up to `max_backoff_s`.
@@ -42,6 +46,7 @@ class BlockStoreSettings(BaseModel):
     batch_bytes: Size = 4 << 20
     probe_misses: bool = False
     negative_ttl_s: Delay = 5.0
+    index_max_blocks: Count | None = None
     failure_threshold: Count = 5
     backoff_s: Seconds = 1.0
     max_backoff_s: Seconds = 30.0

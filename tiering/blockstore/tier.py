@@ -94,7 +94,7 @@ class BlockStoreTier(SecondaryTierManager):
             )
         self.failures: Counter[str] = Counter()
         self.health = TierHealth(self.name, settings.failure_threshold, settings.backoff_s, settings.max_backoff_s)
-        self._index = BlockIndex(self.name, settings.capacity_bytes)
+        self._index = BlockIndex(self.name, settings.capacity_bytes, max_keys=settings.index_max_blocks)
         self._outbox = Outbox()
         self._counters: Counter[str] = Counter()
         self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
@@ -248,6 +248,7 @@ class BlockStoreTier(SecondaryTierManager):
             "store_busy_seconds": self._stores.busy_seconds(),
             "load_busy_seconds": self._loads.busy_seconds(),
             "evictions": self._index.evictions,
+            "index_forgotten": self._index.forgotten,
             "failures": dict(self.failures),
         }
         gauges = {
@@ -307,7 +308,7 @@ class BlockStoreTier(SecondaryTierManager):
         try:
             self.drain(self.settings.shutdown_timeout_s)
             self._runtime.run_sync(self.store.remove_namespace, timeout_s=self.settings.open_timeout_s)
-            self._index = BlockIndex(self.name, self.settings.capacity_bytes)
+            self._index = BlockIndex(self.name, self.settings.capacity_bytes, max_keys=self.settings.index_max_blocks)
         finally:
             self.shutdown()
 
