@@ -406,3 +406,32 @@ def test_tls_verifies_the_server_against_the_given_ca(tls_server, key_prefix, en
     trustme.CA().cert_pem.write_to_path(str(other))
     with pytest.raises(ConnectionError, match=r"cannot connect .*; with tls, also check tls_ca_file"):
         make_tier({**config, "tls_ca_file": str(other)})  # a certificate this CA did not sign
+
+
+def test_a_frozen_cluster_node_fails_its_blocks_and_the_tier_recovers_when_it_thaws(engine_factory, key_prefix):
+    cluster = ValkeyCluster(primaries=3)
+    cluster.start()
+    try:
+        config = {**valkey_config(cluster, key_prefix), **FAST_FAULTS, "addresses": cluster.addresses}
+        engine = engine_factory(config, num_blocks=8)
+        engine.store(*range(8))
+        engine.store(*range(8, 16))  # 8 primary rows: blocks 0..7 are in the cluster only
+        frozen = cluster.primary_of(engine.tier.store.value_name(keys(0)[0]))
+        on_frozen = {i for i in range(8) if cluster.primary_of(engine.tier.store.value_name(keys(i)[0])) is frozen}
+        frozen.freeze()
+        try:
+            answers = {i: engine.lookup_until_done(i, steps=40) for i in range(8)}
+            assert not engine.tier.health.healthy  # its loads time out: the breaker opens
+        finally:
+            frozen.thaw()
+        for i, answer in answers.items():
+            if answer == [True]:  # loaded before the breaker opened, from another node
+                assert i not in on_frozen
+                assert engine.loaded_bytes(i) == [block_bytes(keys(i)[0], ROW)]
+        assert engine.tier.failures["load"] > 0
+        wait_healthy(engine)
+        for i in range(8):
+            assert engine.lookup_until_done(i, steps=40) == [True]
+            assert engine.loaded_bytes(i) == [block_bytes(keys(i)[0], ROW)]
+    finally:
+        cluster.stop()
