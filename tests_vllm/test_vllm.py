@@ -37,6 +37,7 @@ def manager_stats() -> dict:
 
 
 def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()  # its workers shut down: vLLM drops their KV connector
     for spec in live_specs():
         spec.shutdown()
     del llm
@@ -149,6 +150,47 @@ def test_an_s3_tier_serves_promotions_the_same_way(model, baseline, monkeypatch)
             close(llm)
     finally:
         server.stop()
+
+
+def test_a_second_engine_gets_its_prefix_from_the_valkey_cluster_the_first_one_filled(model, baseline):
+    from tiering.benchmarks.valkey_server import ValkeyCluster
+
+    cluster = ValkeyCluster(primaries=3)
+    cluster.start()
+    try:
+        tier = {"type": "valkey", "addresses": cluster.addresses[:1], "cluster_mode": True}
+        config = {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [tier]}
+        first = tiny.make_llm(model, config)
+        try:
+            assert tiny.generate(first, [PROMPT])[0] == (*baseline[tuple(PROMPT)][:2], 0)
+            tiny.settle(first, lambda: manager_stats()["tiers"]["valkey"]["counters"]["blocks_stored"] == 6)
+        finally:
+            close(first)
+        second = tiny.make_llm(model, config)  # another engine: an empty CPU tier, the same cluster
+        try:
+            tokens, logprobs, cached = tiny.generate(second, [PROMPT])[0]
+            assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
+            valkey = manager_stats()["tiers"]["valkey"]["counters"]
+            assert valkey["blocks_loaded"] == FULL_BLOCKS // tiny.BLOCK and valkey["lookups_deferred"] >= 1  # probed
+            assert valkey["hit_tokens"] == FULL_BLOCKS
+        finally:
+            close(second)
+    finally:
+        cluster.stop()
+
+
+def test_a_second_engine_while_the_first_one_runs_is_refused_not_fed_its_connector(model, baseline, tmp_path):
+    """vLLM reuses the first engine's worker connector for a second engine of the process;
+    its transfers would bypass the second engine's CPU tier (empty rows cascaded to shared
+    tiers, stale KV loaded: wrong output, seen before this check)."""
+    config = {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [{"type": "file", "root_dir": str(tmp_path / "kv")}]}
+    first = tiny.make_llm(model, config)
+    try:
+        with pytest.raises(RuntimeError, match=r"vLLM gave engine .* the KV connector of engine .*shut the earlier"):
+            tiny.make_llm(model, config)
+        assert tiny.generate(first, [PROMPT])[0] == (*baseline[tuple(PROMPT)][:2], 0)  # the first one is unharmed
+    finally:
+        close(first)
 
 
 def test_a_corrupted_object_is_never_loaded_and_the_block_is_recomputed(model, baseline, tmp_path):

@@ -250,8 +250,37 @@ class KVTieringOffloadingSpec(OffloadingSpec):
         return _Manager(self.engine.get_manager(), self)
 
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:
-        """This worker's transfers, over vLLM's canonical KV caches (duck-typed)."""
+        """This worker's transfers, over vLLM's canonical KV caches (duck-typed).
+
+        Raises:
+            RuntimeError: vLLM handed this spec the KV caches of another engine (see
+                `_check_own_engine`).
+        """
+        self._check_own_engine()
         return _Worker(self.engine.create_handlers(kv_caches, self.config.parallel.rank), self)
+
+    def _check_own_engine(self) -> None:
+        """vLLM keeps one worker-side KV connector per process and reuses it for a later
+        engine of the same process while the earlier engine's workers have not shut down.
+        That connector's spec would copy the later engine's KV through the earlier engine's
+        CPU tier, which the later scheduler never sees: its stores would cascade empty rows
+        to shared tiers under valid keys, and its loads would bring stale KV (wrong output,
+        measured). Refuse instead, naming both engines and the fix.
+
+        Raises:
+            RuntimeError: this spec was shut down, or vLLM is building another engine.
+        """
+        current = get_current_vllm_config_or_none()
+        transfer = None if current is None else current.kv_transfer_config
+        other = getattr(transfer, "engine_id", None)
+        if self._closed or (other is not None and other != self.engine.instance_id):
+            state = "was shut down" if self._closed else "has not shut down its workers"
+            raise RuntimeError(
+                f"vLLM gave engine {other or '(unknown)'} the KV connector of engine {self.engine.instance_id}, "
+                f"which {state} in this process (vLLM keeps one connector per process until an engine's workers "
+                "shut down): shut the earlier LLM down first (llm.llm_engine.engine_core.shutdown()), or run each "
+                "engine in a process of its own"
+            )
 
     def shutdown(self) -> None:
         """Stop everything this spec built (safe to call more than once)."""
