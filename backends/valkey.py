@@ -263,7 +263,8 @@ class ValkeyBlockStore(BlockStore):
         return f"ValkeyBlockStore({mode} {nodes}, key_prefix={self.key_prefix!r}, tls={self.tls})"
 
     def value_name(self, key: OffloadKey) -> bytes:
-        """The server's key of the value of `key`."""
+        """The server's key of the value of `key`: ``<key_prefix>:<fingerprint hex>:<key hex>``,
+        ASCII bytes. Pure; any thread."""
         return self._namespace + key.hex().encode()
 
     async def open(self) -> None:
@@ -344,8 +345,6 @@ class ValkeyBlockStore(BlockStore):
         if any(word in message for word in ("WRONGPASS", "NOAUTH", "NOPERM", "invalid username-password")):
             user = self.username or "default"
             return PermissionError(errno.EACCES, f"{self._where()}: authentication refused for user {user!r}")
-        if "cluster" in message.lower() and not self.cluster_mode:
-            return OSError(errno.EINVAL, f"{self._where()}: {message}; is it a cluster? set cluster_mode: true")
         hint = "; with tls, also check tls_ca_file and the server's certificate" if self.tls else ""
         reason = f"{type(exc).__name__}: {message.strip()}"
         return ConnectionError(errno.ECONNREFUSED, f"{self._where()}: cannot connect ({reason}){hint}")

@@ -88,10 +88,12 @@ class ValkeyServer:
 
     @property
     def address(self) -> str:
+        """``127.0.0.1:<port>``, as the tier's `addresses` take it."""
         return f"127.0.0.1:{self.port}"
 
     @property
     def running(self) -> bool:
+        """Whether the process was started and not killed or stopped since."""
         return self._process is not None
 
     @property
@@ -153,10 +155,19 @@ class ValkeyServer:
         return redis.Redis(port=self.port, password=password, socket_timeout=5, socket_connect_timeout=2)
 
     def freeze(self) -> None:
-        """Stop the process (SIGSTOP): connections stay open, nothing answers."""
+        """Stop the process (SIGSTOP): connections stay open, nothing answers.
+
+        Raises:
+            RuntimeError: the server is not running.
+        """
         os.kill(self.pid, signal.SIGSTOP)
 
     def thaw(self) -> None:
+        """Let a frozen process run again (SIGCONT).
+
+        Raises:
+            RuntimeError: the server is not running.
+        """
         os.kill(self.pid, signal.SIGCONT)
 
     def kill(self) -> None:
@@ -193,6 +204,11 @@ class TlsFront:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tls-front", daemon=True)
 
     def start(self) -> None:
+        """Start the loop thread and listen on `port`, within 10 s.
+
+        Raises:
+            OSError: the port cannot be bound; TimeoutError: the listener did not start.
+        """
         self._thread.start()
         server = asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self._context)
         self._server = asyncio.run_coroutine_threadsafe(server, self._loop).result(10)
@@ -206,6 +222,8 @@ class TlsFront:
         await asyncio.gather(_pipe(reader, target_writer), _pipe(target_reader, writer), return_exceptions=True)
 
     def stop(self) -> None:
+        """Stop listening, cancel every open pipe, and stop and join the loop thread."""
+
         async def close() -> None:
             self._server.close()
             for task in asyncio.all_tasks():
@@ -243,10 +261,12 @@ class ValkeyCluster:
 
     @property
     def nodes(self) -> list[ValkeyServer]:
+        """Every node, primaries first (the roles they started in; a failover swaps them)."""
         return self.primaries + self.replicas
 
     @property
     def addresses(self) -> list[str]:
+        """``host:port`` of every node."""
         return [node.address for node in self.nodes]
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -290,6 +310,7 @@ class ValkeyCluster:
 
     @property
     def running_nodes(self) -> list[ValkeyServer]:
+        """The nodes not killed or stopped."""
         return [node for node in self.nodes if node.running]
 
     def primary_of(self, name: str | bytes) -> ValkeyServer:
@@ -316,6 +337,7 @@ class ValkeyCluster:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        """Stop every node (see `ValkeyServer.stop`). Later calls do nothing."""
         for node in self.nodes:
             node.stop()
 
@@ -325,6 +347,7 @@ def _cluster_nodes(node: ValkeyServer) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line (see the module docstring); returns once stopped."""
     parser = argparse.ArgumentParser(description="Start a local redis-server or cluster until Ctrl-C.")
     parser.add_argument("--primaries", type=int, default=0, help="a cluster of this many nodes (default: standalone)")
     parser.add_argument("--maxmemory", default="1gb", help="memory per node, evicting LRU beyond it (default 1gb)")
