@@ -34,6 +34,7 @@ from tiering.factory import SecondaryTierFactory
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader
 from tiering.options import STRICT, Delay, Probability, validate_options
+from tiering.seal import Seal
 
 
 class FaultyOptions(BaseModel):
@@ -81,6 +82,7 @@ class FaultyBlockStore(BlockStore):
     """
 
     Options = FaultyOptions
+    supports_integrity = True  # when its inner store does (`check_config`); the seal is the inner one's
     tier_defaults: ClassVar[dict[str, Any]] = {"max_concurrency": 16, "op_timeout_s": 5.0}
 
     @classmethod
@@ -92,6 +94,18 @@ class FaultyBlockStore(BlockStore):
         faults = options.model_dump(exclude={"inner"})
         return cls(inner, **faults)
 
+    @classmethod
+    def check_config(cls, options: BaseModel, settings: BlockStoreSettings) -> None:
+        """``integrity`` only around an inner store that supports it.
+
+        Raises:
+            ValueError: ``integrity`` is set and the inner store cannot seal.
+        """
+        assert isinstance(options, FaultyOptions)
+        inner_cls, _ = _inner_store(options.inner)
+        if settings.integrity is not None and not inner_cls.supports_integrity:
+            raise ValueError(f"integrity: the inner store {inner_cls.__name__} cannot seal its objects")
+
     def __init__(
         self,
         inner: BlockStore,
@@ -101,8 +115,8 @@ class FaultyBlockStore(BlockStore):
         corruption_rate: float = 0.0,
         seed: int | None = None,
     ):
-        super().__init__(inner.fingerprint)
         self.inner = inner
+        super().__init__(inner.fingerprint)
         self.header_align = inner.header_align
         self.failure_rate, self.latency_s = failure_rate, latency_s
         self.hang_rate, self.corruption_rate = hang_rate, corruption_rate
@@ -110,6 +124,14 @@ class FaultyBlockStore(BlockStore):
 
     def __repr__(self) -> str:
         return f"FaultyBlockStore({self.inner!r})"
+
+    @property  # type: ignore[override]  # the inner store seals, so the seal is the inner one's
+    def seal(self) -> Seal | None:
+        return self.inner.seal
+
+    @seal.setter
+    def seal(self, seal: Seal | None) -> None:
+        self.inner.seal = seal
 
     async def _fault(self) -> None:
         self.check_open()

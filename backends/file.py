@@ -132,6 +132,7 @@ class FileBlockStore(BlockStore):
     Options = FileOptions
     tier_defaults: ClassVar[dict[str, Any]] = {"max_concurrency": 16, "batch_bytes": 16 << 20}
     verifies_payloads = True  # `file_io.read_object` checks the CRC in the thread that read
+    supports_integrity = True
     header_align = file_io.ALIGN
 
     @classmethod
@@ -227,22 +228,23 @@ class FileBlockStore(BlockStore):
         await self._run(shutil.rmtree, self.directory)
 
     async def put(self, key: OffloadKey, payload: memoryview) -> None:
-        await self._run(file_io.write_object, self._open_ns, key, payload, self.fingerprint, self.fsync, self.direct_io)
+        args = (self._open_ns, key, payload, self.fingerprint, self.seal, self.fsync, self.direct_io)
+        await self._run(file_io.write_object, *args)
 
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
-        args = (self._open_ns, key, into, self.fingerprint, self.direct_io)
+        args = (self._open_ns, key, into, self.fingerprint, self.seal, self.direct_io)
         return await self._run(file_io.read_object, *args, read=True)
 
     async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
         """All puts in one hop, one after the other in one pool thread."""
         ns = self._open_ns
-        calls = [(ns, key, data, self.fingerprint, self.fsync, self.direct_io) for key, data in items]
+        calls = [(ns, key, data, self.fingerprint, self.seal, self.fsync, self.direct_io) for key, data in items]
         return await self._run(file_io.each, file_io.write_object, calls)
 
     async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
         """All gets in one hop, one after the other in one pool thread."""
         ns = self._open_ns
-        calls = [(ns, key, into, self.fingerprint, self.direct_io) for key, into in items]
+        calls = [(ns, key, into, self.fingerprint, self.seal, self.direct_io) for key, into in items]
         return await self._run(file_io.each, file_io.read_object, calls, read=True)
 
     async def exists(self, key: OffloadKey) -> bool:
@@ -252,4 +254,4 @@ class FileBlockStore(BlockStore):
         await self._run(file_io.delete_all, self._open_ns, list(keys))
 
     async def recover(self) -> list[tuple[OffloadKey, int]]:
-        return await self._run(file_io.scan, self._open_ns, self.directory, self.fingerprint)
+        return await self._run(file_io.scan, self._open_ns, self.directory, self.fingerprint, self.seal)

@@ -27,17 +27,18 @@ from typing import Any
 import numpy as np
 
 from tiering.blockstore.store import RecoveryProgress
-from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
+from tiering.errors import CorruptObjectError, ForgedObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.keys import OffloadKey
 from tiering.object_format import (
     MAX_KEY_BYTES,
     ObjectHeader,
     check_length,
-    encode_header,
+    encode_object,
     header_size,
     parse_header,
     verify_payload,
 )
+from tiering.seal import Seal
 
 logger = logging.getLogger(__name__)
 
@@ -227,10 +228,17 @@ def _scratch() -> tuple[memoryview, memoryview]:
     return pages
 
 
-def write_object(ns: Namespace, key: OffloadKey, payload: memoryview, fingerprint: bytes, fsync: bool, direct: bool):
-    payload = payload.cast("B")
+def write_object(
+    ns: Namespace,
+    key: OffloadKey,
+    payload: memoryview,
+    fingerprint: bytes,
+    seal: Seal | None,
+    fsync: bool,
+    direct: bool,
+) -> None:
+    header, payload = encode_object(key, payload.cast("B"), fingerprint, ALIGN, seal)
     direct = direct and _is_aligned(payload)
-    header = encode_header(key, payload, fingerprint, ALIGN)
     tmp = f"{os.urandom(8).hex()}{_TMP_SUFFIX}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS | (os.O_DIRECT if direct else 0)
     dir_fd = ns.shard_fd(key)
@@ -266,17 +274,20 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
             buffers[0] = buffers[0][written:]
 
 
-def read_object(ns: Namespace, key: OffloadKey, into: memoryview, fingerprint: bytes, direct: bool) -> ObjectHeader:
+def read_object(
+    ns: Namespace, key: OffloadKey, into: memoryview, fingerprint: bytes, seal: Seal | None, direct: bool
+) -> ObjectHeader:
     """Read `key`'s object, its payload into `into`, and check its header, length and CRC
-    (in this thread, while the payload is in the CPU's cache). One vectored read fills the
-    header page, the payload and a page past it, which must stay empty: no `fstat` is
-    needed for the length.
+    or signature (`verify_payload`, in this thread, while the payload is in the CPU's
+    cache). One vectored read fills the header page, the payload and a page past it, which
+    must stay empty: no `fstat` is needed for the length.
 
     Raises:
         ObjectNotFoundError: no such object.
         UnusableObjectError: something else sits at its name (a directory, a FIFO: reads of
             those fail with EISDIR or ESPIPE), or reading it fails for a reason of its own.
         CorruptObjectError: a short or long file, a bad header, or a CRC mismatch.
+        ForgedObjectError: its seal does not open with `seal` (see `parse_header`).
         OSError: the directory or the device fails.
     """
     into = into.cast("B")
@@ -300,9 +311,9 @@ def read_object(ns: Namespace, key: OffloadKey, into: memoryview, fingerprint: b
         os.close(fd)
     if received < ALIGN:
         raise CorruptObjectError(f"{name}: {received} bytes, shorter than its header")
-    header = parse_header(header_page, fingerprint, key)
+    header = parse_header(header_page, fingerprint, key, seal)
     check_length(header, received - header.size, into.nbytes)
-    verify_payload(header, into)
+    verify_payload(header, into, seal)
     return header
 
 
@@ -358,11 +369,12 @@ def _quarantine(ns: Namespace, dir_fd: int, name: str) -> None:
     logger.warning("file tier: moved an unusable %s to %s/ for inspection", name, _QUARANTINE)
 
 
-def scan(ns: Namespace, directory: Path, fingerprint: bytes) -> list[tuple[OffloadKey, int]]:
+def scan(ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None) -> list[tuple[OffloadKey, int]]:
     """Objects in the namespace, oldest first; removes temporaries and regular files that
-    are not whole objects of ours. Never follows a link."""
+    are not whole objects of ours, and leaves alone (unlisted) those whose seal `seal` does
+    not open. Never follows a link."""
     found: list[tuple[float, OffloadKey, int]] = []
-    removed = 0
+    removed = foreign = 0
     progress = RecoveryProgress(f"file tier {directory}")
     for dir_fd in ns.shards:
         with os.scandir(dir_fd) as entries:
@@ -370,7 +382,12 @@ def scan(ns: Namespace, directory: Path, fingerprint: bytes) -> list[tuple[Offlo
                 progress.add()
                 if not entry.is_file(follow_symlinks=False):
                     continue  # a link, directory or FIFO: never loaded; a load or put sets it aside
-                recovered = None if entry.name.endswith(_TMP_SUFFIX) else _check_header(dir_fd, entry.name, fingerprint)
+                try:
+                    temporary = entry.name.endswith(_TMP_SUFFIX)
+                    recovered = None if temporary else _check_header(dir_fd, entry.name, fingerprint, seal)
+                except ForgedObjectError:
+                    foreign += 1
+                    continue
                 if recovered is None:
                     os.unlink(entry.name, dir_fd=dir_fd)
                     removed += 1
@@ -378,18 +395,29 @@ def scan(ns: Namespace, directory: Path, fingerprint: bytes) -> list[tuple[Offlo
                     found.append(recovered)
     if removed:
         logger.warning("file tier %s: removed %d temporary or foreign files", directory, removed)
+    if foreign:
+        logger.warning("file tier %s: left %d objects whose seal does not open (kept, not loaded)", directory, foreign)
     found.sort(key=lambda item: item[0])
     return [(key, size) for _, key, size in found]
 
 
-def _check_header(dir_fd: int, name: str, fingerprint: bytes) -> tuple[float, OffloadKey, int] | None:
+def _check_header(
+    dir_fd: int, name: str, fingerprint: bytes, seal: Seal | None
+) -> tuple[float, OffloadKey, int] | None:
+    """(mtime, key, bytes) of the object file `name`, or None if it is not a whole object.
+
+    Raises:
+        ForgedObjectError: a whole object whose seal `seal` does not open.
+    """
     try:
         fd = os.open(name, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
     except OSError:
         return None
     try:
         info = os.fstat(fd)
-        header = parse_header(os.pread(fd, header_size(MAX_KEY_BYTES, ALIGN), 0), fingerprint)
+        header = parse_header(os.pread(fd, header_size(MAX_KEY_BYTES, ALIGN), 0), fingerprint, seal=seal)
+    except ForgedObjectError:
+        raise
     except (CorruptObjectError, OSError):
         return None
     finally:

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from tiering.blockstore import BlockStore
 from tiering.errors import ObjectNotFoundError
 from tiering.keys import OffloadKey
-from tiering.object_format import ObjectHeader, check_length, encode_header, parse_header
+from tiering.object_format import ObjectHeader, check_length, encode_object, parse_header
 from tiering.options import STRICT, Delay, Probability
 
 
@@ -44,6 +44,7 @@ class MemoryBlockStore(BlockStore):
     """
 
     Options = MemoryOptions
+    supports_integrity = True
 
     def __init__(self, fingerprint: bytes, latency_s: float = 0.0, failure_rate: float = 0.0, seed: int | None = None):
         super().__init__(fingerprint)
@@ -66,7 +67,8 @@ class MemoryBlockStore(BlockStore):
 
     async def put(self, key: OffloadKey, payload: memoryview) -> None:
         await self._operation()
-        self.objects[key] = bytearray(encode_header(key, payload, self.fingerprint)) + payload
+        header, body = encode_object(key, payload, self.fingerprint, seal=self.seal)
+        self.objects[key] = bytearray(header) + body
 
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
         await self._operation()
@@ -74,7 +76,7 @@ class MemoryBlockStore(BlockStore):
         stored = self.objects.get(key)
         if stored is None:
             raise ObjectNotFoundError(key)
-        header = parse_header(stored, self.fingerprint, key)
+        header = parse_header(stored, self.fingerprint, key, self.seal)
         payload = memoryview(stored)[header.size :]
         check_length(header, payload.nbytes, into.nbytes)
         into[:] = payload

@@ -35,7 +35,7 @@ from tiering.blockstore import BlockStore, BlockStoreSettings
 from tiering.blockstore.store import RecoveryProgress
 from tiering.errors import CorruptObjectError, ObjectNotFoundError
 from tiering.keys import OffloadKey
-from tiering.object_format import ObjectHeader, check_length, encode_header, header_size, parse_header
+from tiering.object_format import ObjectHeader, check_length, encode_object, header_size, parse_header
 from tiering.options import STRICT, Count, Seconds
 
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
@@ -119,6 +119,7 @@ class S3BlockStore(BlockStore):
     """
 
     Options = S3Options
+    supports_integrity = True
     tier_defaults: ClassVar[dict[str, Any]] = {
         "max_concurrency": 64,
         "op_timeout_s": 20.0,
@@ -260,7 +261,7 @@ class S3BlockStore(BlockStore):
 
     async def put(self, key: OffloadKey, payload: memoryview) -> None:
         self.check_open()
-        body = _PartsReader([encode_header(key, payload, self.fingerprint), payload])
+        body = _PartsReader(list(encode_object(key, payload, self.fingerprint, seal=self.seal)))
         await self._client.put_object(Bucket=self.bucket, Key=self.object_name(key), Body=body, ContentLength=body.size)
 
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
@@ -284,7 +285,7 @@ class S3BlockStore(BlockStore):
                 received += _scatter(chunk, received, (header_buf, into))
         if received < header_buf.nbytes:
             raise CorruptObjectError(f"object of {received} bytes, shorter than its header")
-        header = parse_header(header_buf, self.fingerprint, key)
+        header = parse_header(header_buf, self.fingerprint, key, self.seal)
         check_length(header, received - header.size, into.nbytes)
         return header
 

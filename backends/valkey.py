@@ -39,7 +39,7 @@ from tiering.blockstore import BlockStore, BlockStoreSettings
 from tiering.blockstore.store import RecoveryProgress
 from tiering.errors import CorruptObjectError, ObjectNotFoundError
 from tiering.keys import OffloadKey
-from tiering.object_format import ObjectHeader, check_length, encode_header, parse_header, verify_payload
+from tiering.object_format import ObjectHeader, check_length, encode_object, object_size, parse_header, verify_payload
 from tiering.options import STRICT, Seconds, Size
 
 try:
@@ -184,6 +184,7 @@ class ValkeyBlockStore(BlockStore):
     }
     evicts_itself = True
     verifies_payloads = True  # each value is checked as it arrives, before the copy into its row
+    supports_integrity = True
 
     @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> ValkeyBlockStore:
@@ -397,11 +398,10 @@ class ValkeyBlockStore(BlockStore):
         Raises:
             OSError: EFBIG, over `max_value_bytes`.
         """
-        header = encode_header(key, payload, self.fingerprint)
-        size = len(header) + payload.nbytes
+        size = object_size(len(key), payload.nbytes)
         if size > self.max_value_bytes:
             raise OSError(errno.EFBIG, f"a value of {size} bytes is over max_value_bytes ({self.max_value_bytes})")
-        return b"".join((header, payload))
+        return b"".join(encode_object(key, payload, self.fingerprint, seal=self.seal))
 
     def _store_error(self, exc: RequestError) -> Exception:
         """A SET's error: a full server (maxmemory reached, noeviction) is ENOSPC."""
@@ -458,10 +458,10 @@ class ValkeyBlockStore(BlockStore):
         if not isinstance(value, bytes):
             raise CorruptObjectError(f"value of type {type(value).__name__}, not a string")
         into = into.cast("B")
-        header = parse_header(value, self.fingerprint, key)
+        header = parse_header(value, self.fingerprint, key, self.seal)
         payload = memoryview(value)[header.size :]
         check_length(header, payload.nbytes, into.nbytes)
-        verify_payload(header, payload)
+        verify_payload(header, payload, self.seal)
         into[:] = payload
         return header
 

@@ -33,7 +33,7 @@ from rich.table import Table
 from tiering import make_offload_key
 from tiering.benchmarks.file_tier import aligned_rows
 from tiering.benchmarks.tier_jobs import interleaved, run_tier_jobs
-from tiering.object_format import encode_header
+from tiering.object_format import encode_object
 
 
 def run_engine(rows: np.ndarray, endpoint: str, bucket: str, concurrency: int, job_blocks: int) -> dict[str, float]:
@@ -52,7 +52,7 @@ async def run_raw(rows: np.ndarray, endpoint: str, bucket: str, concurrency: int
     bodies = []
     for i, row in enumerate(rows):
         key = make_offload_key(i.to_bytes(16, "big"), 0)
-        bodies.append(encode_header(key, memoryview(row), b"\0" * 16) + row.tobytes())
+        bodies.append(b"".join(encode_object(key, memoryview(row), b"\0" * 16)))
     limit = asyncio.Semaphore(concurrency)
     async with get_session().create_client("s3", endpoint_url=endpoint, config=config) as client:
 

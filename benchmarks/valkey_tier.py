@@ -43,7 +43,7 @@ from tiering import make_offload_key
 from tiering.backends.valkey import parse_address
 from tiering.benchmarks.file_tier import aligned_rows
 from tiering.benchmarks.tier_jobs import interleaved, run_tier_jobs
-from tiering.object_format import encode_header
+from tiering.object_format import encode_object
 from tiering.options import parse_size
 
 REQUEST_TIMEOUT_S = 5.0  # the tier's default request_timeout_s, on both sides
@@ -73,7 +73,7 @@ async def run_raw(rows: np.ndarray, addresses: list[str], cluster: bool, concurr
     values = []
     for i, row in enumerate(rows):
         key = make_offload_key(i.to_bytes(16, "big"), 0)
-        values.append(encode_header(key, memoryview(row), b"\0" * 16) + row.tobytes())
+        values.append(b"".join(encode_object(key, memoryview(row), b"\0" * 16)))
     nodes = [NodeAddress(*parse_address(address)) for address in addresses]
     timeout_ms = int(REQUEST_TIMEOUT_S * 1000)
     if cluster:

@@ -78,7 +78,7 @@ def write_blocks_forever(root_dir, fingerprint, block_bytes):
     namespace = file_io.open_namespace(Path(root_dir), fingerprint.hex())
     for i in range(1_000_000):
         k = key(i)
-        file_io.write_object(namespace, k, memoryview(payload_of(k, block_bytes)), fingerprint, False, False)
+        file_io.write_object(namespace, k, memoryview(payload_of(k, block_bytes)), fingerprint, None, False, False)
 
 
 def attach_and_wait(instance_id, num_workers, rank, attached):

@@ -68,6 +68,10 @@ BAD = [
     ),
     ("cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file}]", "secondary_tiers[0].root_dir: required key is missing"),
     (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: /x, backoff_s: 5, max_backoff_s: 1}]",
+        "secondary_tiers[0]: max_backoff_s (1.0) is below backoff_s (5.0)",
+    ),
+    (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: s3, prefix: p/}]",
         "secondary_tiers[0].bucket: required key is missing",
     ),

@@ -133,10 +133,10 @@ def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monke
     monkeypatch.setattr(file_io.os, "open", recording_open)
     aligned, unaligned = payload(8192), memoryview(bytearray(8192))
     try:
-        file_io.write_object(namespace, key(1), aligned, FINGERPRINT, False, True)
-        file_io.read_object(namespace, key(1), buffer(8192), FINGERPRINT, True)
-        file_io.write_object(namespace, key(2), unaligned[1:4097], FINGERPRINT, False, True)
-        file_io.write_object(namespace, key(3), aligned, FINGERPRINT, False, False)
+        file_io.write_object(namespace, key(1), aligned, FINGERPRINT, None, False, True)
+        file_io.read_object(namespace, key(1), buffer(8192), FINGERPRINT, None, True)
+        file_io.write_object(namespace, key(2), unaligned[1:4097], FINGERPRINT, None, False, True)
+        file_io.write_object(namespace, key(3), aligned, FINGERPRINT, None, False, False)
     finally:
         namespace.close()
     assert opened_flags == [True, True, False, False]

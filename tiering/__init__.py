@@ -17,6 +17,7 @@ from tiering.cpu_manager import CPUOffloadingManager, CPUPrimaryTierOffloadingMa
 from tiering.errors import (
     ConfigError,
     CorruptObjectError,
+    ForgedObjectError,
     ObjectNotFoundError,
     RegionInUseError,
     RuntimeClosedError,
@@ -74,6 +75,7 @@ __all__ = [
     "CorruptObjectError",
     "CpuGpuOffloadingHandlers",
     "Doorbell",
+    "ForgedObjectError",
     "GPULoadStoreSpec",
     "JobId",
     "JobMetadata",

@@ -7,7 +7,8 @@ TieringError
 │                          bad options (key paths within the tier's config)
 ├── ObjectNotFoundError    a block store has no object for the key (also a KeyError)
 ├── CorruptObjectError     a stored object failed verification (also a ValueError)
-│   └── UnusableObjectError  unreadable for a reason of its own (EACCES, EIO, a FIFO ...)
+│   ├── UnusableObjectError  unreadable for a reason of its own (EACCES, EIO, a FIFO ...)
+│   └── ForgedObjectError    its seal does not open with the tier's keys (planted, altered)
 ├── StoreClosedError       a block store used outside open .. close (also a RuntimeError)
 ├── RuntimeClosedError     work submitted to a shut-down `AsyncRuntime` (also a RuntimeError)
 └── RegionInUseError       another live engine holds this shared region (also a RuntimeError)
@@ -88,6 +89,14 @@ class UnusableObjectError(CorruptObjectError):
     permission, a directory, FIFO or symbolic link where the object should be, a media error
     (EIO) on its blocks. It is dropped and set aside like a corrupt object, and says nothing
     about the health of the tier."""
+
+
+class ForgedObjectError(CorruptObjectError):
+    """A stored object's seal does not open with the tier's keys (`tiering.seal`): it was
+    planted or altered by someone without them, sealed by a deployment with other keys, or
+    not sealed at all in a tier that has keys (and the reverse: sealed, in a tier without).
+    It is a miss and is never loaded; unlike a corrupt object it is not deleted, since it
+    may be another deployment's."""
 
 
 class StoreClosedError(TieringError, RuntimeError):

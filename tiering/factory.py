@@ -166,7 +166,10 @@ def tier_options(tier_cls: TierClass) -> type[BaseModel]:
         fields[name] = (info.rebuild_annotation(), default)
 
     def check_together(model: BaseModel) -> BaseModel:
-        store_cls.check_config(*_split(store_cls, model))
+        own, settings = _split(store_cls, model)
+        if settings.integrity is not None and not store_cls.supports_integrity:
+            raise ValueError(f"integrity: {store_cls.__name__} cannot seal its objects (no supports_integrity)")
+        store_cls.check_config(own, settings)
         return model
 
     class Strict(store_cls.Options):  # type: ignore[name-defined]
@@ -183,7 +186,5 @@ def tier_options(tier_cls: TierClass) -> type[BaseModel]:
 def _split(store_cls: type[BlockStore], checked: BaseModel) -> tuple[BaseModel, BlockStoreSettings]:
     """The store's `Options` and the adapter's `BlockStoreSettings` of a validated tier config."""
     own = store_cls.Options.model_construct(**{key: getattr(checked, key) for key in store_cls.Options.model_fields})
-    settings = BlockStoreSettings.model_construct(
-        **{key: getattr(checked, key) for key in BlockStoreSettings.model_fields}
-    )
-    return own, settings
+    values = {key: getattr(checked, key) for key in BlockStoreSettings.model_fields}
+    return own, BlockStoreSettings.model_validate(values)  # validated again: its rules between keys

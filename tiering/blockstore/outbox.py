@@ -66,9 +66,11 @@ class StoreDone(JobDone):
 
 @dataclass(kw_only=True)
 class LoadDone(JobDone):
-    """A load (promotion) job; `drop`: keys whose object is missing, corrupt or unusable."""
+    """A load (promotion) job; `drop`: keys whose object is missing, corrupt, unusable or
+    forged; `forged`: those whose seal did not open."""
 
     drop: set[OffloadKey] = field(default_factory=set)
+    forged: set[OffloadKey] = field(default_factory=set)
 
 
 @dataclass(kw_only=True)

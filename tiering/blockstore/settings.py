@@ -5,9 +5,12 @@ Read on the thread that builds the engine; immutable after.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from tiering.options import STRICT, Count, Delay, Seconds, Size
+from tiering.seal import Integrity
 
 
 class BlockStoreSettings(BaseModel):
@@ -34,6 +37,11 @@ class BlockStoreSettings(BaseModel):
         backoff_s: first wait, seconds, before an unhealthy tier is probed; it doubles
             after each failed probe up to `max_backoff_s`.
         max_backoff_s: the longest such wait, seconds.
+        integrity: where the tier's secret keys come from (``{keys_env: NAME}`` or
+            ``{keys_file: PATH}``), or None: with keys, every object is sealed and only
+            objects sealed by one of them load (see `tiering.seal`).
+        encryption: ``aes-256-gcm`` to encrypt payloads with those keys, or None to sign
+            them only.
     """
 
     model_config = ConfigDict(**STRICT, frozen=True)
@@ -50,9 +58,13 @@ class BlockStoreSettings(BaseModel):
     failure_threshold: Count = 5
     backoff_s: Seconds = 1.0
     max_backoff_s: Seconds = 30.0
+    integrity: Integrity | None = None
+    encryption: Literal["aes-256-gcm"] | None = None
 
     @model_validator(mode="after")
-    def _backoffs_in_order(self) -> BlockStoreSettings:
+    def _rules_between_keys(self) -> BlockStoreSettings:
         if self.max_backoff_s < self.backoff_s:
             raise ValueError(f"max_backoff_s ({self.max_backoff_s}) is below backoff_s ({self.backoff_s})")
+        if self.encryption is not None and self.integrity is None:
+            raise ValueError("encryption needs keys: set integrity (keys_env or keys_file) too")
         return self

@@ -8,11 +8,14 @@ defaults of the adapter's own keys (`BlockStoreSettings`: capacity, concurrency,
 batching, probing, health) with `tier_defaults`. Registered under a type name (entry point
 group ``tiering.secondary_tiers``), the store becomes a tier with the keys of both.
 
-A store keeps one object per key in the format of `tiering.object_format` (it calls
-`encode_header` on put, and `parse_header` and `check_length` on get), under the namespace
-of its layout fingerprint. A store moves bytes; the payload's CRC is checked above every
-store layer, by the adapter, so a wrapping store (`tiering.backends.faulty`) is checked too,
-unless the outermost store checks it itself as it reads (`verifies_payloads`).
+A store keeps one object per key in the format of `tiering.object_format` (it writes what
+`encode_object` returns on put, and calls `parse_header` and `check_length` on get), under
+the namespace of its layout fingerprint. A store moves bytes; the payload's CRC (or
+signature) is checked above every store layer, by the adapter, so a wrapping store
+(`tiering.backends.faulty`) is checked too, unless the outermost store checks it itself as it
+reads (`verifies_payloads`). A store that passes its `seal` to those functions says so
+(`supports_integrity`), and tiers of it may then sign or encrypt their objects
+(`tiering.seal`).
 
 All coroutines run on the tier's event loop; a store may move the blocking part of an
 operation to its own threads, one hop per operation. The adapter
@@ -20,8 +23,9 @@ operation to its own threads, one hop per operation. The adapter
 a store does no bookkeeping of its own.
 
 Errors: a missing object raises `ObjectNotFoundError`, one that fails verification
-`CorruptObjectError`, any use outside open..close `StoreClosedError`; anything else (OSError,
-timeouts, client errors) counts as a transient failure of that operation.
+`CorruptObjectError` (`ForgedObjectError` when its seal does not open), any use outside
+open..close `StoreClosedError`; anything else (OSError, timeouts, client errors) counts as
+a transient failure of that operation.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from tiering.options import NoOptions
 
 if TYPE_CHECKING:
     from tiering.blockstore.settings import BlockStoreSettings
+    from tiering.seal import Seal
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +70,12 @@ class BlockStore(ABC):
             read it while it is still in the CPU's cache; the adapter then skips its own
             check, which would read every byte once more on the loop thread. A store that
             wraps another (and may change bytes the inner one checked) leaves it False.
+        supports_integrity: True when the store passes `seal` to `encode_object`,
+            `parse_header` and `verify_payload`, and leaves alone (never deletes) objects
+            whose seal does not open (`ForgedObjectError`) when it recovers; only then may
+            its tiers take the ``integrity`` key.
+        seal: the tier's `tiering.seal.Seal`, set by the adapter before `open`, or None for
+            a tier without integrity keys.
     """
 
     Options: ClassVar[type[BaseModel]] = NoOptions
@@ -72,6 +83,7 @@ class BlockStore(ABC):
     header_align = HEADER_ALIGN
     evicts_itself: ClassVar[bool] = False
     verifies_payloads: ClassVar[bool] = False
+    supports_integrity: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> BlockStore:
@@ -98,6 +110,7 @@ class BlockStore(ABC):
         """`fingerprint`: the 16-byte layout fingerprint written into, and expected in, every
         object (see `tiering.object_format.layout_fingerprint`)."""
         self.fingerprint = fingerprint
+        self.seal: Seal | None = None
         self._open = False
 
     async def open(self) -> None:
@@ -125,15 +138,16 @@ class BlockStore(ABC):
     @abstractmethod
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
         """Read the payload of `key`'s object into `into` (exactly its length) and return
-        the object's header. The header and the length are checked; the CRC is the
-        caller's to check (`tiering.object_format.verify_payload`), unless the store
-        `verifies_payloads`.
+        the object's header. The header and the length are checked; the CRC or signature
+        is the caller's to check (`tiering.object_format.verify_payload`), unless the store
+        `verifies_payloads`; an encrypted payload is left encrypted, for the caller.
 
         `into` may hold garbage when this raises, and until the CRC is checked.
 
         Raises:
             ObjectNotFoundError: no object for `key`.
             CorruptObjectError: the header or the length is wrong.
+            ForgedObjectError: the header's seal is not one `seal` opens.
         """
 
     async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
@@ -177,8 +191,9 @@ class BlockStore(ABC):
     async def recover(self) -> list[tuple[OffloadKey, int]]:
         """Every object a previous run left, as (key, object bytes), oldest first.
 
-        Called once after `open`. Headers are checked (not payloads); objects that fail, and
-        leftovers of interrupted writes, are deleted.
+        Called once after `open`. Headers are checked (not payloads) where the listing has
+        them; objects that fail, and leftovers of interrupted writes, are deleted, except
+        those whose seal does not open, which are left out and kept.
         """
 
     async def remove_namespace(self) -> None:

@@ -11,8 +11,9 @@ The loop half is `tiering.blockstore.worker.BlockWorker`; the two meet only in t
 Deletes of evicted objects are deferred to the end of the step and sent as one batch; a key
 evicted and stored again within the step is not deleted at all (the put replaces the
 object). Rules: a key is in flight (lookup None) from `submit_store` until its job is
-reported; a block being read is never evicted; a load that finds a missing or corrupt object drops the
-key; a job succeeds only if all its blocks do; every job is reported exactly once, also
+reported; a block being read is never evicted; a load that finds a missing, corrupt or forged
+object drops the key (a forged one is also believed absent for `negative_ttl_s`, so probes do
+not find it again at once); a job succeeds only if all its blocks do; every job is reported exactly once, also
 when the tier shuts down with it in flight (as failed).
 """
 
@@ -38,6 +39,7 @@ from tiering.health import TierHealth
 from tiering.keys import OffloadKey, ReqContext
 from tiering.object_format import object_size
 from tiering.runtime import AsyncRuntime
+from tiering.seal import Seal
 from tiering.secondary import Doorbell, JobMetadata, JobResult, SecondaryTierManager
 from tiering.stats import JobTimer, TierStats, worth_logging
 
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _COUNTERS = ("blocks_stored", "bytes_stored", "blocks_loaded", "bytes_loaded", "jobs_succeeded", "jobs_failed")
 _MAX_PROBES = 65536  # remembered probe answers before expired ones are swept
+FORGED_LOG_INTERVAL_S = 60.0  # a block whose seal does not open is logged at most this often per tier
 
 
 class BlockStoreTier(SecondaryTierManager):
@@ -77,7 +80,9 @@ class BlockStoreTier(SecondaryTierManager):
                 `BlockStoreSettings`); None takes the defaults.
 
         Raises:
-            ValueError: `capacity_bytes` cannot hold one block.
+            ValueError: `capacity_bytes` cannot hold one block; `integrity` is set and the
+                store does not support it, or its keys cannot be read (see
+                `tiering.seal.read_keys`).
             OSError, TimeoutError: the store could not be opened or recovered in time.
             TieringError: the store's own errors while opening (see its `open`).
         """
@@ -86,6 +91,10 @@ class BlockStoreTier(SecondaryTierManager):
         rows = np.asarray(self.context.primary_rows).view(np.uint8)
         self.row_bytes = rows.shape[1]
         self.store = store_factory(self.context.layout_fingerprint)
+        if settings.integrity is not None:
+            if not self.store.supports_integrity:
+                raise ValueError(f"tier {self.name}: {type(self.store).__name__} cannot seal its objects")
+            self.store.seal = Seal.from_config(settings.integrity, settings.encryption)
         smallest = object_size(0, self.row_bytes, self.store.header_align)
         if settings.capacity_bytes is not None and settings.capacity_bytes < smallest:
             raise ValueError(
@@ -104,6 +113,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._released: list[int] = []
         self._evicted: dict[OffloadKey, None] = {}  # objects to delete at the end of the step
         self._probing: list[OffloadKey] = []  # keys to check for at the end of the step
+        self._forged_logged_at = -FORGED_LOG_INTERVAL_S
         self._closed = False
         self._batch_blocks = batch_blocks = max(1, settings.batch_bytes // max(1, self.row_bytes))
         runtime = self.context.runtime or AsyncRuntime(f"tiering-{self.name}")
@@ -118,7 +128,8 @@ class BlockStoreTier(SecondaryTierManager):
             batch_blocks,
             self._runtime,
         )
-        logger.info("tier %s: opening %r and recovering the blocks it holds", self.name, self.store)
+        sealed = f", sealing objects ({self.store.seal!r})" if self.store.seal else ""
+        logger.info("tier %s: opening %r%s and recovering the blocks it holds", self.name, self.store, sealed)
         try:
             recovered = self._runtime.run_sync(self._open, timeout_s=settings.open_timeout_s)
         except BaseException as exc:
@@ -370,7 +381,12 @@ class BlockStoreTier(SecondaryTierManager):
     def _count_failures(self, outcome: outbox.Outcome) -> None:
         for reason, error in outcome.failures:
             count = self.failures[reason] = self.failures[reason] + 1
-            if worth_logging(count):
+            if reason == "load_forged":  # each names its block: once a minute, whatever the count
+                now = time.monotonic()
+                if now - self._forged_logged_at >= FORGED_LOG_INTERVAL_S:
+                    self._forged_logged_at = now
+                    logger.warning("tier %s: not loaded, seal does not open (%d so far): %s", self.name, count, error)
+            elif worth_logging(count):
                 logger.warning("tier %s: %s failed (%d so far): %r", self.name, reason, count, error)
 
     def _apply_store(self, done: StoreDone) -> None:
@@ -396,6 +412,8 @@ class BlockStoreTier(SecondaryTierManager):
                 continue
             if key in done.drop:
                 self._index.remove(key)
+                if key in done.forged and self.settings.probe_misses:
+                    self._probes[key] = time.monotonic() + self.settings.negative_ttl_s
             elif key in done.ok:
                 self._index.touch([key])
                 self._counters["blocks_loaded"] += 1

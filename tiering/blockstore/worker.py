@@ -8,10 +8,12 @@ one call at a time, so a promotion never queues behind cascade writes or deletes
 in the job's outcome and puts it in the `Outbox`; it never touches the index.
 
 Rules kept here: an evicted key's delete finishes before a new put of the same key starts;
-a load's payload CRC is checked above the store (a wrapping store is checked too), off the
-loop, unless the store checked it as it read (`BlockStore.verifies_payloads`); an object
-found corrupt or unusable is deleted; a call that does not return at its timeout keeps its
-job's rows in use until it does; every task puts exactly one outcome.
+a load's payload CRC or signature is checked above the store (a wrapping store is checked
+too), off the loop, unless the store checked it as it read (`BlockStore.verifies_payloads`),
+and an encrypted one is checked and decrypted there, once, whatever the store; an object
+found corrupt or unusable is deleted, one whose seal does not open is left alone; a call
+that does not return at its timeout keeps its job's rows in use until it does; every task
+puts exactly one outcome.
 """
 
 from __future__ import annotations
@@ -38,14 +40,21 @@ from tiering.blockstore.outbox import (
     StoreDone,
 )
 from tiering.blockstore.store import BlockStore
-from tiering.errors import CorruptObjectError, ObjectNotFoundError, RuntimeClosedError, UnusableObjectError
+from tiering.errors import (
+    CorruptObjectError,
+    ForgedObjectError,
+    ObjectNotFoundError,
+    RuntimeClosedError,
+    UnusableObjectError,
+)
 from tiering.keys import OffloadKey
-from tiering.object_format import ObjectHeader, verify_payload
+from tiering.object_format import ObjectHeader, open_payload
 from tiering.runtime import AsyncRuntime
+from tiering.seal import Seal
 
 T = TypeVar("T")
 Items = Sequence[tuple[OffloadKey, int]]  # (key, primary row)
-INLINE_CRC_BYTES = 1 << 20  # a batch this small is CRC-checked on the loop (~50 us): a thread hop costs more
+INLINE_CHECK_BYTES = 1 << 20  # a batch this small is checked on the loop (~50 us): a thread hop costs more
 
 
 class BlockWorker:
@@ -216,15 +225,17 @@ class BlockWorker:
     async def _load_batch(self, done: LoadDone, batch: Items) -> None:
         outcomes = await self._io(done, self.store.get_many, batch)
         read = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, ObjectHeader)]
-        if self.store.verifies_payloads:
-            verified: list[CorruptObjectError | None] = [None] * len(read)
-        else:  # the CRC, checked above every store layer; off the loop unless it is quick
-            checks = [(outcomes[i], memoryview(self._rows[batch[i][1]])) for i in read]
-            if len(checks) * self._rows.shape[1] <= INLINE_CRC_BYTES:
-                verified = _verify_all(checks)
+        unchecked = [i for i in read if outcomes[i].encrypted] if self.store.verifies_payloads else read
+        opened: list[CorruptObjectError | None] = []
+        if unchecked:  # checked above every store layer; off the loop unless it is quick
+            checks = [(outcomes[i], memoryview(self._rows[batch[i][1]])) for i in unchecked]
+            if len(checks) * self._rows.shape[1] <= INLINE_CHECK_BYTES:
+                opened = _open_all(checks, self.store.seal)
             else:
-                verified = await anyio.to_thread.run_sync(_verify_all, checks)
-        for i, error in zip(read, verified, strict=True):
+                opened = await anyio.to_thread.run_sync(_open_all, checks, self.store.seal)
+        for i in read:
+            outcomes[i] = None
+        for i, error in zip(unchecked, opened, strict=True):
             outcomes[i] = error
         corrupt = []
         for (key, _), error in zip(batch, outcomes, strict=True):
@@ -233,6 +244,10 @@ class BlockWorker:
             elif isinstance(error, ObjectNotFoundError):
                 done.failed("load_missing", error, sick=False)
                 done.drop.add(key)
+            elif isinstance(error, ForgedObjectError):  # a miss; the object may be another deployment's
+                done.failed("load_forged", error, sick=False)
+                done.drop.add(key)
+                done.forged.add(key)
             elif isinstance(error, CorruptObjectError):  # or unusable: dropped, and no sign of a sick backend
                 done.failed("load_unusable" if isinstance(error, UnusableObjectError) else "load_corrupt", error, False)
                 done.drop.add(key)
@@ -330,12 +345,12 @@ class BlockWorker:
             self._outbox.put(RowsReleased(job_id=done.job_id), task_finished=False)
 
 
-def _verify_all(checks: list[tuple[ObjectHeader, memoryview]]) -> list[CorruptObjectError | None]:
-    """`verify_payload` of each (header, row read into): None, or the error it raised."""
+def _open_all(checks: list[tuple[ObjectHeader, memoryview]], seal: Seal | None) -> list[CorruptObjectError | None]:
+    """`open_payload` of each (header, row read into): None, or the error it raised."""
     outcomes: list[CorruptObjectError | None] = []
     for header, row in checks:
         try:
-            verify_payload(header, row)
+            open_payload(header, row, seal)
             outcomes.append(None)
         except CorruptObjectError as exc:
             outcomes.append(exc)
