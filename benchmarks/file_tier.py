@@ -15,6 +15,10 @@ file fsynced), ``direct`` (O_DIRECT, the tier's default).
   number of threads): the library the mission first named for this tier, measured instead of
   assumed. It costs an executor hop per call where the tier makes one per batch.
 
+With ``--seals signed,encrypted`` the engine also runs with integrity keys (`tiering.seal`),
+interleaved with the rest, and the table shows what signing or encrypting costs against the
+unsealed engine.
+
 What the engine does beyond raw: its header also holds the key and the layout fingerprint
 (parsed and checked on every load), the files are sharded into 256 directories opened
 relative to a directory fd, and jobs cross from the scheduler thread to the loop and back.
@@ -22,7 +26,7 @@ Both read back what they just wrote (page cache warm for both in the buffered mo
 are page-aligned, as in the shared region. It also reports the scheduler-thread cost of
 handing one job to the tier.
 
-    python -m tiering.benchmarks.file_tier --dir /path/on/the/disk
+    python -m tiering.benchmarks.file_tier --dir /path/on/the/disk [--seals signed,encrypted]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import argparse
 import asyncio
 import mmap
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -56,13 +61,21 @@ def _keys(count: int) -> list[bytes]:
 
 
 HEADER_BYTES = 4096  # the file tier's header, padded to a page for O_DIRECT
+KEYS_ENV = "TIERING_BENCH_KEYS"  # a fresh secret key per run, for the sealed engine sides
+SEALS = {"signed": {}, "encrypted": {"encryption": "aes-256-gcm"}}
 MODES = {"buffered": (False, False), "fsync": (True, False), "direct": (False, True)}  # (fsync, O_DIRECT)
 
 
-def run_engine(rows: np.ndarray, directory: Path, concurrency: int, mode: str, job_blocks: int) -> dict[str, float]:
-    """Seconds to store then load every row through a file tier, and per-job handoff seconds."""
+def run_engine(
+    rows: np.ndarray, directory: Path, concurrency: int, mode: str, job_blocks: int, seal: str | None = None
+) -> dict[str, float]:
+    """Seconds to store then load every row through a file tier (its objects sealed as
+    `seal` says: a key of `SEALS`, or None), and per-job handoff seconds."""
     fsync, direct = MODES[mode]
     config = {"type": "file", "root_dir": str(directory), "max_concurrency": concurrency, "fsync": fsync}
+    if seal is not None:
+        os.environ.setdefault(KEYS_ENV, secrets.token_hex(32))
+        config |= {"integrity": {"keys_env": KEYS_ENV}, **SEALS[seal]}
     tier = SecondaryTierFactory.create_secondary_tier({**config, "direct_io": direct}, memoryview(rows), None)
     keys = _keys(len(rows))
     jobs = [
@@ -191,7 +204,14 @@ def aligned_rows(num_blocks: int, block_bytes: int) -> np.ndarray:
 
 
 def measure(
-    block_bytes: int, total_bytes: int, base: Path, concurrency: int, mode: str, job_blocks: int, repeats: int
+    block_bytes: int,
+    total_bytes: int,
+    base: Path,
+    concurrency: int,
+    mode: str,
+    job_blocks: int,
+    repeats: int,
+    seals: list[str] = [],  # noqa: B006 - read only
 ) -> dict[str, float]:
     """Best seconds of each measurement over `repeats` interleaved runs.
 
@@ -206,6 +226,8 @@ def measure(
         ("raw", lambda d: run_raw(rows, d, concurrency, mode)),
         ("aiofiles", lambda d: run_aiofiles(rows, d, concurrency, mode)),
     ]
+    for seal in seals:
+        sides.append((f"engine {seal}", lambda d, seal=seal: run_engine(rows, d, concurrency, mode, job_blocks, seal)))
     best: dict[str, float] = {}
     for repeat in range(-1, repeats):
         for name, run in sides if repeat % 2 == 0 else sides[::-1]:
@@ -229,10 +251,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--job-blocks", type=int, default=16, help="blocks per job (default 16)")
     parser.add_argument("--modes", default="buffered,direct", help="comma-separated: buffered, fsync, direct")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs; the best is kept (default 3)")
+    parser.add_argument(
+        "--seals", default="", help="comma-separated: signed, encrypted: also run the engine with integrity keys"
+    )
     args = parser.parse_args(argv)
+    seals = [seal for seal in args.seals.split(",") if seal]
+    for seal in seals:
+        if seal not in SEALS:
+            parser.error(f"--seals: expected signed or encrypted; got {seal!r}")
     title = f"File tier GB/s vs a raw thread pool and aiofiles, {args.concurrency} in flight, best of {args.repeats}"
     table = Table(title=title)
-    columns = ("block", "mode", "op", "engine", "raw", "vs raw", "aiofiles", "vs it", "handoff us/job")
+    columns = ["block", "mode", "op", "engine", "raw", "vs raw", "aiofiles", "vs it", "handoff us/job"]
+    for seal in seals:
+        columns += [seal, "vs engine"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("block", "mode", "op") else "right")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tiering-bench-") as base:
@@ -246,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                     mode,
                     args.job_blocks,
                     args.repeats,
+                    seals,
                 )
                 for direction in ("store", "load"):
                     engine, raw, via_aiofiles = (
@@ -261,9 +293,15 @@ def main(argv: list[str] | None = None) -> None:
                         f"{via_aiofiles / 1e9:.2f}",
                         f"{engine / via_aiofiles:.2f}x",
                         f"{best[f'engine {direction} handoff per job'] * 1e6:.1f}",
+                        *[
+                            cell
+                            for seal in seals
+                            for sealed in [best["bytes"] / best[f"engine {seal} {direction}"]]
+                            for cell in (f"{sealed / 1e9:.2f}", f"{sealed / engine:.2f}x")
+                        ],
                     )
     console = Console()
-    Console(width=max(console.width, 110)).print(table)  # nine columns: wider than 80
+    Console(width=max(console.width, 110 + 22 * len(seals))).print(table)  # nine columns or more: wider than 80
 
 
 if __name__ == "__main__":

@@ -14,11 +14,13 @@ def test_scheduler_cost(capsys):
         assert row in out
 
 
-def test_file_tier(capsys, tmp_path):
-    file_tier.main(["--dir", str(tmp_path), "--total-mib", "1", "--repeats", "1", "--block-sizes", "64KiB"])
+def test_file_tier(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(file_tier.KEYS_ENV, "ab" * 32)  # the sealed sides' key, removed after
+    args = ["--dir", str(tmp_path), "--total-mib", "1", "--repeats", "1", "--block-sizes", "64KiB"]
+    file_tier.main([*args, "--seals", "signed,encrypted"])
     out = capsys.readouterr().out
-    for mode in ("buffered", "direct"):
-        assert mode in out
+    for word in ("buffered", "direct", "signed", "encrypted"):
+        assert word in out
 
 
 def test_s3_tier(capsys, s3_server, s3_bucket):
