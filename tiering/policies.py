@@ -385,7 +385,8 @@ class ARCSCachePolicy(ARCCachePolicy):
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self._max_ghosts = max(1, capacity // 2)
-        self.sketch = CountMinSketch(1 << max(4, (32 * capacity - 1).bit_length()), 10 * capacity, max_count=15)
+        width = 1 << max(10, (32 * capacity - 1).bit_length())  # >= 1024: no collisions to speak of in a tiny cache
+        self.sketch = CountMinSketch(width, 10 * capacity, max_count=15)
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
