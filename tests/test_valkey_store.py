@@ -177,21 +177,27 @@ def test_two_engines_share_blocks_through_one_cluster(valkey_cluster, key_prefix
 
 
 @contextlib.contextmanager
-def server_with_room(policy, rows=16):
-    """A server of its own with room for about `rows` more blocks, under `policy`."""
+def server_with_room(policy):
+    """A server of its own under `policy`, and `leave_room(rows)`: its memory limit set to
+    room for about `rows` more blocks than it uses now (call it once the engine is
+    connected: a client's buffers take tens of KiB of the server's memory)."""
     server = ValkeyServer(settings={"maxmemory-policy": policy})
     server.start()
     try:
         admin = server.admin()
-        admin.config_set("maxmemory", admin.info("memory")["used_memory"] + rows * ROW)
-        yield server, admin
+
+        def leave_room(rows=16):
+            admin.config_set("maxmemory", admin.info("memory")["used_memory"] + rows * ROW)
+
+        yield server, admin, leave_room
     finally:
         server.stop()
 
 
 def test_blocks_the_server_evicted_are_misses_never_wrong_bytes(engine_factory, key_prefix):
-    with server_with_room("allkeys-lru") as (server, admin):
+    with server_with_room("allkeys-lru") as (server, admin, leave_room):
         engine = engine_factory(valkey_config(server, key_prefix))
+        leave_room()
         for i in range(0, 40, 4):
             engine.store(i, i + 1, i + 2, i + 3)  # 4 primary rows: the tier holds the rest
         assert admin.dbsize() < 40
@@ -205,8 +211,9 @@ def test_blocks_the_server_evicted_are_misses_never_wrong_bytes(engine_factory, 
 
 
 def test_a_full_server_fails_stores_as_no_space_and_keeps_serving_loads(engine_factory, key_prefix):
-    with server_with_room("noeviction") as (server, _):
+    with server_with_room("noeviction") as (server, _, leave_room):
         engine = engine_factory(valkey_config(server, key_prefix))
+        leave_room()
         engine.store(0, 1)
         for i in range(2, 40, 2):
             engine.store(i, i + 1)
