@@ -96,7 +96,7 @@ def test_refusals_are_counted_by_reason_and_traced_in_the_log(manager, ctx, capl
         assert manager.prepare_store(keys(4), ctx) is None
     assert manager.prepare_store(keys(*range(10, 15)), ctx) is None  # 5 blocks, 4 rows
     refused = manager.get_stats()["counters"]["stores_refused"]
-    assert refused == {"rows_in_flight": 3, "larger_than_tier": 1}
+    assert refused == {"rows_in_flight": 3, "larger_than_tier": 1, "tenant_share": 0}
     lines = [record.getMessage() for record in caplog.records if "CPU tier" in record.getMessage()]
     assert len(lines) == 3  # the 1st and 2nd of a reason, not the 3rd
     assert "stores refused (rows_in_flight, 1 so far): 1 blocks asked, 4 rows of 4 held" in lines[0]
@@ -248,8 +248,8 @@ def test_primary_tier_aliases_name_the_secondary_direction(ctx):
     primary = CPUPrimaryTierOffloadingManager(4, RegionStandIn(4))
     assert primary.prepare_write(keys(*range(10, 15)), ctx) is None  # a promotion of 5 blocks into 4 rows
     counters = primary.get_stats()["counters"]
-    assert counters["promotions_refused"] == {"rows_in_flight": 0, "larger_than_tier": 1}
-    assert counters["stores_refused"] == {"rows_in_flight": 0, "larger_than_tier": 0}
+    assert counters["promotions_refused"] == {"rows_in_flight": 0, "larger_than_tier": 1, "tenant_share": 0}
+    assert counters["stores_refused"] == {"rows_in_flight": 0, "larger_than_tier": 0, "tenant_share": 0}
     out = primary.prepare_write(keys(0), ctx)  # a promotion reserves a row
     assert primary.lookup(key(0), ctx) is None
     primary.complete_write(out.keys_to_store, ctx)

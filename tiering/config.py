@@ -13,6 +13,9 @@ secondary_tiers:                # looked up in this order
     endpoint_url: ${S3_ENDPOINT}   # environment variables are expanded
 metrics:                        # optional: Prometheus on 127.0.0.1:9400/metrics
   port: 9400
+tenants:                        # optional: shares of the CPU tier by tenant (vLLM's cache_salt)
+  default_share: 0.25           # a fraction of the tier, or bytes
+  quotas: {chat: 0.75}
 ```
 
 Every problem is reported at once, each with the file, the key path
@@ -44,6 +47,7 @@ from tiering.errors import ConfigError, TierConfigError
 from tiering.factory import SecondaryTierFactory, check_tier_options
 from tiering.options import Size, describe_error, join_path, key_path, set_options, validate_options
 from tiering.policies import cache_policy_names
+from tiering.tenants import TenantsConfig
 
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 MAX_CONFIG_BYTES = 1 << 20
@@ -76,6 +80,7 @@ class TieringConfig(BaseModel):
     recompute_tokens_per_s: float | None = Field(default=None, gt=0)
     request_log: str | None = Field(default=None, min_length=1)
     max_promotion_rows: int | None = Field(default=None, gt=0)
+    tenants: TenantsConfig | None = None
     _source: str = PrivateAttr(default="<string>")
 
     @property

@@ -16,13 +16,15 @@ from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutpu
 from tiering.policies import BlockStatus, make_cache_policy
 from tiering.request_access import RequestAccesses
 from tiering.stats import TierStats, worth_logging
+from tiering.tenants import TenantsConfig, TenantShares
 
 logger = logging.getLogger(__name__)
 
-REFUSAL_REASONS = ("rows_in_flight", "larger_than_tier")
+REFUSAL_REASONS = ("rows_in_flight", "larger_than_tier", "tenant_share")
 """Why a store or promotion found no row: every row it could free is held by a transfer in
 flight (GPU stores and loads, promotions, cascades; the tier is too small for the load it
-carries), or the call alone needs more blocks than the tier has rows."""
+carries), the call alone needs more blocks than the tier has rows, or its tenant is beyond
+its share and neither it nor a tenant over its share has an idle row (`tiering.tenants`)."""
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -48,12 +50,19 @@ class CPUOffloadingManager(OffloadingManager):
     )
     refusal_names: tuple[str, ...] = ("stores_refused",)
 
-    def __init__(self, num_blocks: int, cache_policy: str = "lru", enable_events: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        cache_policy: str = "lru",
+        enable_events: bool = False,
+        tenants: TenantShares | None = None,
+    ):
         """
         Args:
             num_blocks: rows of the CPU buffer (> 0).
             cache_policy: eviction policy name, ``"lru"`` or ``"arc"``.
             enable_events: collect `OffloadingEvent`s for `take_events`.
+            tenants: the tenants' shares of the rows, or None: every request alike.
 
         Raises:
             ValueError: `num_blocks` < 1, or `cache_policy` is unknown.
@@ -76,6 +85,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._rows_reading = 0  # rows with a reader (ref count > 0)
         self._rows_writing = 0  # rows with a write in flight (ref count -1)
         self._accesses = RequestAccesses()
+        self.tenants = tenants
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +107,8 @@ class CPUOffloadingManager(OffloadingManager):
         block = self._resident.get(key)
         answer = False if block is None else (True if block.ref_cnt >= 0 else None)
         self._lookups[answer] += 1
+        if self.tenants is not None and answer is not None:
+            self.tenants.count(self.tenants.tenant_of(req_context), "hits" if answer else "misses")
         return answer
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
@@ -169,16 +181,23 @@ class CPUOffloadingManager(OffloadingManager):
         access.observe(seen, ready)
         evicted: list[OffloadKey] = []
         shortfall = len(keys_to_store) - self.num_free_blocks
+        tenants = self.tenants
+        tenant = tenants.tenant_of(req_context) if tenants is not None else ""
         if shortfall > 0:
-            victims = policy.evict(shortfall, protected=set(keys))
+            if tenants is None:
+                victims = policy.evict(shortfall, protected=set(keys))
+            else:
+                victims = tenants.evict(policy, shortfall, set(keys), tenant, len(keys_to_store))
             if victims is None:
-                self._refuse(refused_counter, len(unique))
+                self._refuse(refused_counter, len(unique), tenants is not None)
                 return None
             for key, block in victims:
                 del resident[key]
                 self._free_block_ids.append(block.block_id)
                 evicted.append(key)
             self._counters["evictions"] += len(victims)
+            if tenants is not None:
+                tenants.removed(evicted)
             self._emit(evicted, removed=True)
         block_ids = [self._allocate_block_id() for _ in keys_to_store]
         self._rows_writing += len(block_ids)
@@ -186,13 +205,28 @@ class CPUOffloadingManager(OffloadingManager):
             block = resident[key] = BlockStatus(block_id)
             policy.insert(key, block)
         access.inserted.update(keys_to_store)
+        if tenants is not None:
+            tenants.added(keys_to_store, tenant)
         return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted)
 
-    def _refuse(self, refused_counter: str, blocks: int) -> None:
-        """Count a refusal of a call of `blocks` blocks by its reason; log a trace of it."""
-        reason = "larger_than_tier" if blocks > self.num_blocks else "rows_in_flight"
+    def _refuse(self, refused_counter: str, blocks: int, shared: bool = False) -> None:
+        """Count a refusal of a call of `blocks` blocks by its reason (`shared`: the rows are
+        shared by tenants); log a trace of it."""
+        if blocks > self.num_blocks:
+            reason = "larger_than_tier"
+        elif shared and self._rows_writing + self._rows_reading < self.num_blocks:
+            reason = "tenant_share"
+        else:
+            reason = "rows_in_flight"
         count = self._refusals[refused_counter][reason] = self._refusals[refused_counter][reason] + 1
-        if worth_logging(count):
+        if reason == "tenant_share" and worth_logging(count):
+            logger.info(
+                "CPU tier: %s (tenant_share, %d so far): a tenant beyond its share found no idle row of its own "
+                "or of a tenant over its share (README: tenants)",
+                refused_counter.replace("_", " "),
+                count,
+            )
+        elif worth_logging(count):
             logger.warning(
                 "CPU tier: %s (%s, %d so far): %d blocks asked, %d rows of %d held by transfers in flight "
                 "(%d being written, %d being read); a larger cpu_bytes_to_use avoids it (README: sizing the CPU tier)",
@@ -217,7 +251,10 @@ class CPUOffloadingManager(OffloadingManager):
         Returns:
             The keys that became loadable by this call (empty on failure).
         """
-        return self._complete_writes(keys, success, "blocks_stored")
+        stored = self._complete_writes(keys, success, "blocks_stored")
+        if self.tenants is not None and stored:
+            self.tenants.count(self.tenants.tenant_of(req_context), "blocks_stored", len(stored))
+        return stored
 
     def _complete_writes(self, keys: Collection[OffloadKey], success: bool, counter: str) -> list[OffloadKey]:
         if not success:
@@ -275,6 +312,8 @@ class CPUOffloadingManager(OffloadingManager):
                 self._policy.remove(key)
                 del self._resident[key]
                 rows.append(block.block_id)
+                if self.tenants is not None:
+                    self.tenants.removed([key])
         self._counters["blocks_store_failed"] += len(rows)
         self._rows_writing -= len(rows)
         return rows
@@ -337,6 +376,8 @@ class CPUOffloadingManager(OffloadingManager):
         """
         self._quarantined.update(keep_rows)
         self._policy = make_cache_policy(self._cache_policy, self.num_blocks)
+        if self.tenants is not None:
+            self.tenants.removed(list(self._resident))
         self._resident.clear()
         self._accesses.clear()
         self._rows_reading = self._rows_writing = 0
@@ -407,16 +448,21 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         mmap_region: KVRegion,
         cache_policy: str = "lru",
         enable_events: bool = False,
+        tenants: TenantsConfig | None = None,
     ):
         """
+        Args:
+            tenants: the tenants' shares of the rows (`tiering.tenants`), or None.
+
         Raises:
             ValueError: as `CPUOffloadingManager`, or the region's view does not have
                 `num_blocks` rows.
         """
-        super().__init__(num_blocks, cache_policy, enable_events)
         kv_view = mmap_region.create_kv_memoryview()
         if kv_view.ndim != 2 or kv_view.shape is None or kv_view.shape[0] != num_blocks:
             raise ValueError(f"region view has shape {kv_view.shape}; expected ({num_blocks}, row_bytes)")
+        shares = None if tenants is None else TenantShares(tenants, num_blocks, kv_view.nbytes // max(1, num_blocks))
+        super().__init__(num_blocks, cache_policy, enable_events, shares)
         self._region: KVRegion | None = mmap_region
         self._kv_view = kv_view
 

@@ -41,10 +41,13 @@ class ReqContext:
     Attributes:
         req_id: the scheduler's request id; promotions are batched per `req_id`.
         kv_transfer_params: connector-specific parameters of the request, or None.
+        tenant: who the request is for (vLLM: its ``cache_salt``), or None for the
+            configured default tenant (see `tiering.tenants`).
     """
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
+    tenant: str | None = None
 
 
 class OffloadPolicy(enum.Enum):

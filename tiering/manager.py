@@ -318,19 +318,22 @@ class TieringOffloadingManager(OffloadingManager):
         documents each name. Scheduler thread; cheap (no I/O, nothing scanned).
 
         Returns:
-            ``{"primary": stats, "tiers": {name: stats}, "manager": stats}``, each ``stats``
-            shaped ``{"counters": {...}, "gauges": {...}, "histograms": {...}}`` (see
-            `tiering.stats`). ``primary`` and each tier (by `tier_names`) is its own
-            `get_stats()` plus the lookups counted per request (``hit_blocks``, and
-            ``hit_tokens`` when `block_tokens` is set; see `tiering.lookups`); each secondary
-            tier adds its admission's counters (``cascades_admitted``, ``cascades_deferred``,
-            ``cascades_dropped``, ``cascades_filtered``) and gauges (``rows_in_flight``,
-            ``cascades_waiting``), and the promotions its
-            `RecomputeGate` declined (``promotions_declined``). ``manager`` has the
-            request-level counters (``requested_blocks``, ``requested_tokens``,
+            ``{"primary": stats, "tiers": {name: stats}, "manager": stats}`` (and ``"tenants":
+            {name: stats}`` with a ``tenants`` config), each ``stats`` shaped ``{"counters":
+            {...}, "gauges": {...}, "histograms": {...}}`` (see `tiering.stats`). ``primary``
+            and each tier (by `tier_names`) is its own `get_stats()` plus the lookups counted
+            per request (``hit_blocks``, and ``hit_tokens`` when `block_tokens` is set; see
+            `tiering.lookups`); each secondary tier adds its admission's counters
+            (``cascades_admitted``, ``cascades_deferred``, ``cascades_dropped``,
+            ``cascades_filtered``) and gauges (``rows_in_flight``, ``cascades_waiting``), and
+            the promotions its `RecomputeGate` declined (``promotions_declined``). ``manager``
+            has the request-level counters (``requested_blocks``, ``requested_tokens``,
             ``lookups_repeated``), jobs submitted, jobs and promotions in flight, and the
             ``promotion_seconds`` histogram (from the lookup that queued a promotion to its
-            blocks being loadable).
+            blocks being loadable). ``tenants``, with a ``tenants`` config, has per tenant (the
+            `TenantsConfig.metric_tenants` most active by name, the rest as ``other``) the CPU
+            tier's ``hits``, ``misses``, ``blocks_stored`` and ``bytes_stored`` counters and
+            ``blocks``, ``bytes`` and ``share_blocks`` gauges.
         """
         requests = self._requests
         primary = self.primary_tier.get_stats()
@@ -365,7 +368,10 @@ class TieringOffloadingManager(OffloadingManager):
         }
         histograms = {"promotion_seconds": self._promotion_seconds.snapshot()}
         manager = {"counters": counters, "gauges": gauges, "histograms": histograms}
-        return {"primary": primary, "tiers": tiers, "manager": manager}
+        snapshot = {"primary": primary, "tiers": tiers, "manager": manager}
+        if self.primary_tier.tenants is not None:
+            snapshot["tenants"] = self.primary_tier.tenants.stats()
+        return snapshot
 
     def _hit_counters(self, name: str) -> dict[str, int]:
         blocks = self._requests.hit_blocks[name]

@@ -78,6 +78,7 @@ class _SnapshotCollector:
         tiers = {PRIMARY_NAME: snapshot["primary"], **snapshot["tiers"]}
         yield from _families("tiering_tier_", tiers, constant, "tier")
         yield from _families("tiering_manager_", {"": snapshot["manager"]}, constant, None)
+        yield from _families("tiering_tenant_", snapshot.get("tenants", {}), constant, "tenant")
 
 
 HELP = {
@@ -109,6 +110,7 @@ HELP = {
     "cascades_filtered": "Blocks not copied to this tier: stored fewer than min_reuse times.",
     "promotions_declined": "Promotions from this tier declined: recomputing was faster (recompute_tokens_per_s).",
     "blocks": "Blocks held (or being stored) now.",
+    "share_blocks": "CPU-tier rows this tenant may hold while others need them (tenants config).",
     "bytes": "Bytes held (or being stored) now, headers included.",
     "capacity_blocks": "The CPU tier's rows.",
     "capacity_bytes": "The configured capacity in bytes.",

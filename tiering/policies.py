@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from itertools import islice
 
 from tiering.keys import OffloadKey
@@ -83,7 +83,7 @@ class CachePolicy(ABC):
         self.touch(keys)
 
     @abstractmethod
-    def evict(self, n: int, protected: Collection[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         """Remove `n` idle blocks that are not in `protected`, least valuable first.
 
         Returns:
@@ -106,7 +106,7 @@ class CachePolicy(ABC):
         """Number of resident blocks."""
 
 
-def _evictable(blocks: OrderedDict[OffloadKey, BlockStatus], protected: Collection[OffloadKey]):
+def _evictable(blocks: OrderedDict[OffloadKey, BlockStatus], protected: Container[OffloadKey]):
     """Idle, unprotected entries of `blocks`, least recent first."""
     return ((k, b) for k, b in blocks.items() if b.ref_cnt == 0 and k not in protected)
 
@@ -167,7 +167,7 @@ class LRUCachePolicy(CachePolicy):
             if key in blocks:
                 blocks.move_to_end(key)
 
-    def evict(self, n: int, protected: Collection[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         victims = list(islice(_evictable(self._blocks, protected), n))
         if len(victims) < n:
             return None
@@ -274,7 +274,7 @@ class ARCCachePolicy(CachePolicy):
                 elif key in t2:
                     t2.move_to_end(key)
 
-    def evict(self, n: int, protected: Collection[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         victims = self._evict_from_one_list(n, protected)
         if victims is None:  # from both lists: `_victims` chooses block by block
             chosen = list(islice(self._victims(protected), n))
@@ -290,7 +290,7 @@ class ARCCachePolicy(CachePolicy):
         return victims
 
     def _evict_from_one_list(
-        self, n: int, protected: Collection[OffloadKey]
+        self, n: int, protected: Container[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         """Evict, as `_victims` orders them, `n` blocks that all come from one list (the
         common case: T1 stays at or above its target for all `n`, or is below it while T2
@@ -314,7 +314,7 @@ class ARCCachePolicy(CachePolicy):
         return [key for key, _, _ in islice(self._victims((), idle_only=False), n)]
 
     def _scans(
-        self, protected: Collection[OffloadKey], idle_only: bool
+        self, protected: Container[OffloadKey], idle_only: bool
     ) -> tuple[Iterator[tuple[OffloadKey, BlockStatus]], Iterator[tuple[OffloadKey, BlockStatus]]]:
         """T1's and T2's entries, oldest first: the evictable ones, or all of them."""
         if idle_only:
@@ -322,7 +322,7 @@ class ARCCachePolicy(CachePolicy):
         return iter(self._t1.items()), iter(self._t2.items())
 
     def _victims(
-        self, protected: Collection[OffloadKey], idle_only: bool = True
+        self, protected: Container[OffloadKey], idle_only: bool = True
     ) -> Iterator[tuple[OffloadKey, BlockStatus, bool]]:
         """(key, block, from T1) in the order `evict` takes them: evictable ones, or with
         `idle_only` False busy ones too. Each list is scanned once, oldest first."""
@@ -413,7 +413,7 @@ class ARCSCachePolicy(ARCCachePolicy):
             elif key in other:
                 into[key] = other.pop(key)
 
-    def evict(self, n: int, protected: Collection[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         chosen = list(islice(self._victims(protected), n))
         if len(chosen) < n:
             return None
@@ -428,7 +428,7 @@ class ARCSCachePolicy(ARCCachePolicy):
         return victims
 
     def _victims(
-        self, protected: Collection[OffloadKey], idle_only: bool = True
+        self, protected: Container[OffloadKey], idle_only: bool = True
     ) -> Iterator[tuple[OffloadKey, BlockStatus, bool]]:
         """(key, block, from T1) in the order `evict` takes them: evictable ones, or with
         `idle_only` False busy ones too. Each list is scanned once, oldest first."""

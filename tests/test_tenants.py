@@ -1,0 +1,146 @@
+"""Tenants' shares of the CPU tier: who is evicted for whom, counters, config."""
+
+import re
+
+import pytest
+from prometheus_client import generate_latest
+
+from tests.helpers import keys
+from tiering import ConfigError, CPUOffloadingManager, ReqContext
+from tiering.config import parse_config
+from tiering.metrics import PrometheusExporter
+from tiering.tenants import TenantsConfig, TenantShares
+
+ROW = 4096
+
+
+def manager(num_blocks=8, policy="lru", **tenants):
+    shares = None if tenants.get("off") else TenantShares(TenantsConfig(**tenants), num_blocks, ROW)
+    return CPUOffloadingManager(num_blocks, policy, tenants=shares)
+
+
+def ctx(tenant, req="r"):
+    return ReqContext(f"{req}-{tenant}", tenant=tenant)
+
+
+def store(cpu, tenant, *ids):
+    out = cpu.prepare_store(keys(*ids), ctx(tenant))
+    if out is not None:
+        cpu.complete_store(out.keys_to_store, ctx(tenant))
+    return out
+
+
+def resident(cpu, *ids):
+    return [cpu.lookup(key, ReqContext("check")) for key in keys(*ids)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "arc-s"])
+def test_a_tenant_within_its_share_is_never_evicted_for_one_beyond_it(policy):
+    cpu = manager(policy=policy, default_share=0.5)
+    store(cpu, "chat", 0, 1, 2, 3)  # its share: 4 rows
+    for start in range(100, 140, 4):  # a flood of unique prompts from another tenant
+        assert store(cpu, "flood", *range(start, start + 4)) is not None  # it evicts its own
+    assert resident(cpu, 0, 1, 2, 3) == [True] * 4
+    assert cpu.tenants.held == {"chat": 4, "flood": 4}
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_without_shares_the_flood_evicts_everyone(policy):
+    cpu = manager(policy=policy, off=True)
+    store(cpu, "chat", 0, 1, 2, 3)
+    for start in range(100, 140, 4):
+        store(cpu, "flood", *range(start, start + 4))
+    assert resident(cpu, 0, 1, 2, 3) == [False] * 4
+
+
+def test_tenants_over_their_share_are_evicted_first_even_when_more_recent():
+    cpu = manager(default_share=0.5)
+    store(cpu, "chat", 0)  # the least recent block
+    store(cpu, "flood", *range(100, 107))  # 7 rows: over its share of 4, nobody needed them
+    store(cpu, "chat", 1, 2)  # within its share: takes from the tenant over its share
+    assert resident(cpu, 0, 1, 2) == [True] * 3
+    assert resident(cpu, 100, 101) == [False, False] and cpu.tenants.held == {"chat": 3, "flood": 5}
+
+
+def test_unused_share_serves_others_until_its_tenant_needs_it():
+    cpu = manager(quotas={"chat": 0.75}, default_share=0.25)
+    store(cpu, "flood", *range(100, 108))  # the whole tier while chat needs nothing
+    assert cpu.tenants.held["flood"] == 8
+    store(cpu, "chat", *range(6))
+    assert cpu.tenants.held == {"flood": 2, "chat": 6}
+
+
+def test_a_tenant_beyond_its_share_with_no_idle_row_of_its_own_is_refused_by_reason(caplog):
+    cpu = manager(default_share=0.5)
+    store(cpu, "chat", 0, 1, 2, 3)
+    store(cpu, "flood", 100, 101, 102, 103)
+    cpu.prepare_load(keys(100, 101, 102, 103), ctx("flood"))  # every row of its own is busy
+    assert store(cpu, "flood", 200) is None
+    assert resident(cpu, 0, 1, 2, 3) == [True] * 4
+    assert cpu.get_stats()["counters"]["stores_refused"]["tenant_share"] == 1
+    assert store(cpu, "chat", 4) is not None  # chat, at its share, makes room from its own blocks
+
+
+def test_shares_in_bytes_and_requests_without_a_tenant_go_to_the_default():
+    cpu = manager(default_tenant="anon", default_share=2 * ROW, quotas={"chat": "16KiB"})
+    assert (cpu.tenants.share("chat"), cpu.tenants.share("anon"), cpu.tenants.share("x")) == (4, 2, 2)
+    out = cpu.prepare_store(keys(1), ReqContext("no-tenant"))
+    cpu.complete_store(out.keys_to_store, ReqContext("no-tenant"))
+    assert cpu.tenants.held == {"anon": 1}
+
+
+def test_counters_by_tenant_name_the_most_active_and_sum_the_rest_as_other():
+    cpu = manager(metric_tenants=1, num_blocks=16)
+    for tenant, ids in (("a", (0, 1, 2)), ("b", (10,)), ("c", (20,))):
+        store(cpu, tenant, *ids)
+        for key in keys(*ids, 99):
+            cpu.lookup(key, ctx(tenant))
+    stats = cpu.tenants.stats()
+    assert set(stats) == {"a", "other"}
+    assert stats["a"]["counters"] == {"hits": 3, "misses": 1, "blocks_stored": 3, "bytes_stored": 3 * ROW}
+    assert stats["other"]["counters"]["hits"] == 2 and stats["other"]["gauges"]["blocks"] == 2
+
+
+def test_a_failed_store_and_a_reset_give_the_rows_back_to_no_one():
+    cpu = manager()
+    out = cpu.prepare_store(keys(1, 2), ctx("a"))
+    cpu.complete_store(out.keys_to_store, ctx("a"), success=False)
+    assert cpu.tenants.held["a"] == 0
+    store(cpu, "a", 3)
+    cpu.reset_cache()
+    assert cpu.tenants.held["a"] == 0 and not cpu.tenants.owner
+
+
+def test_tenant_metrics_carry_a_tenant_label(tmp_path):
+    from tests.helpers import Engine
+
+    engine = Engine({"type": "memory"})
+    try:
+        shares = TenantShares(TenantsConfig(), 4, ROW)
+        engine.primary.tenants = shares
+        engine.manager.prepare_store(keys(1), ctx("acme"))
+        engine.manager.lookup(keys(2)[0], ctx("acme"))
+        exporter = PrometheusExporter(0)
+        try:
+            exporter.publish(engine.manager.get_stats())
+            text = generate_latest(exporter.registry).decode()
+        finally:
+            exporter.close()
+    finally:
+        engine.close()
+    assert 'tiering_tenant_misses_total{tenant="acme"} 1.0' in text
+    assert 'tiering_tenant_blocks{tenant="acme"} 1.0' in text
+
+
+@pytest.mark.parametrize(
+    ("tenants", "message"),
+    [
+        ("{default_share: 0}", "tenants.default_share: expected a fraction of the tier (0 < x <= 1) or bytes"),
+        ("{quotas: {chat: lots}}", "tenants.quotas.chat: expected a fraction of the tier"),
+        ("{quota: {}}", "tenants.quota: unknown key"),
+        ("{metric_tenants: 0}", "tenants.metric_tenants: Input should be greater than or equal to 1"),
+    ],
+)
+def test_bad_tenant_configs_name_the_key(tenants, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(f"cpu_bytes_to_use: 1GiB\ntenants: {tenants}")
