@@ -138,7 +138,7 @@ def test_a_rerun_over_a_used_directory_never_exceeds_its_bound_and_leaves_no_fil
         output = tmp_path / f"run{run}.json"
         assert cli.main([*argv, "--output", str(output)]) == 0
         report = json.loads(output.read_text())
-        assert report["schema_version"] == 4 and not report["inputs"]["warm_start"]
+        assert report["schema_version"] == 5 and not report["inputs"]["warm_start"]
         assert report["hit_rate"]["total"] <= report["prefix_hit_rate"] + 1e-9  # (it may reach it exactly)
         assert report["prefix_hit_rate"] <= report["unbounded_hit_rate"]
         assert list(root.iterdir()) == []  # the run's namespace was removed
@@ -518,3 +518,26 @@ def test_an_interrupted_replay_writes_its_partial_results_and_leaves_nothing_beh
     assert not region.exists()
     replayed = synthetic("multi-turn", 100000)[: report["requests"]]
     assert report["inputs"]["trace_span_s"] == (replayed[-1].timestamp_ms - replayed[0].timestamp_ms) / 1000
+
+
+def test_a_tenant_share_keeps_the_replay_hit_rate_under_a_neighbours_flood(tmp_path):
+    """The conversation trace as tenant 'replay', and a second tenant sending 10 prompts of
+    blocks nobody else has per replayed request: without shares its CPU hit rate halves;
+    with 90% of the tier as its share it stays within 10% of the rate it has alone."""
+    tenants = {
+        "alone": "",
+        "flood without shares": "tenants: {}\n",
+        "flood with shares": "tenants: {default_share: 0.1, quotas: {replay: 0.9}}\n",
+    }
+    rates = {}
+    for name, section in tenants.items():
+        config, output = tmp_path / f"{len(rates)}.yaml", tmp_path / f"{len(rates)}.json"
+        config.write_text(f"cpu_bytes_to_use: 32MiB\n{section}")
+        argv = ["--config", str(config), "--trace", str(TRACE), "--max-requests", "1000", "--block-bytes", "4KiB"]
+        flood = [] if name == "alone" else ["--flood", "10"]
+        assert cli.main([*argv, *flood, "--gpu-cache-blocks", "0", "--quiet", "--output", str(output)]) == 0
+        report = json.loads(output.read_text())
+        rates[name] = report["hit_rate"]["cpu"] if name == "alone" else report["hit_rate_by_tenant"]["replay"]["cpu"]
+    assert rates["alone"] > 0.1
+    assert rates["flood with shares"] >= 0.9 * rates["alone"]
+    assert rates["flood without shares"] <= 0.6 * rates["alone"]

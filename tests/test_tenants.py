@@ -15,7 +15,7 @@ ROW = 4096
 
 
 def manager(num_blocks=8, policy="lru", **tenants):
-    shares = None if tenants.get("off") else TenantShares(TenantsConfig(**tenants), num_blocks, ROW)
+    shares = None if tenants.get("off") else TenantShares(TenantsConfig(**tenants), num_blocks, ROW, policy)
     return CPUOffloadingManager(num_blocks, policy, tenants=shares)
 
 

@@ -13,7 +13,7 @@ from typing import Protocol
 from tiering.abstract import OffloadingManager
 from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
-from tiering.policies import BlockStatus, make_cache_policy
+from tiering.policies import BlockStatus, CachePolicy, make_cache_policy
 from tiering.request_access import RequestAccesses
 from tiering.stats import TierStats, worth_logging
 from tiering.tenants import TenantsConfig, TenantShares
@@ -90,12 +90,12 @@ class CPUOffloadingManager(OffloadingManager):
     @property
     def num_free_blocks(self) -> int:
         """Rows that hold no block and are not quarantined."""
-        return self.num_blocks - len(self._policy) - len(self._quarantined)
+        return self.num_blocks - len(self._resident) - len(self._quarantined)
 
     def coldest(self, n: int) -> list[OffloadKey]:
         """Up to `n` resident blocks in the order the policy would evict them, busy ones
         included. Scheduler thread."""
-        return self._policy.coldest(n)
+        return self._policy.coldest(n) if self.tenants is None else self.tenants.coldest(n)
 
     def ref_count(self, key: OffloadKey) -> int | None:
         """The ref count of `key`'s row, or None if the key is not resident."""
@@ -133,7 +133,7 @@ class CPUOffloadingManager(OffloadingManager):
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Record a use of the resident `keys` now; the first one ends up the most recent.
         (vLLM's scheduler does not call it: its requests' uses are applied when they finish.)"""
-        self._policy.touch(keys)
+        self._policy_of(req_context).touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Release one reader of each key's row.
@@ -163,7 +163,7 @@ class CPUOffloadingManager(OffloadingManager):
     def _reserve(
         self, keys: Collection[OffloadKey], req_context: ReqContext, refused_counter: str
     ) -> PrepareStoreOutput | None:
-        policy, resident = self._policy, self._resident
+        policy, resident = self._policy_of(req_context), self._resident
         unique = dict.fromkeys(keys)
         keys_to_store = [key for key in unique if key not in resident]
         ready: list[OffloadKey] = []
@@ -187,7 +187,7 @@ class CPUOffloadingManager(OffloadingManager):
             if tenants is None:
                 victims = policy.evict(shortfall, protected=set(keys))
             else:
-                victims = tenants.evict(policy, shortfall, set(keys), tenant, len(keys_to_store))
+                victims = tenants.evict(shortfall, set(keys), tenant, len(keys_to_store))
             if victims is None:
                 self._refuse(refused_counter, len(unique), tenants is not None)
                 return None
@@ -196,17 +196,16 @@ class CPUOffloadingManager(OffloadingManager):
                 self._free_block_ids.append(block.block_id)
                 evicted.append(key)
             self._counters["evictions"] += len(victims)
-            if tenants is not None:
-                tenants.removed(evicted)
             self._emit(evicted, removed=True)
         block_ids = [self._allocate_block_id() for _ in keys_to_store]
         self._rows_writing += len(block_ids)
         for key, block_id in zip(keys_to_store, block_ids, strict=True):
             block = resident[key] = BlockStatus(block_id)
-            policy.insert(key, block)
+            if tenants is None:
+                policy.insert(key, block)
+            else:
+                tenants.insert(key, block, tenant)
         access.inserted.update(keys_to_store)
-        if tenants is not None:
-            tenants.added(keys_to_store, tenant)
         return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted)
 
     def _refuse(self, refused_counter: str, blocks: int, shared: bool = False) -> None:
@@ -309,11 +308,12 @@ class CPUOffloadingManager(OffloadingManager):
         for key in keys:
             block = self._resident.get(key)
             if block is not None and block.ref_cnt == -1:
-                self._policy.remove(key)
+                if self.tenants is None:
+                    self._policy.remove(key)
+                else:
+                    self.tenants.remove(key)
                 del self._resident[key]
                 rows.append(block.block_id)
-                if self.tenants is not None:
-                    self.tenants.removed([key])
         self._counters["blocks_store_failed"] += len(rows)
         self._rows_writing -= len(rows)
         return rows
@@ -327,7 +327,8 @@ class CPUOffloadingManager(OffloadingManager):
         recorded access, or finished twice, changes nothing."""
         access = self._accesses.finished(req_context.req_id)
         if access is not None and access.keys:
-            self._policy.on_request_finished(access.prefix_order(req_context), access.inserted, access.reused)
+            policy = self._policy_of(req_context)
+            policy.on_request_finished(access.prefix_order(req_context), access.inserted, access.reused)
 
     def get_stats(self) -> TierStats:
         """Counters (lookups by answer, blocks stored and loaded, evictions, refused stores as
@@ -343,7 +344,7 @@ class CPUOffloadingManager(OffloadingManager):
             **{name: dict(reasons) for name, reasons in self._refusals.items()},
         }
         gauges = {
-            "blocks": len(self._policy),
+            "blocks": len(self._resident),
             "capacity_blocks": self.num_blocks,
             "rows_reading": self._rows_reading,
             "rows_writing": self._rows_writing,
@@ -377,13 +378,17 @@ class CPUOffloadingManager(OffloadingManager):
         self._quarantined.update(keep_rows)
         self._policy = make_cache_policy(self._cache_policy, self.num_blocks)
         if self.tenants is not None:
-            self.tenants.removed(list(self._resident))
+            self.tenants.reset()
         self._resident.clear()
         self._accesses.clear()
         self._rows_reading = self._rows_writing = 0
         quarantined = self._quarantined
         # Lowest row first (`_allocate_block_id` pops from the end).
         self._free_block_ids = [row for row in reversed(range(self._num_ids_used)) if row not in quarantined]
+
+    def _policy_of(self, req_context: ReqContext) -> CachePolicy:
+        """The policy that ranks the blocks of `req_context`'s request (its tenant's)."""
+        return self._policy if self.tenants is None else self.tenants.policy(self.tenants.tenant_of(req_context))
 
     def _blocks(self, keys: Collection[OffloadKey], caller: str, min_ref_cnt: int) -> list[BlockStatus]:
         """The resident blocks of `keys`, each with a ref count of at least `min_ref_cnt`.
@@ -461,7 +466,8 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         kv_view = mmap_region.create_kv_memoryview()
         if kv_view.ndim != 2 or kv_view.shape is None or kv_view.shape[0] != num_blocks:
             raise ValueError(f"region view has shape {kv_view.shape}; expected ({num_blocks}, row_bytes)")
-        shares = None if tenants is None else TenantShares(tenants, num_blocks, kv_view.nbytes // max(1, num_blocks))
+        row_bytes = kv_view.nbytes // max(1, num_blocks)
+        shares = None if tenants is None else TenantShares(tenants, num_blocks, row_bytes, cache_policy)
         super().__init__(num_blocks, cache_policy, enable_events, shares)
         self._region: KVRegion | None = mmap_region
         self._kv_view = kv_view

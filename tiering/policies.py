@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from itertools import islice
+from typing import Any
 
 from tiering.keys import OffloadKey
 from tiering.sketch import CountMinSketch
@@ -82,14 +83,27 @@ class CachePolicy(ABC):
         `keys` (the head ends most recent)."""
         self.touch(keys)
 
-    @abstractmethod
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        """Remove `n` idle blocks that are not in `protected`, least valuable first.
+        """Remove `n` idle blocks that are not in `protected`, least valuable first. The
+        default: `candidates`, then `evict_candidates`.
 
         Returns:
             The removed (key, block) pairs, or None, removing nothing, if fewer than `n`
             blocks can be evicted.
         """
+        chosen = self.candidates(n, protected)
+        return None if len(chosen) < n else self.evict_candidates(chosen)
+
+    def candidates(self, n: int, protected: Container[OffloadKey]) -> list[Any]:
+        """Up to `n` idle blocks not in `protected`, in the order `evict` takes them, as
+        tokens for `evict_candidates`; changes nothing. (Eviction across tenants plans with
+        it; a policy without it cannot serve tenants.)"""
+        raise NotImplementedError(f"{type(self).__name__} cannot list eviction candidates")
+
+    def evict_candidates(self, chosen: list[Any]) -> list[tuple[OffloadKey, BlockStatus]]:
+        """Evict blocks `candidates` returned, with nothing changed in between; returns them
+        as (key, block) pairs."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list eviction candidates")
 
     @abstractmethod
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
@@ -167,13 +181,13 @@ class LRUCachePolicy(CachePolicy):
             if key in blocks:
                 blocks.move_to_end(key)
 
-    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        victims = list(islice(_evictable(self._blocks, protected), n))
-        if len(victims) < n:
-            return None
-        for key, _ in victims:
+    def candidates(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]]:
+        return list(islice(_evictable(self._blocks, protected), n))
+
+    def evict_candidates(self, chosen: list[tuple[OffloadKey, BlockStatus]]) -> list[tuple[OffloadKey, BlockStatus]]:
+        for key, _ in chosen:
             del self._blocks[key]
-        return victims
+        return chosen
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         return iter(list(self._blocks.items()))
@@ -277,17 +291,26 @@ class ARCCachePolicy(CachePolicy):
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         victims = self._evict_from_one_list(n, protected)
         if victims is None:  # from both lists: `_victims` chooses block by block
-            chosen = list(islice(self._victims(protected), n))
-            if len(chosen) < n:
-                return None
-            for key, _, in_t1 in chosen:
-                (self._b1 if in_t1 else self._b2)[key] = None
-                del (self._t1 if in_t1 else self._t2)[key]
-            victims = [(key, block) for key, block, _ in chosen]
+            return super().evict(n, protected)
+        self._trim_ghosts()
+        return victims
+
+    def candidates(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus, bool]]:
+        return list(islice(self._victims(protected), n))
+
+    def evict_candidates(
+        self, chosen: list[tuple[OffloadKey, BlockStatus, bool]]
+    ) -> list[tuple[OffloadKey, BlockStatus]]:
+        for key, _, in_t1 in chosen:
+            (self._b1 if in_t1 else self._b2)[key] = None
+            del (self._t1 if in_t1 else self._t2)[key]
+        self._trim_ghosts()
+        return [(key, block) for key, block, _ in chosen]
+
+    def _trim_ghosts(self) -> None:
         for ghosts in (self._b1, self._b2):
             for _ in range(len(ghosts) - self.capacity):
                 ghosts.popitem(last=False)
-        return victims
 
     def _evict_from_one_list(
         self, n: int, protected: Container[OffloadKey]
@@ -414,9 +437,11 @@ class ARCSCachePolicy(ARCCachePolicy):
                 into[key] = other.pop(key)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        chosen = list(islice(self._victims(protected), n))
-        if len(chosen) < n:
-            return None
+        return CachePolicy.evict(self, n, protected)  # ARC's one-list shortcut orders blocks as ARC does
+
+    def evict_candidates(
+        self, chosen: list[tuple[OffloadKey, BlockStatus, bool]]
+    ) -> list[tuple[OffloadKey, BlockStatus]]:
         victims = []
         for key, block, in_t1 in chosen:
             del (self._t1 if in_t1 else self._t2)[key]

@@ -2,12 +2,15 @@
 
 Tenants of one engine share its CPU tier, so one tenant's burst of new prompts would evict
 every other tenant's prefixes. With a ``tenants`` config each tenant has a share of the
-tier's rows (a fraction of them, or bytes), and eviction follows two rules:
+tier's rows (a fraction of them, or bytes) and its blocks are ranked by a policy of their
+own (the configured one: LRU, ARC, ...), and eviction follows these rules:
 
-- a store or promotion evicts from tenants over their share first;
-- a tenant over its share (counting the blocks it is adding) evicts only from tenants over
-  theirs and from itself: a tenant within its share is never evicted to make room for one
-  beyond it. Without such blocks idle, the call is refused, as when every row is busy.
+- a store or promotion evicts from tenants over their share first, the most over first,
+  each down to its share, in its own policy's order;
+- then, a tenant beyond its share (counting the blocks it is adding) evicts its own
+  blocks: a tenant within its share is never evicted to make room for one beyond it.
+  Without such blocks idle, the call is refused (``tenant_share``);
+- a tenant within its share takes the rest from the fullest tenants for their share.
 
 Shares are not reservations: rows a tenant does not use serve the others until it needs
 them back. A request's tenant is `ReqContext.tenant`, or `TenantsConfig.default_tenant` when
@@ -22,14 +25,14 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Container, Iterable
+from collections.abc import Container
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, Field
 
 from tiering.keys import OffloadKey, ReqContext
 from tiering.options import STRICT, Count, parse_size
-from tiering.policies import BlockStatus, CachePolicy
+from tiering.policies import BlockStatus, CachePolicy, make_cache_policy
 
 OTHER = "other"  # the label of the tenants beyond the `metric_tenants` most active
 
@@ -69,26 +72,35 @@ class TenantsConfig(BaseModel):
 
 
 class TenantShares:
-    """Owners and shares of a CPU tier's rows, and the choice of victims that respects them.
+    """Owners, shares and per-tenant eviction order of a CPU tier's rows.
 
     Args:
         config: the tenants and their shares.
         num_blocks: rows of the tier.
         row_bytes: bytes of one row (shares in bytes become rows).
+        cache_policy: the eviction policy each tenant's blocks are ranked by.
+
+    Raises:
+        ValueError: the policy cannot list eviction candidates (`CachePolicy.candidates`).
     """
 
-    def __init__(self, config: TenantsConfig, num_blocks: int, row_bytes: int):
+    def __init__(self, config: TenantsConfig, num_blocks: int, row_bytes: int, cache_policy: str = "lru"):
         self.config = config
         self.row_bytes = row_bytes
-        self._default_rows = self._rows(config.default_share, num_blocks)
-        self._rows_by_tenant = {name: self._rows(share, num_blocks) for name, share in config.quotas.items()}
+        self.num_blocks = num_blocks
+        self._cache_policy = cache_policy
+        if type(make_cache_policy(cache_policy, 1)).candidates is CachePolicy.candidates:
+            raise ValueError(f"eviction policy {cache_policy!r} cannot serve tenants: it lists no eviction candidates")
+        self._default_rows = self._rows(config.default_share)
+        self._rows_by_tenant = {name: self._rows(share) for name, share in config.quotas.items()}
+        self._policies: dict[str, CachePolicy] = {}
         self.owner: dict[OffloadKey, str] = {}
         self.held: Counter[str] = Counter()
         self.counters: dict[str, Counter[str]] = {}
 
-    def _rows(self, share: float | int, num_blocks: int) -> int:
+    def _rows(self, share: float | int) -> int:
         if isinstance(share, float):
-            return max(1, int(share * num_blocks))
+            return max(1, int(share * self.num_blocks))
         return max(1, share // self.row_bytes)
 
     def tenant_of(self, req_context: ReqContext) -> str:
@@ -99,6 +111,13 @@ class TenantShares:
         """Rows `tenant` may hold while others need them."""
         return self._rows_by_tenant.get(tenant, self._default_rows)
 
+    def policy(self, tenant: str) -> CachePolicy:
+        """The policy that ranks `tenant`'s blocks."""
+        policy = self._policies.get(tenant)
+        if policy is None:
+            policy = self._policies[tenant] = make_cache_policy(self._cache_policy, self.num_blocks)
+        return policy
+
     def count(self, tenant: str, name: str, amount: int = 1) -> None:
         """Add `amount` to `tenant`'s counter `name` (``hits``, ``misses``, ``blocks_stored``)."""
         counters = self.counters.get(tenant)
@@ -106,40 +125,78 @@ class TenantShares:
             counters = self.counters[tenant] = Counter()
         counters[name] += amount
 
-    def added(self, keys: Iterable[OffloadKey], tenant: str) -> None:
-        """`keys` got rows for `tenant`."""
-        owner = self.owner
-        added = 0
-        for key in keys:
-            owner[key] = tenant
-            added += 1
-        self.held[tenant] += added
+    def insert(self, key: OffloadKey, block: BlockStatus, tenant: str) -> None:
+        """`key` got a row for `tenant`: ranked by its policy as the most recent."""
+        self.owner[key] = tenant
+        self.held[tenant] += 1
+        self.policy(tenant).insert(key, block)
 
-    def removed(self, keys: Iterable[OffloadKey]) -> None:
-        """`keys` lost their rows (evicted, dropped, reset)."""
-        owner, held = self.owner, self.held
-        for key in keys:
-            tenant = owner.pop(key, None)
-            if tenant is not None:
-                held[tenant] -= 1
+    def remove(self, key: OffloadKey) -> None:
+        """`key` lost its row without being evicted (a failed write)."""
+        tenant = self.owner.pop(key, None)
+        if tenant is not None:
+            self.held[tenant] -= 1
+            self._policies[tenant].remove(key)
+
+    def reset(self) -> None:
+        """Forget every block (the counters stay)."""
+        self._policies.clear()
+        self.owner.clear()
+        self.held.clear()
+
+    def coldest(self, n: int) -> list[OffloadKey]:
+        """Up to `n` blocks as eviction would start on them: the tenants fullest for their
+        share first, each in its policy's order (busy blocks included)."""
+        out: list[OffloadKey] = []
+        for tenant in self._fullest():
+            out += self._policies[tenant].coldest(n - len(out))
+            if len(out) >= n:
+                break
+        return out
 
     def evict(
-        self, policy: CachePolicy, n: int, protected: Container[OffloadKey], tenant: str, adding: int
+        self, n: int, protected: Container[OffloadKey], tenant: str, adding: int
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        """`n` victims for `tenant`, which is adding `adding` blocks, by the rules of the
-        module docstring, in `policy`'s order; None (nothing evicted) if there are too few."""
-        held = self.held
-        over = {name for name, rows in held.items() if rows > self.share(name)}
+        """`n` idle blocks not in `protected` evicted for `tenant`, which is adding `adding`
+        blocks, by the rules of the module docstring; None (nothing evicted) if there are
+        too few."""
+        held, planned = self.held, Counter[str]()
+        plan: dict[str, list[Any]] = {}
+
+        def take(name: str, count: int) -> None:
+            already = planned[name]
+            chosen = self._policies[name].candidates(already + count, protected)[already:]
+            plan.setdefault(name, []).extend(chosen)
+            planned[name] += len(chosen)
+
+        over = sorted((rows - self.share(name), name) for name, rows in held.items() if rows > self.share(name))
+        for excess, name in reversed(over):
+            take(name, min(n - sum(planned.values()), excess))
+            if sum(planned.values()) == n:
+                break
         beyond = held[tenant] + adding > self.share(tenant)
-        if beyond:
-            over.add(tenant)
-        if over:
-            victims = policy.evict(n, _OwnedOutside(protected, self.owner, over))
-            if victims is not None or beyond:
-                return victims
-        elif beyond:
+        for name in [tenant] if beyond else self._fullest():
+            missing = n - sum(planned.values())
+            if missing == 0:
+                break
+            if name in self._policies:
+                take(name, missing)
+        if sum(planned.values()) < n:
             return None
-        return policy.evict(n, protected)
+        victims = []
+        for name, chosen in plan.items():
+            evicted = self._policies[name].evict_candidates(chosen)
+            for key, _ in evicted:
+                del self.owner[key]
+            held[name] -= len(evicted)
+            victims += evicted
+        return victims
+
+    def _fullest(self) -> list[str]:
+        """Tenants with blocks, the fullest for their share first."""
+        return sorted(
+            (name for name in self._policies if self.held[name]), key=lambda name: -self.held[name] / self.share(name)
+        )
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Counters and gauges by tenant: the `metric_tenants` with the most lookups by
@@ -163,16 +220,3 @@ class TenantShares:
             }
             part["gauges"] = {**part["gauges"], "bytes": part["gauges"]["blocks"] * self.row_bytes}
         return out
-
-
-class _OwnedOutside(Container[OffloadKey]):
-    """Keys `protected`, and keys owned by tenants not in `allowed`: what an eviction that
-    may only take from `allowed` must leave."""
-
-    __slots__ = ("_allowed", "_owner", "_protected")
-
-    def __init__(self, protected: Container[OffloadKey], owner: dict[OffloadKey, str], allowed: set[str]):
-        self._protected, self._owner, self._allowed = protected, owner, allowed
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._protected or self._owner.get(key) not in self._allowed  # type: ignore[call-overload]

@@ -43,7 +43,7 @@ from tiering import (
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
 from tiering.benchmarks.loadgen.run import SchedulerLoop
-from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_trace, synthetic
+from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_trace, synthetic, with_flood
 from tiering.errors import describe, describe_bind_error
 from tiering.options import parse_size
 from tiering.spec import MODEL_PRESETS
@@ -166,6 +166,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="replay seconds per trace second: 1 replays at the trace's own pace, 2 at half its speed, 0.5 at twice; "
         "0 (default): flat out",
     )
+    parser.add_argument(
+        "--flood",
+        type=_positive,
+        metavar="FACTOR",
+        help="a second tenant ('flood') sends FACTOR prompts of blocks nobody else has per replayed request, each "
+        "as long as it; the replayed requests become tenant 'replay' (shares: the config's tenants section)",
+    )
     parser.add_argument("--verify", action="store_true", help="check every loaded byte")
     parser.add_argument("--output", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, help="write hit rates over the run as PNG")
@@ -262,6 +269,8 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
             requests = synthetic(args.workload, args.max_requests or 300, args.seed)
         if not requests:
             raise ValueError("no requests to replay")
+        if args.flood:
+            requests = with_flood(requests, args.flood)
         longest = max(len(request.hash_ids) for request in requests)
         prefix_cache = args.gpu_blocks != 0
         gpu_blocks = args.gpu_blocks or max(64 if prefix_cache else 1, longest)
@@ -316,6 +325,7 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
                 "warm_start": args.warm_start,
                 "namespace": layout.model,
                 "time_scale": args.time_scale,
+                "flood": args.flood,
                 "seed": args.seed,
                 "device": str(engine.device),
                 "trace_span_s": (replayed[-1].timestamp_ms - replayed[0].timestamp_ms) / 1000.0 if replayed else 0.0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,17 +17,16 @@ from tiering.context import PRIMARY_NAME
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # 2: prefix_hit_rate, each tier's cascades_dropped and cascades_filtered; 3: interrupted;
-# 4: tiers' store_gbps/load_gbps over their busy time (store_busy_s, load_busy_s), `engine`
+# 4: tiers' store_gbps/load_gbps over their busy time (store_busy_s, load_busy_s), `engine`;
+# 5: hit_rate_by_tenant (requests that name a tenant, as with --flood)
 
 
 def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, float], inputs: dict[str, Any]) -> dict:
     """Everything measured, as a JSON-ready dict (durations in seconds unless named _us/_ms)."""
-    total = max(1, sum(stats.tokens.values()))
     sources = ["gpu", "cpu", *engine.manager.tier_names]
-    hit_rate = {source: stats.tokens[source] / total for source in sources}
-    hit_rate["total"] = 1 - stats.tokens["miss"] / total
+    hit_rate = _hit_rates(stats.tokens, sources)
     engine_stats = engine.manager.get_stats()
     tiers = {}
     for name, tier_stats in engine_stats["tiers"].items():  # with each tier's admission
@@ -62,6 +62,7 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
         "realtime_factor": trace_span / stats.wall_s if stats.wall_s else None,
         "max_lag_s": max(stats.lag_s, default=0.0),
         "hit_rate": hit_rate,
+        "hit_rate_by_tenant": {tenant: _hit_rates(tokens, sources) for tenant, tokens in stats.tenant_tokens.items()},
         "unbounded_hit_rate": bounds["unbounded"],
         "prefix_hit_rate": bounds["prefix"],
         "belady_hit_rate": bounds["belady"],
@@ -77,6 +78,14 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
         "latency_us": {name: _percentiles(samples, 1e3) for name, samples in sorted(stats.calls_ns.items())},
         "promotion_latency_ms": _percentiles(stats.promotion_s, 1e-3),
     }
+
+
+def _hit_rates(tokens: Counter, sources: list[str]) -> dict[str, float]:
+    """Each source's share of the tokens, and ``total``: the share not missed."""
+    total = max(1, sum(tokens.values()))
+    rates = {source: tokens[source] / total for source in sources}
+    rates["total"] = 1 - tokens["miss"] / total
+    return rates
 
 
 def _engine_counts(engine_stats: dict[str, Any]) -> dict[str, Any]:
@@ -122,6 +131,13 @@ def print_summary(report: dict, console: Console) -> None:
     if report["realtime_factor"] is not None:
         hits.add_row("replay speed vs the trace's clock", f"{report['realtime_factor']:.1f}x")
     console.print(hits)
+    if report["hit_rate_by_tenant"]:
+        tenants = Table(title="Hit rate by tenant (tokens)", box=box.SIMPLE)
+        for column in ("tenant", *next(iter(report["hit_rate_by_tenant"].values()))):
+            tenants.add_column(column, justify="left" if column == "tenant" else "right")
+        for tenant, rates in report["hit_rate_by_tenant"].items():
+            tenants.add_row(tenant, *(f"{rate:.1%}" for rate in rates.values()))
+        console.print(tenants)
     tiers = Table(title="Secondary tiers (GB/s: while busy storing or loading)", box=box.SIMPLE, pad_edge=False)
     tiers.add_column("tier", overflow="fold")  # a long name folds; the numbers never shrink
     for column in ("stored", "GB/s", "loaded", "GB/s", "evicted", "failed", "dropped", "health"):

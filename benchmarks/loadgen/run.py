@@ -9,6 +9,7 @@ Every manager call is timed; hits are counted in tokens by the tier that served 
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import Counter, defaultdict
@@ -29,6 +30,7 @@ class RunStats:
 
     requests: int = 0
     tokens: Counter = field(default_factory=Counter)  # by source: gpu, cpu, a tier name, miss
+    tenant_tokens: dict[str, Counter] = field(default_factory=dict)  # the same, by tenant (requests naming one)
     verify_failures: int = 0
     failed_loads: int = 0
     store_refused_blocks: int = 0  # prepare_store found no evictable room
@@ -38,6 +40,15 @@ class RunStats:
     timeline: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (request, tokens so far)
     wall_s: float = 0.0
     interrupted: bool = False  # stopped early (Ctrl-C, SIGTERM): the numbers cover `requests` only
+
+
+def block_key(block: int, tenant: str | None) -> bytes:
+    """The key of block id `block` of a request of `tenant`: as vLLM mixes a request's
+    ``cache_salt`` into its block hashes, a tenant's blocks never share a key with another's."""
+    block_hash = block.to_bytes(8, "big")
+    if tenant is not None:
+        block_hash = hashlib.blake2b(block_hash, digest_size=16, key=tenant.encode()[:64]).digest()
+    return make_offload_key(block_hash, 0)
 
 
 class SchedulerLoop:
@@ -105,10 +116,10 @@ class SchedulerLoop:
 
     def _serve(self, index: int, request: Request) -> None:
         engine, stats = self.engine, self.stats
-        context = ReqContext(f"req-{index}")
+        context = ReqContext(f"req-{index}", tenant=request.tenant)
         self._call("on_new_request", self.manager.on_new_request, context)
         # A partial last block is computed, never cached (`Request.full_blocks`).
-        keys = [make_offload_key(block.to_bytes(8, "big"), 0) for block in request.hash_ids[: request.full_blocks()]]
+        keys = [block_key(block, request.tenant) for block in request.hash_ids[: request.full_blocks()]]
         tokens = request.block_tokens()
         gpu_hits = engine.gpu_prefix(keys)
         offload_hits, sources = self._lookup_prefix(keys[gpu_hits:], context)
@@ -126,10 +137,12 @@ class SchedulerLoop:
         self._call("on_schedule_end", self.manager.on_schedule_end)
         self._call("on_request_finished", self.manager.on_request_finished, context)
         stats.requests += 1
-        stats.tokens["gpu"] += sum(tokens[:gpu_hits])
+        served = Counter({"gpu": sum(tokens[:gpu_hits]), "miss": sum(tokens[gpu_hits + offload_hits :])})
         for position, source in enumerate(sources[:offload_hits], start=gpu_hits):
-            stats.tokens[source] += tokens[position]
-        stats.tokens["miss"] += sum(tokens[gpu_hits + offload_hits :])
+            served[source] += tokens[position]
+        stats.tokens.update(served)
+        if request.tenant is not None:
+            stats.tenant_tokens.setdefault(request.tenant, Counter()).update(served)
 
     def _lookup_prefix(self, keys: list[bytes], context: ReqContext) -> tuple[int, list[str]]:
         """How many leading `keys` are offload hits, and which tier served each.

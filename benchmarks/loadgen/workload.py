@@ -2,7 +2,7 @@
 
 A request is a list of prefix block ids (equal ids are the same KV block, whose prefix is
 the same too) of `BLOCK_TOKENS` tokens each, the last one possibly partial (never cached:
-see `Request.full_blocks`).
+see `Request.full_blocks`), and the tenant it is for (None: the engine's default).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 
 BLOCK_TOKENS = 512  # tokens per block id in the Mooncake traces
 WORKLOADS = ("multi-turn", "long-doc", "zipf", "shared-prefix")
+REPLAY_TENANT, FLOOD_TENANT = "replay", "flood"  # the two tenants of `with_flood`
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Request:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    tenant: str | None = None
 
     def block_tokens(self) -> list[int]:
         """Tokens of each block: full blocks, then the remainder of the prompt."""
@@ -135,6 +137,31 @@ def synthetic(name: str, num_requests: int, seed: int = 0) -> list[Request]:
         Request(float(t), BLOCK_TOKENS * len(b) - int(rng.integers(0, BLOCK_TOKENS)), 256, tuple(b))
         for t, b in zip(times, blocks, strict=True)
     ]
+
+
+def with_flood(requests: list[Request], factor: int) -> list[Request]:
+    """`requests` as tenant `REPLAY_TENANT`, and between each of them and the next, `factor`
+    prompts of tenant `FLOOD_TENANT` of the same size whose blocks no other request has:
+    a neighbour flooding the engine with unique prompts at `factor` times the replay's rate.
+
+    Raises:
+        ValueError: `factor` is below 1.
+    """
+    if factor < 1:
+        raise ValueError(f"the flood factor must be at least 1, got {factor}")
+    fresh = itertools.count(max((max(r.hash_ids, default=0) for r in requests), default=0) + 1)
+    out: list[Request] = []
+    for request, after in zip(requests, [*requests[1:], None], strict=True):
+        out.append(
+            Request(request.timestamp_ms, request.input_length, request.output_length, request.hash_ids, REPLAY_TENANT)
+        )
+        gap = 0.0 if after is None else (after.timestamp_ms - request.timestamp_ms) / (factor + 1)
+        for i in range(1, factor + 1):
+            ids = tuple(itertools.islice(fresh, len(request.hash_ids)))
+            out.append(
+                Request(request.timestamp_ms + i * gap, request.input_length, request.output_length, ids, FLOOD_TENANT)
+            )
+    return out
 
 
 def _multi_turn(rng: np.random.Generator, ids: Iterator[int]) -> Iterator[list[int]]:
