@@ -2,11 +2,14 @@
 
 import re
 
+import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from tests.helpers import keys
+from tests.helpers import ROW as HELPER_ROW
+from tests.helpers import block_bytes, keys
 from tiering import ConfigError, CPUOffloadingManager, ReqContext
+from tiering.benchmarks.loadgen.run import block_key
 from tiering.config import parse_config
 from tiering.metrics import PrometheusExporter
 from tiering.tenants import TenantsConfig, TenantShares
@@ -144,3 +147,50 @@ def test_tenant_metrics_carry_a_tenant_label(tmp_path):
 def test_bad_tenant_configs_name_the_key(tenants, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config(f"cpu_bytes_to_use: 1GiB\ntenants: {tenants}")
+
+
+def tier_config(kind, request, tmp_path):
+    """A tier config of `kind`: one engine's own (memory) or shared by engines (the rest)."""
+    if kind == "memory":
+        return {"type": "memory"}
+    if kind == "file":
+        return {"type": "file", "root_dir": str(tmp_path / "shared"), "probe_misses": True}
+    if kind == "s3":
+        server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+        return {"type": "s3", "bucket": bucket, "endpoint_url": server.endpoint_url}
+    from tests.test_valkey_store import valkey_config
+
+    return valkey_config(request.getfixturevalue("valkey_server"), request.getfixturevalue("key_prefix"))
+
+
+def tenant_keys(tenant, *ids):
+    return [block_key(i, tenant) for i in ids]
+
+
+def store_as(engine, tenant, ids):
+    out = engine.manager.prepare_store(tenant_keys(tenant, *ids), ctx(tenant))
+    for k, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+        engine.rows[row] = np.frombuffer(block_bytes(k, HELPER_ROW), dtype=engine.rows.dtype)
+    engine.manager.complete_store(out.keys_to_store, ctx(tenant))
+    engine.settle()
+
+
+def lookups_until_done(engine, tenant, ids, steps=10):
+    for _ in range(steps):
+        answers = [engine.manager.lookup(k, ctx(tenant)) for k in tenant_keys(tenant, *ids)]
+        engine.settle()
+        if None not in answers:
+            return answers
+    raise AssertionError("still in flight")
+
+
+@pytest.mark.parametrize("kind", ["memory", "file", "s3", "valkey"])
+def test_tenants_with_the_same_tokens_never_share_a_key_in_any_tier_or_probe(kind, request, tmp_path, engine_factory):
+    config = tier_config(kind, request, tmp_path)
+    engine = engine_factory(config)
+    store_as(engine, "acme", [0, 1, 2, 3])  # the same block ids (tokens) for both tenants
+    store_as(engine, "acme", [4, 5, 6, 7])  # the first four leave the CPU tier: only the tier has them
+    readers = [engine] if kind == "memory" else [engine, engine_factory(config)]  # and an engine that probes
+    for reader in readers:
+        assert lookups_until_done(reader, "globex", [0, 1, 2, 3]) == [False] * 4
+        assert lookups_until_done(reader, "acme", [0, 1, 2, 3]) == [True] * 4
