@@ -331,3 +331,25 @@ def test_a_trace_replayed_through_vllm_hits_in_the_engine(model, tmp_path):
     assert (
         engine["primary"]["counters"]["blocks_stored"] > 0 and engine["tiers"]["file"]["counters"]["blocks_stored"] > 0
     )
+
+
+def test_a_requests_cache_salt_is_its_tenant_and_tenants_never_share_blocks(model, baseline):
+    config = {"cpu_bytes_to_use": 2 * CPU_BYTES, "tenants": {"default_share": 0.5}}  # 8 rows each
+    llm = tiny.make_llm(model, config, connector="KVTieringConnector")
+    blocks = FULL_BLOCKS // tiny.BLOCK
+    try:
+        assert tiny.generate(llm, [PROMPT], cache_salt="acme")[0] == (*baseline[tuple(PROMPT)][:2], 0)
+        tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
+        assert llm.reset_prefix_cache()
+        # the same tokens for another tenant: no block of acme's is a hit, the output is right
+        assert tiny.generate(llm, [PROMPT], cache_salt="globex")[0] == (*baseline[tuple(PROMPT)][:2], 0)
+        tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
+        assert llm.reset_prefix_cache()
+        tokens, logprobs, cached = tiny.generate(llm, [PROMPT], cache_salt="acme")[0]  # acme's own: a hit
+        assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
+        tenants = manager_stats()["tenants"]
+    finally:
+        close(llm)
+    for tenant in ("acme", "globex"):
+        assert tenants[tenant]["counters"]["blocks_stored"] == tenants[tenant]["gauges"]["blocks"] == blocks
+    assert tenants["acme"]["counters"]["hits"] >= blocks

@@ -46,12 +46,14 @@ def make_llm(model: Path, extra_config: dict | None = None, connector: str = "Of
     return LLM(**options)
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int = 8):
-    """(token ids, logprobs of the chosen tokens, cached prompt tokens) per prompt, greedy."""
+def generate(llm, prompts: list[list[int]], max_tokens: int = 8, cache_salt: str | None = None):
+    """(token ids, logprobs of the chosen tokens, cached prompt tokens) per prompt, greedy;
+    `cache_salt`: the prompts' salt (their tenant), or None."""
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p, **salt) for p in prompts], params, use_tqdm=False)
     results = []
     for out in outputs:
         completion = out.outputs[0]

@@ -296,6 +296,12 @@ class _Manager(OffloadingManager):
     def __init__(self, manager: TieringOffloadingManager, spec: KVTieringOffloadingSpec):
         self.manager, self.spec = manager, spec
         self._stats = VllmStats(manager)
+        self._salts: dict[str, str] = {}  # request id -> cache_salt, from `KVTieringConnector`
+
+    def set_cache_salt(self, req_id: str, cache_salt: str) -> None:
+        """Make `cache_salt` the tenant of request `req_id` (`tiering.tenants`), from the
+        time vLLM announces the request until it finishes."""
+        self._salts[req_id] = cache_salt
 
     def lookup(self, key: OffloadKey, req_context: Any) -> LookupResult:
         answer = self.manager.lookup(_ours(key), req_context)
@@ -329,11 +335,15 @@ class _Manager(OffloadingManager):
         self.manager.complete_store(_all_ours(keys), req_context, success)
 
     def on_new_request(self, req_context: Any) -> RequestOffloadingContext:
+        salt = self._salts.get(req_context.req_id)
+        if salt is not None:  # vLLM's context is a plain dataclass: its tenant rides along
+            req_context.tenant = salt
         self.manager.on_new_request(req_context)
         return RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)
 
     def on_request_finished(self, req_context: Any) -> None:
         self.manager.on_request_finished(req_context)
+        self._salts.pop(req_context.req_id, None)
 
     def take_events(self) -> Iterable[VllmEvent]:
         for event in self.manager.take_events():

@@ -20,6 +20,9 @@ The last step is vLLM's: its offloading scheduler plans a load on blocks it has 
 cached yet, which holds only for asynchronous loads; a load that feeds the very step
 that scheduled it needs a scheduler-side connector of our own (README, "Use with vLLM").
 
+It also tells the engine each request's ``cache_salt``, which is the request's tenant
+(`tiering.tenants`); under vLLM's own connector every request is the default tenant.
+
 Use it in place of ``OffloadingConnector``; the extra config is the same, with this
 engine's spec as the default::
 
@@ -50,6 +53,16 @@ class KVTieringConnector(OffloadingConnector):
         for key, value in VLLM_SPEC.items():
             extra.setdefault(key, value)
         super().__init__(vllm_config, role, kv_cache_config)
+
+    def on_new_request(self, request: Any) -> None:
+        """vLLM's handling of a new request (scheduler side), its ``cache_salt`` passed to
+        the engine first as the request's tenant."""
+        assert self.connector_scheduler is not None
+        salt = getattr(request, "cache_salt", None)
+        manager = self.connector_scheduler.manager
+        if salt is not None and hasattr(manager, "set_cache_salt"):
+            manager.set_cache_salt(request.request_id, salt)
+        super().on_new_request(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> OffloadingConnectorMetadata:
         """vLLM's metadata; a step with loads starts them before its forward."""
