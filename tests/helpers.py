@@ -203,3 +203,17 @@ class Engine:
 
     def close(self):
         self.manager.shutdown()
+
+
+def metrics_text(manager) -> str:
+    """What Prometheus would scrape from `manager`'s stats now."""
+    from prometheus_client import generate_latest
+
+    from tiering.metrics import PrometheusExporter
+
+    exporter = PrometheusExporter(0)
+    try:
+        exporter.publish(manager.get_stats())
+        return generate_latest(exporter.registry).decode()
+    finally:
+        exporter.close()

@@ -8,12 +8,10 @@ import secrets
 
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
 
-from tests.helpers import CTX, ROW, block_bytes, keys
+from tests.helpers import CTX, ROW, block_bytes, keys, metrics_text
 from tiering import ConfigError, ForgedObjectError
 from tiering.config import parse_config
-from tiering.metrics import PrometheusExporter
 from tiering.seal import Integrity, Seal, Sealed, read_keys
 
 KEYS_ENV = "KV_TIERING_TEST_KEYS"
@@ -219,12 +217,7 @@ def test_secrets_never_appear_in_reprs_stats_metrics_logs_or_errors(keys_a, tmp_
     seal = engine.tier.store.seal
     with pytest.raises(ForgedObjectError) as forged:
         seal.open(Sealed(seal.mode, seal.key_id, b"n" * 12, b"t" * 16, b""), memoryview(bytearray(16)))
-    exporter = PrometheusExporter(0)
-    try:
-        exporter.publish(engine.manager.get_stats())
-        metrics = generate_latest(exporter.registry).decode()
-    finally:
-        exporter.close()
+    metrics = metrics_text(engine.manager)
     texts = [
         repr(engine.tier),
         repr(engine.tier.store),

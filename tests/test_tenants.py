@@ -4,14 +4,12 @@ import re
 
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
 
 from tests.helpers import ROW as HELPER_ROW
-from tests.helpers import block_bytes, keys
+from tests.helpers import block_bytes, keys, metrics_text
 from tiering import ConfigError, CPUOffloadingManager, ReqContext
 from tiering.benchmarks.loadgen.run import block_key
 from tiering.config import parse_config
-from tiering.metrics import PrometheusExporter
 from tiering.tenants import TenantsConfig, TenantShares
 
 ROW = 4096
@@ -123,12 +121,7 @@ def test_tenant_metrics_carry_a_tenant_label(tmp_path):
         engine.primary.tenants = shares
         engine.manager.prepare_store(keys(1), ctx("acme"))
         engine.manager.lookup(keys(2)[0], ctx("acme"))
-        exporter = PrometheusExporter(0)
-        try:
-            exporter.publish(engine.manager.get_stats())
-            text = generate_latest(exporter.registry).decode()
-        finally:
-            exporter.close()
+        text = metrics_text(engine.manager)
     finally:
         engine.close()
     assert 'tiering_tenant_misses_total{tenant="acme"} 1.0' in text
