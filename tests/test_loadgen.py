@@ -541,3 +541,25 @@ def test_a_tenant_share_keeps_the_replay_hit_rate_under_a_neighbours_flood(tmp_p
     assert rates["alone"] > 0.1
     assert rates["flood with shares"] >= 0.9 * rates["alone"]
     assert rates["flood without shares"] <= 0.6 * rates["alone"]
+
+
+def test_a_run_stopped_while_starting_leaves_no_earlier_output_looking_like_its_own(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    output, plot = tmp_path / "run.json", tmp_path / "run.png"
+    output.write_text('{"an earlier run": true}')
+    plot.write_bytes(b"an earlier plot")
+    command = [sys.executable, "-m", "tiering.benchmarks.loadgen.cli", "--output", str(output), "--plot", str(plot)]
+    process = subprocess.Popen(
+        [*command, "--max-requests", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 60
+    while output.exists() and time.monotonic() < deadline:  # removed first, before torch is even imported
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGTERM)
+    assert process.wait(30) == 128 + signal.SIGTERM
+    assert not plot.exists() and (not output.exists() or json.loads(output.read_text())["interrupted"])

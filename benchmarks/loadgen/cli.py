@@ -64,7 +64,7 @@ DEFAULT_SIZES = {
     "TIERING_BENCH_TIER_BYTES": (48 << 20, 24),
 }  # bytes, or blocks
 LAYERS = 4  # KV tensors of the simulated model when sizing by --block-bytes
-EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_ENGINE_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_ENGINE_FAILED = 0, 1, 2, 3  # a signal: 128 + its number
 EXIT_STATUS = """\
 exit status:
   0  ok
@@ -182,7 +182,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_output(path: Path | None, option: str) -> None:
-    """Fail before the run, not after it, if `path` cannot be written.
+    """Fail before the run, not after it, if `path` cannot be written; remove what an
+    earlier run wrote there, so that a run that ends early never leaves an old file that
+    looks like its own.
 
     Raises:
         ValueError: `path` is a directory, or its directory is missing or not writable.
@@ -196,6 +198,7 @@ def check_output(path: Path | None, option: str) -> None:
         raise ValueError(f"{option} {path}: the directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {path}: the directory {parent} is not writable")
+    path.unlink(missing_ok=True)
 
 
 def layout_for(args: argparse.Namespace) -> KVLayout:
@@ -248,8 +251,6 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
         ConfigError, ValueError, OSError, RegionInUseError: unusable input or storage.
         EngineFailure: the engine raised while replaying.
     """
-    check_output(args.output, "--output")
-    check_output(args.plot, "--plot")
     with tempfile.TemporaryDirectory(prefix="tiering-bench-", ignore_cleanup_errors=True) as scratch:
         layout = layout_for(args)
         if not args.warm_start:  # a namespace of its own: nothing an earlier run left is a hit
@@ -372,6 +373,11 @@ def _remove_namespaces(engine: SimulatedEngine) -> None:
                 logger.warning("tier %s: could not remove the run's objects: %s", name, describe(exc))
 
 
+def _print_error(console: Console, kind: str, exc: BaseException) -> None:
+    """One line on stderr: the kind of failure and what went wrong."""
+    console.print(f"[bold red]tiering-bench: {kind}:[/] {describe(exc)}", highlight=False, soft_wrap=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status.
 
@@ -385,26 +391,28 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     console = Console(stderr=True)
-    try:
-        import tiering.benchmarks.loadgen.engine  # noqa: F401 - torch: loaded only once there is work to do
-    except KeyboardInterrupt:
-        console.print("[bold red]tiering-bench: interrupted[/]", highlight=False)
-        return EXIT_INTERRUPTED
-    # An interrupted or terminated run still shuts the engine down (its shared memory, its
-    # tier threads); a run killed outright leaves no region either (see tiering.shared_region).
+    # From here on a signal ends the run with its own exit status, whenever it comes; an
+    # interrupted or terminated run still shuts the engine down (its shared memory, its tier
+    # threads); a run killed outright leaves no region either (see tiering.shared_region).
     interrupts = Interrupts()
     previous = {signum: signal.signal(signum, interrupts) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
+        check_output(args.output, "--output")  # first: a run stopped while starting leaves no old file behind
+        check_output(args.plot, "--plot")
+        import tiering.benchmarks.loadgen.engine  # noqa: F401 - torch: loaded only once there is work to do
+
         report = run(args, console, interrupts)
     except KeyboardInterrupt:  # before or after the replay itself: nothing to report
         console.print("[bold red]tiering-bench: interrupted[/]", highlight=False)
         return interrupts.exit_status()
     except (ConfigError, ValueError, OSError, RegionInUseError) as exc:
-        console.print(f"[bold red]tiering-bench: error:[/] {describe(exc)}", highlight=False, soft_wrap=True)
+        _print_error(console, "error", exc)
         return EXIT_BAD_INPUT
+    except ImportError:
+        raise
     except Exception as exc:  # EngineFailure, or a bug: one line, the traceback at debug level
         logger.debug("engine failure", exc_info=True)
-        console.print(f"[bold red]tiering-bench: engine failure:[/] {exc}", highlight=False, soft_wrap=True)
+        _print_error(console, "engine failure", exc)
         return EXIT_ENGINE_FAILED
     finally:
         for signum, handler in previous.items():
