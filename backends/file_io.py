@@ -192,7 +192,8 @@ def _check_private(info: os.stat_result, path: Path) -> None:
         raise PermissionError(
             errno.EACCES,
             f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}): another user could "
-            "plant blocks the engine would load as cache hits; chmod 700 it",
+            "plant blocks the engine would load as cache hits; use a directory of its own below it (the tier "
+            "creates it 0700), or chmod 700 it if it is the engine's alone",
         )
 
 

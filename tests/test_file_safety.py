@@ -77,7 +77,10 @@ async def test_root_dir_writable_by_others_is_refused(tmp_path):
     root = tmp_path / "shared"
     root.mkdir()
     root.chmod(0o777)  # for example /tmp/kv-file-tier pre-created by someone else
-    with pytest.raises(PermissionError, match=r"shared is writable by group or others \(mode 0777\).*chmod 700"):
+    with pytest.raises(
+        PermissionError,
+        match=r"shared is writable by group or others \(mode 0777\).*use a directory of its own below it",
+    ):
         await opened_store(root)
 
 
