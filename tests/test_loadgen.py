@@ -381,6 +381,7 @@ BAD_TRACES = [
     (GOOD_LINE + "[1, 2, 3]\n", ":2: a JSON list, not an object; expected JSON Lines"),
     (GOOD_LINE + '{"timestamp": 5}\n', ":2: not a trace record: input_length, output_length, hash_ids missing"),
     ("timestamp,input_length,output_length,hash_ids\n0,600,5,1;2\n", ":1: not JSON ('timestamp,input_length"),
+    ("a,b\n", '"hash_ids": [block ids, 0 <= id < 2**64]}'),  # the whole format, no markup eaten
     ("", "no requests to replay"),
 ]
 
@@ -431,13 +432,15 @@ def test_outputs_are_checked_before_the_run(tmp_path, capsys):
         ["--gpu-blocks", "-3"],
         ["--metrics-port", "70000"],
         ["--block-bytes", "8EiB"],
+        ["--seed", "-1"],
     ],
 )
 def test_bad_option_values_are_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit) as exited:
         cli.main(argv)
     assert exited.value.code == 2
-    assert "Traceback" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "argument --" in err and argv[0] in err  # the option is named
 
 
 def test_help_documents_the_exit_statuses(capsys):
@@ -445,6 +448,7 @@ def test_help_documents_the_exit_statuses(capsys):
         cli.main(["--help"])
     out = capsys.readouterr().out
     assert "3  the engine failed while replaying" in out and "2  bad input" in out
+    assert "tiering-bench overload ..." in out and "tiering-bench serve ..." in out
 
 
 def test_an_engine_failure_mid_replay_is_one_line_and_exit_status_3(monkeypatch, capsys):

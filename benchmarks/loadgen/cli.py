@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import tiering
@@ -66,6 +67,10 @@ DEFAULT_SIZES = {
 LAYERS = 4  # KV tensors of the simulated model when sizing by --block-bytes
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_ENGINE_FAILED = 0, 1, 2, 3  # a signal: 128 + its number
 EXIT_STATUS = """\
+other commands:
+  tiering-bench overload ...   an offered store rate ramped past what a tier absorbs (--help there)
+  tiering-bench serve ...      time to first token under a real vLLM server (--help there)
+
 exit status:
   0  ok
   1  a loaded block failed verification (a wrong byte)
@@ -85,6 +90,16 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _natural(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -176,7 +191,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verify", action="store_true", help="check every loaded byte")
     parser.add_argument("--output", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, help="write hit rates over the run as PNG")
-    parser.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads and payloads")
+    parser.add_argument("--seed", type=_natural, default=0, help="seed of synthetic workloads and payloads (>= 0)")
     parser.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
     return parser.parse_args(argv)
 
@@ -375,7 +390,7 @@ def _remove_namespaces(engine: SimulatedEngine) -> None:
 
 def _print_error(console: Console, kind: str, exc: BaseException) -> None:
     """One line on stderr: the kind of failure and what went wrong."""
-    console.print(f"[bold red]tiering-bench: {kind}:[/] {describe(exc)}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]tiering-bench: {kind}:[/] {escape(describe(exc))}", highlight=False, soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> int:
