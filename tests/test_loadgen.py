@@ -1,6 +1,7 @@
 """The load generator: trace reading, workloads, bounds, and runs of the real CLI."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -567,3 +568,11 @@ def test_a_run_stopped_while_starting_leaves_no_earlier_output_looking_like_its_
     os.kill(process.pid, signal.SIGTERM)
     assert process.wait(30) == 128 + signal.SIGTERM
     assert not plot.exists() and (not output.exists() or json.loads(output.read_text())["interrupted"])
+
+
+def test_without_a_terminal_the_replay_logs_its_progress(monkeypatch, caplog):
+    monkeypatch.setattr(cli, "PROGRESS_INTERVAL_S", 0.0)  # a line per request
+    with caplog.at_level(logging.INFO, logger="tiering.bench"):
+        assert cli.main(["--max-requests", "3"]) == 0  # pytest's stderr is no terminal
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("replayed ")]
+    assert [line.split(" in ")[0] for line in lines] == [f"replayed {i} of 3 requests ({i / 3:.0%})" for i in (1, 2, 3)]

@@ -23,6 +23,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,6 +66,7 @@ DEFAULT_SIZES = {
     "TIERING_BENCH_TIER_BYTES": (48 << 20, 24),
 }  # bytes, or blocks
 LAYERS = 4  # KV tensors of the simulated model when sizing by --block-bytes
+PROGRESS_INTERVAL_S = 10.0  # seconds between two progress lines where no progress bar shows
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_ENGINE_FAILED = 0, 1, 2, 3  # a signal: 128 + its number
 EXIT_STATUS = """\
 other commands:
@@ -79,6 +81,30 @@ exit status:
   130  interrupted by Ctrl-C (143: by SIGTERM): the partial results were still written
 """
 logger = logging.getLogger("tiering.bench")
+
+
+class ProgressLines:
+    """Where no progress bar shows (stderr is not a terminal: a CI log, a pipe), a log line
+    every `PROGRESS_INTERVAL_S` seconds of the replay instead."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self._start = time.monotonic()
+        self._next = self._start + PROGRESS_INTERVAL_S
+
+    def __call__(self) -> None:
+        """One more request replayed."""
+        self.done += 1
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + PROGRESS_INTERVAL_S
+            logger.info(
+                "replayed %d of %d requests (%.0f%%) in %.0f s",
+                self.done,
+                self.total,
+                100 * self.done / self.total,
+                now - self._start,
+            )
 
 
 class EngineFailure(Exception):
@@ -315,7 +341,14 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
                     task = progress.add_task("replay", total=len(requests))
                     interrupts.replaying = True
                     try:
-                        stats = loop.run(requests, args.time_scale, lambda: progress.advance(task), interrupts.stop)
+                        tick = ProgressLines(len(requests)) if not (console.is_terminal or args.quiet) else None
+
+                        def advance() -> None:
+                            progress.advance(task)
+                            if tick is not None:
+                                tick()
+
+                        stats = loop.run(requests, args.time_scale, advance, interrupts.stop)
                     finally:
                         interrupts.replaying = False
             except Exception as exc:
