@@ -130,7 +130,7 @@ def test_bad_input_is_one_clear_line_and_exit_status_2(argv, message, capsys):
 
 
 @pytest.mark.timeout(180)  # five short runs
-def test_a_rerun_over_a_used_directory_never_exceeds_its_bound_and_leaves_no_files(tmp_path):
+def test_a_rerun_over_a_used_directory_never_exceeds_its_bound_and_leaves_no_files(tmp_path, capsys):
     config = tmp_path / "engine.yaml"
     root = tmp_path / "kv"
     config.write_text(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: file, root_dir: {root}}}]\n")
@@ -145,8 +145,10 @@ def test_a_rerun_over_a_used_directory_never_exceeds_its_bound_and_leaves_no_fil
         assert list(root.iterdir()) == []  # the run's namespace was removed
     assert cli.main([*argv, "--keep", "--output", str(tmp_path / "kept.json")]) == 0
     assert len(list(root.iterdir())) == 1
+    assert "bound (not with --warm-start)" not in capsys.readouterr().out
     assert cli.main([*argv, "--warm-start", "--output", str(tmp_path / "w1.json")]) == 0
     assert cli.main([*argv, "--warm-start", "--output", str(tmp_path / "w2.json")]) == 0
+    assert "bound (not with --warm-start): repeated prefixes" in capsys.readouterr().out
     first, second = (json.loads((tmp_path / f"w{i}.json").read_text()) for i in (1, 2))
     assert second["inputs"]["warm_start"] and second["hit_rate"]["file"] > first["hit_rate"]["file"]  # w1's blocks hit
 

@@ -193,7 +193,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "off, so the CPU tier sees every block, as offline simulations do",
     )
     parser.add_argument(
-        "--keep", action="store_true", help="keep the tiers' files this run wrote (default: remove them at the end)"
+        "--keep",
+        action="store_true",
+        help="keep the tiers' files this run wrote, to look at (default: remove them at the end); a later "
+        "--warm-start run does not use them: start with --warm-start to build a cache runs share",
     )
     parser.add_argument(
         "--warm-start",
