@@ -27,6 +27,18 @@ def test_check_prints_the_resolved_engine_without_building_it(tmp_path, capsys):
     assert not (tmp_path / "kv").exists()  # nothing was built
 
 
+def test_check_with_a_model_refuses_what_the_engine_would_refuse(tmp_path, capsys):
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: file, root_dir: {tmp_path}, capacity_bytes: 1MiB}}]\n"
+    )
+    assert config_main(["check", str(config)]) == 0  # no model: no block size to check against
+    assert config_main(["check", str(config), "--model", "llama-3.1-8b"]) == 2  # 2 MiB blocks
+    err = " ".join(capsys.readouterr().err.split())
+    assert "cpu_bytes_to_use holds no whole block of 2,097,152 bytes: the engine would not start" in err
+    assert "secondary_tiers[0].capacity_bytes (1,048,576) cannot hold one block: a block takes at least" in err
+
+
 def test_check_of_a_bad_config_names_the_key_and_exits_2(tmp_path, capsys):
     config = tmp_path / "engine.yaml"
     config.write_text("cpu_bytes_to_use: 8Gi\nsecondary_tiers: [{type: file}]\n")

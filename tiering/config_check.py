@@ -6,7 +6,8 @@ Thread: a command-line tool, the main thread.
     tiering-config check engine.yaml --model llama-3.1-8b
 
 Exit status: 0 the configuration is valid; 2 it is not (every problem is printed with the
-file and the key path).
+file and the key path), or, with ``--model``, the engine would not start with it (a CPU tier
+or a tier capacity that holds no whole block of that model).
 """
 
 from __future__ import annotations
@@ -16,34 +17,52 @@ import sys
 from typing import Any
 
 from tiering.admission import AdmissionConfig
+from tiering.blockstore import BlockStore
 from tiering.config import TieringConfig, load_config
 from tiering.errors import ConfigError
+from tiering.factory import SecondaryTierFactory
+from tiering.keys import make_offload_key
+from tiering.object_format import object_size
 from tiering.spec import MODEL_PRESETS, KVLayout
 
+_KEY_BYTES = len(make_offload_key(bytes(32), 0))  # vLLM's keys: a 32-byte hash and a group index
 
-def describe(config: TieringConfig, layout: KVLayout | None) -> list[str]:
-    """The resolved engine, one line per fact (sizes in bytes and in blocks where known)."""
+
+def describe(config: TieringConfig, layout: KVLayout | None) -> tuple[list[str], list[str]]:
+    """The resolved engine, one line per fact (sizes in bytes and in blocks where known), and
+    why the engine would not start with it for `layout`'s blocks (empty: it would)."""
     block_size = config.block_size or (layout.gpu_block_size if layout else None)
     lines = [
         f"configuration: {config.source}",
         f"cpu tier: {config.cpu_bytes_to_use:,} bytes, eviction policy {config.eviction_policy}",
     ]
+    problems = []
+    block_bytes = None
     if layout is not None and block_size is not None:
         block_bytes = layout.kv_bytes_per_token * block_size
         rows = config.cpu_bytes_to_use // block_bytes
         lines.append(f"block: {block_size} tokens of {layout.model} = {block_bytes:,} bytes; cpu tier rows: {rows:,}")
         if rows < 1:
-            lines.append("  (cpu_bytes_to_use holds no whole block: the engine would not start)")
-    for tier in config.secondary_tiers:
+            problems.append(f"cpu_bytes_to_use holds no whole block of {block_bytes:,} bytes")
+    for index, tier in enumerate(config.secondary_tiers):
         options = {k: v for k, v in tier.items() if k not in ("type", "name", "admission")}
         admission = AdmissionConfig(**tier.get("admission", {}))
         lines.append(f"tier {tier['name']}: type {tier['type']}, {_options(options)}")
         lines.append(f"  admission: {_options(admission.model_dump())}")
+        capacity = tier.get("capacity_bytes")
+        _, tier_cls, _ = SecondaryTierFactory.resolve(tier)
+        if block_bytes is not None and capacity is not None and issubclass(tier_cls, BlockStore):
+            smallest = object_size(_KEY_BYTES, block_bytes, tier_cls.header_align)
+            if capacity < smallest:
+                problems.append(
+                    f"secondary_tiers[{index}].capacity_bytes ({capacity:,}) cannot hold one block: a block "
+                    f"takes at least {smallest:,} bytes (a row of {block_bytes:,} and its header)"
+                )
     if not config.secondary_tiers:
         lines.append("no secondary tiers")
     if config.metrics is not None:
         lines.append(f"metrics: http://{config.metrics.address}:{config.metrics.port}/metrics")
-    return lines
+    return lines, problems
 
 
 def _options(options: dict[str, Any]) -> str:
@@ -63,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     layout = KVLayout.from_preset(args.model) if args.model else None
-    print("\n".join(describe(config, layout)))
-    return 0
+    lines, problems = describe(config, layout)
+    print("\n".join(lines))
+    for problem in problems:
+        print(f"{config.source}: {problem}: the engine would not start", file=sys.stderr)
+    return 2 if problems else 0
 
 
 if __name__ == "__main__":
