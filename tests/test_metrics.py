@@ -71,7 +71,7 @@ def test_metrics_config_is_validated():
         parse_config("cpu_bytes_to_use: 1MiB\nmetrics: {port: 70000}")
 
 
-def test_the_readme_lists_exactly_the_metrics_served_with_their_help_texts():
+def test_the_docs_list_exactly_the_metrics_served_with_their_help_texts():
     import re
     from pathlib import Path
 
@@ -92,7 +92,7 @@ def test_the_readme_lists_exactly_the_metrics_served_with_their_help_texts():
     reported = {name for part in parts for kind in ("counters", "gauges", "histograms") for name in part[kind]}
     assert reported - set(HELP) == {"state"}  # the breaker's state as a string; `healthy` serves it
     served = {name: help.replace("\\'", "'") for name, help in re.findall(r"^# HELP (\S+) (.*)$", text, re.MULTILINE)}
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
     rows = re.findall(r"^  \| `(tiering_[a-z_]+)(?:\{reason\})?` \| (.*) \|$", readme, re.MULTILINE)
     documented = dict(rows)
     assert len(rows) == len(documented)  # no metric listed twice

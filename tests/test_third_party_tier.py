@@ -1,4 +1,4 @@
-"""The README's third-party tier guide, verbatim, out of tree: its three files are copied into
+"""The third-party tier guide (docs/writing-a-tier.md), verbatim, out of tree: its three files are copied into
 an empty directory, installed with the built kv-tiering wheel into a fresh venv, and their
 tests run there, from a directory holding its own `backends` and `benchmarks` packages (as an
 application may), against the installed engine only."""
@@ -18,8 +18,9 @@ BLOCK = re.compile(r"^ *`dictstore/([\w.]+)`:\n *```\w+\n(.*?)\n *```", re.S | r
 
 
 def guide_files() -> dict[str, str]:
-    """File name -> content of each file the README's guide shows."""
-    return {name: textwrap.dedent(body) + "\n" for name, body in BLOCK.findall((ROOT / "README.md").read_text())}
+    """File name -> content of each file the guide shows."""
+    guide = (ROOT / "docs" / "writing-a-tier.md").read_text()
+    return {name: textwrap.dedent(body) + "\n" for name, body in BLOCK.findall(guide)}
 
 
 def run(*command, cwd=None) -> subprocess.CompletedProcess:

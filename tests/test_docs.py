@@ -1,0 +1,85 @@
+"""The commands in README.md and docs/: every option they give the project's own tools exists
+(each tool's --help lists it), so a page cannot drift from the code it documents. The
+set-up commands themselves are checked in test_readme.py."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TOOL = re.compile(r"^(?:\S*/)?(?:tiering-bench|tiering-config|python)$")
+
+
+def commands() -> list[tuple[str, tuple[str, ...], list[str]]]:
+    """(page, the tool and its subcommand as argv words, the options given) of every call of
+    a project tool in a ``sh`` block."""
+    found = []
+    for page in PAGES:
+        for block in re.findall(r"```sh\n(.*?)\n```", page.read_text(), flags=re.S):
+            variables: dict[str, str] = {}
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s#\s.*$", "", line)  # a trailing comment
+                assignment = re.match(r'^(\w+)="(.*)"$', line)
+                if assignment:
+                    variables[assignment[1]] = assignment[2]
+                    continue
+                for name, value in variables.items():
+                    line = line.replace(f"${name}", value)
+                for command in re.split(r"&&|\|\||[;|&]", line):
+                    try:
+                        words = shlex.split(command.replace("[", "").replace("]", ""))
+                    except ValueError:
+                        continue
+                    words = [w for w in words if "=" not in w or w.startswith("-")] if words else words
+                    while words and re.match(r"^\w+=", words[0]):  # VAR=value before the command
+                        words.pop(0)
+                    if not words or not TOOL.match(words[0]):
+                        continue
+                    tool = Path(words[0]).name
+                    if tool == "python":
+                        if words[1:2] != ["-m"] or not words[2].startswith("tiering."):
+                            continue
+                        head = ("-m", words[2])
+                        rest = words[3:]
+                    else:
+                        sub = words[1:2] if words[1:2] in (["serve"], ["overload"], ["check"]) else []
+                        head, rest = (tool, *sub), words[1 + len(sub) :]
+                    options = [w.split("=")[0] for w in rest if w.startswith("--")]
+                    found.append((page.name, head, options))
+    return found
+
+
+def help_text(head: tuple[str, ...]) -> str:
+    if head[0] == "-m":
+        argv = [sys.executable, *head, "--help"]
+    elif head[0] == "tiering-bench":
+        argv = [sys.executable, "-c", "import sys; from tiering.benchmarks.loadgen import main; sys.exit(main())"]
+        argv += [*head[1:], "--help"]
+    else:
+        argv = [sys.executable, "-m", "tiering.config_check", *head[1:], "--help"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+CALLS = commands()
+
+
+def test_the_pages_call_the_projects_tools():
+    tools = {head for _, head, _ in CALLS}
+    assert ("tiering-bench",) in tools and ("tiering-bench", "serve") in tools
+    assert ("-m", "tiering.benchmarks.file_tier") in tools
+
+
+@pytest.mark.parametrize("head", sorted({head for _, head, _ in CALLS}), ids=" ".join)
+def test_every_option_the_pages_give_a_tool_is_one_it_takes(head):
+    text = help_text(head)
+    unknown = sorted(
+        {(page, option) for page, h, options in CALLS if h == head for option in options if option not in text}
+    )
+    assert unknown == []
