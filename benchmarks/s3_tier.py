@@ -32,7 +32,7 @@ from rich.table import Table
 
 from tiering import make_offload_key
 from tiering.benchmarks.file_tier import aligned_rows
-from tiering.benchmarks.tier_jobs import interleaved, run_tier_jobs
+from tiering.benchmarks.tier_jobs import add_job_arguments, interleaved, run_tier_jobs
 from tiering.object_format import encode_object
 
 
@@ -90,10 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: start a local moto)")
     parser.add_argument("--bucket", default=None, help="bucket to use (default: a new one)")
     parser.add_argument("--block-sizes", default="2MiB,256KiB", help="comma-separated, e.g. 2MiB,256KiB")
-    parser.add_argument("--total-mib", type=int, default=128, help="data moved per measurement (default 128)")
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
-    parser.add_argument("--job-blocks", type=int, default=16, help="blocks per job (default 16)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs; the best is kept (default 3)")
+    add_job_arguments(parser, 3, "interleaved runs; the best is kept")
     args = parser.parse_args(argv)
     sizes = {"2MiB": 2 << 20, "1MiB": 1 << 20, "256KiB": 256 << 10, "64KiB": 64 << 10}
     with contextlib.ExitStack() as stack:

@@ -6,6 +6,7 @@ Scheduler thread (the caller's); the tier does its I/O on its own loop.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -15,6 +16,15 @@ import numpy as np
 from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
 
 CTX = ReqContext("bench")
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, repeats: int, repeats_help: str) -> None:
+    """The options every tier benchmark takes: ``--total-mib``, ``--concurrency``,
+    ``--job-blocks`` and ``--repeats`` (default `repeats`, described by `repeats_help`)."""
+    parser.add_argument("--total-mib", type=int, default=128, help="data moved per measurement (default 128)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    parser.add_argument("--job-blocks", type=int, default=16, help="blocks per job (default 16)")
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"{repeats_help} (default {repeats})")
 
 
 def run_tier_jobs(rows: np.ndarray, config: Mapping[str, Any], job_blocks: int) -> dict[str, float]:

@@ -42,7 +42,7 @@ from rich.table import Table
 from tiering import make_offload_key
 from tiering.backends.valkey import parse_address
 from tiering.benchmarks.file_tier import aligned_rows
-from tiering.benchmarks.tier_jobs import interleaved, run_tier_jobs
+from tiering.benchmarks.tier_jobs import add_job_arguments, interleaved, run_tier_jobs
 from tiering.object_format import encode_object
 from tiering.options import parse_size
 
@@ -128,10 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--addresses", default=None, help="host:port,... of a server (default: start a local one)")
     parser.add_argument("--cluster", action="store_true", help="a cluster (the local one: 3 nodes)")
     parser.add_argument("--block-sizes", default="64KiB,2MiB", help="comma-separated, e.g. 64KiB,2MiB")
-    parser.add_argument("--total-mib", type=int, default=128, help="data moved per measurement (default 128)")
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
-    parser.add_argument("--job-blocks", type=int, default=16, help="blocks per job (default 16)")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
+    add_job_arguments(parser, 5, "interleaved rounds")
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         if args.addresses is None:
