@@ -98,9 +98,9 @@ def test_encryption_needs_keys_and_a_store_that_seals(keys_a, tier, message):
 
 
 def test_a_store_that_does_not_declare_sealing_refuses_integrity(keys_a, tmp_path):
+    from tiering import BlockStore
     from tiering.factory import tier_options
     from tiering.options import validate_options
-    from tiering.testing.block_store import BlockStore
 
     class Unsealed(BlockStore):  # a third party's store that never passes its seal on
         put = get = exists = delete_many = recover = None  # type: ignore[assignment]

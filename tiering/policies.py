@@ -97,12 +97,20 @@ class CachePolicy(ABC):
     def candidates(self, n: int, protected: Container[OffloadKey]) -> list[Any]:
         """Up to `n` idle blocks not in `protected`, in the order `evict` takes them, as
         tokens for `evict_candidates`; changes nothing. (Eviction across tenants plans with
-        it; a policy without it cannot serve tenants.)"""
+        it; a policy without it cannot serve tenants.) Scheduler thread.
+
+        Raises:
+            NotImplementedError: the policy does not list candidates (the default).
+        """
         raise NotImplementedError(f"{type(self).__name__} cannot list eviction candidates")
 
     def evict_candidates(self, chosen: list[Any]) -> list[tuple[OffloadKey, BlockStatus]]:
         """Evict blocks `candidates` returned, with nothing changed in between; returns them
-        as (key, block) pairs."""
+        as (key, block) pairs. Scheduler thread.
+
+        Raises:
+            NotImplementedError: the policy does not list candidates (the default).
+        """
         raise NotImplementedError(f"{type(self).__name__} cannot list eviction candidates")
 
     @abstractmethod
