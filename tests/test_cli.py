@@ -1,6 +1,7 @@
 """The command lines users meet first: `tiering-config check`, and `tiering-bench`'s own
 flags and start-up cost."""
 
+import json
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ import pytest
 
 from tiering import TieringOffloadingManager, TieringOffloadingSpec, parse_config
 from tiering.config_check import main as config_main
+from tiering.integrations import VLLM_CONNECTOR, VLLM_SPEC
 from tiering.options import parse_size
 
 
@@ -44,6 +46,38 @@ def test_check_of_a_bad_config_names_the_key_and_exits_2(tmp_path, capsys):
     config.write_text("cpu_bytes_to_use: 8Gi\nsecondary_tiers: [{type: file}]\n")
     assert config_main(["check", str(config)]) == 2
     assert "engine.yaml: secondary_tiers[0].root_dir: required key is missing" in capsys.readouterr().err
+
+
+def test_check_takes_vllms_kv_transfer_config_as_given_to_vllm_serve(tmp_path, capsys):
+    """vLLM builds the engine only after loading the model: the same JSON checks in a second
+    without vLLM (this venv has none), with the errors the spec would raise under vLLM."""
+    extra = {"cpu_bytes_to_use": "64MiB", "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv")}]}
+    ours = {**VLLM_CONNECTOR, "kv_connector_extra_config": extra}
+    theirs = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    theirs["kv_connector_extra_config"] = extra | VLLM_SPEC
+    for transfer in (ours, theirs):
+        assert config_main(["check", "--kv-transfer-config", json.dumps(transfer), "--model", "llama-3.1-8b"]) == 0
+        assert "tier file: type file, root_dir=" in capsys.readouterr().out  # vLLM's "fs" is the file tier
+    assert not (tmp_path / "kv").exists()
+
+    def errors(transfer) -> str:
+        assert config_main(["check", "--kv-transfer-config", transfer]) == 2
+        return capsys.readouterr().err
+
+    bad_tier = {**ours, "kv_connector_extra_config": {"secondary_tiers": [{"type": "fs", "capacity": 5}]}}
+    err = errors(json.dumps(bad_tier))
+    assert "kv_connector_extra_config: secondary_tiers[0].capacity: unknown key" in err
+    assert "kv_connector_extra_config: secondary_tiers[0].root_dir: required key is missing" in err
+    err = errors(json.dumps({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {}}))
+    assert "kv_transfer_config: kv_connector_extra_config.spec_name: expected 'KVTieringOffloadingSpec'" in err
+    assert "kv_transfer_config: kv_role: required with kv_connector" in err
+    assert "'LMCacheConnectorV1' does not run this engine; use 'KVTieringConnector'" in errors(
+        json.dumps({**ours, "kv_connector": "LMCacheConnectorV1"})
+    )
+    assert "kv_transfer_config: not JSON: Expecting" in errors('{"kv_connector": ')
+    with pytest.raises(SystemExit):
+        config_main(["check"])  # neither a file nor --kv-transfer-config
+    assert "give a YAML file or --kv-transfer-config" in capsys.readouterr().err
 
 
 def test_sizes_take_kubernetes_units_and_say_which_units_are_decimal():

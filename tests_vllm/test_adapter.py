@@ -6,18 +6,29 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from tests.helpers import ManualTier, RegionStandIn, key, keys
 from tests_vllm.conftest import offloading_config
 from tiering import ConfigError, CPUPrimaryTierOffloadingManager, TieringOffloadingManager
+from tiering.integrations import VLLM_CONNECTOR
 from tiering.integrations import vllm as adapter
+from tiering.integrations.vllm_config import check_kv_transfer_config
 from tiering.integrations.vllm_stats import VllmStats, metric_definitions
 
 
-def test_the_extra_config_is_validated_like_the_yaml_with_the_same_errors():
+def test_the_extra_config_is_validated_like_the_yaml_with_the_same_errors(caplog):
+    extra = {"cpu_bytes_to_use": "lots", "secondary_tiers": [{"type": "fs"}]}
     with pytest.raises(ConfigError) as caught:
-        adapter.KVTieringOffloadingSpec(
-            offloading_config({"cpu_bytes_to_use": "lots", "secondary_tiers": [{"type": "fs"}]})
-        )
+        adapter.KVTieringOffloadingSpec(offloading_config(extra))
     text = str(caught.value)
     assert "kv_connector_extra_config: secondary_tiers[0].root_dir: required key is missing" in text
     assert "kv_connector_extra_config: cpu_bytes_to_use: expected a size such as 65536, 64KiB or 8GiB" in text
+    # vLLM prints ~240 lines of tracebacks around it: one line of the log says it all
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    line = record.getMessage()
+    assert "\n" not in line and line.startswith("kv-tiering cannot start, invalid configuration: ")
+    assert all(problem in line for problem in caught.value.lines)
+    assert "tiering-config check --kv-transfer-config" in line
+    # the pre-flight check, without vLLM, finds the same problems
+    with pytest.raises(ConfigError) as checked:
+        check_kv_transfer_config({**VLLM_CONNECTOR, "kv_connector_extra_config": extra})
+    assert checked.value.lines == caught.value.lines
 
 
 def test_a_config_file_is_shared_with_tiering_bench_and_not_mixed_with_keys(tmp_path):

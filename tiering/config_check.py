@@ -4,6 +4,10 @@ to, without building anything (no shared memory, no tier opened, no file written
 Thread: a command-line tool, the main thread.
 
     tiering-config check engine.yaml --model llama-3.1-8b
+    tiering-config check --kv-transfer-config '{"kv_connector": "KVTieringConnector", ...}'
+
+The second form takes ``vllm serve``'s ``--kv-transfer-config`` as it is, so its errors show
+before vLLM spends minutes loading a model (vLLM builds the engine only after that).
 
 Exit status: 0 the configuration is valid; 2 it is not (every problem is printed with the
 file and the key path), or, with ``--model``, the engine would not start with it (a CPU tier
@@ -21,6 +25,7 @@ from tiering.blockstore import BlockStore
 from tiering.config import TieringConfig, load_config
 from tiering.errors import ConfigError
 from tiering.factory import SecondaryTierFactory
+from tiering.integrations.vllm_config import check_kv_transfer_config
 from tiering.keys import make_offload_key
 from tiering.object_format import object_size
 from tiering.spec import MODEL_PRESETS, KVLayout
@@ -73,11 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiering-config", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="validate a configuration and print the resolved engine")
-    check.add_argument("file", help="the YAML configuration")
+    check.add_argument("file", nargs="?", help="the YAML configuration")
+    check.add_argument(
+        "--kv-transfer-config",
+        metavar="JSON",
+        help="instead of a file, vLLM's --kv-transfer-config (the same JSON), checked as vLLM would build the engine",
+    )
     check.add_argument("--model", choices=sorted(MODEL_PRESETS), help="size blocks and rows for this model's KV")
     args = parser.parse_args(argv)
+    if (args.file is None) == (args.kv_transfer_config is None):
+        check.error("give a YAML file or --kv-transfer-config, one of the two")
     try:
-        config = load_config(args.file)
+        config = load_config(args.file) if args.file else check_kv_transfer_config(args.kv_transfer_config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2

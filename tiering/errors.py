@@ -53,13 +53,14 @@ class ConfigError(TieringError, ValueError):
     Attributes:
         source: the file (or ``<string>``, or the serving engine's setting it came from).
         problems: (key path, what is wrong) pairs; the path is empty for the whole file.
+        lines: one line per problem (source, key path, what is wrong), as the message lists them.
     """
 
     def __init__(self, source: str, problems: list[tuple[str, str]]):
         self.source = source
         self.problems = problems
-        lines = [f"{source}: {path}: {message}" if path else f"{source}: {message}" for path, message in problems]
-        super().__init__("invalid configuration\n  " + "\n  ".join(lines))
+        self.lines = [f"{source}: {path}: {message}" if path else f"{source}: {message}" for path, message in problems]
+        super().__init__("invalid configuration\n  " + "\n  ".join(self.lines))
 
     def __reduce__(self):  # picklable across processes despite the two-argument constructor
         return type(self), (self.source, self.problems)

@@ -55,7 +55,6 @@ import atexit
 import logging
 import weakref
 from collections.abc import Collection, Iterable
-from pathlib import Path
 from typing import Any, cast
 
 import vllm
@@ -89,7 +88,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPUSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiering.config import ConfigError, config_from_dict, load_config
+from tiering.errors import ConfigError
+from tiering.integrations.vllm_config import engine_config
 from tiering.integrations.vllm_stats import VllmStats, metric_definitions
 from tiering.keys import OffloadKey as Key
 from tiering.manager import TieringOffloadingManager
@@ -101,10 +101,6 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = ("0.32", "0.33")
 """vLLM release series whose offloading API this adapter speaks."""
-SOURCE = "kv_connector_extra_config"
-VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "offload_prompt_only", "self_describing_kv_events"})
-"""Extra-config keys that are vLLM's own, not the engine's."""
-TIER_ALIASES = {"fs": "file", "obj": "s3"}
 _LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 _SOURCES = {"file": CacheHitSource.DISK}
 _LIVE: weakref.WeakSet[KVTieringOffloadingSpec] = weakref.WeakSet()
@@ -174,34 +170,6 @@ def check_cpu_tier_size(engine: EngineSpec, max_num_batched_tokens: int) -> None
         )
 
 
-def engine_config(extra_config: dict[str, Any], tokens_per_row: int) -> Any:
-    """The engine's `TieringConfig` from vLLM's extra config (see the module docstring).
-
-    Raises:
-        ConfigError: a key is unknown or invalid, or ``config_file`` is given with engine keys.
-    """
-    settings = {key: value for key, value in extra_config.items() if key not in VLLM_KEYS}
-    path = settings.pop("config_file", None)
-    if path is not None:
-        if settings.keys() - {"block_size"}:
-            raise ConfigError(SOURCE, [("config_file", f"give the engine's settings in {path} or here, not both")])
-        config = load_config(Path(path))
-        if config.block_size not in (None, tokens_per_row):
-            raise ConfigError(str(path), [("block_size", f"vLLM offloads blocks of {tokens_per_row} tokens")])
-        return config
-    tiers = settings.get("secondary_tiers")
-    if isinstance(tiers, list):
-        settings["secondary_tiers"] = [_unalias(tier) for tier in tiers]
-    return config_from_dict(settings, SOURCE)
-
-
-def _unalias(tier: Any) -> Any:
-    """A tier config with vLLM's type name (``fs``, ``obj``) replaced by ours."""
-    if isinstance(tier, dict) and tier.get("type") in TIER_ALIASES:
-        return {**tier, "type": TIER_ALIASES[tier["type"]]}
-    return tier
-
-
 class KVTieringOffloadingSpec(OffloadingSpec):
     """vLLM's `OffloadingSpec` for this engine. Built once by the scheduler (`get_manager`)
     and once by each worker (`get_worker`), in their processes. Where vLLM's config is
@@ -230,7 +198,15 @@ class KVTieringOffloadingSpec(OffloadingSpec):
         if block_bytes % tokens:
             raise ValueError(f"a GPU block of {block_bytes} bytes does not split into {tokens} tokens")
         layout = KVLayout(config.model.name, 1, block_bytes // tokens, tokens, str(config.model.dtype), world_size)
-        tiering_config = engine_config(dict(config.extra_config), tokens * self.blocks_per_chunk)
+        try:
+            tiering_config = engine_config(config.extra_config, tokens * self.blocks_per_chunk)
+        except ConfigError as exc:
+            logger.error(
+                "kv-tiering cannot start, invalid configuration: %s. (vLLM builds the engine after loading the "
+                "model; check a configuration before: tiering-config check --kv-transfer-config '<JSON>')",
+                "; ".join(exc.lines),
+            )
+            raise
         tiering_config = tiering_config.model_copy(update={"block_size": tokens * self.blocks_per_chunk})
         self.engine = EngineSpec(tiering_config, layout, config.engine_id, config.enable_kv_cache_events)
         vllm_config = get_current_vllm_config_or_none()  # set where vLLM builds a worker's connector
