@@ -173,6 +173,10 @@ class FaultyBlockStore(BlockStore):
     async def recover(self) -> list[tuple[OffloadKey, int]]:
         return await self.inner.recover()
 
+    async def undo_open(self) -> None:
+        await super().close()
+        await self.inner.undo_open()
+
     async def remove_namespace(self) -> None:
         await self.inner.remove_namespace()
 

@@ -205,7 +205,7 @@ class FileBlockStore(BlockStore):
                 logger.warning("file tier %s: O_DIRECT is not supported here; using buffered I/O", self.directory)
                 self.direct_io = False
         except OSError as exc:
-            await self.close()
+            await self.undo_open()
             raise type(exc)(exc.errno, f"file tier: cannot use {self.directory}: {exc.strerror}") from exc
 
     async def close(self) -> None:
@@ -217,6 +217,14 @@ class FileBlockStore(BlockStore):
         if self._ns is not None:
             self._ns.close()
             self._ns = None
+
+    async def undo_open(self) -> None:
+        """Close, then remove the directories `open` created (the namespace, missing parents
+        of `root_dir`) while they are empty."""
+        ns, self._ns = self._ns, None
+        await self.close()
+        if ns is not None:
+            await self._hop(None, file_io.remove_created, ns)
 
     async def remove_namespace(self) -> None:
         """Remove the namespace directory with everything in it (symbolic links are removed,

@@ -90,10 +90,11 @@ class Namespace:
     the block's file. A directory replaced or removed while open is not followed: the tier
     keeps using the one it opened (another of this user's processes would have to do it)."""
 
-    def __init__(self, fd: int, shards: list[int], quarantine: int):
+    def __init__(self, fd: int, shards: list[int], quarantine: int, created: list[Path] | None = None):
         self.fd = fd
         self.shards = shards
         self.quarantine = quarantine
+        self.created = created or []  # made by `open_namespace`, outermost first; [] if it existed
 
     def shard_fd(self, key: OffloadKey) -> int:
         """The open descriptor of `key`'s shard directory (valid until `close`)."""
@@ -118,11 +119,13 @@ def open_namespace(root: Path, name: str) -> Namespace:
             writable by group or others, or `root` cannot be written.
         OSError: a directory cannot be created or opened.
     """
-    _make_private_parents(root)
+    created = _make_private_parents(root)
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: links allowed
     try:
         check_root(os.fstat(root_fd), root)
+        existed = os.path.lexists(root / name)
         namespace = Namespace(_private_subdir(root_fd, name, root / name), [], -1)
+        namespace.created = created if existed else [*created, root / name]
     finally:
         os.close(root_fd)
     try:
@@ -135,16 +138,41 @@ def open_namespace(root: Path, name: str) -> Namespace:
     return namespace
 
 
-def _make_private_parents(root: Path) -> None:
+def _make_private_parents(root: Path) -> list[Path]:
+    """Create `root` and its missing parents (0700); returns those it created, outermost first."""
     missing = []
     path = root.absolute()
     while not os.path.lexists(path):
         missing.append(path)
         path = path.parent
+    created = []
     for path in reversed(missing):
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
             os.chmod(path, 0o700)  # whatever the umask
+            created.append(path)
+    return created
+
+
+def remove_created(namespace: Namespace) -> None:
+    """Remove the directories `open_namespace` created, innermost first, if the namespace
+    holds nothing: its shard and quarantine directories, the namespace, then the parents it
+    made; a parent that is not empty stops the removal there. A namespace where anything was
+    stored since (by another engine of the same layout sharing it) stays whole; one that
+    engine opened but has not stored into yet is removed (a window of its start-up, which
+    it survives as a removed shard: `tiering.backends.file`). Closes `namespace` first."""
+    namespace.close()
+    if not namespace.created:
+        return
+    inner = namespace.created[-1]
+    try:
+        subdirs = [inner / name for name in (*_SHARDS, _QUARANTINE) if os.path.lexists(inner / name)]
+        if any(os.listdir(path) for path in subdirs):
+            return
+        for path in [*subdirs, *reversed(namespace.created)]:
+            os.rmdir(path)
+    except OSError as exc:
+        logger.debug("file tier: left %s in place: %s", exc.filename, exc.strerror)
 
 
 def _private_subdir(parent_fd: int, name: str, path: Path) -> int:

@@ -118,6 +118,30 @@ async def test_unusable_root_dir_is_a_clear_error(tmp_path):
         await store.open()
 
 
+@pytest.mark.asyncio
+async def test_undoing_an_open_removes_only_empty_directories_it_created(tmp_path):
+    root = tmp_path / "a" / "kv"
+    first, second = FileBlockStore(root, FINGERPRINT), FileBlockStore(root, FINGERPRINT)
+    await first.open()  # creates a/, a/kv/ and the namespace
+    await second.open()  # another engine of the same layout, sharing it
+    try:
+        data = payload(100)
+        await second.put(key(1), data)
+        await first.undo_open()  # first's start failed: the namespace in use stays whole
+        into = buffer(100)
+        await second.get(key(1), into)
+        assert into == data
+        await second.put(key(2), data)  # into another shard
+    finally:
+        await second.close()
+    await second.undo_open()  # it created nothing: nothing goes
+    assert second.path(key(1)).exists()
+    alone = FileBlockStore(tmp_path / "b" / "kv", FINGERPRINT)
+    await alone.open()
+    await alone.undo_open()
+    assert not (tmp_path / "b").exists()
+
+
 def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monkeypatch):
     from tiering.backends import file_io
 

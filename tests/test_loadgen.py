@@ -218,6 +218,17 @@ def test_a_bad_config_file_names_the_key(tmp_path, capsys):
     assert "secondary_tiers[0].root_dir: required key is missing" in capsys.readouterr().err
 
 
+def test_a_run_that_fails_to_start_leaves_no_directory_behind(tmp_path, capsys):
+    config, root = tmp_path / "engine.yaml", tmp_path / "new" / "kv"
+    unreachable = "{type: valkey, addresses: ['127.0.0.1:1'], open_timeout_s: 1}"  # fails once the file tier opened
+    config.write_text(
+        f"cpu_bytes_to_use: 4MiB\nsecondary_tiers:\n  - {{type: file, root_dir: {root}}}\n  - {unreachable}\n"
+    )
+    assert cli.main(["--config", str(config), "--max-requests", "5"]) == 2
+    assert "secondary_tiers[1]: tier valkey: " in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # the first tier's fresh namespace, and the directories above it
+
+
 @pytest.mark.skipif(not TRACE.exists(), reason=f"the Mooncake conversation trace is not at {TRACE}")
 def test_replay_of_the_first_2000_requests_of_the_conversation_trace(tmp_path):
     config = tmp_path / "engine.yaml"

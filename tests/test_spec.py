@@ -105,6 +105,24 @@ def test_a_failing_tier_releases_everything_made_before_it(tmp_path):
     assert not any(t.name.startswith("tiering") for t in threading.enumerate())
 
 
+def test_a_failed_start_removes_the_directories_it_created_and_nothing_else(tmp_path):
+    made, kept, blocked = tmp_path / "new" / "kv", tmp_path / "kept", tmp_path / "blocked"
+    layout = KVLayout("tiny", 2, 64, 4)
+    tier = "  - {{type: file, root_dir: {}}}\n".format
+    earlier = parse_config(f"cpu_bytes_to_use: 64KiB\nsecondary_tiers:\n{tier(kept)}", "earlier.yaml")
+    with TieringOffloadingSpec(earlier, layout, instance()) as spec, spec.get_manager():
+        pass  # an earlier engine made kept's tree
+    before = sorted(kept.rglob("*"))
+    config = parse_config(
+        f"cpu_bytes_to_use: 64KiB\nsecondary_tiers:\n{tier(made)}{tier(kept)}{tier(blocked)}", "e.yaml"
+    )
+    blocked.write_text("")  # valid when loaded; the third tier cannot open
+    with pytest.raises(ConfigError, match=r"e.yaml: secondary_tiers\[2\].root_dir: .*blocked is not a directory"):
+        TieringOffloadingSpec(config, layout, instance()).get_manager()
+    assert not (tmp_path / "new").exists()  # what this start created, root_dir's parents too
+    assert sorted(kept.rglob("*")) == before and len(before) == 258  # what it found stays
+
+
 def test_worker_handlers_fill_the_rows_the_scheduler_cascades(tmp_path):
     layout = KVLayout("tiny", num_layers=2, kv_bytes_per_token_per_layer=64, gpu_block_size=4)
     text = f"cpu_bytes_to_use: 4KiB\nblock_size: 8\nsecondary_tiers:\n  - type: file\n    root_dir: {tmp_path}\n"

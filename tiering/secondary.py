@@ -176,3 +176,10 @@ class SecondaryTierManager(ABC):
     def shutdown(self) -> None:
         """Release threads, connections and files. Safe to call more than once."""
         return
+
+    def abandon(self) -> None:
+        """Shut down a tier opened by an engine whose start then failed (a later tier did
+        not open): also undo what opening created, where nothing was stored in it (an empty
+        directory tree). Called instead of `shutdown`, from the thread that started the
+        engine. Default: `shutdown`."""
+        self.shutdown()

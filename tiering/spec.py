@@ -207,7 +207,7 @@ class TieringOffloadingSpec:
                 raise ConfigError(self.config.source, [("request_log", problem)]) from exc
         except BaseException:
             for tier in tiers:
-                tier.shutdown()
+                tier.abandon()
             if primary is not None:
                 primary.shutdown()
             elif region is not None:

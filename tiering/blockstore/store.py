@@ -196,6 +196,12 @@ class BlockStore(ABC):
         those whose seal does not open, which are left out and kept.
         """
 
+    async def undo_open(self) -> None:
+        """Remove what `open` created in the backing storage while it still holds nothing
+        (an empty directory tree), and close: for an engine whose start failed after this
+        store opened. Anything another process stored since stays. Default: `close`."""
+        await self.close()
+
     async def remove_namespace(self) -> None:
         """Delete every object of this store's namespace, and the namespace itself where the
         backend has one (a directory). Called with no other operation in flight; afterwards

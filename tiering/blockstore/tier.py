@@ -34,7 +34,7 @@ from tiering.blockstore.outbox import LoadDone, Outbox, StoreDone
 from tiering.blockstore.settings import BlockStoreSettings
 from tiering.blockstore.store import BlockStore
 from tiering.blockstore.worker import BlockWorker
-from tiering.errors import RuntimeClosedError
+from tiering.errors import RuntimeClosedError, describe
 from tiering.health import TierHealth
 from tiering.keys import OffloadKey, ReqContext
 from tiering.object_format import object_size
@@ -320,6 +320,19 @@ class BlockStoreTier(SecondaryTierManager):
             self.drain(self.settings.shutdown_timeout_s)
             self._runtime.run_sync(self.store.remove_namespace, timeout_s=self.settings.open_timeout_s)
             self._index = BlockIndex(self.name, self.settings.capacity_bytes, max_keys=self.settings.index_max_blocks)
+        finally:
+            self.shutdown()
+
+    def abandon(self) -> None:
+        """`shutdown`, after `BlockStore.undo_open` (up to ``open_timeout_s``; a failure is
+        logged): the engine failed to start, so nothing was stored. Does nothing after
+        shutdown."""
+        if self._closed:
+            return
+        try:
+            self._runtime.run_sync(self.store.undo_open, timeout_s=self.settings.open_timeout_s)
+        except Exception as exc:
+            logger.warning("tier %s: could not remove what opening it created: %s", self.name, describe(exc))
         finally:
             self.shutdown()
 

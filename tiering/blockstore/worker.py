@@ -104,7 +104,8 @@ class BlockWorker:
         Returns:
             (key, object bytes) of every object found, oldest first.
         Raises:
-            Exception: whatever opening or recovering the store raised (it is closed again).
+            Exception: whatever opening or recovering the store raised (it is closed again,
+                and what its opening created is removed: `BlockStore.undo_open`).
         """
         await self.store.open()
         try:
@@ -112,7 +113,7 @@ class BlockWorker:
             await runtime_group.start(self._serve)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self.store.close()
+                await self.store.undo_open()
             raise
         return recovered
 
