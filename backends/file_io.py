@@ -217,11 +217,13 @@ def _check_private(info: os.stat_result, path: Path) -> None:
             "could plant blocks the engine would load as cache hits; use a directory the engine's user owns",
         )
     if info.st_mode & 0o022:
+        # a sticky directory (/tmp) is shared by design: never advise changing its mode
+        chmod = "" if info.st_mode & stat.S_ISVTX else ", or chmod 700 it if it is the engine's alone"
         raise PermissionError(
             errno.EACCES,
             f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}): another user could "
-            "plant blocks the engine would load as cache hits; use a directory of its own below it (the tier "
-            "creates it 0700), or chmod 700 it if it is the engine's alone",
+            f"plant blocks the engine would load as cache hits; use a directory of its own below it (the tier "
+            f"creates it 0700){chmod}",
         )
 
 

@@ -82,6 +82,9 @@ async def test_root_dir_writable_by_others_is_refused(tmp_path):
         match=r"shared is writable by group or others \(mode 0777\).*use a directory of its own below it",
     ):
         await opened_store(root)
+    root.chmod(0o1777)  # shared by design, as /tmp: nobody is told to chmod it
+    with pytest.raises(PermissionError, match=r"\(mode 1777\).*\(the tier creates it 0700\)$"):
+        await opened_store(root)
 
 
 @pytest.mark.asyncio
