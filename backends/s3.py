@@ -22,14 +22,15 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 from collections.abc import Collection, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, ClassVar
 
 from aiobotocore.session import get_session
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-from pydantic import BaseModel
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, ParamValidationError
+from pydantic import BaseModel, field_validator
 
 from tiering.blockstore import BlockStore, BlockStoreSettings
 from tiering.blockstore.store import RecoveryProgress
@@ -83,6 +84,9 @@ class _PartsReader(io.RawIOBase):
         return copied
 
 
+_BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
+
+
 class S3Options(BaseModel):
     """Config keys of the ``s3`` tier, besides every block-store tier's (see `S3BlockStore`)."""
 
@@ -97,6 +101,15 @@ class S3Options(BaseModel):
     connect_timeout_s: Seconds = 2.0
     read_timeout_s: Seconds = 5.0
     max_attempts: Count = 2
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket_name(cls, bucket: str) -> str:
+        """The names the S3 client sends (botocore's own check, which runs only at the first
+        request): 1-255 letters, digits, '.', '-', '_', or an access point's ARN."""
+        if not (_BUCKET.fullmatch(bucket) or bucket.startswith("arn:")):
+            raise ValueError(f"{bucket!r} is not a bucket name (letters, digits, '.', '-', '_') or an access point ARN")
+        return bucket
 
 
 class S3BlockStore(BlockStore):
@@ -241,6 +254,8 @@ class S3BlockStore(BlockStore):
             if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 return PermissionError(errno.EACCES, f"{where}: access denied ({code}); check the credentials")
             return OSError(errno.EIO, f"{where}: {code}")
+        if isinstance(exc, ParamValidationError):  # a request the client refused to send
+            return OSError(errno.EINVAL, f"{where}: refused by the S3 client: {' '.join(str(exc).split())}")
         return ConnectionError(errno.ECONNREFUSED, f"{where}: cannot reach the endpoint ({type(exc).__name__}: {exc})")
 
     def _endpoint_name(self) -> str:

@@ -1,5 +1,6 @@
 """The load generator: trace reading, workloads, bounds, and runs of the real CLI."""
 
+import errno
 import json
 import logging
 import os
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tiering import ConfigError, RegionInUseError
 from tiering.benchmarks.loadgen import cli
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.workload import Request, read_trace, synthetic
@@ -463,6 +465,37 @@ def test_help_documents_the_exit_statuses(capsys):
     out = capsys.readouterr().out
     assert "3  the engine failed while replaying" in out and "2  bad input" in out
     assert "tiering-bench overload ..." in out and "tiering-bench serve ..." in out
+
+
+MARKUP = "[bold]x[/] [/] ^[a-zA-Z0-9._-]{1,255}$ [link=file:///etc]"  # rich markup, and a regex as botocore's
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (ConfigError("engine.yaml", [("secondary_tiers[0].bucket", MARKUP)]), 2),
+        (ValueError(MARKUP), 2),
+        (OSError(errno.EINVAL, MARKUP), 2),
+        (TimeoutError(MARKUP), 2),
+        (PermissionError(errno.EACCES, MARKUP), 2),
+        (RegionInUseError(MARKUP), 2),
+        (ImportError(MARKUP, name="aiobotocore"), 2),  # a tier's extra, not the bench's
+        (cli.EngineFailure(MARKUP), 3),
+        (RuntimeError(MARKUP), 3),
+        (KeyError(MARKUP), 3),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else str(value),
+)
+def test_every_error_class_prints_whole_and_exits_with_its_documented_status(monkeypatch, capsys, error, status):
+    """Never 1 (a wrong byte was loaded) for an error, whatever its message holds."""
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(cli, "run", failing)
+    assert cli.main(["--max-requests", "5"]) == status
+    err = " ".join(capsys.readouterr().err.split())
+    assert MARKUP in err and "Traceback" not in err
 
 
 def test_an_engine_failure_mid_replay_is_one_line_and_exit_status_3(monkeypatch, capsys):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
-from tiering import SecondaryTierFactory
+from tiering import ConfigError, SecondaryTierFactory, parse_config
 from tiering.backends.s3 import S3BlockStore
 from tiering.benchmarks.s3_server import MotoServer, free_port
 from tiering.testing import BlockStoreSuite, StoreKit
@@ -83,6 +83,14 @@ def test_an_endpoint_that_never_answers_fails_construction_in_bounded_time_namin
         config = {"type": "s3", "bucket": "b", "endpoint_url": url, "read_timeout_s": 0.5, "connect_timeout_s": 0.5}
         with pytest.raises(ConnectionError, match=f"bucket 'b' at {url}: cannot reach the endpoint .*timeout"):
             make_s3_tier(config)  # 2 attempts of 0.5 s, where open_timeout_s would be 120 s
+
+
+@pytest.mark.parametrize("bucket", ["Bad Bucket!", "", "a/b", "x" * 256])
+def test_a_bucket_name_the_client_would_refuse_fails_at_config_load_naming_the_key(bucket):
+    text = f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: s3, bucket: '{bucket}'}}]\n"
+    with pytest.raises(ConfigError, match=r"e.yaml: secondary_tiers\[0\].bucket: '.*' is not a bucket name"):
+        parse_config(text, "e.yaml")
+    parse_config(text.replace(bucket or "''", "legacy_Bucket.name-1"), "e.yaml")  # what the S3 client sends
 
 
 def test_client_timeouts_must_be_below_the_operation_timeout(s3_environment):

@@ -42,6 +42,7 @@ from tiering import (
     make_offload_key,
     parse_config,
 )
+from tiering.benchmarks.loadgen import BENCH_MODULES
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
 from tiering.benchmarks.loadgen.run import SchedulerLoop
@@ -459,8 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError, RegionInUseError) as exc:
         _print_error(console, "error", exc)
         return EXIT_BAD_INPUT
-    except ImportError:
-        raise
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] in BENCH_MODULES:
+            raise  # the bench extra is missing: `tiering.benchmarks.loadgen.main` says what to install
+        _print_error(console, "error", exc)  # a tier's extra (s3, metrics), named by the tier
+        return EXIT_BAD_INPUT
     except Exception as exc:  # EngineFailure, or a bug: one line, the traceback at debug level
         logger.debug("engine failure", exc_info=True)
         _print_error(console, "engine failure", exc)
