@@ -42,7 +42,7 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -63,14 +63,18 @@ T = TypeVar("T")
 
 
 def check_root_dir(value: str) -> str:
-    """`root_dir` as a config value, checked at load: not empty; an existing directory that
-    is private to the engine's user and writable, or creatable under a writable directory.
+    """`root_dir` as a config value, checked at load, with ``~`` expanded: not empty; an
+    existing directory that is private to the engine's user and writable, or creatable under
+    a writable directory.
 
     Raises:
         ValueError: what is wrong, naming the path.
     """
     if not value:
         raise ValueError("must not be empty")
+    value = os.path.expanduser(value)
+    if value.startswith("~"):
+        raise ValueError(f"{value}: no such user's home directory to expand '~' to")
     path = Path(value)
     try:
         info = os.stat(path)
@@ -136,6 +140,11 @@ class FileBlockStore(BlockStore):
     header_align = file_io.ALIGN
 
     @classmethod
+    def location(cls, options: Mapping[str, Any]) -> str:
+        """``file`` and `root_dir`, absolute, with its links resolved."""
+        return f"file {os.path.realpath(options['root_dir'])}"
+
+    @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> FileBlockStore:
         """A store of the tier's config; `io_threads` defaults to `max_concurrency`."""
         assert isinstance(options, FileOptions)
@@ -155,7 +164,7 @@ class FileBlockStore(BlockStore):
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         if not os.fspath(root_dir):
             raise ValueError("root_dir must not be empty")
-        self.root_dir = Path(root_dir)
+        self.root_dir = Path(root_dir).expanduser()
         self.directory = self.root_dir / fingerprint.hex()
         self.fsync = fsync
         self.direct_io = direct_io

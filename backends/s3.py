@@ -23,7 +23,7 @@ import errno
 import io
 import os
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, ClassVar
 
@@ -160,6 +160,13 @@ class S3BlockStore(BlockStore):
             raise ValueError(
                 f"connect_timeout_s ({connect}) and read_timeout_s ({read}) must be below op_timeout_s ({operation})"
             )
+
+    @classmethod
+    def location(cls, options: Mapping[str, Any]) -> str:
+        """``s3``, the endpoint (as configured: the environment's, else AWS), the bucket and
+        the prefix."""
+        endpoint = options.get("endpoint_url") or "the default endpoint"
+        return f"s3 bucket {options['bucket']!r}, prefix {options.get('prefix', '')!r} at {endpoint}"
 
     def __init__(
         self,

@@ -29,7 +29,7 @@ import errno
 import os
 import sys
 import warnings
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -40,7 +40,7 @@ from tiering.blockstore.store import RecoveryProgress
 from tiering.errors import CorruptObjectError, ObjectNotFoundError
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader, check_length, encode_object, object_size, parse_header, verify_payload
-from tiering.options import STRICT, Seconds, Size
+from tiering.options import STRICT, Lifetime, Seconds, Size
 
 try:
     from glide import (
@@ -104,7 +104,7 @@ class ValkeyOptions(BaseModel):
     password_file: str | None = None
     connect_timeout_s: Seconds = 2.0
     request_timeout_s: Seconds = 5.0
-    ttl_s: Seconds | None = None
+    ttl_s: Lifetime | None = None
     max_value_bytes: Size = 512 << 20
     recover_index: bool = False
 
@@ -219,6 +219,12 @@ class ValkeyBlockStore(BlockStore):
                 f"connect_timeout_s ({connect}) and request_timeout_s ({request}) must be below op_timeout_s "
                 f"({operation})"
             )
+
+    @classmethod
+    def location(cls, options: Mapping[str, Any]) -> str:
+        """``valkey``, the addresses (any order) and the key prefix."""
+        prefix = options.get("key_prefix", ValkeyOptions.model_fields["key_prefix"].default)
+        return f"valkey {sorted(options['addresses'])} {prefix}"
 
     def __init__(
         self,

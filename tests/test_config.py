@@ -3,6 +3,7 @@ import subprocess
 
 import pytest
 
+from tiering.backends import FileBlockStore
 from tiering.config import ConfigError, load_config, parse_config
 
 GOOD = """
@@ -53,6 +54,30 @@ BAD = [
     ("cpu_bytes_to_use: 1GiB\nrecompute_tokens_per_s: 0", "recompute_tokens_per_s: Input should be greater than 0"),
     ("cpu_bytes_to_use: 1GiB\nrecompute_tokens_per_s: .inf", "recompute_tokens_per_s: Input should be a finite number"),
     ("cpu_bytes_to_use: 1GiB\ncolour: blue", "colour: unknown key; expected one of cpu_bytes_to_use, block_size"),
+    (  # beyond the platform's waits (a cryptic "timestamp out of range" at start before)
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, open_timeout_s: 1.0e+10}]",
+        "secondary_tiers[0].open_timeout_s: Input should be less than or equal to 86400",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, shutdown_timeout_s: 86401}]",
+        "secondary_tiers[0].shutdown_timeout_s: Input should be less than or equal to 86400",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nmetrics: {port: 1, interval_s: 1.0e+10}",
+        "metrics.interval_s: Input should be less than",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: /tmp/kv-a}, {type: file, root_dir: /tmp/./kv-a/}]",
+        "secondary_tiers[1]: keeps its blocks where secondary_tiers[0] does (file /tmp/kv-a): each tier would evict",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: s3, bucket: b, prefix: p/}, {type: s3, bucket: b, prefix: p/}]",
+        "secondary_tiers[1]: keeps its blocks where secondary_tiers[0] does (s3 bucket 'b', prefix 'p/' at the",
+    ),
+    (
+        "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: '~no-such-user-here/kv'}]",
+        "secondary_tiers[0].root_dir: ~no-such-user-here/kv: no such user's home directory to expand '~' to",
+    ),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: {type: file}",
         "secondary_tiers: expected a list of tier configurations",
@@ -221,6 +246,16 @@ def test_bad_input_fails_at_load_naming_the_file_the_key_path_and_what_was_expec
     with pytest.raises(ConfigError) as caught:
         parse_config(text, "engine.yaml", environ={})
     assert f"engine.yaml: {message}" in str(caught.value)
+
+
+def test_a_root_dir_under_home_is_expanded_never_made_literally(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    text = "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: ~/kv}, {type: file, root_dir: ~/kv2}]"
+    first, second = parse_config(text, environ={}).secondary_tiers
+    assert (first["root_dir"], second["root_dir"]) == (str(tmp_path / "home" / "kv"), str(tmp_path / "home" / "kv2"))
+    assert FileBlockStore("~/kv", bytes(16)).root_dir == tmp_path / "home" / "kv"
+    assert not (tmp_path / "~").exists()
 
 
 def test_shared_tier_options_may_use_a_merge_key_and_override_it():

@@ -42,10 +42,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from tiering.admission import AdmissionConfig
+from tiering.blockstore.store import BlockStore
 from tiering.context import tier_name_problem, unique_names
 from tiering.errors import ConfigError, TierConfigError
 from tiering.factory import SecondaryTierFactory, check_tier_options
-from tiering.options import Size, describe_error, join_path, key_path, set_options, validate_options
+from tiering.options import Seconds, Size, describe_error, join_path, key_path, set_options, validate_options
 from tiering.policies import cache_policy_names
 from tiering.tenants import TenantsConfig
 
@@ -62,7 +63,7 @@ class MetricsConfig(BaseModel):
 
     port: int = Field(ge=0, le=65535)
     address: str = "127.0.0.1"
-    interval_s: float = Field(default=1.0, gt=0)
+    interval_s: Seconds = 1.0
 
 
 class TieringConfig(BaseModel):
@@ -160,6 +161,7 @@ def config_from_dict(data: Any, source: str, environ: Mapping[str, str] | None =
         tiers = []
     checked_tiers = [_check_tier(tier, f"secondary_tiers[{i}]", problems) for i, tier in enumerate(tiers)]
     _name_tiers([tier for tier in checked_tiers if tier], problems)
+    _check_locations(checked_tiers, problems)
     try:
         config = TieringConfig.model_validate({**data, "secondary_tiers": [t for t in checked_tiers if t]})
     except ValidationError as exc:
@@ -193,6 +195,28 @@ def _check_tier(tier: Any, path: str, problems: list[tuple[str, str]]) -> dict[s
             return None
     locators = {key: tier[key] for key in ("name", "module_path", "class_name", "admission") if key in tier}
     return {"type": tier_type, **locators, **checked}
+
+
+def _check_locations(tiers: list[dict[str, Any] | None], problems: list[tuple[str, str]]) -> None:
+    """Two block-store tiers that would keep their objects in one place are a problem
+    (`BlockStore.location`)."""
+    seen: dict[str, int] = {}
+    for index, tier in enumerate(tiers):
+        if tier is None:
+            continue
+        _, tier_cls, options = SecondaryTierFactory.resolve(tier)
+        where = tier_cls.location(options) if issubclass(tier_cls, BlockStore) else None
+        if where is None:
+            continue
+        if where in seen:
+            problems.append(
+                (
+                    f"secondary_tiers[{index}]",
+                    f"keeps its blocks where secondary_tiers[{seen[where]}] does ({where}): each tier would evict "
+                    "and recover the other's; give each tier a place of its own",
+                )
+            )
+        seen.setdefault(where, index)
 
 
 def _name_tiers(tiers: list[dict[str, Any]], problems: list[tuple[str, str]]) -> None:

@@ -57,10 +57,15 @@ Size = Annotated[int, BeforeValidator(parse_size)]
 """Bytes: an integer from 1 to 1 EiB, or a string such as ``"8GiB"`` or ``"512 MB"``."""
 Count = Annotated[int, Field(ge=1)]
 """How many of something (threads, attempts, operations at once): an integer >= 1."""
-Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-"""A timeout or a period: finite seconds > 0."""
-Delay = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-"""A delay that may be zero: finite seconds >= 0."""
+MAX_SECONDS = 86_400.0
+"""The longest timeout, period or delay a setting takes (a day): longer is a hang, and waits
+beyond the platform's limits (``threading.TIMEOUT_MAX``, ``time_t``) fail cryptically."""
+Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
+"""A timeout or a period: seconds > 0, a day at most."""
+Delay = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+"""A delay that may be zero: seconds >= 0, a day at most."""
+Lifetime = Annotated[float, Field(gt=0, le=366 * MAX_SECONDS, allow_inf_nan=False)]
+"""How long something stored may live: seconds > 0, a year at most."""
 Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 """A probability, 0..1."""
 

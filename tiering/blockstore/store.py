@@ -106,6 +106,15 @@ class BlockStore(ABC):
             ValueError: a rule is broken (the message says which keys and why).
         """
 
+    @classmethod
+    def location(cls, options: Mapping[str, Any]) -> str | None:
+        """Where the objects of a tier configured with `options` (its validated config keys)
+        live, as text that is equal for two configs that would share them (``file
+        /srv/kv``); the config is refused when two tiers of one engine share one: each would
+        evict, and recover, the other's blocks. Checked at config load. Default: None (no
+        check)."""
+        return None
+
     def __init__(self, fingerprint: bytes):
         """`fingerprint`: the 16-byte layout fingerprint written into, and expected in, every
         object (see `tiering.object_format.layout_fingerprint`)."""
