@@ -34,13 +34,16 @@ from pydantic import BaseModel, field_validator
 
 from tiering.blockstore import BlockStore, BlockStoreSettings
 from tiering.blockstore.store import RecoveryProgress
-from tiering.errors import CorruptObjectError, ObjectNotFoundError
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader, check_length, encode_object, header_size, parse_header
 from tiering.options import STRICT, Count, Seconds
 
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+_UNUSABLE = {"InvalidObjectState", "ObjectNotInActiveTierError"}
+"""Error codes about one object only: archived by a lifecycle rule to a storage class
+(Glacier, Deep Archive, an archive tier) that a GET cannot read."""
 
 
 class _PartsReader(io.RawIOBase):
@@ -292,8 +295,11 @@ class S3BlockStore(BlockStore):
         try:
             response = await self._client.get_object(Bucket=self.bucket, Key=self.object_name(key))
         except ClientError as exc:
-            if str(exc.response.get("Error", {}).get("Code")) in _NOT_FOUND:
+            code = str(exc.response.get("Error", {}).get("Code"))
+            if code in _NOT_FOUND:
                 raise ObjectNotFoundError(key) from None
+            if code in _UNUSABLE:
+                raise UnusableObjectError(f"{self.object_name(key)}: {code} ({exc})") from None
             raise
         header_buf = memoryview(bytearray(header_size(len(key))))
         size = response["ContentLength"]

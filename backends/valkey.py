@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from tiering.blockstore import BlockStore, BlockStoreSettings
 from tiering.blockstore.store import RecoveryProgress
-from tiering.errors import CorruptObjectError, ObjectNotFoundError
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader, check_length, encode_object, object_size, parse_header, verify_payload
 from tiering.options import STRICT, Lifetime, Seconds, Size
@@ -86,6 +86,14 @@ _quiet_legacy_glide_modules()
 _DELETE_BATCH = 512  # keys per DEL (glide splits a cluster's batch by slot)
 _SCAN_COUNT = 1000  # keys per SCAN step when recovering
 _SIZE_CONCURRENCY = 64  # STRLEN requests in flight when recovering
+
+
+def _per_key(exc: Exception) -> Exception:
+    """`exc` as an `UnusableObjectError` when it is about one key only (another program put
+    a list or hash at a block's name: ``WRONGTYPE``), else as it is (the server's failure)."""
+    if str(exc).startswith("WRONGTYPE"):
+        return UnusableObjectError(f"{exc}")
+    return exc
 
 
 class ValkeyOptions(BaseModel):
@@ -418,10 +426,13 @@ class ValkeyBlockStore(BlockStore):
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
         self.check_open()
         name = self.value_name(key)
-        if self._getex_expiry is None:
-            value = await self._client.get(name)
-        else:
-            value = await self._client.getex(name, self._getex_expiry)
+        try:
+            if self._getex_expiry is None:
+                value = await self._client.get(name)
+            else:
+                value = await self._client.getex(name, self._getex_expiry)
+        except Exception as exc:
+            raise _per_key(exc) from None
         return self._unpack(key, value, into)
 
     async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
@@ -443,7 +454,7 @@ class ValkeyBlockStore(BlockStore):
         for (key, into), value in zip(items, await self._client.exec(batch, raise_on_error=False), strict=True):
             try:
                 if isinstance(value, Exception):
-                    raise value
+                    raise _per_key(value)
                 outcomes.append(self._unpack(key, value, into))
             except Exception as exc:
                 outcomes.append(exc)

@@ -1,9 +1,10 @@
 """How fast a frozen S3 endpoint is noticed: the s3 tier (default options) against a bare
 aiobotocore client (botocore's default timeouts), side by side, on a local moto server that
-is stopped with SIGSTOP (alive, listening, silent). Also: how long building a tier against
-an endpoint that never answers takes to fail.
+is stopped with SIGSTOP (alive, listening, silent), and how soon blocks load again once it
+is resumed. Also: how long building a tier against an endpoint that never answers takes to
+fail.
 
-    python -m tiering.benchmarks.s3_outage [--limit-s 60]
+    python -m tiering.benchmarks.s3_outage [--limit-s 60] [--outage-s 75]
 """
 
 from __future__ import annotations
@@ -34,23 +35,52 @@ def make_tier(config: dict):
     return SecondaryTierFactory.create_secondary_tier(config, view, None)
 
 
-def tier_seconds_to_breaker(server: MotoServer, limit_s: float) -> float | None:
-    """Seconds from the first store to the breaker opening, one store job every 50 ms."""
+def tier_outage(server: MotoServer, limit_s: float, outage_s: float) -> tuple[float | None, float | None]:
+    """(seconds from the freeze to the breaker opening, seconds from the server's return to
+    the first block loaded again), one store job every 50 ms as a busy engine sends them, the
+    server frozen for `outage_s` seconds; None: not within `limit_s`."""
     tier = make_tier({"type": "s3", "bucket": "outage", "endpoint_url": server.endpoint_url})
-    context, job = ReqContext("benchmark"), 0
+    context, job, frozen = ReqContext("benchmark"), 0, False
+
+    def step(keys: list | None = None, row: int = 2, promotion: bool = False) -> list:
+        """One 50 ms scheduler step submitting one job (by default the store of a new block)."""
+        nonlocal job
+        keys = keys or [make_offload_key(job.to_bytes(8, "big"), 0)]
+        new = JobMetadata(job, keys, np.array([row]), promotion, context)
+        job += 1
+        (tier.submit_load if promotion else tier.submit_store)(new)
+        tier.on_schedule_end()
+        time.sleep(0.05)
+        return list(tier.get_finished())
+
     try:
+        kept = make_offload_key(bytes(8), 0)
+        step([kept], row=0)
+        while not tier.lookup(kept, context):
+            step([kept], row=0)
         os.kill(server.pid, signal.SIGSTOP)
-        start = time.monotonic()
+        frozen, start = True, time.monotonic()
         while tier.health.healthy and time.monotonic() - start < limit_s:
-            key = make_offload_key(job.to_bytes(8, "big"), 0)
-            tier.submit_store(JobMetadata(job, [key], np.array([job % ROWS]), False, context))
-            tier.on_schedule_end()
-            tier.get_finished()
-            job += 1
-            time.sleep(0.05)
-        return None if tier.health.healthy else time.monotonic() - start
-    finally:
+            step()
+        to_breaker = None if tier.health.healthy else time.monotonic() - start
+        while time.monotonic() - start < outage_s:
+            step()
         os.kill(server.pid, signal.SIGCONT)
+        frozen, back = False, time.monotonic()
+        while time.monotonic() - back < limit_s:
+            if tier.lookup(kept, context):
+                load = job
+                done = step([kept], row=1, promotion=True)
+                while not any(result.job_id == load for result in done):
+                    done = step()
+                if next(result for result in done if result.job_id == load).success:
+                    return to_breaker, time.monotonic() - back
+            else:
+                step()
+        return to_breaker, None
+    finally:
+        if frozen:
+            os.kill(server.pid, signal.SIGCONT)
         tier.shutdown()
 
 
@@ -88,6 +118,7 @@ def silent_endpoint_seconds() -> tuple[float, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit-s", type=float, default=60.0, help="give up after this many seconds")
+    parser.add_argument("--outage-s", type=float, default=75.0, help="seconds the endpoint stays frozen")
     args = parser.parse_args()
     os.environ.update(CREDENTIALS)
 
@@ -99,7 +130,9 @@ def main() -> None:
     server.start()
     try:
         server.create_bucket("outage")
-        show("frozen endpoint, s3 tier: breaker open", tier_seconds_to_breaker(server, args.limit_s))
+        to_breaker, to_recovery = tier_outage(server, args.limit_s, args.outage_s)
+        show("frozen endpoint, s3 tier: breaker open", to_breaker)
+        show(f"endpoint back after {args.outage_s:.0f} s, s3 tier: a block loaded again", to_recovery)
         show("frozen endpoint, bare aiobotocore put: failed", asyncio.run(raw_seconds_to_error(server, args.limit_s)))
     finally:
         server.stop()

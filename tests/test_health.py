@@ -42,7 +42,31 @@ def test_probes_after_the_backoff_and_doubles_it_while_probes_fail(caplog):
     assert health.probe_due()
     health.probe_result(True)
     assert health.healthy and health.backoff_s == 1.0 and health.consecutive_failures == 0
-    assert caplog.text.count("unhealthy") == 3 and caplog.text.count("recovered") == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "tier tier unhealthy (1 consecutive failures); no I/O for 1.0 s",
+        "tier tier recovered after 6.0 s; resuming I/O",
+    ]
+
+
+def test_a_backend_back_after_a_long_outage_is_used_again_within_the_ceiling_and_logged_once_a_minute(caplog):
+    health, clock = breaker(failure_threshold=1)  # defaults: probes 1, 2, 4, 5, 5 ... s apart
+    health.record(0, 1)
+    probes = 0
+    for _ in range(int(300 / 0.5)):  # five minutes down
+        clock.now += 0.5
+        if health.probe_due():
+            probes += 1
+            health.probe_result(False)
+    clock.now += 0.5
+    waited = 0.5
+    while not health.probe_due():  # the backend is back
+        clock.now += 0.5
+        waited += 0.5
+    health.probe_result(True)
+    assert health.healthy and waited <= 5.0 and probes >= 55
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 + 4 and all("still unhealthy after" in line for line in warnings[1:-1])
 
 
 def test_rejects_impossible_settings():

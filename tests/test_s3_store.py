@@ -152,6 +152,35 @@ def test_round_trip_through_the_manager(s3_server, s3_bucket, engine_factory):
     assert engine.loaded_bytes(0, 1, 2, 3) == [block_bytes(k, ROW) for k in keys(0, 1, 2, 3)]
 
 
+def test_objects_archived_by_a_lifecycle_rule_are_dropped_without_opening_the_breaker(
+    s3_server, s3_bucket, engine_factory
+):
+    """A GET of an object moved to Glacier answers InvalidObjectState, forever: each such
+    object is one failed promotion, dropped and deleted; the tier stays healthy."""
+    engine = engine_factory(s3_config(s3_server, s3_bucket))
+    engine.store(*range(4))
+    engine.store(*range(4, 8))  # 0..3 now only in S3
+    client = s3_server.client()
+    for i in range(4):
+        name = engine.tier.store.object_name(key(i))
+        body = client.get_object(Bucket=s3_bucket, Key=name)["Body"].read()
+        client.put_object(Bucket=s3_bucket, Key=name, Body=body, StorageClass="GLACIER")
+    with pytest.raises(client.exceptions.ClientError, match="InvalidObjectState"):
+        client.get_object(Bucket=s3_bucket, Key=engine.tier.store.object_name(key(0)))
+    engine.rows[:] = 0
+    for _ in range(2):  # more failures than the breaker's threshold, had they counted
+        for i in range(4):
+            assert engine.lookup_until_done(i) == [False]
+    assert engine.tier.failures["load_unusable"] == 4 and engine.tier.health.healthy
+    assert all(engine.tier.lookup(key(i), CTX) is False for i in range(4))  # dropped from the index
+    engine.store(8, 9, 10, 11)
+    engine.store(4, 5, 6, 7)  # the tier still stores and loads
+    assert engine.lookup_until_done(8, 9) == [True, True]
+    assert engine.loaded_bytes(8, 9) == [block_bytes(k, ROW) for k in keys(8, 9)]
+    listed = client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
+    assert not {engine.tier.store.object_name(key(i)) for i in range(4)} & {o["Key"] for o in listed}  # deleted
+
+
 def test_a_second_engine_on_the_bucket_sees_what_the_first_wrote(s3_server, s3_bucket, engine_factory):
     early = engine_factory(s3_config(s3_server, s3_bucket))  # started before anything was written
     writer = engine_factory(s3_config(s3_server, s3_bucket))

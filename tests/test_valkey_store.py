@@ -210,6 +210,27 @@ def test_blocks_the_server_evicted_are_misses_never_wrong_bytes(engine_factory, 
         assert engine.tier.failures["load_missing"] > 0
 
 
+def test_a_value_of_another_type_at_a_blocks_name_is_dropped_without_opening_the_breaker(
+    valkey_target, engine_factory, key_prefix
+):
+    """Another program's list at a block's name answers WRONGTYPE to every GET: one failed
+    promotion per key, dropped; the tier stays healthy and serves the rest."""
+    engine = engine_factory(valkey_config(valkey_target, key_prefix), num_blocks=8)
+    engine.store(*range(8))
+    engine.store(*range(8, 16))  # 0..7 now only in the tier
+    for i in range(6):  # more than the breaker's threshold (5)
+        name = engine.tier.store.value_name(key(i))
+        client = raw_client(valkey_target, name)
+        client.delete(name)
+        client.rpush(name, b"not a block")
+    engine.rows[:] = 0
+    for i in range(6):
+        assert engine.lookup_until_done(i) == [False]
+    assert engine.tier.failures["load_unusable"] == 6 and engine.tier.health.healthy
+    assert engine.lookup_until_done(6, 7) == [True, True]
+    assert engine.loaded_bytes(6, 7) == [block_bytes(k, ROW) for k in keys(6, 7)]
+
+
 def test_a_full_server_fails_stores_as_no_space_and_keeps_serving_loads(engine_factory, key_prefix):
     with server_with_room("noeviction") as (server, _, leave_room):
         engine = engine_factory(valkey_config(server, key_prefix))

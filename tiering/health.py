@@ -2,8 +2,11 @@
 
 Healthy: I/O flows. After `failure_threshold` consecutive failed operations the tier turns
 unhealthy for `backoff_s` seconds: no I/O is sent, lookups miss, jobs fail fast. When the
-backoff has passed, one probe is sent; success makes the tier healthy again, failure doubles
-the backoff (up to `max_backoff_s`). One log line per state change, never one per block.
+backoff has passed, one probe (a ping: one small request) is sent; success makes the tier
+healthy again, failure doubles the backoff, up to `max_backoff_s`. That ceiling bounds how
+long a backend that came back stays unused, so it is seconds (5 by default), not tens: a
+ping every few seconds is no load for a backend, even from many engines. Log lines: one per
+state change, never one per block; probes that keep failing are summed up once a minute.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import time
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
+
+SUMMARY_INTERVAL_S = 60.0
+"""At most one WARNING line per tier and interval while its probes keep failing."""
 
 
 class HealthState(enum.Enum):
@@ -34,7 +40,7 @@ class TierHealth:
         name: str,
         failure_threshold: int = 5,
         backoff_s: float = 1.0,
-        max_backoff_s: float = 30.0,
+        max_backoff_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         """
@@ -55,6 +61,9 @@ class TierHealth:
         self.consecutive_failures = 0
         self.backoff_s = backoff_s
         self._retry_at = 0.0
+        self._unhealthy_since = 0.0
+        self._failed_probes = 0
+        self._logged_at = 0.0
 
     @property
     def healthy(self) -> bool:
@@ -83,16 +92,33 @@ class TierHealth:
 
     def probe_result(self, ok: bool) -> None:
         """Apply the outcome of the probe sent after `probe_due`."""
+        now = self._clock()
         if ok:
-            logger.warning("tier %s recovered; resuming I/O", self.name)
+            logger.warning("tier %s recovered after %.1f s; resuming I/O", self.name, now - self._unhealthy_since)
             self.state = HealthState.HEALTHY
             self.consecutive_failures = 0
             self.backoff_s = self.initial_backoff_s
-        else:
-            self.backoff_s = min(self.backoff_s * 2, self.max_backoff_s)
-            self._pause("its probe failed")
+            return
+        self.backoff_s = min(self.backoff_s * 2, self.max_backoff_s)
+        self._failed_probes += 1
+        self.state = HealthState.UNHEALTHY
+        self._retry_at = now + self.backoff_s
+        level = logging.WARNING if now - self._logged_at >= SUMMARY_INTERVAL_S else logging.DEBUG
+        if level == logging.WARNING:
+            self._logged_at = now
+        logger.log(
+            level,
+            "tier %s still unhealthy after %.0f s (%d probes failed); next probe in %.1f s",
+            self.name,
+            now - self._unhealthy_since,
+            self._failed_probes,
+            self.backoff_s,
+        )
 
     def _pause(self, reason: str) -> None:
         logger.warning("tier %s unhealthy (%s); no I/O for %.1f s", self.name, reason, self.backoff_s)
         self.state = HealthState.UNHEALTHY
-        self._retry_at = self._clock() + self.backoff_s
+        now = self._clock()
+        self._unhealthy_since = self._logged_at = now
+        self._failed_probes = 0
+        self._retry_at = now + self.backoff_s

@@ -57,7 +57,7 @@ class BlockStoreSettings(BaseModel):
     index_max_blocks: Count | None = None
     failure_threshold: Count = 5
     backoff_s: Seconds = 1.0
-    max_backoff_s: Seconds = 30.0
+    max_backoff_s: Seconds = 5.0
     integrity: Integrity | None = None
     encryption: Literal["aes-256-gcm"] | None = None
 

@@ -156,7 +156,12 @@ class BlockStore(ABC):
         Raises:
             ObjectNotFoundError: no object for `key`.
             CorruptObjectError: the header or the length is wrong.
+            UnusableObjectError: this object cannot be read for a reason of its own, not the
+                backend's (a file's permissions or media error, an S3 object archived to a
+                storage class that cannot be read): the tier drops the key and deletes the
+                object, and the failure does not count against the tier's health.
             ForgedObjectError: the header's seal is not one `seal` opens.
+            Exception: anything else is the backend's failure (it counts towards the breaker).
         """
 
     async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
