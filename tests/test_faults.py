@@ -164,8 +164,11 @@ def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(sm
         assert tier.failures["store_no_space"] == 2
         os.unlink(small_disk / "someone-elses-file")
         time.sleep(0.25)  # the first retry is due
-        assert store_blocks(tier, rows, 3, [3, 4]) is True
-        assert tier.room_bytes is None and tier.num_blocks == 2
+        assert store_blocks(tier, rows, 3, [3, 4]) is True  # the room, raised, fits them
+        assert tier.num_blocks == 2 and tier.room_bytes >= tier.used_bytes
+        time.sleep(0.25)  # the next retry: the tier does not use all its room, which is forgotten
+        assert store_blocks(tier, rows, 4, [5]) is True
+        assert tier.room_bytes is None and tier.num_blocks == 3
     finally:
         tier.shutdown()
 
@@ -175,15 +178,41 @@ def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(sm
     config = {"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False, "capacity_bytes": "4MiB"}
     tier, rows = make_tier(config)
     try:
-        ids = iter(range(1000))
+        ids = iter(range(10**6))
         while store_blocks(tier, rows, next(ids), [next(ids)]):
             pass
         held = tier.room_bytes
         assert held == tier.used_bytes and 0 < held <= 1 << 20
         subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
         time.sleep(0.25)
-        while tier.used_bytes <= held:  # stores go beyond what the small disk held
-            assert store_blocks(tier, rows, next(ids), [next(ids)])
-        assert tier.room_bytes is None
+        deadline = time.monotonic() + 20
+        while tier.room_bytes is not None and time.monotonic() < deadline:  # raised an eighth per retry
+            assert store_blocks(tier, rows, next(ids), [next(ids)])  # every raise fits: nothing fails
+        assert tier.room_bytes is None and tier.used_bytes > held
+    finally:
+        tier.shutdown()
+
+
+def test_a_full_disk_under_steady_stores_keeps_its_room_and_evicts_only_the_shortfall(small_disk):
+    """Stores keep coming while evicted objects are still being deleted: the room must stay
+    at what the disk holds, not ratchet down by what was in flight at each refusal."""
+    tier, rows = make_tier({"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False}, num_blocks=8)
+    try:
+        held, offered, next_key = [], 0, 0
+        for step in range(300):
+            for _ in range(4):  # jobs in flight at once, as a busy scheduler sends them
+                tier.submit_store(job(step * 4 + _, range(next_key, next_key + 8), range(8), False))
+                next_key += 8
+                offered += 8
+            tier.on_schedule_end()
+            tier.get_finished()
+            time.sleep(0.002)
+            held.append(tier.used_bytes)
+        disk = 1 << 20
+        stored = tier.get_stats()["counters"]["blocks_stored"]
+        evicted = tier.get_stats()["counters"]["evictions"]
+        assert sorted(held[100:])[len(held[100:]) // 2] >= 0.8 * disk  # the median, once full
+        assert tier.failures["store_no_space"] < 0.1 * offered
+        assert evicted <= stored  # never more than what stores displaced
     finally:
         tier.shutdown()

@@ -4,9 +4,14 @@ Scheduler thread only, and nothing else: no loop, no lock, no I/O. It decides ev
 the tier turns them into deletes.
 
 Room: the index holds at most `capacity_bytes`. When the device fills up first (ENOSPC), it
-holds at most what fit (`room_bytes`) until a retry time passes; then it forgets the room
-and learns again from the next store, waiting longer (doubling up to the last of
-`room_backoff_s`) each time the device is still full.
+holds at most what fit (`room_bytes`); at each retry time it raises the room by an eighth
+while it uses it all (forgetting it once it does not), waiting longer (doubling up to the
+last of `room_backoff_s`) each time a raise did not fit, and the shortest time after one
+did. What fit counts the evicted objects
+whose deletes have not finished (`deleting_bytes`): they still took the device's space.
+Counting them keeps the room where the device is (a store that evicted to make room waits
+for those deletes: `BlockStoreTier`), so churn never lowers it; it follows free space down
+(another program's files) and, at each retry, up, evicting no more than the shortfall.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class BlockIndex:
         capacity_bytes: the configured limit, or None.
         room_bytes: while the device is full, what it was found to hold; else None.
         used_bytes: bytes of every key held or being stored.
+        reserved_bytes: the part of `used_bytes` being stored (not written yet).
+        deleting_bytes: bytes of evicted objects whose deletes have not finished (`deleted`).
         evictions: keys evicted so far.
         max_keys: keys held at most, or None; beyond it the least recent idle stored keys are
             forgotten (not evicted: their objects stay, for a store that evicts by itself).
@@ -61,12 +68,17 @@ class BlockIndex:
         self.max_keys = max_keys
         self.room_bytes: int | None = None
         self.used_bytes = 0
+        self.reserved_bytes = 0
+        self.deleting_bytes = 0
+        self._deleting: dict[OffloadKey, int] = {}
         self.evictions = 0
         self.forgotten = 0
         self._entries: OrderedDict[OffloadKey, Entry] = OrderedDict()
         self._room_backoff = room_backoff_s or ROOM_BACKOFF_S
         self._room_wait_s = self._room_backoff[0]
         self._room_retry_at = 0.0
+        self._raised = False  # the room was raised and no store has been refused since
+        self._largest = 0  # the largest object seen, bytes: the least a raise adds
         self._clock = clock
 
     def __len__(self) -> int:
@@ -95,12 +107,15 @@ class BlockIndex:
         for key, row in items:
             if key in entries:
                 continue
+            self.deleted((key,))  # stored again: its object is replaced, not deleted
             size = object_bytes(key)
+            self._largest = max(self._largest, size)
             if not self._make_room(size, evicted):
                 complete = False
                 continue
             entries[key] = Entry(size)
             self.used_bytes += size
+            self.reserved_bytes += size
             reserved.append((key, row))
         self._forget_beyond_max()
         return reserved, complete
@@ -108,6 +123,7 @@ class BlockIndex:
     def add_stored(self, key: OffloadKey, size: int) -> list[OffloadKey]:
         """Hold an object that already exists (recovered, or found by a probe) as the most
         recent; returns the keys evicted if the index is now over its limit."""
+        self.deleted((key,))  # found again while its delete was pending: kept
         self._entries[key] = Entry(size, stored=True)
         self.used_bytes += size
         evicted: list[OffloadKey] = []
@@ -115,11 +131,28 @@ class BlockIndex:
         self._forget_beyond_max()
         return evicted
 
+    def deleted(self, keys: Iterable[OffloadKey]) -> None:
+        """The deletes of these evicted keys are over (done or failed): their objects no
+        longer count against the room."""
+        for key in keys:
+            size = self._deleting.pop(key, 0)
+            self.deleting_bytes -= size
+
+    def mark_stored(self, key: OffloadKey) -> Entry | None:
+        """The store of `key` succeeded; returns its entry, or None if no longer held."""
+        entry = self._entries.get(key)
+        if entry is not None and not entry.stored:
+            entry.stored = True
+            self.reserved_bytes -= entry.size
+        return entry
+
     def remove(self, key: OffloadKey) -> None:
         """Stop holding `key` (a failed store, a missing or corrupt object)."""
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.used_bytes -= entry.size
+            if not entry.stored:
+                self.reserved_bytes -= entry.size
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         """Make the held `keys` the most recent, the first one most."""
@@ -146,19 +179,18 @@ class BlockIndex:
         return entry
 
     def device_full(self) -> None:
-        """A store was refused for lack of space: hold at most what is held now, until the
-        retry time (which backs off while the device stays full)."""
-        if self.room_bytes is None:
-            wait = self._room_wait_s
-            self._room_wait_s = min(wait * 2, self._room_backoff[1])
-            logger.warning(
-                "tier %s: device full at %d bytes; holding at most that, retrying in %.0f s",
-                self.name,
-                self.used_bytes,
-                wait,
-            )
-            self._room_retry_at = self._clock() + wait
-        self.room_bytes = self.used_bytes
+        """A store was refused for lack of space: hold at most what the device held (the
+        objects stored, and those evicted but not deleted yet; not the stores in flight).
+        The room is raised again at the retry time, which backs off while raising fails."""
+        held = self.used_bytes - self.reserved_bytes + self.deleting_bytes
+        if self.room_bytes is None or self._raised:
+            if self.room_bytes is None:
+                logger.warning("tier %s: device full at %d bytes; holding at most that", self.name, held)
+            else:  # the last raise did not fit: wait longer before the next
+                self._room_wait_s = min(self._room_wait_s * 2, self._room_backoff[1])
+            self._raised = False
+            self._room_retry_at = self._clock() + self._room_wait_s
+        self.room_bytes = held
 
     def device_stored(self) -> None:
         """A store succeeded with no full-device refusal: the next full device waits the
@@ -167,10 +199,22 @@ class BlockIndex:
             self._room_wait_s = self._room_backoff[0]
 
     def limit(self) -> int | None:
-        """Bytes the index may hold now: the capacity, or less while the device is full."""
+        """Bytes the index may hold now: the capacity, or less while the device is full.
+        While full, the room is raised by an eighth at each retry time (more stores are
+        tried: the device may have more space) as long as the index uses it all, and
+        forgotten once the index does not (or it reaches the capacity)."""
         if self.room_bytes is not None and self._clock() >= self._room_retry_at:
-            logger.info("tier %s: retrying stores beyond the %d bytes a full device held", self.name, self.room_bytes)
-            self.room_bytes = None
+            if self._raised:  # the last raise fit: climb again soon
+                self._room_wait_s = self._room_backoff[0]
+            if self.used_bytes + self.deleting_bytes < self.room_bytes:
+                logger.info("tier %s: the device has room again", self.name)
+                self.room_bytes, self._raised = None, False
+            else:
+                self.room_bytes += max(self.room_bytes // 8, 4 * self._largest)
+                self._raised = True
+                self._room_retry_at = self._clock() + self._room_wait_s
+                if self.capacity_bytes is not None and self.room_bytes >= self.capacity_bytes:
+                    self.room_bytes, self._raised = None, False
         if self.room_bytes is None or (self.capacity_bytes is not None and self.capacity_bytes < self.room_bytes):
             return self.capacity_bytes
         return self.room_bytes
@@ -189,8 +233,10 @@ class BlockIndex:
         self.forgotten += len(victims)
 
     def _make_room(self, size: int, evicted: list[OffloadKey]) -> bool:
-        limit = self.capacity_bytes if self.room_bytes is None else self.limit()
-        if limit is None or self.used_bytes + size <= limit:
+        """Evict idle least-recent keys until `size` more bytes fit the limit (never more than
+        that shortfall); False if they cannot."""
+        limit = self.limit()
+        if limit is None:
             return True
         if size > limit:
             return False
@@ -199,7 +245,10 @@ class BlockIndex:
             victim = next((key for key, entry in entries.items() if entry.stored and entry.readers == 0), None)
             if victim is None:
                 return False
-            self.used_bytes -= entries.pop(victim).size
+            victim_size = entries.pop(victim).size
+            self.used_bytes -= victim_size
+            self._deleting[victim] = victim_size
+            self.deleting_bytes += victim_size
             evicted.append(victim)
             self.evictions += 1
         return True

@@ -89,7 +89,9 @@ class PingDone(Outcome):
 
 @dataclass(kw_only=True)
 class DeletesDone(Outcome):
-    """Deletes of evicted or corrupt objects (only failures to report)."""
+    """Deletes of evicted or corrupt objects, done or failed: `keys`."""
+
+    keys: list[OffloadKey] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

@@ -188,7 +188,12 @@ class BlockStoreTier(SecondaryTierManager):
                     pending.pop(key, None)
         self._evicted.update(dict.fromkeys(evicted))
         if items:
-            self._submit(self._worker.start_store, done, items)
+            # a full device: its room is there once the evicted objects are gone, so they are
+            # deleted now (not at the end of the step) and the store writes after that
+            full = self._index.room_bytes is not None
+            if full:
+                self._flush_deletes()
+            self._submit(self._worker.start_store, done, items, full)
         else:
             self._outbox.put(done, task_finished=False)
 
@@ -215,7 +220,7 @@ class BlockStoreTier(SecondaryTierManager):
                 case outbox.RowsReleased():
                     self._released.append(outcome.job_id)
                 case outbox.DeletesDone():
-                    pass
+                    self._index.deleted(outcome.keys)
                 case outbox.ProbeDone():
                     self.health.record(len(outcome.keys) - outcome.errors, outcome.errors)
                     self._apply_probe(outcome)
@@ -404,15 +409,11 @@ class BlockStoreTier(SecondaryTierManager):
 
     def _apply_store(self, done: StoreDone) -> None:
         for key in done.keys:
-            entry = self._index.get(key)
-            if entry is None:
-                continue
-            if key in done.ok:
-                entry.stored = True
+            if key not in done.ok:
+                self._index.remove(key)
+            elif (entry := self._index.mark_stored(key)) is not None:
                 self._counters["blocks_stored"] += 1
                 self._counters["bytes_stored"] += entry.size
-            else:
-                self._index.remove(key)
         if done.no_space and not self.store.evicts_itself:
             self._index.device_full()
         elif done.ok:

@@ -137,8 +137,11 @@ class BlockWorker:
 
     # -- entry points, queued by the scheduler thread ---------------------------------------
 
-    def start_store(self, done: StoreDone, items: Items) -> None:
-        self._start(done, partial(self._store_job, done, items))
+    def start_store(self, done: StoreDone, items: Items, after_deletes: bool = False) -> None:
+        """Store `items`, once the deletes of their keys started before it are over, or,
+        with `after_deletes` (a full device, whose room those deletes make), every delete
+        started before it."""
+        self._start(done, partial(self._store_job, done, items, after_deletes))
 
     def start_load(self, done: LoadDone, items: Items) -> None:
         self._start(done, lambda: partial(self._in_batches, self._load_batch, done, items))
@@ -150,7 +153,7 @@ class BlockWorker:
         self._start(done, lambda: partial(self._ping, done))
 
     def start_delete(self, keys: list[OffloadKey]) -> None:
-        done = DeletesDone()
+        done = DeletesDone(keys=keys)
         self._start(done, partial(self._delete_job, done, keys))
 
     def _start(self, done: Outcome, prepare: Callable[[], Callable[[], Awaitable[None]]]) -> None:
@@ -167,9 +170,13 @@ class BlockWorker:
                 done.failed("start", exc, sick=False)
             self._finish(done, broken=True)
 
-    def _store_job(self, done: StoreDone, items: Items) -> Callable[[], Awaitable[None]]:
-        """The store job, waiting first for the deletes of its keys started before it."""
-        waits = [self._deleting[key] for key, _ in items if key in self._deleting]
+    def _store_job(self, done: StoreDone, items: Items, after_deletes: bool) -> Callable[[], Awaitable[None]]:
+        """The store job, waiting first for the deletes started before it: of its keys, or all."""
+        if after_deletes:
+            events = self._deleting.values()
+        else:
+            events = (event for key, _ in items if (event := self._deleting.get(key)) is not None)
+        waits = list({id(event): event for event in events}.values())
         return partial(self._store_blocks, done, items, waits)
 
     def _delete_job(self, done: DeletesDone, keys: list[OffloadKey]) -> Callable[[], Awaitable[None]]:
