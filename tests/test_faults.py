@@ -196,7 +196,7 @@ def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(sm
 def test_a_full_disk_under_steady_stores_keeps_its_room_and_evicts_only_the_shortfall(small_disk):
     """Stores keep coming while evicted objects are still being deleted: the room must stay
     at what the disk holds, not ratchet down by what was in flight at each refusal."""
-    tier, rows = make_tier({"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False}, num_blocks=8)
+    tier, _ = make_tier({"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False}, num_blocks=8)
     try:
         held, offered, next_key = [], 0, 0
         for step in range(300):

@@ -173,9 +173,9 @@ class BlockWorker:
     def _store_job(self, done: StoreDone, items: Items, after_deletes: bool) -> Callable[[], Awaitable[None]]:
         """The store job, waiting first for the deletes started before it: of its keys, or all."""
         if after_deletes:
-            events = self._deleting.values()
+            events = list(self._deleting.values())
         else:
-            events = (event for key, _ in items if (event := self._deleting.get(key)) is not None)
+            events = [event for key, _ in items if (event := self._deleting.get(key)) is not None]
         waits = list({id(event): event for event in events}.values())
         return partial(self._store_blocks, done, items, waits)
 
