@@ -43,7 +43,7 @@ import os
 import shutil
 import stat
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, TypeVar
@@ -53,6 +53,7 @@ from pydantic import AfterValidator, BaseModel
 
 from tiering.backends import file_io
 from tiering.blockstore import BlockStore, BlockStoreSettings
+from tiering.blockstore.pool import DaemonThreadPool
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader
 from tiering.options import STRICT, Count
@@ -169,8 +170,8 @@ class FileBlockStore(BlockStore):
         self.fsync = fsync
         self.direct_io = direct_io
         self._io_threads = io_threads
-        self._pool: ThreadPoolExecutor | None = None  # writes, deletes, the scan
-        self._read_pool: ThreadPoolExecutor | None = None  # reads: a promotion never queues behind writes
+        self._pool: DaemonThreadPool | None = None  # writes, deletes, the scan
+        self._read_pool: DaemonThreadPool | None = None  # reads: a promotion never queues behind writes
         self._ns: file_io.Namespace | None = None  # open from `open` to `close`
 
     def __repr__(self) -> str:
@@ -194,7 +195,7 @@ class FileBlockStore(BlockStore):
             return await self._hop(self._read_pool if read else self._pool, func, *args)
 
     @staticmethod
-    async def _hop(pool: ThreadPoolExecutor | None, func: Callable[..., T], *args: Any) -> T:
+    async def _hop(pool: Executor | None, func: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, partial(func, *args))
 
     async def open(self) -> None:
@@ -205,8 +206,9 @@ class FileBlockStore(BlockStore):
                 writable by group or others (the message names it and says what to do).
             OSError: `root_dir` cannot be created or is not a directory.
         """
-        self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tiering-file")
-        self._read_pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tiering-file-read")
+        # daemon threads: a call stuck in a hung mount never keeps the process from exiting
+        self._pool = DaemonThreadPool(self._io_threads, "tiering-file")
+        self._read_pool = DaemonThreadPool(self._io_threads, "tiering-file-read")
         try:
             self._ns = await self._hop(self._pool, file_io.open_namespace, self.root_dir, self.directory.name)
             await super().open()

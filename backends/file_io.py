@@ -87,23 +87,54 @@ def each(func: Callable[..., Any], calls: list[tuple]) -> list[Any]:
 class Namespace:
     """A namespace directory, open with its 256 shard directories and its quarantine (258
     descriptors) from `open_namespace` to `close`: an operation on a block opens nothing but
-    the block's file. A directory replaced or removed while open is not followed: the tier
-    keeps using the one it opened (another of this user's processes would have to do it)."""
+    the block's file. A directory replaced while open is not followed: the tier keeps using
+    the one it opened (another of this user's processes would have to do it). A shard
+    directory removed while open (or the whole namespace) is made again by the first store
+    into it (`reopen_shard`); the blocks it held are gone, each a miss when loaded."""
 
-    def __init__(self, fd: int, shards: list[int], quarantine: int, created: list[Path] | None = None):
+    def __init__(self, fd: int, shards: list[int], quarantine: int, path: Path | None = None):
         self.fd = fd
         self.shards = shards
         self.quarantine = quarantine
-        self.created = created or []  # made by `open_namespace`, outermost first; [] if it existed
+        self.path = path  # the namespace directory, to make again if it is removed
+        self.created: list[Path] = []  # made by `open_namespace`, outermost first; [] if it existed
+        self._lock = threading.Lock()
+        self._retired: list[int] = []  # descriptors replaced by `reopen_shard`: other threads may use them
 
     def shard_fd(self, key: OffloadKey) -> int:
         """The open descriptor of `key`'s shard directory (valid until `close`)."""
         return self.shards[_shard_index(key)]
 
+    def reopen_shard(self, key: OffloadKey, stale_fd: int) -> int:
+        """The descriptor of `key`'s shard directory, made and opened again after a store
+        found the one it used (`stale_fd`) removed: the namespace directory too, if it went
+        with it. Any thread; one at a time.
+
+        Raises:
+            OSError: the directories cannot be made again (the message names them).
+        """
+        index = _shard_index(key)
+        with self._lock:
+            if self.shards[index] != stale_fd:
+                return self.shards[index]  # another thread made it again
+            assert self.path is not None
+            if os.fstat(self.fd).st_nlink == 0:  # the namespace itself was removed
+                fd = _private_subdir_at(self.path.parent, self.path.name)
+                self._retired.append(self.fd)
+                self.fd = fd
+            fd = _private_subdir(self.fd, _SHARDS[index], self.path / _SHARDS[index])
+            self._retired.append(stale_fd)
+            self.shards[index] = fd
+        logger.warning(
+            "file tier: %s was removed while in use; made it again (the blocks it held are gone: each is a miss)",
+            self.path / _SHARDS[index],
+        )
+        return fd
+
     def close(self) -> None:
         """Close every descriptor; idempotent."""
-        fds = [*self.shards, self.quarantine, self.fd]
-        self.shards, self.quarantine, self.fd = [], -1, -1
+        fds = [*self.shards, self.quarantine, self.fd, *self._retired]
+        self.shards, self.quarantine, self.fd, self._retired = [], -1, -1, []
         for fd in fds:
             if fd >= 0:
                 os.close(fd)
@@ -120,14 +151,9 @@ def open_namespace(root: Path, name: str) -> Namespace:
         OSError: a directory cannot be created or opened.
     """
     created = _make_private_parents(root)
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: links allowed
-    try:
-        check_root(os.fstat(root_fd), root)
-        existed = os.path.lexists(root / name)
-        namespace = Namespace(_private_subdir(root_fd, name, root / name), [], -1)
-        namespace.created = created if existed else [*created, root / name]
-    finally:
-        os.close(root_fd)
+    existed = os.path.lexists(root / name)
+    namespace = Namespace(_private_subdir_at(root, name), [], -1, root / name)
+    namespace.created = created if existed else [*created, root / name]
     try:
         for shard in _SHARDS:
             namespace.shards.append(_private_subdir(namespace.fd, shard, root / name / shard))
@@ -173,6 +199,17 @@ def remove_created(namespace: Namespace) -> None:
             os.rmdir(path)
     except OSError as exc:
         logger.debug("file tier: left %s in place: %s", exc.filename, exc.strerror)
+
+
+def _private_subdir_at(root: Path, name: str) -> int:
+    """`_private_subdir` `name` of the operator's `root` (a path that may hold links), once
+    `root` is checked (`check_root`)."""
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        check_root(os.fstat(root_fd), root)
+        return _private_subdir(root_fd, name, root / name)
+    finally:
+        os.close(root_fd)
 
 
 def _private_subdir(parent_fd: int, name: str, path: Path) -> int:
@@ -275,7 +312,11 @@ def write_object(
     dir_fd = ns.shard_fd(key)
     header_page = _scratch()[0]
     header_page[: len(header)] = header
-    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    try:
+        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    except FileNotFoundError:  # the shard directory was removed under us
+        dir_fd = ns.reopen_shard(key, dir_fd)
+        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
     try:
         _write_all(fd, [header_page[: len(header)], payload])
         if fsync:

@@ -193,9 +193,10 @@ def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(sm
         tier.shutdown()
 
 
-def test_a_full_disk_under_steady_stores_keeps_its_room_and_evicts_only_the_shortfall(small_disk):
+def test_a_full_disk_under_steady_stores_keeps_its_room_and_evicts_only_the_shortfall(small_disk, monkeypatch):
     """Stores keep coming while evicted objects are still being deleted: the room must stay
     at what the disk holds, not ratchet down by what was in flight at each refusal."""
+    monkeypatch.setattr("tiering.blockstore.index.ROOM_BACKOFF_S", (0.05, 0.2))  # retries within the test
     tier, _ = make_tier({"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False}, num_blocks=8)
     try:
         held, offered, next_key = [], 0, 0

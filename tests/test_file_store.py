@@ -1,10 +1,12 @@
 import os
 import re
+import shutil
 import stat
 
 import pytest
 
 from tests.helpers import key
+from tiering import ObjectNotFoundError
 from tiering.backends import FileBlockStore
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, buffer, opened, payload
@@ -116,6 +118,41 @@ async def test_unusable_root_dir_is_a_clear_error(tmp_path):
     store = FileBlockStore(blocker / "sub", FINGERPRINT)
     with pytest.raises(OSError, match=r"file tier: cannot use .*a-file/sub"):
         await store.open()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("removed", ["shard", "shard replaced by a link", "namespace"])
+async def test_a_directory_removed_while_open_is_made_again_and_the_rest_keeps_serving(tmp_path, removed, caplog):
+    from tiering.backends import file_io
+
+    store = FileBlockStore(tmp_path / "kv", FINGERPRINT, io_threads=2, direct_io=False)
+    await store.open()
+    try:
+        lost = key(1)
+        same_shard = next(key(i) for i in range(2, 10_000) if file_io.shard(key(i)) == file_io.shard(lost))
+        elsewhere = next(key(i) for i in range(2, 10_000) if file_io.shard(key(i)) != file_io.shard(lost))
+        data = {k: payload(4096) for k in (lost, same_shard, elsewhere)}
+        for k in (lost, elsewhere):
+            await store.put(k, data[k])
+        shard = store.path(lost).parent
+        shutil.rmtree(store.directory if removed == "namespace" else shard)
+        if removed == "shard replaced by a link":
+            (tmp_path / "elsewhere").mkdir()
+            shard.symlink_to(tmp_path / "elsewhere")
+        await store.put(same_shard, data[same_shard])  # the shard (and namespace) made again
+        assert shard.is_dir() and not shard.is_symlink() and store.path(same_shard).exists()
+        into = buffer(4096)
+        await store.get(same_shard, into)
+        assert into == data[same_shard]
+        with pytest.raises(ObjectNotFoundError):
+            await store.get(lost, buffer(4096))  # gone with its shard: a miss, never wrong bytes
+        if removed != "namespace":
+            await store.get(elsewhere, into)  # other shards are untouched
+            assert into == data[elsewhere]
+        assert "was removed while in use; made it again" in caplog.text
+        assert list((tmp_path / "elsewhere").iterdir()) == [] if removed == "shard replaced by a link" else True
+    finally:
+        await store.close()
 
 
 @pytest.mark.asyncio

@@ -1,6 +1,8 @@
 """A storage call that never returns: the job fails within op_timeout_s, and no byte the late
 thread writes ever reaches a row that is loadable or reused."""
 
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -32,8 +34,10 @@ class StuckThreadStore(MemoryBlockStore):
         self.stuck = stuck
         self.unstick = threading.Event()
         self.entered = threading.Event()
+        self.calls = 0  # calls that got stuck
 
     def _block(self, buffers):
+        self.calls += 1
         self.entered.set()
         self.unstick.wait()
         if self.stuck == "get":
@@ -55,12 +59,17 @@ class StuckThreadStore(MemoryBlockStore):
             return await self._stuck_call(items)
         return await super().put_many(items)
 
+    async def delete_many(self, keys):
+        if self.stuck == "delete":
+            return await self._stuck_call([])
+        return await super().delete_many(keys)
+
 
 @pytest.fixture
 def stuck_engine():
     made = []
 
-    def make(stuck: str):
+    def make(stuck: str, **settings):
         region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", 4, ROW)
         primary = CPUPrimaryTierOffloadingManager(4, region)
         stores = []
@@ -74,7 +83,7 @@ def stuck_engine():
             primary.get_kv_memoryview(),
             "stuck",
             store_factory=store_factory,
-            settings=BlockStoreSettings(op_timeout_s=0.2, shutdown_timeout_s=0.5, failure_threshold=100),
+            settings=BlockStoreSettings(op_timeout_s=0.2, shutdown_timeout_s=0.5, failure_threshold=100, **settings),
         )
         manager = TieringOffloadingManager(primary, [tier])
         made.append((manager, stores[0]))
@@ -161,6 +170,78 @@ def test_shutdown_gives_up_on_a_stuck_thread_and_returns(stuck_engine, caplog):
     tier.shutdown()
     assert "I/O still running 0.5 s into shutdown" in caplog.text
     assert any(thread.name == "tiering-stuck" and thread.is_alive() for thread in threading.enumerate())
+
+
+def test_a_tier_whose_reads_stop_returning_turns_unhealthy_and_never_retries_the_block(stuck_engine):
+    manager, primary, tier, stuck, rows = stuck_engine("get")  # its breaker would need 100 failures
+    store(manager, rows, 0, 1, 2, 3)
+    assert tier.drain(10)
+    manager.on_schedule_end()
+    store(manager, rows, 4, 5, 6, 7)
+    assert tier.drain(10)
+    manager.on_schedule_end()
+    assert manager.lookup(key(0), CTX) is None
+    manager.on_schedule_end()
+    step_until(manager, lambda: tier.get_stats()["counters"]["jobs_failed"] == 1)
+    assert not tier.health.healthy  # at once: its calls stop returning
+    for _ in range(20):  # the scheduler asks again and again: no new read, no new stranded thread
+        assert manager.lookup(key(0), CTX) is False
+        assert manager.lookup(key(1), CTX) is False  # no work for an unhealthy tier
+        manager.on_schedule_end()
+    assert stuck.calls == 1 and tier.num_blocks == 7  # key 0 was dropped
+    assert primary.get_stats()["gauges"]["rows_quarantined"] == 1  # the one row the thread may write
+
+    stuck.unstick.set()  # the mount answers again: the row comes back, a probe finds the tier well
+    step_until(manager, lambda: primary.get_stats()["gauges"]["rows_quarantined"] == 0 and tier.health.healthy)
+    assert tier.lookup(key(0), CTX) is False and tier.lookup(key(1), CTX) is True
+
+
+@pytest.mark.parametrize("stuck_call", ["put", "delete"])
+def test_a_tier_whose_writes_or_deletes_stop_returning_turns_unhealthy_and_gets_no_more_work(stuck_engine, stuck_call):
+    capacity = {"capacity_bytes": 2 * ROW + 1000} if stuck_call == "delete" else {}  # room for 2: deletes
+    manager, _, tier, stuck, rows = stuck_engine(stuck_call, **capacity)
+    store(manager, rows, 0)
+    assert tier.drain(10)
+    manager.on_schedule_end()
+    store(manager, rows, 1, 2)  # a stuck write, or (three blocks in a tier of two) a stuck delete
+    manager.on_schedule_end()
+    assert stuck.entered.wait(10)
+    step_until(manager, lambda: not tier.health.healthy)  # at the op timeout, not after 100 failures
+    for i in range(20, 40):  # stores keep coming: none reaches the stuck backend
+        out = manager.prepare_store(keys(i), CTX)
+        if out is not None:
+            manager.complete_store(out.keys_to_store, CTX)
+        manager.on_schedule_end()
+    assert stuck.calls == 1
+    assert tier.get_stats()["gauges"]["healthy"] == 0
+
+
+def test_a_call_stuck_in_a_file_tier_never_keeps_the_process_from_exiting(tmp_path):
+    code = f"""
+import threading
+import numpy as np
+from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
+from tiering.backends import file_io
+
+rows = memoryview(bytearray(4 * 4096)).cast("B", (4, 4096))
+config = {{"type": "file", "root_dir": {str(tmp_path)!r}, "op_timeout_s": 0.2, "shutdown_timeout_s": 0.2}}
+tier = SecondaryTierFactory.create_secondary_tier(config, rows, None)
+file_io.read_object = lambda *args: threading.Event().wait()  # a read in a hung mount
+key, context = make_offload_key(bytes(8), 0), ReqContext("r")
+tier.submit_store(JobMetadata(1, [key], np.array([0]), False, context))
+tier.on_schedule_end()
+tier.drain(10)
+tier.get_finished()
+tier.submit_load(JobMetadata(2, [key], np.array([1]), True, context))
+tier.on_schedule_end()
+while not tier.get_finished():
+    threading.Event().wait(0.05)
+tier.shutdown()
+print("exiting with a thread stuck:", sum(t.name.startswith("tiering-file-read") for t in threading.enumerate()))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "exiting with a thread stuck: 1" in done.stdout
 
 
 class MiscountingStore(MemoryBlockStore):

@@ -9,6 +9,7 @@ TieringError
 ├── CorruptObjectError     a stored object failed verification (also a ValueError)
 │   ├── UnusableObjectError  unreadable for a reason of its own (EACCES, EIO, a FIFO ...)
 │   └── ForgedObjectError    its seal does not open with the tier's keys (planted, altered)
+├── HungCallError          a store call gave no answer in op_timeout_s (also a TimeoutError)
 ├── StoreClosedError       a block store used outside open .. close (also a RuntimeError)
 ├── RuntimeClosedError     work submitted to a shut-down `AsyncRuntime` (also a RuntimeError)
 └── RegionInUseError       another live engine holds this shared region (also a RuntimeError)
@@ -83,6 +84,11 @@ class ObjectNotFoundError(TieringError, KeyError):
 class CorruptObjectError(TieringError, ValueError):
     """A stored object failed verification (bad magic or version, foreign layout, another
     key, a short or long payload, a CRC mismatch); its bytes must not be used."""
+
+
+class HungCallError(TieringError, TimeoutError):
+    """A block-store call gave no answer within ``op_timeout_s``: the backend's calls have
+    stopped returning (a hung mount, a frozen server). The tier turns unhealthy at once."""
 
 
 class UnusableObjectError(CorruptObjectError):

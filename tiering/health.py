@@ -83,6 +83,12 @@ class TierHealth:
         if self.healthy and self.consecutive_failures >= self.failure_threshold:
             self._pause(f"{self.consecutive_failures} consecutive failures")
 
+    def trip(self, reason: str) -> None:
+        """Turn unhealthy now, whatever the count (a call that never returned)."""
+        if self.healthy:
+            self.consecutive_failures = max(self.consecutive_failures, self.failure_threshold)
+            self._pause(reason)
+
     def probe_due(self) -> bool:
         """True once per backoff period when a probe should be sent (the state becomes PROBING)."""
         if self.state is HealthState.UNHEALTHY and self._clock() >= self._retry_at:

@@ -182,7 +182,7 @@ class BlockIndex:
         """A store was refused for lack of space: hold at most what the device held (the
         objects stored, and those evicted but not deleted yet; not the stores in flight).
         The room is raised again at the retry time, which backs off while raising fails."""
-        held = self.used_bytes - self.reserved_bytes + self.deleting_bytes
+        held = self._on_device()
         if self.room_bytes is None or self._raised:
             if self.room_bytes is None:
                 logger.warning("tier %s: device full at %d bytes; holding at most that", self.name, held)
@@ -193,10 +193,17 @@ class BlockIndex:
         self.room_bytes = held
 
     def device_stored(self) -> None:
-        """A store succeeded with no full-device refusal: the next full device waits the
-        shortest time again."""
+        """A store succeeded with no full-device refusal: while the device is full, the room
+        is at least what it now holds (stores in flight at the refusal fit after all); else
+        the next full device waits the shortest time again."""
         if self.room_bytes is None:
             self._room_wait_s = self._room_backoff[0]
+        else:
+            self.room_bytes = max(self.room_bytes, self._on_device())
+
+    def _on_device(self) -> int:
+        """Bytes the device holds for certain: objects stored, and evicted but not deleted."""
+        return self.used_bytes - self.reserved_bytes + self.deleting_bytes
 
     def limit(self) -> int | None:
         """Bytes the index may hold now: the capacity, or less while the device is full.

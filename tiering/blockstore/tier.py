@@ -34,7 +34,7 @@ from tiering.blockstore.outbox import LoadDone, Outbox, StoreDone
 from tiering.blockstore.settings import BlockStoreSettings
 from tiering.blockstore.store import BlockStore
 from tiering.blockstore.worker import BlockWorker
-from tiering.errors import RuntimeClosedError, describe
+from tiering.errors import HungCallError, RuntimeClosedError, describe
 from tiering.health import TierHealth
 from tiering.keys import OffloadKey, ReqContext
 from tiering.object_format import object_size
@@ -214,6 +214,9 @@ class BlockStoreTier(SecondaryTierManager):
         results = []
         for outcome in self._outbox.take():
             self._count_failures(outcome)
+            if self.health.healthy and any(isinstance(error, HungCallError) for _, error in outcome.failures):
+                # calls stop returning: no more work for the tier (each would strand a thread)
+                self.health.trip(f"a call gave no answer in {self.settings.op_timeout_s} s")
             match outcome:
                 case outbox.PingDone():
                     self.health.probe_result(not outcome.errors)

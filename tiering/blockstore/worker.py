@@ -43,6 +43,7 @@ from tiering.blockstore.store import BlockStore
 from tiering.errors import (
     CorruptObjectError,
     ForgedObjectError,
+    HungCallError,
     ObjectNotFoundError,
     RuntimeClosedError,
     UnusableObjectError,
@@ -260,6 +261,9 @@ class BlockWorker:
                 done.failed("load_unusable" if isinstance(error, UnusableObjectError) else "load_corrupt", error, False)
                 done.drop.add(key)
                 corrupt.append(key)
+            elif isinstance(error, HungCallError):  # dropped: a retry would strand another thread
+                done.failed("load", error)
+                done.drop.add(key)
             else:
                 done.failed("load", error)
         if corrupt:
@@ -293,8 +297,8 @@ class BlockWorker:
     async def _delete(self, done: Outcome, keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
         try:
             outcome = await self._call(None, self._delete_lane, self.store.delete_many, keys)
-            if isinstance(outcome, Exception):
-                done.failed("delete", outcome, sick=False)
+            if isinstance(outcome, Exception):  # a failed delete is no sign of a sick backend; a hung one is
+                done.failed("delete", outcome, sick=isinstance(outcome, HungCallError))
         finally:
             if deleted is not None:
                 deleted.set()
@@ -311,7 +315,7 @@ class BlockWorker:
     ) -> T | Exception:
         """``await operation(*args)`` within its `lane`'s limit, in a task of its own so
         that the caller gets an answer within `op_timeout_s` whatever the store does: the
-        result, the exception it raised, or a `TimeoutError`.
+        result, the exception it raised, or a `HungCallError`.
 
         At the timeout the call is cancelled. A call that does not end at once (its thread
         is stuck in a system call, and may still write into the rows it was given) counts
@@ -345,7 +349,7 @@ class BlockWorker:
                 late = True
                 if done is not None:
                     done.hung += 1
-        return result[0] if result else TimeoutError(f"no answer in {self._op_timeout_s} s")
+        return result[0] if result else HungCallError(f"no answer in {self._op_timeout_s} s")
 
     def _hung_call_returned(self, done: JobDone) -> None:
         done.hung -= 1
