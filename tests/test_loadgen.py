@@ -4,14 +4,16 @@ import errno
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tiering import ConfigError, RegionInUseError
-from tiering.benchmarks.loadgen import cli
+from tiering.benchmarks.loadgen import cli, runs
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.workload import Request, read_trace, synthetic
 
@@ -313,6 +315,27 @@ def test_a_terminated_run_shuts_down_and_leaves_no_shared_memory(tmp_path):
     os.kill(process.pid, signal.SIGTERM)
     assert process.wait(30) == 128 + signal.SIGTERM
     assert not region.exists()
+
+
+def test_a_run_killed_outright_leaves_files_that_the_next_run_removes(tmp_path):
+    config, root = tmp_path / "engine.yaml", tmp_path / "kv"
+    config.write_text(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: file, root_dir: {root}}}]\n")
+    command = [sys.executable, "-m", "tiering.benchmarks.loadgen.cli", "--config", str(config), "--workload", "zipf"]
+    process = subprocess.Popen(
+        [*command, "--max-requests", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_for_the_engine(process.pid)
+    while not any(root.glob("*/*/*")):  # some blocks stored
+        time.sleep(0.05)
+    kept = subprocess.run([*command, "--max-requests", "20", "--keep"], capture_output=True, timeout=120)
+    assert kept.returncode == 0  # a run beside it leaves the live run's files alone
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(30)
+    left = {path.name for path in root.iterdir()}
+    assert len(left) == 3 and sum(name.endswith(runs.SUFFIX) for name in left) == 1  # killed + its lock, kept
+    assert subprocess.run([*command, "--max-requests", "20"], capture_output=True, timeout=120).returncode == 0
+    (remaining,) = root.iterdir()  # the killed run's namespace and lock went; the kept one stays
+    assert remaining.name in left and not remaining.name.endswith(runs.SUFFIX) and any(remaining.glob("*/*"))
 
 
 def test_an_interrupt_inside_code_run_from_source_text_keeps_the_exit_status(tmp_path):

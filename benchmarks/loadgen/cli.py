@@ -42,7 +42,8 @@ from tiering import (
     make_offload_key,
     parse_config,
 )
-from tiering.benchmarks.loadgen import BENCH_MODULES
+from tiering.backends import FileBlockStore
+from tiering.benchmarks.loadgen import BENCH_MODULES, runs
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
 from tiering.benchmarks.loadgen.run import SchedulerLoop
@@ -324,9 +325,16 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
             raise ValueError(f"--gpu-cache-blocks {gpu_blocks} cannot hold the longest prompt ({longest} blocks)")
         from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
+        for tier in config.secondary_tiers:  # what runs killed before their end left
+            if tier["type"] == "file":
+                runs.sweep(Path(tier["root_dir"]))
         engine = SimulatedEngine(config, layout, gpu_blocks, f"bench-{os.getpid()}", args.seed, prefix_cache)
-        exporter = None
+        exporter, claim = None, runs.RunClaim()
         try:
+            if not args.warm_start:
+                for tier in engine.manager.secondary_tiers:
+                    if isinstance(tier, BlockStoreTier) and isinstance(tier.store, FileBlockStore):
+                        claim.claim(tier.store.directory)
             if args.metrics_port is not None:
                 from tiering.metrics import PrometheusExporter
 
@@ -394,6 +402,7 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
             try:
                 if not (args.keep or args.warm_start):
                     _remove_namespaces(engine)
+                claim.release()  # what --keep kept is never swept
             finally:
                 engine.shutdown()
     if args.plot:
