@@ -16,6 +16,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from tiering.stats import Every
+
 logger = logging.getLogger(__name__)
 
 SUMMARY_INTERVAL_S = 60.0
@@ -61,9 +63,8 @@ class TierHealth:
         self.consecutive_failures = 0
         self.backoff_s = backoff_s
         self._retry_at = 0.0
-        self._unhealthy_since = 0.0
+        self._unhealthy = Every(SUMMARY_INTERVAL_S, clock)  # since the tier turned unhealthy
         self._failed_probes = 0
-        self._logged_at = 0.0
 
     @property
     def healthy(self) -> bool:
@@ -98,9 +99,8 @@ class TierHealth:
 
     def probe_result(self, ok: bool) -> None:
         """Apply the outcome of the probe sent after `probe_due`."""
-        now = self._clock()
         if ok:
-            logger.warning("tier %s recovered after %.1f s; resuming I/O", self.name, now - self._unhealthy_since)
+            logger.warning("tier %s recovered after %.1f s; resuming I/O", self.name, self._unhealthy.elapsed())
             self.state = HealthState.HEALTHY
             self.consecutive_failures = 0
             self.backoff_s = self.initial_backoff_s
@@ -108,15 +108,12 @@ class TierHealth:
         self.backoff_s = min(self.backoff_s * 2, self.max_backoff_s)
         self._failed_probes += 1
         self.state = HealthState.UNHEALTHY
-        self._retry_at = now + self.backoff_s
-        level = logging.WARNING if now - self._logged_at >= SUMMARY_INTERVAL_S else logging.DEBUG
-        if level == logging.WARNING:
-            self._logged_at = now
+        self._retry_at = self._clock() + self.backoff_s
         logger.log(
-            level,
+            logging.WARNING if self._unhealthy.due() else logging.DEBUG,
             "tier %s still unhealthy after %.0f s (%d probes failed); next probe in %.1f s",
             self.name,
-            now - self._unhealthy_since,
+            self._unhealthy.elapsed(),
             self._failed_probes,
             self.backoff_s,
         )
@@ -124,7 +121,6 @@ class TierHealth:
     def _pause(self, reason: str) -> None:
         logger.warning("tier %s unhealthy (%s); no I/O for %.1f s", self.name, reason, self.backoff_s)
         self.state = HealthState.UNHEALTHY
-        now = self._clock()
-        self._unhealthy_since = self._logged_at = now
+        self._unhealthy = Every(SUMMARY_INTERVAL_S, self._clock)
         self._failed_probes = 0
-        self._retry_at = now + self.backoff_s
+        self._retry_at = self._unhealthy.start + self.backoff_s

@@ -28,6 +28,33 @@ def worth_logging(count: int) -> bool:
     return count & (count - 1) == 0
 
 
+class Every:
+    """Says when `seconds` have passed since it last said so (or since it was made; with
+    `at_once`, also the first time it is asked): for log lines at most once an interval.
+    One thread at a time.
+
+    Attributes:
+        start: when it was made, in `clock` seconds.
+    """
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic, at_once: bool = False):
+        self.seconds, self._clock = seconds, clock
+        self.start = clock()
+        self._next = self.start if at_once else self.start + seconds
+
+    def due(self) -> bool:
+        """True if the interval has passed (and the next one starts now)."""
+        now = self._clock()
+        if now < self._next:
+            return False
+        self._next = now + self.seconds
+        return True
+
+    def elapsed(self) -> float:
+        """Seconds since `start`."""
+        return self._clock() - self.start
+
+
 class Histogram:
     """Counts of observed durations (seconds) per bucket of `SECONDS_BUCKETS`."""
 

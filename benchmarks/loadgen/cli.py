@@ -23,7 +23,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,6 +50,7 @@ from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_tr
 from tiering.errors import describe, describe_bind_error
 from tiering.options import parse_size
 from tiering.spec import MODEL_PRESETS
+from tiering.stats import Every
 
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
@@ -91,21 +91,18 @@ class ProgressLines:
 
     def __init__(self, total: int):
         self.total, self.done = total, 0
-        self._start = time.monotonic()
-        self._next = self._start + PROGRESS_INTERVAL_S
+        self._every = Every(PROGRESS_INTERVAL_S)
 
     def __call__(self) -> None:
         """One more request replayed."""
         self.done += 1
-        now = time.monotonic()
-        if now >= self._next:
-            self._next = now + PROGRESS_INTERVAL_S
+        if self._every.due():
             logger.info(
                 "replayed %d of %d requests (%.0f%%) in %.0f s",
                 self.done,
                 self.total,
                 100 * self.done / self.total,
-                now - self._start,
+                self._every.elapsed(),
             )
 
 

@@ -31,7 +31,6 @@ a transient failure of that operation.
 from __future__ import annotations
 
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -43,6 +42,7 @@ from tiering.errors import StoreClosedError
 from tiering.keys import OffloadKey
 from tiering.object_format import HEADER_ALIGN, ObjectHeader
 from tiering.options import NoOptions
+from tiering.stats import Every
 
 if TYPE_CHECKING:
     from tiering.blockstore.settings import BlockStoreSettings
@@ -235,17 +235,15 @@ class RecoveryProgress:
     def __init__(self, what: str):
         """`what` names the store in the log line (``file tier /mnt/kv/ab12...``)."""
         self._what = what
-        self._start = time.monotonic()
-        self._next = self._start + PROGRESS_INTERVAL_S
+        self._every = Every(PROGRESS_INTERVAL_S)
         self.count = 0
 
     def add(self, objects: int = 1) -> None:
         """Count `objects` more objects looked at; log if the interval has passed."""
         self.count += objects
-        now = time.monotonic()
-        if now >= self._next:
-            self._next = now + PROGRESS_INTERVAL_S
-            logger.info("%s: recovering, %d objects looked at in %.0f s", self._what, self.count, now - self._start)
+        if self._every.due():
+            elapsed = self._every.elapsed()
+            logger.info("%s: recovering, %d objects looked at in %.0f s", self._what, self.count, elapsed)
 
 
 async def _each(operation: Callable[..., Awaitable[Any]], items: Sequence[tuple[Any, ...]]) -> list[Any]:

@@ -41,7 +41,7 @@ from tiering.object_format import object_size
 from tiering.runtime import AsyncRuntime
 from tiering.seal import Seal
 from tiering.secondary import Doorbell, JobMetadata, JobResult, SecondaryTierManager
-from tiering.stats import JobTimer, TierStats, worth_logging
+from tiering.stats import Every, JobTimer, TierStats, worth_logging
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._released: list[int] = []
         self._evicted: dict[OffloadKey, None] = {}  # objects to delete at the end of the step
         self._probing: list[OffloadKey] = []  # keys to check for at the end of the step
-        self._forged_logged_at = -FORGED_LOG_INTERVAL_S
+        self._forged_log = Every(FORGED_LOG_INTERVAL_S, at_once=True)
         self._closed = False
         self._batch_blocks = batch_blocks = max(1, settings.batch_bytes // max(1, self.row_bytes))
         runtime = self.context.runtime or AsyncRuntime(f"tiering-{self.name}")
@@ -403,9 +403,7 @@ class BlockStoreTier(SecondaryTierManager):
         for reason, error in outcome.failures:
             count = self.failures[reason] = self.failures[reason] + 1
             if reason == "load_forged":  # each names its block: once a minute, whatever the count
-                now = time.monotonic()
-                if now - self._forged_logged_at >= FORGED_LOG_INTERVAL_S:
-                    self._forged_logged_at = now
+                if self._forged_log.due():
                     logger.warning("tier %s: not loaded, seal does not open (%d so far): %s", self.name, count, error)
             elif worth_logging(count):
                 logger.warning("tier %s: %s failed (%d so far): %r", self.name, reason, count, error)
