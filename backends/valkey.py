@@ -92,7 +92,7 @@ def _per_key(exc: Exception) -> Exception:
     """`exc` as an `UnusableObjectError` when it is about one key only (another program put
     a list or hash at a block's name: ``WRONGTYPE``), else as it is (the server's failure)."""
     if str(exc).startswith("WRONGTYPE"):
-        return UnusableObjectError(f"{exc}")
+        return UnusableObjectError(str(exc))
     return exc
 
 

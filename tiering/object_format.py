@@ -46,7 +46,7 @@ from tiering.keys import OffloadKey
 from tiering.seal import TAG_BYTES, Seal, Sealed, SealMode
 
 MAGIC = b"KVTB"
-VERSION = 1
+PLAIN, SEALED = 1, 2  # header versions
 HEADER_ALIGN = 64
 FINGERPRINT_BYTES = 16
 MAX_KEY_BYTES = 1024
@@ -88,11 +88,11 @@ def encode_object(
         raise ValueError(f"key of {len(key)} bytes (max {MAX_KEY_BYTES}) or fingerprint of {len(fingerprint)} bytes")
     size = header_size(len(key), align)
     if seal is None:
-        fixed = _FIXED.pack(MAGIC, 1, len(key), size, fingerprint, payload.nbytes, crc32c.crc32c(payload))
+        fixed = _FIXED.pack(MAGIC, PLAIN, len(key), size, fingerprint, payload.nbytes, crc32c.crc32c(payload))
         return (fixed + key).ljust(size, b"\0"), payload
     nonce = seal.next_nonce()
     sealing = (seal.mode, seal.key_id, nonce, _NO_TAG)
-    fixed = _SEALED.pack(MAGIC, 2, len(key), size, fingerprint, payload.nbytes, 0, *sealing)
+    fixed = _SEALED.pack(MAGIC, SEALED, len(key), size, fingerprint, payload.nbytes, 0, *sealing)
     body, tag = seal.close(nonce, fixed + key, payload)
     return (fixed[:_TAG_AT] + tag + key).ljust(size, b"\0"), body
 
@@ -126,8 +126,8 @@ def parse_header(
     if len(buf) < _FIXED.size:
         raise CorruptObjectError(f"header of {len(buf)} bytes is truncated")
     magic, version, key_len, size, layout, length, crc = _FIXED.unpack_from(buf)
-    fixed = _FIXED.size if version == 1 else _SEALED.size
-    if magic != MAGIC or version not in (1, 2):
+    fixed = _FIXED.size if version == PLAIN else _SEALED.size
+    if magic != MAGIC or version not in (PLAIN, SEALED):
         raise CorruptObjectError(f"bad magic {bytes(magic)!r} or version {version}")
     if size < fixed + key_len or size % HEADER_ALIGN or len(buf) < fixed + key_len:
         raise CorruptObjectError(f"header length {size} is impossible for a key of {key_len} bytes")
@@ -136,7 +136,7 @@ def parse_header(
     stored_key = OffloadKey(bytes(buf[fixed : fixed + key_len]))
     if key is not None and stored_key != key:
         raise CorruptObjectError("object holds another key")
-    if version == 1:
+    if version == PLAIN:
         if seal is not None:
             raise ForgedObjectError(f"block {stored_key.hex()}: not sealed; this tier loads only sealed objects")
         return ObjectHeader(stored_key, length, crc, size)

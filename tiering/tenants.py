@@ -199,8 +199,8 @@ class TenantShares:
         )
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Counters and gauges by tenant: the `metric_tenants` with the most lookups by
-        name, the rest summed as ``other``."""
+        """Counters and gauges by tenant: the `metric_tenants` most active (lookups and
+        blocks stored) by name, the rest summed as ``other``."""
         names = set(self.counters) | {name for name, rows in self.held.items() if rows}
         activity = {name: sum(self.counters.get(name, Counter()).values()) for name in names}
         named = set(heapq.nlargest(self.config.metric_tenants, activity, key=lambda name: (activity[name], name)))

@@ -7,11 +7,11 @@ Room: the index holds at most `capacity_bytes`. When the device fills up first (
 holds at most what fit (`room_bytes`); at each retry time it raises the room by an eighth
 while it uses it all (forgetting it once it does not), waiting longer (doubling up to the
 last of `room_backoff_s`) each time a raise did not fit, and the shortest time after one
-did. What fit counts the evicted objects
-whose deletes have not finished (`deleting_bytes`): they still took the device's space.
-Counting them keeps the room where the device is (a store that evicted to make room waits
-for those deletes: `BlockStoreTier`), so churn never lowers it; it follows free space down
-(another program's files) and, at each retry, up, evicting no more than the shortfall.
+did. What fit counts the evicted objects whose deletes have not finished
+(`deleting_bytes`): they still took the device's space. Counting them keeps the room where
+the device is (a store that evicted to make room waits for those deletes:
+`BlockStoreTier`), so churn never lowers it; it follows free space down (another program's
+files) and, at each retry, up, evicting no more than the shortfall.
 """
 
 from __future__ import annotations

@@ -261,11 +261,10 @@ class BlockWorker:
                 done.failed("load_unusable" if isinstance(error, UnusableObjectError) else "load_corrupt", error, False)
                 done.drop.add(key)
                 corrupt.append(key)
-            elif isinstance(error, HungCallError):  # dropped: a retry would strand another thread
-                done.failed("load", error)
-                done.drop.add(key)
             else:
                 done.failed("load", error)
+                if isinstance(error, HungCallError):  # dropped: a retry would strand another thread
+                    done.drop.add(key)
         if corrupt:
             await self._delete(done, corrupt, None)
 
