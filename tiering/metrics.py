@@ -128,11 +128,14 @@ HELP = {
     "requested_tokens": "Tokens of the requested blocks (requested_blocks times the tokens per block).",
     "lookups_repeated": "Further lookups of a block a request had already asked about (retries after 'in flight').",
     "promotions_submitted": "Load jobs submitted to secondary tiers (one per tier and request and step).",
-    "promotions_deferred": "Lookups answered 'ask again next step': promotions held max_promotion_rows rows.",
+    "promotions_deferred": (
+        "Lookups answered 'ask again next step': a promotion would have left fewer than store_reserve_rows "
+        "rows for stores, or promotions held max_promotion_rows."
+    ),
     "cascades_submitted": "Store jobs submitted to secondary tiers.",
     "jobs_holding_rows": "Failed jobs whose timed-out I/O may still use their rows.",
     "promotions_queued": "Blocks queued for promotion at the end of this step.",
-    "promotion_rows": "CPU-tier rows reserved by promotions queued or in flight (at most max_promotion_rows).",
+    "promotion_rows": "CPU-tier rows reserved by promotions queued or in flight.",
     "promotion_seconds": "Seconds from the lookup that queued a promotion to its blocks being loadable.",
 }
 

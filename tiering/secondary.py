@@ -15,6 +15,7 @@ import numpy as np
 from tiering.context import TierContext
 from tiering.keys import OffloadKey, ReqContext
 from tiering.mediums import OffloadingEvent
+from tiering.row_states import RowStates
 
 JobId = int
 """Identifies one submitted job; all tiers of a manager draw from one counter."""
@@ -161,6 +162,16 @@ class SecondaryTierManager(ABC):
         and `ring` it, from any thread, as soon as `get_finished` or `take_released_jobs`
         has something new. The manager then polls this tier only in steps after a ring; a
         tier without this hook is polled every step."""
+        return
+
+    def attach_row_states(self, row_states: RowStates) -> None:
+        """Optional: take the primary rows' promotion states (called once, when the manager
+        is built, where the primary tier has them) and, for every promotion (`submit_load`),
+        `RowStates.settle` each block's row from any thread as soon as its bytes are in the
+        row and checked (or its read failed), before reporting the job. A load may then pin
+        this tier's promotions before they land, its worker waiting for the rows: a hit in
+        the step it is found (`tiering.row_states`). A tier without this hook settles
+        nothing; its blocks are loadable once the manager processes its job."""
         return
 
     def get_stats(self) -> dict[str, Any]:

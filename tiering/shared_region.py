@@ -3,7 +3,8 @@
 The scheduler process and every worker process map the same file. Row ``b`` holds worker
 0's slot of block ``b``, then worker 1's, ...; each row starts on a page boundary (so a row
 can be the buffer of an O_DIRECT read or write), and any padding after a row is invisible
-in the views handed out.
+in the views handed out. After the rows, one byte per row says whether a promotion into it
+has landed (`tiering.row_states`).
 
 Lifecycle, safe against races and crashes:
 
@@ -53,6 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from tiering.errors import RegionInUseError
+from tiering.row_states import RowStates
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +128,9 @@ class SharedOffloadRegion:
         except BaseException:
             self._release_file()
             raise
-        self._rows = np.frombuffer(self._mmap, dtype=np.int8).reshape(num_blocks, self.row_stride)
+        rows_bytes = num_blocks * self.row_stride
+        self._rows = np.frombuffer(self._mmap, dtype=np.int8, count=rows_bytes).reshape(num_blocks, self.row_stride)
+        self._states = np.frombuffer(self._mmap, dtype=np.uint8, count=num_blocks, offset=rows_bytes)
         self._unlink_once_all_attached()
 
     @property
@@ -136,8 +140,9 @@ class SharedOffloadRegion:
 
     @property
     def total_size_bytes(self) -> int:
-        """Size of the file: ``num_blocks * row_stride``."""
-        return self.num_blocks * self.row_stride
+        """Size of the file: ``num_blocks * row_stride``, then a byte per row for the rows'
+        states (`create_row_states`), padded to a page."""
+        return self.num_blocks * self.row_stride + -(-self.num_blocks // mmap.PAGESIZE) * mmap.PAGESIZE
 
     def create_kv_memoryview(self) -> memoryview:
         """The scheduler's view: every row, shape ``(num_blocks, row_bytes)``, format ``b``.
@@ -146,6 +151,11 @@ class SharedOffloadRegion:
         multiple of the page size.
         """
         return self._rows[:, : self.row_bytes].data
+
+    def create_row_states(self) -> RowStates:
+        """The rows' promotion states (`tiering.row_states`), one byte per row, shared by
+        every process that maps the region; all ``READY`` in a new region."""
+        return RowStates(self._states)
 
     def create_next_view(self, page_bytes: int) -> np.ndarray:
         """Carve the next `page_bytes` of this worker's slot out of every row.
@@ -178,7 +188,7 @@ class SharedOffloadRegion:
         if self._mmap is None:
             return
         mapping, self._mmap = self._mmap, None
-        del self._rows  # the mapping can close once no array of ours exports it
+        del self._rows, self._states  # the mapping can close once no array of ours exports it
         try:
             mapping.close()
         except BufferError:
@@ -281,7 +291,7 @@ class SharedOffloadRegion:
             os.close(fd)
             raise ValueError(
                 f"shared region {self.path} is live with {size} bytes; this engine needs "
-                f"{self.total_size_bytes} ({self.num_blocks} rows of {self.row_stride} bytes): "
+                f"{self.total_size_bytes} ({self.num_blocks} rows of {self.row_stride} bytes, and their states): "
                 "another engine uses the same instance id"
             )
         return fd

@@ -96,6 +96,9 @@ class TieringOffloadingSpec:
         num_blocks: rows of the primary tier.
         layout_fingerprint: 16 bytes naming the layout (read by the secondary tiers).
         async_runtime: the event loop the secondary tiers share.
+        store_reserve_rows: CPU rows kept from promotions for the GPU's stores
+            (`TieringOffloadingManager`): the config's, 0 when it has none; an adapter that
+            knows the serving engine's step budget sets it before `get_manager`.
     """
 
     def __init__(self, config: TieringConfig, layout: KVLayout, instance_id: str, enable_events: bool = False):
@@ -134,6 +137,7 @@ class TieringOffloadingSpec:
             f"model={layout.model};block_size={self.block_size};bytes_per_block={self.bytes_per_block};"
             f"dtype={layout.dtype};world_size={layout.world_size}"
         )
+        self.store_reserve_rows = config.store_reserve_rows or 0
         self.async_runtime = AsyncRuntime("tiering-io")
         atexit.register(self.shutdown)  # a forgotten shutdown still releases shared memory and threads
         self._manager: TieringOffloadingManager | None = None
@@ -201,6 +205,7 @@ class TieringOffloadingSpec:
                     recompute_tokens_per_s=self.config.recompute_tokens_per_s,
                     request_log=self.config.request_log,
                     max_promotion_rows=self.config.max_promotion_rows,
+                    store_reserve_rows=self.store_reserve_rows,
                 )
             except OSError as exc:
                 problem = f"cannot be opened for appending: {exc.strerror}"

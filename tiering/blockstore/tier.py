@@ -38,6 +38,7 @@ from tiering.errors import HungCallError, RuntimeClosedError, describe
 from tiering.health import TierHealth
 from tiering.keys import OffloadKey, ReqContext
 from tiering.object_format import object_size
+from tiering.row_states import RowStates
 from tiering.runtime import AsyncRuntime
 from tiering.seal import Seal
 from tiering.secondary import Doorbell, JobMetadata, JobResult, SecondaryTierManager
@@ -204,6 +205,9 @@ class BlockStoreTier(SecondaryTierManager):
         items = list(zip(job_metadata.keys, (int(b) for b in job_metadata.block_ids), strict=True))
         keys = [key for key, _ in items]
         if self._closed or not self.health.healthy or not self._index.start_reads(keys):
+            if self._worker.row_states is not None:  # now: a load may be waiting for these rows
+                for _, row in items:
+                    self._worker.row_states.settle(row, ok=False)
             self._outbox.put(LoadDone(job_id=job_metadata.job_id, complete=False), task_finished=False)
             return
         self._submit(self._worker.start_load, LoadDone(job_id=job_metadata.job_id, keys=keys), items)
@@ -243,6 +247,11 @@ class BlockStoreTier(SecondaryTierManager):
         """Ring `doorbell` whenever an outcome is handed to this thread (scheduler thread)."""
         self._outbox.doorbell = doorbell
         doorbell.ring()  # outcomes handed over before now
+
+    def attach_row_states(self, row_states: RowStates) -> None:
+        """Settle each promoted row as its block is read and checked, from the loop thread
+        (scheduler thread, once, before any job)."""
+        self._worker.row_states = row_states
 
     def take_released_jobs(self) -> list[int]:
         """Jobs reported with ``rows_in_use`` whose late store calls have returned since the

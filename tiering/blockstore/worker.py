@@ -11,7 +11,8 @@ Rules kept here: an evicted key's delete finishes before a new put of the same k
 a load's payload CRC or signature is checked above the store (a wrapping store is checked
 too), off the loop, unless the store checked it as it read (`BlockStore.verifies_payloads`),
 and an encrypted one is checked and decrypted there, once, whatever the store; an object
-found corrupt or unusable is deleted, one whose seal does not open is left alone; a call
+found corrupt or unusable is deleted, one whose seal does not open is left alone; each
+loaded block's row is settled (`tiering.row_states`) once checked, before its outcome; a call
 that does not return at its timeout keeps its job's rows in use until it does; every task
 puts exactly one outcome.
 """
@@ -50,6 +51,7 @@ from tiering.errors import (
 )
 from tiering.keys import OffloadKey
 from tiering.object_format import ObjectHeader, open_payload
+from tiering.row_states import RowStates
 from tiering.runtime import AsyncRuntime
 from tiering.seal import Seal
 
@@ -98,6 +100,7 @@ class BlockWorker:
         self._deleting: dict[OffloadKey, anyio.Event] = {}
         self._stop = anyio.Event()
         self._stopped = anyio.Event()
+        self.row_states: RowStates | None = None  # set by the tier: promoted rows are settled as they land
 
     async def open(self, runtime_group: anyio.abc.TaskGroup) -> list[tuple[OffloadKey, int]]:
         """Open the store, read what it holds, and start serving in `runtime_group`.
@@ -247,6 +250,9 @@ class BlockWorker:
         for i, error in zip(unchecked, opened, strict=True):
             outcomes[i] = error
         corrupt = []
+        if self.row_states is not None:  # before the outcome: a load may be waiting for these rows
+            for (_, row), error in zip(batch, outcomes, strict=True):
+                self.row_states.settle(row, ok=error is None)
         for (key, _), error in zip(batch, outcomes, strict=True):
             if error is None:
                 done.ok.add(key)

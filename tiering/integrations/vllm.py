@@ -24,7 +24,10 @@ What it translates between vLLM's API (0.32.x and 0.33.x) and the engine's (the 
   the block's primary row is being written (a GPU store in flight, or a promotion this or
   an earlier lookup started), as vLLM's own managers answer, and ``RETRY`` otherwise (a
   secondary tier is not sure yet). vLLM's scheduler counts a pending hit in the prefix and
-  defers the request; a retry only defers it. `get_load_source` says ``HOST`` for blocks
+  defers the request; a retry only defers it. Under the engine's connector a block whose
+  promotion the worker's load can wait for is a ``HIT`` at once
+  (`TieringOffloadingManager.answer_pending_hits`); a promotion that then fails becomes
+  vLLM load errors, which it recomputes. `get_load_source` says ``HOST`` for blocks
   stored from the GPU, ``DISK`` for blocks promoted from a file tier;
 - vLLM's spec classes (int32 ids) both ways, ``ScheduleEndContext``, ``CHUNK_LEVEL``
   requests, events with vLLM's ``Medium``;
@@ -139,13 +142,20 @@ def log_like_vllm() -> None:
     ours.propagate = False
 
 
+def rows_for_one_step(max_num_batched_tokens: int, tokens_per_row: int) -> int:
+    """CPU rows one scheduler step of `max_num_batched_tokens` (tokens) can store, in rows
+    of `tokens_per_row` tokens: what promotions leave available for the GPU's stores
+    (``store_reserve_rows``) unless the config says otherwise, at most half the tier."""
+    return -(-max_num_batched_tokens // tokens_per_row)
+
+
 def rows_for_two_steps(max_num_batched_tokens: int, tokens_per_row: int) -> int:
     """The fewest CPU rows that carry vLLM's transfers under load: two scheduler steps of
     `max_num_batched_tokens` (tokens), in rows of `tokens_per_row` tokens. The rows a step
     stores stay in flight until its transfer finishes, while the next step's requests
     load their hits and promote their prefixes into rows of their own; a row in flight
     cannot be evicted, so a smaller tier refuses stores and promotions when prefills run."""
-    return 2 * -(-max_num_batched_tokens // tokens_per_row)
+    return 2 * rows_for_one_step(max_num_batched_tokens, tokens_per_row)
 
 
 def check_cpu_tier_size(engine: EngineSpec, max_num_batched_tokens: int) -> None:
@@ -209,9 +219,14 @@ class KVTieringOffloadingSpec(OffloadingSpec):
             raise
         tiering_config = tiering_config.model_copy(update={"block_size": tokens * self.blocks_per_chunk})
         self.engine = EngineSpec(tiering_config, layout, config.engine_id, config.enable_kv_cache_events)
-        vllm_config = get_current_vllm_config_or_none()  # set where vLLM builds a worker's connector
-        if vllm_config is not None and config.parallel.rank == 0:
-            check_cpu_tier_size(self.engine, vllm_config.scheduler_config.max_num_batched_tokens)
+        # Set where vLLM builds a worker's connector, and by `KVTieringConnector` on both sides.
+        vllm_config = get_current_vllm_config_or_none()
+        budget = None if vllm_config is None else vllm_config.scheduler_config.max_num_batched_tokens
+        if tiering_config.store_reserve_rows is None:  # a step's stores; half the tier where the step is unknown
+            step_rows = self.engine.num_blocks if budget is None else rows_for_one_step(budget, self.engine.block_size)
+            self.engine.store_reserve_rows = min(step_rows, self.engine.num_blocks // 2)
+        if budget is not None and config.parallel.rank == 0:
+            check_cpu_tier_size(self.engine, budget)
         self._closed = False
         _LIVE.add(self)
         atexit.register(self.shutdown)  # a forgotten shutdown still releases shared memory and threads
@@ -343,10 +358,15 @@ class _Manager(OffloadingManager):
 
 
 class _Worker(OffloadingWorker):
-    """vLLM's worker API over the engine's `CpuGpuOffloadingHandlers` (worker thread)."""
+    """vLLM's worker API over the engine's `CpuGpuOffloadingHandlers` (worker thread).
+
+    A load whose rows' promotion failed succeeds for vLLM (its worker asserts that every
+    transfer does) and leaves the GPU blocks of those rows unwritten; they gather in
+    `load_errors`, which the engine's connector reports as vLLM's load errors."""
 
     def __init__(self, handlers: Any, spec: KVTieringOffloadingSpec):
         self.handlers, self.spec = handlers, spec
+        self.load_errors: set[int] = set()
 
     def submit_store(self, job_id: int, src_spec: VllmGPUSpec, dst_spec: Any) -> bool:
         return self._submit(self.handlers.gpu_to_cpu_handler, job_id, (_gpu(src_spec), _cpu(dst_spec)))
@@ -362,7 +382,14 @@ class _Worker(OffloadingWorker):
 
     def get_finished(self) -> list[VllmTransferResult]:
         results = self.handlers.gpu_to_cpu_handler.get_finished() + self.handlers.cpu_to_gpu_handler.get_finished()
+        for result in results:
+            self.load_errors.update(result.failed_block_ids)
         return [VllmTransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time) for r in results]
+
+    def take_load_errors(self) -> set[int]:
+        """The GPU blocks loads left unwritten since the last call (see the class)."""
+        errors, self.load_errors = self.load_errors, set()
+        return errors
 
     def wait(self, job_ids: set[int]) -> None:
         self.handlers.gpu_to_cpu_handler.wait(job_ids)

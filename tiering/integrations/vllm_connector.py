@@ -20,6 +20,17 @@ The last step is vLLM's: its offloading scheduler plans a load on blocks it has 
 cached yet, which holds only for asynchronous loads; a load that feeds the very step
 that scheduled it needs a scheduler-side connector of our own (README, "Use with vLLM").
 
+A block found only in a secondary tier costs no extra step either. Under vLLM's connector
+its lookup answers "pending" until the promotion has landed in the CPU tier and the
+scheduler noticed, steps later; here it answers "hit" in the step the promotion starts
+(`TieringOffloadingManager.answer_pending_hits`), and that step's load waits for the rows
+in the worker (`tiering.row_states`). If the promotion fails, or takes longer than
+`tiering.cpu_gpu.PROMOTION_WAIT_S`, the load leaves those GPU blocks unwritten and the
+connector reports them as load errors (`get_block_ids_with_load_errors`): vLLM recomputes
+them, so a failed promotion costs the prefill it would have saved, never wrong output. That
+needs vLLM's ``kv_load_failure_policy`` at ``"recompute"``: the connector sets it (and says
+so in the log) where it is vLLM's default ``"fail"``, which would fail the request instead.
+
 It also tells the engine each request's ``cache_salt``, which is the request's tenant
 (`tiering.tenants`); under vLLM's own connector every request is the default tenant.
 
@@ -35,12 +46,16 @@ Thread: vLLM's scheduler thread builds the metadata; each worker's thread runs t
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from tiering.integrations import VLLM_SPEC
+
+logger = logging.getLogger(__name__)
 
 
 class KVTieringConnector(OffloadingConnector):
@@ -52,7 +67,18 @@ class KVTieringConnector(OffloadingConnector):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         for key, value in VLLM_SPEC.items():
             extra.setdefault(key, value)
-        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            logger.info(
+                "KVTieringConnector: kv_load_failure_policy %r -> 'recompute': a block whose promotion fails is "
+                "recomputed, never loaded (see tiering.integrations.vllm_connector)",
+                transfer.kv_load_failure_policy,
+            )
+            transfer.kv_load_failure_policy = "recompute"
+        with set_current_vllm_config(vllm_config):  # the spec reads the step's token budget on both sides
+            super().__init__(vllm_config, role, kv_cache_config)
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.manager.manager.answer_pending_hits = True
 
     def on_new_request(self, request: Any) -> None:
         """vLLM's handling of a new request (scheduler side), its ``cache_salt`` passed to
@@ -80,3 +106,9 @@ class KVTieringConnector(OffloadingConnector):
         if self._connector_metadata.load_jobs:
             self.connector_worker.worker.wait(set(self._connector_metadata.load_jobs))
         return super().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The GPU blocks this worker's loads left unwritten since the last call, their
+        promotion having failed: vLLM recomputes them (worker thread)."""
+        worker = self.connector_worker.worker if self.connector_worker is not None else None
+        return worker.take_load_errors() if worker is not None else set()

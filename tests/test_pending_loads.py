@@ -1,0 +1,190 @@
+"""Hits answered while their promotion runs: the worker's load waits for the rows
+(`tiering.row_states`), and a promotion that fails leaves its GPU blocks unwritten and named,
+never loaded. Real engine, real block-store tiers, real handlers on the CPU device."""
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import key, keys
+from tiering import (
+    CpuGpuOffloadingHandlers,
+    CPULoadStoreSpec,
+    CPUPrimaryTierOffloadingManager,
+    GPULoadStoreSpec,
+    ReqContext,
+    SecondaryTierFactory,
+    SharedOffloadRegion,
+    TieringOffloadingManager,
+    canonicalize_kv_caches,
+    cpu_gpu,
+)
+from tiering.row_states import FAILED, PENDING, READY, RowStates
+
+NUM_ROWS = 4
+NUM_GPU_BLOCKS = 8
+PAGE = 4096  # bytes of one GPU block of the one KV tensor: a CPU row is one page
+
+
+class Engine:
+    """A scheduler (manager, one tier from `tier_config`) and a worker (handlers over GPU
+    pages in host memory) sharing one region."""
+
+    def __init__(self, tier_config):
+        instance = f"test-{uuid.uuid4().hex[:12]}"
+        self.region = SharedOffloadRegion(instance, NUM_ROWS, PAGE)
+        self.worker_region = SharedOffloadRegion(instance, NUM_ROWS, PAGE, rank=0)
+        primary = CPUPrimaryTierOffloadingManager(NUM_ROWS, self.region)
+        view = primary.get_kv_memoryview()
+        self.tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, None)
+        self.manager = TieringOffloadingManager(primary, [self.tier])
+        self.manager.answer_pending_hits = True
+        self.gpu = torch.zeros((NUM_GPU_BLOCKS, PAGE), dtype=torch.int8)
+        caches = canonicalize_kv_caches([self.gpu], NUM_GPU_BLOCKS)
+        self.handlers = CpuGpuOffloadingHandlers(caches, 1, NUM_ROWS, mmap_region=self.worker_region)
+
+    def fill(self, gpu_block: int, value: int) -> None:
+        self.gpu[gpu_block] = value
+
+    def store(self, ctx, ids, gpu_blocks):
+        """GPU blocks -> CPU rows -> the tier (cascaded and drained)."""
+        out = self.manager.prepare_store(keys(*ids), ctx)
+        spec = (GPULoadStoreSpec(gpu_blocks, [len(gpu_blocks)], [0]), out.store_spec)
+        assert self.handlers.gpu_to_cpu_handler.transfer_async(1000 + ids[0], spec)
+        self.handlers.gpu_to_cpu_handler.wait([1000 + ids[0]])
+        assert all(result.success for result in self.handlers.gpu_to_cpu_handler.get_finished())
+        self.manager.complete_store(out.keys_to_store, ctx)
+        assert self.tier.drain(30)
+        self.manager.on_schedule_end()
+
+    def load(self, job_id, cpu_spec, gpu_blocks):
+        spec = (cpu_spec, GPULoadStoreSpec(gpu_blocks, [len(gpu_blocks)], [0]))
+        handler = self.handlers.cpu_to_gpu_handler
+        assert handler.transfer_async(job_id, spec)
+        handler.wait([job_id])
+        (result,) = handler.get_finished()
+        return result
+
+    def close(self):
+        self.handlers.shutdown()
+        self.manager.shutdown()
+        self.worker_region.cleanup()
+
+
+@pytest.fixture
+def engine_of():
+    made = []
+
+    def make(tier_config):
+        made.append(Engine(tier_config))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def only_in_the_tier(engine, ctx, ids):
+    """Store blocks `ids` (GPU blocks 0.., each filled with its id + 1), then empty the CPU
+    tier: the blocks are in the secondary tier only."""
+    for i, block_id in enumerate(ids):
+        engine.fill(i, block_id + 1)
+    engine.store(ctx, list(ids), list(range(len(ids))))
+    engine.manager.reset_cache()
+    engine.gpu.zero_()
+
+
+def test_a_hit_is_answered_in_the_step_its_promotion_starts_and_the_load_waits_for_it(engine_of):
+    engine = engine_of({"type": "memory", "latency_s": 0.05})  # the load is submitted before the rows land
+    ctx = ReqContext("req-0")
+    only_in_the_tier(engine, ctx, [0, 1])
+    assert [engine.manager.lookup(k, ctx) for k in keys(0, 1)] == [True, True]
+    cpu_spec = engine.manager.prepare_load(keys(0, 1), ctx)
+    states = engine.region.create_row_states().states
+    assert [states[row] for row in cpu_spec.block_ids] == [PENDING, PENDING]
+    engine.manager.on_schedule_end()  # submits the promotion
+    result = engine.load(1, cpu_spec, [5, 6])
+    assert result.success and result.failed_block_ids == ()
+    assert [int(engine.gpu[block][0]) for block in (5, 6)] == [1, 2]
+    assert all((engine.gpu[block] == block - 4).all() for block in (5, 6))
+    engine.manager.complete_load(keys(0, 1), ctx)  # may come before the manager hears of the promotion
+    assert engine.manager.get_stats()["tiers"]["memory"]["counters"]["hit_blocks"] == 2
+    engine.manager.lookup(key(9), ctx)  # next step: the promotion is processed
+    assert [engine.manager.primary_tier.ref_count(k) for k in keys(0, 1)] == [0, 0]
+    assert [engine.manager.lookup(k, ctx) for k in keys(0, 1)] == [True, True]
+
+
+def test_a_failed_promotion_is_never_loaded_and_its_gpu_blocks_are_named(engine_of):
+    engine = engine_of({"type": "faulty", "inner": {"type": "memory"}, "corruption_rate": 1.0, "seed": 0})
+    ctx = ReqContext("req-0")
+    only_in_the_tier(engine, ctx, [0, 1])
+    assert [engine.manager.lookup(k, ctx) for k in keys(0, 1)] == [True, True]
+    cpu_spec = engine.manager.prepare_load(keys(0, 1), ctx)
+    engine.manager.on_schedule_end()
+    engine.gpu.fill_(7)
+    result = engine.load(1, cpu_spec, [5, 6])
+    assert result.success and result.failed_block_ids == (5, 6)
+    assert (engine.gpu == 7).all()  # nothing copied: the corrupted bytes never reach the GPU
+    primary = engine.manager.primary_tier
+    engine.manager.lookup(key(9), ctx)  # the failed promotion is processed while the load still pins its rows
+    assert primary.get_stats()["gauges"]["rows_quarantined"] == 2
+    engine.manager.complete_load(keys(0, 1), ctx)
+    assert primary.get_stats()["gauges"]["rows_quarantined"] == 0
+    assert primary.num_free_blocks == NUM_ROWS
+    assert not primary.row_states.states.any()  # every row READY again
+    engine.fill(0, 42)  # the freed rows work as any others
+    engine.store(ctx, [20], [0])
+    assert engine.load(2, engine.manager.prepare_load(keys(20), ctx), [3]).failed_block_ids == ()
+    assert (engine.gpu[3] == 42).all()
+
+
+def test_only_the_failed_rows_of_a_load_are_left_out(engine_of):
+    engine = engine_of({"type": "memory"})
+    ctx = ReqContext("req-0")
+    engine.fill(0, 1)
+    engine.store(ctx, [0], [0])  # block 0 in the CPU tier, ready
+    out = engine.manager.prepare_store(keys(1), ctx)  # a row for block 1, whose promotion fails
+    states = engine.manager.primary_tier.row_states
+    (row,) = out.store_spec.block_ids
+    states.settle(row, ok=False)
+    rows = np.array([engine.manager.prepare_load(keys(0), ctx).block_ids[0], row])
+    result = engine.load(1, CPULoadStoreSpec(rows), [4, 5])
+    assert result.failed_block_ids == (5,)
+    assert (engine.gpu[4] == 1).all() and not engine.gpu[5].any()
+
+
+def test_a_late_promotion_stops_the_wait_at_its_bound(engine_of, monkeypatch):
+    monkeypatch.setattr(cpu_gpu, "PROMOTION_WAIT_S", 0.0)
+    engine = engine_of({"type": "memory"})
+    ctx = ReqContext("req-0")
+    out = engine.manager.prepare_store(keys(0), ctx)
+    engine.manager.primary_tier.row_states.mark(out.store_spec.block_ids, PENDING)  # never settled
+    assert engine.load(1, out.store_spec, [2]).failed_block_ids == (2,)
+
+
+def test_row_states_wait_returns_the_rows_not_ready():
+    states = RowStates(np.array([READY, FAILED, PENDING, READY], dtype=np.uint8))
+    assert states.wait(np.array([0, 3]), 10.0).tolist() == []
+    assert states.wait(np.array([0, 1, 2]), 0.0).tolist() == [1, 2]
+    states.settle(2, ok=True)
+    assert states.wait(np.array([2, 3]), 10.0).tolist() == []
+    with pytest.raises(ValueError, match="1-D uint8"):
+        RowStates(np.zeros((2, 2), dtype=np.uint8))
+
+
+def test_a_reset_frees_the_rows_of_failed_promotions_a_void_load_pinned(engine_of):
+    engine = engine_of({"type": "faulty", "inner": {"type": "memory"}, "corruption_rate": 1.0, "seed": 0})
+    ctx = ReqContext("req-0")
+    only_in_the_tier(engine, ctx, [0, 1])
+    assert [engine.manager.lookup(k, ctx) for k in keys(0, 1)] == [True, True]
+    engine.manager.prepare_load(keys(0, 1), ctx)  # its transfer will be void: complete_load never comes
+    engine.manager.on_schedule_end()
+    assert engine.tier.drain(30)
+    engine.manager.lookup(key(9), ctx)
+    primary = engine.manager.primary_tier
+    assert primary.get_stats()["gauges"]["rows_quarantined"] == 2
+    engine.manager.reset_cache()
+    assert primary.get_stats()["gauges"]["rows_quarantined"] == 0
+    assert primary.num_free_blocks == NUM_ROWS and not primary.row_states.states.any()

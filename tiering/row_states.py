@@ -1,0 +1,86 @@
+"""`RowStates`: whether each CPU row's promotion has landed, shared by every process.
+
+A lookup under the engine's own vLLM connector may answer "hit" for a block whose promotion
+from a secondary tier is still running, so that the request loads it in the step it was
+found (`tiering.integrations.vllm_connector`). The worker's copy of that row must then wait
+for the tier's read, and must never copy it if the read failed. One byte per row says which:
+
+- ``READY`` (0): the row's bytes are whatever its block says (the state of every row that
+  no promotion is filling: rows stored from the GPU, free rows);
+- ``PENDING``: a promotion is filling the row;
+- ``FAILED``: that promotion failed (the read, its check, or the tier): the row holds no
+  block, and a load that waited for it loads nothing from it.
+
+Who writes, in order: the scheduler thread marks a row ``PENDING`` when it reserves it for a
+promotion (`mark`), and ``READY`` when it reserves it for anything else; the tier marks it
+``READY`` or ``FAILED`` as soon as the block's bytes are checked, from whatever thread
+finishes its read (`settle`); the scheduler settles it again when it processes the job (a
+tier that settles nothing, or that failed the job before reading). A worker only reads
+(`wait`). A row is pinned while a load waits on it, so its state changes once during the
+wait, from ``PENDING`` to its end.
+
+The bytes live after the rows in the engine's `SharedOffloadRegion`; a byte store is
+atomic, and on x86 a store of the state is seen after the stores of the row's bytes before
+it. (Python offers no fence: on weaker memory models the wait's re-check of the state is
+what stands between a worker and a torn row.)
+
+Thread: any; see the protocol above for who may write what when.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+READY, PENDING, FAILED = 0, 1, 2
+
+_FIRST_NAP_S = 20e-6  # a worker's first nap while waiting; doubled up to `_LONGEST_NAP_S`
+_LONGEST_NAP_S = 1e-3
+
+
+class RowStates:
+    """One state byte per CPU row (see the module docstring).
+
+    Args:
+        states: a uint8 array of one byte per row, in memory every process maps (or a
+            private array for a single process).
+    """
+
+    def __init__(self, states: np.ndarray):
+        if states.dtype != np.uint8 or states.ndim != 1:
+            raise ValueError(f"row states must be a 1-D uint8 array, got {states.dtype} of shape {states.shape}")
+        self.states = states
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def mark(self, rows: Sequence[int] | np.ndarray, state: int) -> None:
+        """Set `rows` to `state` (scheduler thread, when it reserves them)."""
+        self.states[np.asarray(rows, dtype=np.int64)] = state
+
+    def settle(self, row: int, ok: bool) -> None:
+        """End row `row`'s promotion: ``READY`` if its bytes are in and checked, else
+        ``FAILED``. Any thread; idempotent for the same outcome."""
+        self.states[row] = READY if ok else FAILED
+
+    def wait(self, rows: np.ndarray, timeout_s: float) -> np.ndarray:
+        """Block until no row of `rows` (int64 ids) is ``PENDING``, for at most `timeout_s`
+        seconds (worker thread).
+
+        Returns:
+            The rows not ready (``FAILED``, or still ``PENDING`` at the timeout), in the
+            order of `rows`; empty when every row is ready.
+        """
+        states = self.states
+        if not states[rows].any():  # the rule: every row stored from the GPU, or promoted already
+            return rows[:0]
+        deadline = time.monotonic() + timeout_s
+        nap = _FIRST_NAP_S
+        while True:
+            current = states[rows]
+            if not (current == PENDING).any() or time.monotonic() >= deadline:
+                return rows[current != READY]
+            time.sleep(nap)
+            nap = min(2 * nap, _LONGEST_NAP_S)
