@@ -3,12 +3,14 @@ seconds and scheduler steps, one JSON line per finished request."""
 
 import json
 
+import numpy as np
 import pytest
 
 from tests.helpers import ManualTier, RegionStandIn, engine_regions, key, keys
 from tiering import CPUPrimaryTierOffloadingManager, KVLayout, ReqContext, TieringOffloadingManager
 from tiering.config import parse_config
 from tiering.errors import ConfigError
+from tiering.row_states import RowStates
 from tiering.spec import TieringOffloadingSpec
 from tiering.timeline import RequestTimeline
 
@@ -59,10 +61,43 @@ def test_a_promoted_prefix_shows_its_deferred_steps_promotion_and_load(tmp_path)
         "load_completed": pytest.approx(10.31),
         "steps_loading": 1,
         "blocks_loaded": 2,
+        "blocks_pending": 0,
+        "rows_wait_s": None,
         "promotions": {"file": pytest.approx(0.25)},
         "finished": pytest.approx(10.31),
     }
     assert missed["req_id"] == "req-2" and missed["load_prepared"] is None and missed["blocks_loaded"] == 0
+
+
+class SettlingTier(ManualTier):
+    """A tier that settles its promoted rows (here: the test does, through `states`)."""
+
+    def attach_row_states(self, row_states):
+        self.states = row_states
+
+
+class RegionWithStates(RegionStandIn):
+    def create_row_states(self):
+        return RowStates(np.zeros(self.shape[0], dtype=np.uint8))
+
+
+def test_a_prefix_loaded_while_its_promotion_ran_shows_no_deferred_step_and_the_workers_wait(tmp_path):
+    log = tmp_path / "requests.jsonl"
+    tier = SettlingTier("file")
+    primary = CPUPrimaryTierOffloadingManager(8, RegionWithStates(8))
+    manager = TieringOffloadingManager(primary, [tier], request_log=log)
+    manager.answer_pending_hits = True
+    tier.present.update(dict.fromkeys(keys(1, 2), True))
+    request = ReqContext("req-1")
+    assert [manager.lookup(k, request) for k in keys(1, 2)] == [True, True]  # hits while promoted
+    manager.prepare_load(keys(1, 2), request)
+    manager.on_schedule_end()
+    manager.load_waited("req-1", 0.02)  # what the worker measured, through the connector
+    manager.complete_load(keys(1, 2), request)
+    manager.on_request_finished(request)
+    manager.shutdown()
+    (entry,) = lines(log)
+    assert (entry["steps_to_load"], entry["blocks_pending"], entry["rows_wait_s"]) == (0, 2, 0.02)
 
 
 def test_a_log_that_cannot_be_written_switches_itself_off(caplog):

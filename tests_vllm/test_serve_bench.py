@@ -69,4 +69,6 @@ def test_every_configuration_serves_the_trace_and_the_report_adds_up(tmp_path):
             assert total == pytest.approx(outcome["ttft_s"]), (name, outcome)
         assert not loaded or runs[name]["summary"]["copy_gbps"] > 0, name
     assert any(o["engine"] and o["engine"]["promotion_s"].get("file") for o in runs["d"]["outcomes"])
+    # behind the engine's connector, d's file-tier hits load in the step they are found
+    assert any(o["engine"] and o["engine"]["blocks_pending"] for o in runs["d"]["outcomes"])
     assert all(o["engine"] is None for name in "ab" for o in runs[name]["outcomes"])  # no engine, no log

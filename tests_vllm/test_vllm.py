@@ -147,6 +147,7 @@ def test_behind_the_engines_connector_a_file_tier_hit_is_loaded_in_the_step_it_i
     (entry,) = [entry for entry in map(json.loads, log.read_text().splitlines()) if entry["blocks_loaded"]]
     # loaded in the step of its first lookup (no step waited on the promotion), reported at its end
     assert (entry["steps_to_load"], entry["steps_loading"]) == (0, 1)
+    assert entry["blocks_pending"] == FULL_BLOCKS // tiny.BLOCK  # loaded while their promotions ran
 
 
 def test_behind_the_engines_connector_a_failed_promotion_is_recomputed_with_the_right_output(model, baseline, tmp_path):

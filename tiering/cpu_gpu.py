@@ -78,7 +78,9 @@ class TransferResult:
     """A finished transfer: ``transfer_size`` in bytes, ``transfer_time`` in seconds,
     ``transfer_type`` ``("GPU", "CPU")`` for a store or ``("CPU", "GPU")`` for a load.
     ``failed_block_ids``: GPU blocks a successful load left unwritten, their rows'
-    promotion having failed (see the module docstring); empty otherwise."""
+    promotion having failed (see the module docstring); empty otherwise. ``wait_time``: the
+    seconds of a load (part of ``transfer_time`` on the CPU device) spent waiting for rows
+    still being promoted."""
 
     job_id: int
     success: bool
@@ -86,6 +88,7 @@ class TransferResult:
     transfer_time: float
     transfer_type: TransferType
     failed_block_ids: tuple[int, ...] = ()
+    wait_time: float = 0.0
 
 
 class OffloadingHandler(ABC):
@@ -172,16 +175,18 @@ def drop_rows(copies: list[PageCopy], rows: np.ndarray) -> tuple[list[PageCopy],
 class _Pending:
     job_id: int
     nbytes: int
-    done: Any  # a Future: of (seconds, failed GPU blocks) on the CPU device, of _Launched under CUDA
+    done: Any  # a Future: of (seconds, failed GPU blocks, seconds waited) on the CPU device, of _Launched under CUDA
 
 
 @dataclass
 class _Launched:
-    """A CUDA transfer on its stream: the events around it, the GPU blocks it skipped."""
+    """A CUDA transfer on its stream: the events around it, the GPU blocks it skipped, the
+    seconds its launch waited for promoted rows."""
 
     start: Any
     end: Any
     failed_block_ids: tuple[int, ...] = ()
+    wait_time: float = 0.0
 
 
 class _DirectionHandler(OffloadingHandler):
@@ -260,16 +265,20 @@ class _DirectionHandler(OffloadingHandler):
         rows = np.asarray(cpu_spec.block_ids, dtype=np.int64)
         return rows if self._row_states.states[rows].any() else None
 
-    def _ready_copies(self, copies: list[PageCopy], rows: np.ndarray | None) -> tuple[list[PageCopy], tuple[int, ...]]:
+    def _ready_copies(
+        self, copies: list[PageCopy], rows: np.ndarray | None
+    ) -> tuple[list[PageCopy], tuple[int, ...], float]:
         """Wait for `rows` (see `RowStates.wait`); `copies` without the pages of rows that
-        did not land, and the GPU blocks those were for."""
+        did not land, the GPU blocks those were for, and the seconds waited."""
         if rows is None or self._row_states is None:
-            return copies, ()
+            return copies, (), 0.0
+        start = time.perf_counter()
         failed_rows = self._row_states.wait(rows, PROMOTION_WAIT_S)
+        waited = time.perf_counter() - start
         if not len(failed_rows):
-            return copies, ()
+            return copies, (), waited
         logger.warning("a load skips %d rows whose promotion failed or is late; vLLM recomputes them", len(failed_rows))
-        return drop_rows(copies, failed_rows)
+        return (*drop_rows(copies, failed_rows), waited)
 
     def get_finished(self) -> list[TransferResult]:
         results = []
@@ -297,9 +306,9 @@ class _DirectionHandler(OffloadingHandler):
 
     # -- CPU device ------------------------------------------------------------------------
 
-    def _copy_on_host(self, copies: list[PageCopy], rows: np.ndarray | None) -> tuple[float, tuple[int, ...]]:
+    def _copy_on_host(self, copies: list[PageCopy], rows: np.ndarray | None) -> tuple[float, tuple[int, ...], float]:
         start = time.perf_counter()
-        copies, failed = self._ready_copies(copies, rows)
+        copies, failed, waited = self._ready_copies(copies, rows)
         small = [copy for copy in copies if self._gpu[copy.tensor_idx].shape[1] < RUN_PAGE_BYTES]
         large = [copy for copy in copies if self._gpu[copy.tensor_idx].shape[1] >= RUN_PAGE_BYTES]
         if large:
@@ -307,7 +316,7 @@ class _DirectionHandler(OffloadingHandler):
             self._copier(plan_batch(large, self._gpu_layout, self._cpu_layout, self._to_cpu), None, not self._to_cpu)
         for copy in small:
             self._gather(copy)
-        return time.perf_counter() - start, failed
+        return time.perf_counter() - start, failed, waited
 
     def _gather(self, copy: PageCopy) -> None:
         """Copy the pages of `copy` `GATHER_PAGES` at a time, by index."""
@@ -334,7 +343,9 @@ class _DirectionHandler(OffloadingHandler):
 
     # -- CUDA ------------------------------------------------------------------------------
 
-    def _launch_cuda(self, copies: list[PageCopy], after: Any, failed: tuple[int, ...] = ()) -> _Launched:
+    def _launch_cuda(
+        self, copies: list[PageCopy], after: Any, failed: tuple[int, ...] = (), waited: float = 0.0
+    ) -> _Launched:
         """Launch `copies` on this direction's stream once `after` (the compute stream, or an
         event recorded on it) is done there."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -346,12 +357,12 @@ class _DirectionHandler(OffloadingHandler):
             start.record(self._stream)
             self._copy_on_stream(copies)
             end.record(self._stream)
-        return _Launched(start, end, failed)
+        return _Launched(start, end, failed, waited)
 
     def _launch_when_ready(self, copies: list[PageCopy], rows: np.ndarray | None, compute: Any) -> _Launched:
         """On the launcher thread: wait for the load's rows, then launch what landed."""
-        ready, failed = self._ready_copies(copies, rows)
-        return self._launch_cuda(ready, compute, failed)
+        ready, failed, waited = self._ready_copies(copies, rows)
+        return self._launch_cuda(ready, compute, failed, waited)
 
     @torch.inference_mode()
     def _copy_on_stream(self, copies: list[PageCopy]) -> None:
@@ -385,10 +396,11 @@ class _DirectionHandler(OffloadingHandler):
             return TransferResult(pending.job_id, False, 0, 0.0, self.transfer_type)
         if self._cuda:
             launched = pending.done.result()
-            seconds, failed = launched.start.elapsed_time(launched.end) / 1e3, launched.failed_block_ids
+            seconds = launched.start.elapsed_time(launched.end) / 1e3
+            failed, waited = launched.failed_block_ids, launched.wait_time
         else:
-            seconds, failed = pending.done.result()
-        return TransferResult(pending.job_id, True, pending.nbytes, seconds, self.transfer_type, failed)
+            seconds, failed, waited = pending.done.result()
+        return TransferResult(pending.job_id, True, pending.nbytes, seconds, self.transfer_type, failed, waited)
 
 
 def _layout(pages: Any, page_bytes: int) -> PageLayout:

@@ -248,8 +248,15 @@ class TieringOffloadingManager(OffloadingManager):
         """
         spec = self.primary_tier.prepare_load(keys, req_context, self._pending_loadable)
         if self._timeline is not None:
-            self._timeline.load_prepared(req_context.req_id, len(keys))
+            pending = sum(key in self._pending_loadable for key in keys) if self._pending_loadable else 0
+            self._timeline.load_prepared(req_context.req_id, len(keys), pending)
         return spec
+
+    def load_waited(self, req_id: str, seconds: float) -> None:
+        """The worker's load for request `req_id` waited `seconds` for rows still being
+        promoted (a hit answered early): for the request log. Scheduler thread."""
+        if self._timeline is not None:
+            self._timeline.load_waited(req_id, seconds)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Record a use of `keys` in the primary tier and in every secondary tier."""

@@ -11,7 +11,9 @@ of scheduler steps (`on_schedule_end` calls):
   or a GPU store of its blocks was in flight);
 - ``load_completed``: the `complete_load` of those hits (the worker's copy reported done),
   and ``steps_loading``;
-- ``blocks_loaded``;
+- ``blocks_loaded``; ``blocks_pending``: those loaded while their promotion still ran (hits
+  answered in the step they were found, behind the engine's vLLM connector), and
+  ``rows_wait_s``: how long the worker's load waited for them to land (null if it did not);
 - ``promotions``: per secondary tier, the seconds from the request's first lookup of a
   block of that tier to the promotion job's report (the last one, if several).
 
@@ -48,6 +50,8 @@ class _Request:
     load_completed: float | None = None
     steps_loading: int | None = None
     blocks_loaded: int = 0
+    blocks_pending: int = 0
+    rows_wait_s: float | None = None
     promotions: dict[str, float] = field(default_factory=dict)
     finished: float | None = None
 
@@ -81,9 +85,11 @@ class RequestTimeline:
         if request.first_lookup is None:
             request.first_lookup, request.first_lookup_step = self._clock(), self._step
 
-    def load_prepared(self, req_id: str, blocks: int) -> None:
-        """`prepare_load` of `blocks` blocks for `req_id`. Never raises."""
+    def load_prepared(self, req_id: str, blocks: int, pending: int = 0) -> None:
+        """`prepare_load` of `blocks` blocks for `req_id`, `pending` of them still being
+        promoted. Never raises."""
         request = self._request(req_id)
+        request.blocks_pending += pending
         request.load_prepared = self._clock()
         request.steps_to_load = self._step - request.first_lookup_step if request.first_lookup is not None else 0
         request.blocks_loaded += blocks
@@ -95,6 +101,13 @@ class RequestTimeline:
         if request is not None and request.load_prepared is not None:
             request.load_completed = self._clock()
             request.steps_loading = self._step - request.load_step
+
+    def load_waited(self, req_id: str, seconds: float) -> None:
+        """The worker's load for `req_id` waited `seconds` for promoted rows (the longest of
+        its workers'). Never raises."""
+        request = self._requests.get(req_id)
+        if request is not None:
+            request.rows_wait_s = max(seconds, request.rows_wait_s or 0.0)
 
     def promoted(self, req_id: str, tier: str) -> None:
         """A promotion job `req_id` queued on `tier` (its name) was reported. Never raises."""

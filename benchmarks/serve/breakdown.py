@@ -8,7 +8,9 @@ For a request that loaded blocks from the engine, from its arrival (all in secon
 - ``to_loadable_s`` and ``steps_to_load``: from that lookup until every block was in the
   CPU tier and the load was submitted (promotions from secondary tiers, deferred steps);
 - ``load_s`` and ``steps_loading``: the load, from submission until vLLM's worker
-  reported it done (the copy, and the step it waits for);
+  reported it done (the copy, and the step it waits for); ``rows_wait_s``: the part of it
+  the worker waited for rows still being promoted (hits answered in the step they were
+  found, behind the engine's connector; 0 otherwise), and ``blocks_pending``: how many;
 - ``after_load_s``: from then to the first token (the step that computes the rest of
   the prompt, and the scheduling before it);
 - ``promotion_s``: per tier, from the first lookup to the promotion's report.
@@ -22,7 +24,16 @@ from pathlib import Path
 from typing import Any
 
 _INDEX = re.compile(r"bench-(\d+)")
-FIELDS = ("to_lookup_s", "to_loadable_s", "steps_to_load", "load_s", "steps_loading", "after_load_s")
+FIELDS = (
+    "to_lookup_s",
+    "to_loadable_s",
+    "steps_to_load",
+    "load_s",
+    "steps_loading",
+    "rows_wait_s",
+    "blocks_pending",
+    "after_load_s",
+)
 
 
 def read_request_log(path: Path) -> dict[int, dict[str, Any]]:
@@ -51,6 +62,8 @@ def breakdown(outcome: dict[str, Any], entry: dict[str, Any] | None) -> dict[str
         "steps_to_load": entry["steps_to_load"],
         "load_s": entry["load_completed"] - entry["load_prepared"],
         "steps_loading": entry["steps_loading"],
+        "rows_wait_s": entry.get("rows_wait_s") or 0.0,
+        "blocks_pending": entry.get("blocks_pending", 0),
         "after_load_s": due + outcome["ttft_s"] - entry["load_completed"],
         "blocks_loaded": entry["blocks_loaded"],
         "promotion_s": entry["promotions"],

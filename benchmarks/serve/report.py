@@ -110,7 +110,19 @@ def _breakdown_table(summaries: dict[str, dict[str, Any]]) -> Table:
     """Per configuration, the median parts of the TTFT of requests that loaded from the
     engine (`tiering.benchmarks.serve.breakdown`)."""
     table = Table(box=box.MARKDOWN, title="Requests that loaded from the engine: TTFT and its parts, p50 ms")
-    headers = ("", "requests", "TTFT", "to lookup", "to loadable", "steps", "load", "steps", "after load", "copy GB/s")
+    headers = (
+        "",
+        "requests",
+        "TTFT",
+        "to lookup",
+        "to loadable",
+        "steps",
+        "load",
+        "steps",
+        "of it waiting for promotions (blocks)",
+        "after load",
+        "copy GB/s",
+    )
     for header in headers:
         table.add_column(header, justify="left" if not header else "right")
     for name, summary in summaries.items():
@@ -125,6 +137,7 @@ def _breakdown_table(summaries: dict[str, dict[str, Any]]) -> Table:
             f"{parts['steps_to_load']:g}",
             _ms(parts["load_s"]),
             f"{parts['steps_loading']:g}",
+            f"{_ms(parts['rows_wait_s'])} ({parts['blocks_pending']:g})",
             _ms(parts["after_load_s"]),
             "-" if gbps is None else f"{gbps:.2f}",
         )

@@ -289,6 +289,12 @@ class _Manager(OffloadingManager):
         self._stats = VllmStats(manager)
         self._salts: dict[str, str] = {}  # request id -> cache_salt, from `KVTieringConnector`
 
+    def loads_waited(self, waits: dict[str, float]) -> None:
+        """Seconds the workers' loads of each request (by id) waited for promoted rows, for
+        the request log (`tiering.timeline`); from the engine's connector."""
+        for req_id, seconds in waits.items():
+            self.manager.load_waited(req_id, seconds)
+
     def set_cache_salt(self, req_id: str, cache_salt: str) -> None:
         """Make `cache_salt` the tenant of request `req_id` (`tiering.tenants`), from the
         time vLLM announces the request until it finishes."""
@@ -362,11 +368,13 @@ class _Worker(OffloadingWorker):
 
     A load whose rows' promotion failed succeeds for vLLM (its worker asserts that every
     transfer does) and leaves the GPU blocks of those rows unwritten; they gather in
-    `load_errors`, which the engine's connector reports as vLLM's load errors."""
+    `load_errors`, which the engine's connector reports as vLLM's load errors. The seconds
+    loads waited for promoted rows gather by job in `load_waits`."""
 
     def __init__(self, handlers: Any, spec: KVTieringOffloadingSpec):
         self.handlers, self.spec = handlers, spec
         self.load_errors: set[int] = set()
+        self.load_waits: dict[int, float] = {}
 
     def submit_store(self, job_id: int, src_spec: VllmGPUSpec, dst_spec: Any) -> bool:
         return self._submit(self.handlers.gpu_to_cpu_handler, job_id, (_gpu(src_spec), _cpu(dst_spec)))
@@ -384,12 +392,19 @@ class _Worker(OffloadingWorker):
         results = self.handlers.gpu_to_cpu_handler.get_finished() + self.handlers.cpu_to_gpu_handler.get_finished()
         for result in results:
             self.load_errors.update(result.failed_block_ids)
+            if result.wait_time:
+                self.load_waits[result.job_id] = result.wait_time
         return [VllmTransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time) for r in results]
 
     def take_load_errors(self) -> set[int]:
         """The GPU blocks loads left unwritten since the last call (see the class)."""
         errors, self.load_errors = self.load_errors, set()
         return errors
+
+    def take_load_waits(self) -> dict[int, float]:
+        """Seconds each load job (by id) waited for promoted rows, since the last call."""
+        waits, self.load_waits = self.load_waits, {}
+        return waits
 
     def wait(self, job_ids: set[int]) -> None:
         self.handlers.gpu_to_cpu_handler.wait(job_ids)

@@ -47,15 +47,34 @@ Thread: vLLM's scheduler thread builds the metadata; each worker's thread runs t
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config import set_current_vllm_config
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from tiering.integrations import VLLM_SPEC
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TieringWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's worker -> scheduler metadata, plus the seconds each request's load waited for
+    rows still being promoted (the longest of the workers'), for the engine's request log."""
+
+    load_waits: dict[str, float] = field(default_factory=dict)
+
+    def aggregate(self, other: Any) -> TieringWorkerMetadata:
+        merged = super().aggregate(other)
+        waits = dict(self.load_waits)
+        for req_id, seconds in getattr(other, "load_waits", {}).items():
+            waits[req_id] = max(seconds, waits.get(req_id, 0.0))
+        return TieringWorkerMetadata(merged.completed_jobs, merged.transfer_stats, waits)
 
 
 class KVTieringConnector(OffloadingConnector):
@@ -79,6 +98,7 @@ class KVTieringConnector(OffloadingConnector):
             super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_scheduler is not None:
             self.connector_scheduler.manager.manager.answer_pending_hits = True
+        self._load_waits: dict[str, float] = {}  # request id -> seconds, until the step's metadata carries them
 
     def on_new_request(self, request: Any) -> None:
         """vLLM's handling of a new request (scheduler side), its ``cache_salt`` passed to
@@ -105,7 +125,29 @@ class KVTieringConnector(OffloadingConnector):
         assert isinstance(self._connector_metadata, OffloadingConnectorMetadata)
         if self._connector_metadata.load_jobs:
             self.connector_worker.worker.wait(set(self._connector_metadata.load_jobs))
-        return super().get_finished(finished_req_ids)
+        requests = dict(self.connector_worker._load_jobs)  # job -> request, forgotten by vLLM's get_finished
+        finished = super().get_finished(finished_req_ids)
+        for job_id, seconds in self.connector_worker.worker.take_load_waits().items():
+            if job_id in requests:
+                self._load_waits[requests[job_id]] = seconds
+        return finished
+
+    def build_connector_worker_meta(self) -> Any:
+        """vLLM's worker metadata, with the seconds this step's loads waited for promoted
+        rows (`TieringWorkerMetadata`). Worker thread."""
+        meta = super().build_connector_worker_meta()
+        if meta is None:
+            return None
+        waits, self._load_waits = self._load_waits, {}  # every worker sends ours: they aggregate alike
+        return TieringWorkerMetadata(meta.completed_jobs, meta.transfer_stats, waits)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """vLLM's handling of the workers' output (scheduler thread); the waits the
+        workers measured go to the engine's request log first."""
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, TieringWorkerMetadata) and meta.load_waits and self.connector_scheduler is not None:
+            self.connector_scheduler.manager.loads_waited(meta.load_waits)
+        super().update_connector_output(connector_output)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The GPU blocks this worker's loads left unwritten since the last call, their
