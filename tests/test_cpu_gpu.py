@@ -1,5 +1,6 @@
 """GPU<->CPU transfer handlers: on the CPU device here, on CUDA too wherever it is present."""
 
+import ctypes
 import multiprocessing
 import uuid
 
@@ -308,3 +309,51 @@ def test_canonicalize_shares_storage_and_dedupes_shared_tensors():
         canonicalize_kv_caches([torch.zeros((3, 5, 2))], 5)
     with pytest.raises(ValueError, match="not contiguous"):
         canonicalize_kv_caches([torch.zeros((2, 5)).t()], 5)
+
+
+class FakeDriver:
+    """What `CudaBindingsCopier` uses of ``cuda.bindings.driver``, over host memory: the call
+    is recorded and its copies done with memmove. `returns_fail_index`: the 12.x binding's
+    result shape, ``(error, fail index)``; the 13.x one returns ``(error,)``."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+
+    class CUmemcpySrcAccessOrder:
+        CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = "stream"
+        CU_MEMCPY_SRC_ACCESS_ORDER_ANY = "any"
+
+    class CUmemcpyAttributes:
+        srcAccessOrder = None
+
+    def __init__(self, returns_fail_index, error=0):
+        self.returns_fail_index, self.error = returns_fail_index, error
+        self.calls = []
+
+    def cuMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream):
+        self.calls.append((count, [a.srcAccessOrder for a in attrs], attrs_idxs, num_attrs, stream))
+        for dst, src, size in zip(dsts, srcs, sizes, strict=True):
+            ctypes.memmove(dst, src, size)
+        return (self.error, 0) if self.returns_fail_index else (self.error,)
+
+
+@pytest.mark.parametrize("returns_fail_index", [True, False], ids=["cuda-12", "cuda-13"])
+def test_the_cuda_bindings_copier_makes_one_batch_call_with_the_right_order(returns_fail_index):
+    source = np.arange(256, dtype=np.uint8)
+    target = np.zeros(256, dtype=np.uint8)
+    at = source.ctypes.data, target.ctypes.data
+    batch = batch_copy.CopyBatch(
+        np.array([at[0], at[0] + 100], dtype=np.int64),
+        np.array([at[1] + 8, at[1] + 200], dtype=np.int64),
+        np.array([16, 50], dtype=np.int64),
+    )
+    driver = FakeDriver(returns_fail_index)
+    stream = type("Stream", (), {"cuda_stream": 7})()
+    batch_copy.CudaBindingsCopier(driver)(batch, stream, True)
+    batch_copy.CudaBindingsCopier(driver)(batch, stream, False)
+    assert driver.calls == [(2, ["any"], [0], 1, 7), (2, ["stream"], [0], 1, 7)]
+    assert target[8:24].tolist() == list(range(16)) and target[200:250].tolist() == list(range(100, 150))
+    assert not target[:8].any() and not target[24:200].any()
+    with pytest.raises(RuntimeError, match="cuMemcpyBatchAsync of 2 copies failed"):
+        batch_copy.CudaBindingsCopier(FakeDriver(returns_fail_index, error=1))(batch, stream, True)

@@ -152,13 +152,14 @@ class CPUOffloadingManager(OffloadingManager):
         req_id: str = "",
     ) -> CPULoadStoreSpec:
         blocks = self._blocks(keys, caller, min_ref_cnt=0, pending_ok=pending_ok)
-        for key, block in zip(keys, blocks, strict=True):
-            if block.ref_cnt == -1:  # a promotion's row, pinned before it lands
-                self._pending_pins.setdefault(key, []).append(req_id)
-                continue
+        pending = [key for key, block in zip(keys, blocks, strict=True) if block.ref_cnt == -1] if pending_ok else ()
+        for key in pending:  # a promotion's row, pinned before it lands
+            self._pending_pins.setdefault(key, []).append(req_id)
+        for block in blocks:
             if block.ref_cnt == 0:
                 self._rows_reading += 1
-            block.ref_cnt += readers
+            if block.ref_cnt >= 0:
+                block.ref_cnt += readers
         self._counters[counter] += len(blocks) * readers
         return CPULoadStoreSpec([block.block_id for block in blocks])
 

@@ -17,7 +17,7 @@ promotions hold fewer than ``max_promotion_rows`` (no cap by default); past that
 answers None (retry next step, ``promotions_deferred``) instead of reserving, so a queue of
 waiting requests, each looked up every step, cannot fill the primary tier with promotions
 and leave the GPU's stores no row. A promotion never evicts a block that a lookup of the
-same step found in the primary tier: that request is about to load it.
+same step found in the primary tier: a request is about to load it.
 
 Finished jobs are processed once before the step's first ``lookup``/``prepare_store`` and
 once in ``on_schedule_end``; a tier that rings the manager's `Doorbell` is polled only after
@@ -66,6 +66,32 @@ class _Job:
     tier_idx: int
     queued_at: float = 0.0  # a promotion's first lookup, perf_counter seconds (unused for cascades)
     voided: bool = False  # by reset_cache: its keys are gone and its rows held until it ends
+
+
+@dataclass
+class PromotionRows:
+    """The CPU rows promotions may hold: `held` now (queued or in flight), at most
+    `max_rows`, and only while more than `store_reserve` rows stay available to the GPU's
+    stores; one promotion is always let through when none holds a row."""
+
+    max_rows: int
+    store_reserve: int
+    held: int = 0
+
+    def allow(self, available: int) -> bool:
+        """Whether one more promotion may take a row, `available` rows being free or idle."""
+        return not self.held or (self.held < self.max_rows and available > self.store_reserve)
+
+
+@dataclass
+class _PendingLoads:
+    """Promotions a load may pin before they land: those of the tiers that settle their
+    rows' states (`settling_tiers`), by key (`keys`: key -> tier index), queued or in
+    flight; `answer_hits`: lookups answer True for them."""
+
+    settling_tiers: set[int]
+    answer_hits: bool = False
+    keys: dict[OffloadKey, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -144,13 +170,9 @@ class TieringOffloadingManager(OffloadingManager):
         self.gates = [RecomputeGate(recompute_tokens_per_s, block_tokens) for _ in self.secondary_tiers]
         self.block_tokens = block_tokens
         self._counters = {"promotions_submitted": 0, "promotions_deferred": 0, "cascades_submitted": 0}
-        self.max_promotion_rows = max_promotion_rows or primary_tier.num_blocks
-        self.store_reserve_rows = store_reserve_rows
-        self._promotion_rows = 0  # rows reserved by promotions queued or in flight
+        # (few attributes: past 30, CPython stops sharing instance dict keys and every attribute read slows)
+        self.promotion_rows = PromotionRows(max_promotion_rows or primary_tier.num_blocks, store_reserve_rows)
         self._step_hits: set[OffloadKey] = set()  # found in the primary tier by this step's lookups
-        # key -> tier of its promotion, queued or in flight, by a tier that settles the rows' states
-        self._pending_loadable: dict[OffloadKey, int] = {}
-        self.answer_pending_hits = False
         self._requests = RequestLookups(self.promotion_source)
         self._promotion_seconds = Histogram()
         self._listeners: list[list[Any]] = []  # [callback, interval_s, next due]
@@ -176,14 +198,9 @@ class TieringOffloadingManager(OffloadingManager):
         self._polled_tiers = [entry for entry in polled if entry[0] not in ringing]
         self._write_back_tiers = [idx for idx, admission in enumerate(self.admission) if admission.write_back]
         states = primary_tier.row_states
-        self._settling_tiers = (
-            set()
-            if states is None
-            else {
-                idx
-                for idx, tier in self._hooks["attach_row_states"]
-                if _guarded(tier, "attach_row_states", False, states) is None
-            }
+        settling = [] if states is None else self._hooks["attach_row_states"]
+        self._pending = _PendingLoads(
+            {idx for idx, tier in settling if _guarded(tier, "attach_row_states", False, states) is None}
         )
         self._waiting_tiers: set[int] = set()  # tiers with cascades waiting for room
 
@@ -201,7 +218,7 @@ class TieringOffloadingManager(OffloadingManager):
             answer = self._lookup_secondary(key, req_context)
         elif answer:
             self._step_hits.add(key)
-        if answer is None and self.answer_pending_hits and key in self._pending_loadable:
+        if answer is None and self._pending.answer_hits and key in self._pending.keys:
             answer = True  # loadable now: the worker's load waits for the row
             self._requests.answered(req_context.req_id, key, answer, self.promotion_source(key))
         else:
@@ -237,7 +254,18 @@ class TieringOffloadingManager(OffloadingManager):
         worker's load waits for the row, copying nothing from it if the promotion fails.
         A caller whose loads wait so (the engine's vLLM connector; vLLM's own cannot) sets
         `answer_pending_hits` and such lookups answer True. Scheduler thread; never raises."""
-        return key in self._pending_loadable
+        return key in self._pending.keys
+
+    @property
+    def answer_pending_hits(self) -> bool:
+        """Whether a lookup answers True for a block whose promotion is `pending_loadable`
+        (False by default: the seeds' contract answers None until it lands). Set by a caller
+        whose loads wait for the rows: the engine's vLLM connector."""
+        return self._pending.answer_hits
+
+    @answer_pending_hits.setter
+    def answer_pending_hits(self, value: bool) -> None:
+        self._pending.answer_hits = value
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
         """Pin primary rows for a GPU load; see `CPUOffloadingManager.prepare_load`. Keys
@@ -246,10 +274,11 @@ class TieringOffloadingManager(OffloadingManager):
         Raises:
             KeyError: a key is not loadable from the primary tier.
         """
-        spec = self.primary_tier.prepare_load(keys, req_context, self._pending_loadable)
+        pending = self._pending.keys
+        spec = self.primary_tier.prepare_load(keys, req_context, pending)
         if self._timeline is not None:
-            pending = sum(key in self._pending_loadable for key in keys) if self._pending_loadable else 0
-            self._timeline.load_prepared(req_context.req_id, len(keys), pending)
+            early = sum(key in pending for key in keys) if pending else 0
+            self._timeline.load_prepared(req_context.req_id, len(keys), early)
         return spec
 
     def load_waited(self, req_id: str, seconds: float) -> None:
@@ -349,7 +378,8 @@ class TieringOffloadingManager(OffloadingManager):
             self._publish_stats()
         if self._timeline is not None:
             self._timeline.step_ended()
-        self._step_hits.clear()
+        if self._step_hits:
+            self._step_hits.clear()
         self._polled_this_step = False
 
     def promotion_source(self, key: OffloadKey) -> str | None:
@@ -358,8 +388,8 @@ class TieringOffloadingManager(OffloadingManager):
         `pending_loadable`, else None: the block reached the primary tier from the GPU.
         Scheduler thread; never raises."""
         name = self._sources.get(key)
-        if name is None and key in self._pending_loadable:
-            return self.tier_names[self._pending_loadable[key]]
+        if name is None and key in self._pending.keys:
+            return self.tier_names[self._pending.keys[key]]
         return name
 
     def _remember_sources(self, keys: list[OffloadKey], tier_idx: int) -> None:
@@ -421,7 +451,7 @@ class TieringOffloadingManager(OffloadingManager):
             "jobs_in_flight": len(self._jobs),
             "jobs_holding_rows": len(self._held),
             "promotions_queued": sum(len(queued.keys) for queued in self._promotions.values()),
-            "promotion_rows": self._promotion_rows,
+            "promotion_rows": self.promotion_rows.held,
         }
         histograms = {"promotion_seconds": self._promotion_seconds.snapshot()}
         manager = {"counters": counters, "gauges": gauges, "histograms": histograms}
@@ -482,7 +512,7 @@ class TieringOffloadingManager(OffloadingManager):
             job.voided = True
         self.primary_tier.reset_cache(keep_rows=[row for job in held for row in job.rows])
         self._sources.clear()
-        self._pending_loadable.clear()
+        self._pending.keys.clear()
 
     def __enter__(self) -> TieringOffloadingManager:
         """``with TieringOffloadingManager(...) as manager:`` shuts it down on exit."""
@@ -510,19 +540,16 @@ class TieringOffloadingManager(OffloadingManager):
     # -- internals ------------------------------------------------------------------------
 
     def _queue_promotion(self, tier_idx: int, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        if self._promotion_rows and (
-            self._promotion_rows >= self.max_promotion_rows
-            or self.primary_tier.num_available_blocks <= self.store_reserve_rows
-        ):
+        if not self.promotion_rows.allow(self.primary_tier.num_available_blocks):
             self._counters["promotions_deferred"] += 1
             return None
-        settled = tier_idx in self._settling_tiers
+        settled = tier_idx in self._pending.settling_tiers
         reserved = self.primary_tier.prepare_write([key], req_context, self._step_hits, settled)
         if reserved is None:
             return False
         if settled:
-            self._pending_loadable[key] = tier_idx
-        self._promotion_rows += 1
+            self._pending.keys[key] = tier_idx
+        self.promotion_rows.held += 1
         queued = self._promotions.get((tier_idx, req_context.req_id))
         if queued is None:
             queued = self._promotions[(tier_idx, req_context.req_id)] = _QueuedPromotion(req_context)
@@ -535,9 +562,9 @@ class TieringOffloadingManager(OffloadingManager):
         self._probes.clear()
         for (tier_idx, _), queued in self._promotions.items():
             self.gates[tier_idx].queued(-len(queued.keys))
-            self._promotion_rows -= len(queued.keys)
+            self.promotion_rows.held -= len(queued.keys)
             for key in queued.keys:
-                self._pending_loadable.pop(key, None)
+                self._pending.keys.pop(key, None)
             self.primary_tier.complete_write(queued.keys, queued.req_context, success=False)
         self._promotions.clear()
 
@@ -594,10 +621,10 @@ class TieringOffloadingManager(OffloadingManager):
         job = self._jobs.pop(job_id, None)
         primary = self.primary_tier
         if job is not None and job.is_promotion:
-            self._promotion_rows -= len(job.keys)
-            if self._pending_loadable:
+            self.promotion_rows.held -= len(job.keys)
+            if self._pending.keys:
                 for key in job.keys:
-                    self._pending_loadable.pop(key, None)
+                    self._pending.keys.pop(key, None)
             seconds = time.perf_counter() - job.queued_at
             self.gates[job.tier_idx].finished(len(job.keys), success and not job.voided, seconds)
         if job is None:
