@@ -360,9 +360,11 @@ class _DirectionHandler(OffloadingHandler):
         return _Launched(start, end, failed, waited)
 
     def _launch_when_ready(self, copies: list[PageCopy], rows: np.ndarray | None, compute: Any) -> _Launched:
-        """On the launcher thread: wait for the load's rows, then launch what landed."""
+        """On the launcher thread: wait for the load's rows, then launch what landed (on the
+        KV cache's device: a new thread's current device is the first GPU)."""
         ready, failed, waited = self._ready_copies(copies, rows)
-        return self._launch_cuda(ready, compute, failed, waited)
+        with torch.cuda.device(self._gpu[0].device):
+            return self._launch_cuda(ready, compute, failed, waited)
 
     @torch.inference_mode()
     def _copy_on_stream(self, copies: list[PageCopy]) -> None:
