@@ -43,6 +43,35 @@ def test_store_evict_promote_is_byte_exact(config, engine_factory):
     assert engine.loaded_bytes(0, 1, 2, 3) == [block_bytes(k, ROW) for k in keys(0, 1, 2, 3)]
 
 
+class BatchRecordingStore(MemoryBlockStore):
+    """A memory store that records the blocks of each `get_many` and `put_many` call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gets: list[int] = []
+        self.puts: list[int] = []
+
+    async def get_many(self, items):
+        self.gets.append(len(items))
+        return await super().get_many(items)
+
+    async def put_many(self, items):
+        self.puts.append(len(items))
+        return await super().put_many(items)
+
+
+def test_a_promotion_reaches_the_store_in_up_to_four_concurrent_calls_and_a_store_in_one(engine_factory):
+    tier = {"type": "counting", "module_path": __name__, "class_name": "BatchRecordingStore", "batch_bytes": "1GiB"}
+    engine = engine_factory(tier, num_blocks=8)
+    engine.store(*range(8))  # one cascade job of 8 blocks: one call, batch_bytes allows it
+    engine.store(*range(8, 16))
+    assert engine.tier.store.puts == [8, 8]
+    engine.rows[:] = 0
+    assert engine.lookup_until_done(*range(8)) == [True] * 8
+    assert engine.tier.store.gets == [2, 2, 2, 2]  # a request waits on these: read at a queue depth of 4
+    assert engine.loaded_bytes(*range(8)) == [block_bytes(k, ROW) for k in keys(*range(8))]
+
+
 def test_slow_tier_answers_none_until_the_store_lands(engine_factory):
     engine = engine_factory({"type": "memory", "latency_s": 0.2})
     out = engine.manager.prepare_store(keys(0), CTX)

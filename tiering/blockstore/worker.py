@@ -58,6 +58,11 @@ from tiering.seal import Seal
 T = TypeVar("T")
 Items = Sequence[tuple[OffloadKey, int]]  # (key, primary row)
 INLINE_CHECK_BYTES = 1 << 20  # a batch this small is checked on the loop (~50 us): a thread hop costs more
+LOAD_SPREAD = 4
+"""A promotion's blocks reach the store in up to this many concurrent calls (each at most
+``batch_bytes``): a request waits on them, and a device reads faster at a queue depth above
+one (this VM's disk: 16 MiB of 512 KiB files with O_DIRECT in 13 ms from one thread, 9 ms
+from four). Stores go in batches of ``batch_bytes``: their throughput is what counts."""
 
 
 class BlockWorker:
@@ -148,7 +153,7 @@ class BlockWorker:
         self._start(done, partial(self._store_job, done, items, after_deletes))
 
     def start_load(self, done: LoadDone, items: Items) -> None:
-        self._start(done, lambda: partial(self._in_batches, self._load_batch, done, items))
+        self._start(done, lambda: partial(self._in_batches, self._load_batch, done, items, LOAD_SPREAD))
 
     def start_probe(self, done: ProbeDone) -> None:
         self._start(done, lambda: partial(self._probe, done))
@@ -214,9 +219,15 @@ class BlockWorker:
         await self._in_batches(self._store_batch, done, items)
 
     async def _in_batches(
-        self, run_batch: Callable[[Any, Items], Coroutine[Any, Any, None]], done: JobDone, items: Items
+        self,
+        run_batch: Callable[[Any, Items], Coroutine[Any, Any, None]],
+        done: JobDone,
+        items: Items,
+        spread: int = 1,
     ) -> None:
-        size = self._batch_blocks
+        """`run_batch` over `items` in batches of at most ``batch_blocks`` and at least
+        ``len(items) / spread`` blocks, concurrently."""
+        size = min(self._batch_blocks, -(-len(items) // spread))
         if len(items) <= size:
             await run_batch(done, items)
             return
