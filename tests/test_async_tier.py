@@ -18,6 +18,7 @@ from tiering import (
     TierContext,
 )
 from tiering.backends import MemoryBlockStore
+from tiering.blockstore import worker
 from tiering.object_format import object_size
 
 S = BlockStoreSettings
@@ -60,15 +61,21 @@ class BatchRecordingStore(MemoryBlockStore):
         return await super().put_many(items)
 
 
-def test_a_promotion_reaches_the_store_in_up_to_four_concurrent_calls_and_a_store_in_one(engine_factory):
+def test_a_promotion_reaches_the_store_in_up_to_four_concurrent_calls_and_a_store_in_one(
+    engine_factory, monkeypatch
+):
     tier = {"type": "counting", "module_path": __name__, "class_name": "BatchRecordingStore", "batch_bytes": "1GiB"}
     engine = engine_factory(tier, num_blocks=8)
     engine.store(*range(8))  # one cascade job of 8 blocks: one call, batch_bytes allows it
     engine.store(*range(8, 16))
     assert engine.tier.store.puts == [8, 8]
     engine.rows[:] = 0
+    assert engine.lookup_until_done(0, 1, 2, 3) == [True] * 4
+    assert engine.tier.store.gets == [4]  # 16 KiB: smaller than LOAD_SPREAD_MIN_BYTES, one call
+    monkeypatch.setattr(worker, "LOAD_SPREAD_MIN_BYTES", 2 * ROW)
+    assert engine.store(*range(16, 24)).evicted_keys  # 0..3 are in the tier only again
     assert engine.lookup_until_done(*range(8)) == [True] * 8
-    assert engine.tier.store.gets == [2, 2, 2, 2]  # a request waits on these: read at a queue depth of 4
+    assert engine.tier.store.gets[1:] == [2, 2, 2, 2]  # a request waits on these: read at a queue depth of 4
     assert engine.loaded_bytes(*range(8)) == [block_bytes(k, ROW) for k in keys(*range(8))]
 
 
