@@ -61,9 +61,7 @@ class BatchRecordingStore(MemoryBlockStore):
         return await super().put_many(items)
 
 
-def test_a_promotion_reaches_the_store_in_up_to_four_concurrent_calls_and_a_store_in_one(
-    engine_factory, monkeypatch
-):
+def test_a_promotion_reaches_the_store_in_up_to_four_concurrent_calls_and_a_store_in_one(engine_factory, monkeypatch):
     tier = {"type": "counting", "module_path": __name__, "class_name": "BatchRecordingStore", "batch_bytes": "1GiB"}
     engine = engine_factory(tier, num_blocks=8)
     engine.store(*range(8))  # one cascade job of 8 blocks: one call, batch_bytes allows it
