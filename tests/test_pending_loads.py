@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import key, keys
+from tests.helpers import ManualTier, key, keys
 from tiering import (
     CpuGpuOffloadingHandlers,
     CPULoadStoreSpec,
@@ -188,3 +188,22 @@ def test_a_reset_frees_the_rows_of_failed_promotions_a_void_load_pinned(engine_o
     engine.manager.reset_cache()
     assert primary.get_stats()["gauges"]["rows_quarantined"] == 0
     assert primary.num_free_blocks == NUM_ROWS and not primary.row_states.states.any()
+
+
+def test_a_tier_whose_row_states_hook_raises_is_logged_and_its_hits_wait_for_their_promotions(caplog):
+    class Broken(ManualTier):
+        def attach_row_states(self, row_states):
+            raise RuntimeError("no states for me")
+
+    tier = Broken()
+    tier.present[key(0)] = True
+    region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", NUM_ROWS, PAGE)
+    with caplog.at_level("ERROR"):
+        manager = TieringOffloadingManager(CPUPrimaryTierOffloadingManager(NUM_ROWS, region), [tier])
+    try:
+        manager.answer_pending_hits = True
+        assert "attach_row_states failed" in caplog.text
+        assert manager.lookup(key(0), ReqContext("req-0")) is None  # not a hit before it lands
+        assert not manager.pending_loadable(key(0))
+    finally:
+        manager.shutdown()

@@ -89,6 +89,8 @@ class HostCopier:
     """The CPU device's copier: one ``memmove`` per copy (ctypes releases the GIL for each)."""
 
     def __call__(self, batch: CopyBatch, stream: Any, src_order_any: bool) -> None:
+        """Copy the batch now, on the calling thread (`stream` and `src_order_any` unused).
+        The pointers must be valid host addresses: nothing is checked."""
         move = ctypes.memmove
         for src, dst, size in zip(batch.src.tolist(), batch.dst.tolist(), batch.sizes.tolist(), strict=True):
             move(dst, src, size)
@@ -101,6 +103,8 @@ class VllmCopier:
         self._swap = swap_blocks_batch
 
     def __call__(self, batch: CopyBatch, stream: Any, src_order_any: bool) -> None:
+        """Enqueue the batch on the current CUDA stream (the caller makes `stream` current);
+        raises what vLLM's op raises."""
         import torch
 
         self._swap(
@@ -121,6 +125,11 @@ class CudaBindingsCopier:
         }
 
     def __call__(self, batch: CopyBatch, stream: Any, src_order_any: bool) -> None:
+        """Enqueue the batch on `stream` (a `torch.cuda.Stream`).
+
+        Raises:
+            RuntimeError: the driver refused the call (its error code in the message).
+        """
         driver = self._driver
         attributes = driver.CUmemcpyAttributes()
         attributes.srcAccessOrder = self._orders[src_order_any]

@@ -178,7 +178,8 @@ class CPUOffloadingManager(OffloadingManager):
         if self._pending_pins or self._orphans:
             early = [key for key in keys if self._pinned_early(key, req_context.req_id)]
             if early:
-                keys = [key for key in keys if key not in early]
+                pinned_early = set(early)
+                keys = [key for key in keys if key not in pinned_early]
         blocks = self._blocks(keys, "complete_load", min_ref_cnt=1)
         for key in early:
             self._unpin_early(key, req_context.req_id)

@@ -191,7 +191,11 @@ class TieringOffloadingManager(OffloadingManager):
         }
         # Tiers that ring the doorbell are polled only after a ring; the others every step.
         self._doorbell = Doorbell()
-        ringing = {idx for idx, tier in self._hooks["attach_doorbell"] if _attached(tier, self._doorbell)}
+        ringing = {
+            idx
+            for idx, tier in self._hooks["attach_doorbell"]
+            if _attached(tier, "attach_doorbell", self._doorbell, "it is polled every step")
+        }
         releasing = {idx for idx, _ in self._hooks["take_released_jobs"]}
         polled = [(idx, tier, idx in releasing) for idx, tier in enumerate(self.secondary_tiers)]
         self._ringing_tiers = [entry for entry in polled if entry[0] in ringing]
@@ -200,7 +204,11 @@ class TieringOffloadingManager(OffloadingManager):
         states = primary_tier.row_states
         settling = [] if states is None else self._hooks["attach_row_states"]
         self._pending = _PendingLoads(
-            {idx for idx, tier in settling if _guarded(tier, "attach_row_states", False, states) is None}
+            {
+                idx
+                for idx, tier in settling
+                if _attached(tier, "attach_row_states", states, "its hits wait for their promotions to land")
+            }
         )
         self._waiting_tiers: set[int] = set()  # tiers with cascades waiting for room
 
@@ -698,12 +706,13 @@ def _overrides(tier: SecondaryTierManager, hook: str) -> bool:
     return getattr(type(tier), hook, None) is not getattr(SecondaryTierManager, hook)
 
 
-def _attached(tier: SecondaryTierManager, doorbell: Doorbell) -> bool:
-    """Whether `tier` took `doorbell` (a tier whose hook raises is polled every step)."""
+def _attached(tier: SecondaryTierManager, hook: str, value: Any, otherwise: str) -> bool:
+    """Whether `tier` took `value` through its `hook` (``attach_doorbell``,
+    ``attach_row_states``); a hook that raises is logged with what follows (`otherwise`)."""
     try:
-        tier.attach_doorbell(doorbell)
+        getattr(tier, hook)(value)
     except Exception:
-        logger.exception("tier %s: attach_doorbell failed; it is polled every step", tier.tier_type)
+        logger.exception("tier %s: %s failed; %s", tier.tier_type, hook, otherwise)
         return False
     return True
 

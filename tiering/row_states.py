@@ -54,6 +54,7 @@ class RowStates:
         self.states = states
 
     def __len__(self) -> int:
+        """Rows, one state byte each."""
         return len(self.states)
 
     def mark(self, rows: Sequence[int] | np.ndarray, state: int) -> None:

@@ -70,6 +70,8 @@ class TieringWorkerMetadata(OffloadingWorkerMetadata):
     load_waits: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: Any) -> TieringWorkerMetadata:
+        """vLLM's merge of two workers' metadata (scheduler process), keeping each request's
+        longest wait. Raises what vLLM's merge raises (metadata of another connector)."""
         merged = super().aggregate(other)
         waits = dict(self.load_waits)
         for req_id, seconds in getattr(other, "load_waits", {}).items():
