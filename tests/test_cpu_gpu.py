@@ -327,11 +327,16 @@ class FakeDriver:
     class CUmemcpyAttributes:
         srcAccessOrder = None
 
+    class CUdeviceptr(int):
+        """The binding refuses plain ints for the addresses (seen on an H200, cuda-bindings 13.3)."""
+
     def __init__(self, returns_fail_index, error=0):
         self.returns_fail_index, self.error = returns_fail_index, error
         self.calls = []
 
     def cuMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream):
+        if not all(isinstance(p, self.CUdeviceptr) for p in (*dsts, *srcs)):
+            raise TypeError("Argument 'srcs' is not instance of type (expected list[cydriver.CUdeviceptr,]")
         self.calls.append((count, [a.srcAccessOrder for a in attrs], attrs_idxs, num_attrs, stream))
         for dst, src, size in zip(dsts, srcs, sizes, strict=True):
             ctypes.memmove(dst, src, size)

@@ -113,9 +113,10 @@ class VllmCopier:
 
 
 class CudaBindingsCopier:
-    """``cuMemcpyBatchAsync`` through ``cuda-bindings``, one call per batch. The 12.x Python
-    binding returns ``(error, fail index)``, the 13.x one ``(error,)``: both are read, and a
-    failed call raises."""
+    """``cuMemcpyBatchAsync`` through ``cuda-bindings``, one call per batch. The binding takes
+    the addresses as ``CUdeviceptr`` objects, not ints (about 50 us per 1,024 copies to make).
+    The 12.x Python binding returns ``(error, fail index)``, the 13.x one ``(error,)``: both
+    are read, and a failed call raises."""
 
     def __init__(self, driver: Any):
         self._driver = driver
@@ -134,9 +135,10 @@ class CudaBindingsCopier:
         attributes = driver.CUmemcpyAttributes()
         attributes.srcAccessOrder = self._orders[src_order_any]
         count = len(batch.sizes)
+        pointer = driver.CUdeviceptr
         result = driver.cuMemcpyBatchAsync(
-            batch.dst.tolist(),
-            batch.src.tolist(),
+            list(map(pointer, batch.dst.tolist())),
+            list(map(pointer, batch.src.tolist())),
             batch.sizes.tolist(),
             count,
             [attributes],
