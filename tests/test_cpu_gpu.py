@@ -423,3 +423,11 @@ def test_the_kernel_copier_takes_small_aligned_batches_and_hands_the_rest_on():
     assert copy_kernel.KernelCopier(None).takes(large)
     with pytest.raises(RuntimeError, match="8-byte aligned"):
         copy_kernel.KernelCopier(None)(odd, None, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not has_triton(), reason="needs a CUDA device and Triton")
+def test_under_cuda_the_default_copier_is_the_kernel_compiled_ahead_with_the_engines_behind_it():
+    copier = batch_copy.cuda_copier()
+    assert isinstance(copier, copy_kernel.KernelCopier) and copy_kernel._kernel.cache_info().currsize == 1
+    large = batch_copy.CopyBatch(*(np.array([v], dtype=np.int64) for v in (4096, 8192, 1 << 20)))
+    assert copier.takes(large) is (batch_copy.copy_engine_copier() is None)

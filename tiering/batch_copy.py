@@ -177,7 +177,8 @@ def cuda_copier() -> BatchCopier | None:
     launch where Triton is installed (`tiering.copy_kernel`), the others (or all, without
     Triton) through the copy engines: vLLM's ``swap_blocks_batch``, else cuda-bindings'
     ``cuMemcpyBatchAsync`` (a driver of CUDA 12.8 or later); None: no batch call at all
-    (copy run by run)."""
+    (copy run by run). The kernel is compiled and run once here, on the current device; where
+    that fails (a warning says why) the copy engines take every batch."""
     engines = copy_engine_copier()
     try:
         import triton  # noqa: F401
@@ -185,7 +186,13 @@ def cuda_copier() -> BatchCopier | None:
         return engines
     from tiering.copy_kernel import KernelCopier
 
-    return KernelCopier(engines)
+    kernel = KernelCopier(engines)
+    try:
+        kernel.warm_up()
+    except Exception as exc:  # Triton's errors have no common base: any failure means "don't use it"
+        logger.warning("the copy kernel cannot run here (%r): GPU copies go to the copy engines", exc)
+        return engines
+    return kernel
 
 
 def copy_engine_copier() -> BatchCopier | None:

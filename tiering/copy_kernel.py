@@ -79,9 +79,32 @@ class KernelCopier:
                 raise RuntimeError("a kernel copy needs 8-byte aligned addresses and sizes")
             self._fallback(batch, stream, src_order_any)
             return
+        _launch(batch)
+
+    def warm_up(self) -> None:
+        """Compile the kernel now and run it once (8 bytes within a scratch tensor on the
+        current device), so that the first transfer does not wait for Triton's compiler.
+
+        Raises:
+            Exception: whatever Triton raises where it cannot build or run the kernel (no C
+                compiler, an unsupported GPU): the caller falls back to the copy engines.
+        """
         import torch
 
-        table = torch.from_numpy(np.stack([batch.src, batch.dst, batch.sizes])).pin_memory()
-        table = table.to(torch.cuda.current_stream().device, non_blocking=True)
-        chunks = -(-int(batch.sizes.max()) // CHUNK_BYTES)
-        _kernel()[(len(batch.sizes), chunks)](table[0], table[1], table[2], CHUNK_BYTES, _WORDS_PER_STEP)
+        scratch = torch.zeros(2, dtype=torch.int64, device=torch.cuda.current_device())
+        at = scratch.data_ptr()
+        _launch(CopyBatch(*(np.array([v], dtype=np.int64) for v in (at, at + 8, 8))))
+        torch.cuda.synchronize()
+
+
+def _launch(batch: CopyBatch) -> None:
+    """Enqueue the kernel for `batch` (8-byte aligned) on the current CUDA stream."""
+    import torch
+
+    count = len(batch.sizes)
+    width = count + count % 2  # rows of 16-byte aligned starts: one specialization of the kernel
+    table = np.zeros((3, width), dtype=np.int64)
+    table[0, :count], table[1, :count], table[2, :count] = batch.src, batch.dst, batch.sizes
+    on_gpu = torch.from_numpy(table).pin_memory().to(torch.cuda.current_stream().device, non_blocking=True)
+    chunks = -(-int(batch.sizes.max()) // CHUNK_BYTES)
+    _kernel()[(count, chunks)](on_gpu[0], on_gpu[1], on_gpu[2], CHUNK_BYTES, _WORDS_PER_STEP)
