@@ -50,6 +50,7 @@ def prompt(seed: int, length: int = 200) -> list[int]:
 
 PROMPT = prompt(0)
 OTHERS = [prompt(seed) for seed in range(1, 4)]
+LONGER = PROMPT[:192] + prompt(4, 100)  # PROMPT's 6 full blocks, then 3 more and a bit
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +58,7 @@ def baseline(model):
     """Outputs of a fresh engine without offloading, for every prompt the tests use."""
     llm = tiny.make_llm(model)
     try:
-        return {tuple(p): tiny.generate(llm, [p])[0] for p in [PROMPT, *OTHERS]}
+        return {tuple(p): tiny.generate(llm, [p])[0] for p in [PROMPT, *OTHERS, LONGER]}
     finally:
         del llm
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import engine_regions, regions_left_behind
 from tests_vllm import tiny
-from tests_vllm.conftest import OTHERS, PROMPT
+from tests_vllm.conftest import LONGER, OTHERS, PROMPT
 from tiering.integrations.vllm import live_specs
 
 pytestmark = pytest.mark.timeout(600)
@@ -102,24 +102,78 @@ def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(m
         close(llm)
 
 
-def test_behind_the_engines_connector_a_hit_is_loaded_in_one_step_and_right(model, baseline, tmp_path):
+def generate_counting_steps(llm, prompt):
+    """`tiny.generate` of `prompt`, and the number of steps vLLM's engine took (calls of its
+    scheduler's ``schedule``: one per step, each running a forward)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule, calls = scheduler.schedule, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return schedule(*args, **kwargs)
+
+    scheduler.schedule = counted
+    try:
+        return tiny.generate(llm, [prompt])[0], len(calls)
+    finally:
+        del scheduler.schedule
+
+
+def test_behind_the_engines_connector_a_hit_computes_in_the_step_that_loads_it_and_right(model, baseline, tmp_path):
     log = tmp_path / "requests.jsonl"
     config = {"cpu_bytes_to_use": CPU_BYTES, "request_log": str(log)}
     llm = tiny.make_llm(model, config, connector="KVTieringConnector", disable_log_stats=False)
     try:
         assert tiny.generate(llm, [PROMPT])[0] == (*baseline[tuple(PROMPT)][:2], 0)
         tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
+        # a hit in vLLM's own cache: the steps a request takes when nothing is loaded
+        (*_, cached), steps_cached = generate_counting_steps(llm, PROMPT)
+        assert cached == FULL_BLOCKS
         assert llm.reset_prefix_cache()
-        tokens, logprobs, cached = tiny.generate(llm, [PROMPT])[0]
+        (tokens, logprobs, cached), steps_loaded = generate_counting_steps(llm, PROMPT)
         assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
+        assert steps_loaded == steps_cached  # no step spent on the load (vLLM's connector spends one or more)
         assert counters(llm)["vllm:kv_offload_load_bytes"] == FULL_BLOCKS // tiny.BLOCK * BLOCK_BYTES
-        tiny.settle(llm, lambda: log.read_text().count("\n") == 2)  # vLLM reports a finished request a step later
+        tiny.settle(llm, lambda: '"blocks_loaded": 6' in log.read_text())  # reported a step after it finished
     finally:
         close(llm)
     (loaded,) = [entry for entry in map(json.loads, log.read_text().splitlines()) if entry["blocks_loaded"]]
-    # the load ran beside the forward of the step that scheduled it and was reported at its
-    # end (vLLM's own connector reports it a step later): the request computed in the next step
-    assert loaded["blocks_loaded"] == FULL_BLOCKS // tiny.BLOCK and loaded["steps_loading"] == 1
+    # planned at the first lookup; the worker reported it with the step's output
+    assert loaded["blocks_loaded"] == FULL_BLOCKS // tiny.BLOCK and loaded["steps_to_load"] == 0
+    assert loaded["steps_loading"] == 1
+
+
+def test_behind_the_engines_connector_a_request_stores_what_it_computes_in_the_step_it_loads(model, baseline):
+    """The loaded prefix and the blocks computed after it in the same step: vLLM's scheduler
+    plans a store of a request with a load pending, which it refuses of asynchronous loads."""
+    llm = tiny.make_llm(model, {"cpu_bytes_to_use": 2 * CPU_BYTES}, connector="KVTieringConnector")
+    try:
+        tiny.generate(llm, [PROMPT])
+        tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
+        assert llm.reset_prefix_cache()
+        tokens, logprobs, cached = tiny.generate(llm, [LONGER])[0]
+        assert (tokens, logprobs) == baseline[tuple(LONGER)][:2] and cached == FULL_BLOCKS
+        tiny.settle(llm, lambda: manager_stats()["primary"]["counters"]["blocks_stored"] == 9)  # 6, then 3 more
+        assert llm.reset_prefix_cache()
+        tokens, logprobs, cached = tiny.generate(llm, [LONGER])[0]
+        assert (tokens, logprobs) == baseline[tuple(LONGER)][:2] and cached == 9 * tiny.BLOCK
+    finally:
+        close(llm)
+
+
+def test_behind_vllms_connector_a_hit_costs_steps(model, baseline):
+    """The control for the test above: the same count tells the two connectors apart."""
+    llm = tiny.make_llm(model, {"cpu_bytes_to_use": CPU_BYTES})
+    try:
+        tiny.generate(llm, [PROMPT])
+        tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
+        _, steps_cached = generate_counting_steps(llm, PROMPT)
+        assert llm.reset_prefix_cache()
+        (tokens, logprobs, cached), steps_loaded = generate_counting_steps(llm, PROMPT)
+        assert (tokens, logprobs, cached) == (*baseline[tuple(PROMPT)][:2], FULL_BLOCKS)
+        assert steps_loaded > steps_cached
+    finally:
+        close(llm)
 
 
 def test_behind_the_engines_connector_a_file_tier_hit_is_loaded_in_the_step_it_is_found(model, baseline, tmp_path):

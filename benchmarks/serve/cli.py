@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--connector",
         choices=CONNECTORS,
         default="KVTieringConnector",
-        help="the connector the engine runs behind (c-g): its own, which loads a step sooner, or vLLM's",
+        help="the connector the engine runs behind (c-g): its own, whose loads feed the step that schedules them, "
+        "or vLLM's",
     )
     parser.add_argument("--work-dir", type=Path, help="the model, tiers and server logs (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")

@@ -29,7 +29,7 @@ CONNECTORS = {
     "KVTieringConnector": VLLM_CONNECTOR,
     "OffloadingConnector": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
 }
-"""The connectors the engine runs behind: its own (loads a step sooner) and vLLM's."""
+"""The connectors the engine runs behind: its own (loads feed the step that schedules them) and vLLM's."""
 
 
 def free_port() -> int:

@@ -1,7 +1,7 @@
 """vLLM adapter: this engine behind vLLM's `OffloadingConnector` (the ``vllm`` extra).
 
 A vLLM user switches to it with the engine's connector (`tiering.integrations.vllm_connector`,
-which builds this spec and loads a step sooner), or by naming the spec in the extra config
+which builds this spec and loads into the step that schedules a hit), or by naming the spec in the extra config
 of vLLM's own connector::
 
     kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",

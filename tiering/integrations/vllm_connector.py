@@ -1,4 +1,5 @@
-"""`KVTieringConnector`: vLLM's `OffloadingConnector` with loads ready one step sooner.
+"""`KVTieringConnector`: vLLM's `OffloadingConnector` whose loads feed the step that
+schedules them.
 
 Under vLLM's own connector a hit costs two engine steps before the request computes. In
 step N the scheduler submits the load and parks the request (``WAITING_FOR_REMOTE_KVS``);
@@ -8,17 +9,24 @@ whose prefix is in vLLM's own cache computes in step N. Each step waited is a fo
 the rest of the batch: milliseconds on an idle server, a prefill chunk (100+ ms on CPU)
 on a busy one.
 
-This connector removes one of the two steps and keeps vLLM's protocol:
+Here a hit costs no step: the request computes in step N, like a hit in vLLM's own cache.
 
-- a step that carries loads is marked ``has_sync_kv_loads``, so the worker starts them
-  before the forward, where they overlap it (vLLM's HiSparse connector does the same);
-- after the forward, the worker waits for that step's loads (already done, unless the
-  copy took longer than the forward), so the scheduler hears of them at the end of step N
-  and computes the request in step N+1.
+- The lookup answers that its tokens load synchronously (``load_kv_async`` False), so
+  vLLM schedules the request's remaining tokens in step N and marks the step
+  ``has_sync_kv_loads``: the worker starts its loads before the forward and waits for
+  them there (`start_load_kv`), and the forward reads the loaded blocks.
+- vLLM hashes the GPU blocks of a synchronous load as it allocates them, while its
+  offloading scheduler finds where a load starts by the first block without a hash (true
+  of asynchronous loads only); `update_state_after_alloc` shows it the blocks past the
+  locally computed ones as fresh, and the plan is the same as for an asynchronous load.
+- vLLM expects "done receiving" of asynchronous loads only: `get_finished` reports none
+  (the finished jobs still reach the scheduler in the worker metadata).
+- A request that loads also computes in that step, and may store the blocks it computes
+  in the same step, which vLLM's offloading scheduler refuses while a load of the request
+  is pending (`build_connector_meta`).
 
-The last step is vLLM's: its offloading scheduler plans a load on blocks it has not
-cached yet, which holds only for asynchronous loads; a load that feeds the very step
-that scheduled it needs a scheduler-side connector of our own (README, "Use with vLLM").
+The cost is the batch's: step N's forward waits for the copy (and for any promotion read
+it needs), where an asynchronous load ran beside it.
 
 A block found only in a secondary tier costs no extra step either. Under vLLM's connector
 its lookup answers "pending" until the promotion has landed in the CPU tier and the
@@ -26,10 +34,11 @@ scheduler noticed, steps later; here it answers "hit" in the step the promotion 
 (`TieringOffloadingManager.answer_pending_hits`), and that step's load waits for the rows
 in the worker (`tiering.row_states`). If the promotion fails, or takes longer than
 `tiering.cpu_gpu.PROMOTION_WAIT_S`, the load leaves those GPU blocks unwritten and the
-connector reports them as load errors (`get_block_ids_with_load_errors`): vLLM recomputes
-them, so a failed promotion costs the prefill it would have saved, never wrong output. That
-needs vLLM's ``kv_load_failure_policy`` at ``"recompute"``: the connector sets it (and says
-so in the log) where it is vLLM's default ``"fail"``, which would fail the request instead.
+connector reports them as load errors (`get_block_ids_with_load_errors`): vLLM drops the
+step's output for that request and recomputes the blocks, so a failed promotion costs the
+prefill it would have saved, never wrong output. That needs vLLM's
+``kv_load_failure_policy`` at ``"recompute"``: the connector sets it (and says so in the
+log) where it is vLLM's default ``"fail"``, which would fail the request instead.
 
 It also tells the engine each request's ``cache_salt``, which is the request's tenant
 (`tiering.tenants`); under vLLM's own connector every request is the default tenant.
@@ -41,14 +50,14 @@ engine's spec as the default::
         "kv_connector_module_path": "tiering.integrations.vllm_connector",
         "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30}}
 
-Thread: vLLM's scheduler thread builds the metadata; each worker's thread runs the rest.
+Thread: vLLM's scheduler thread runs the lookups and plans; each worker's thread runs the rest.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -56,6 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
 from tiering.integrations import VLLM_SPEC
 
@@ -79,9 +89,18 @@ class TieringWorkerMetadata(OffloadingWorkerMetadata):
         return TieringWorkerMetadata(merged.completed_jobs, merged.transfer_stats, waits)
 
 
+class _FreshBlock(NamedTuple):
+    """A GPU block as vLLM's offloading scheduler reads it to find where a load starts: one
+    the request has not computed (no hash yet). See `KVTieringConnector.update_state_after_alloc`."""
+
+    block_id: int
+    is_null: bool = False
+    block_hash: None = None
+
+
 class KVTieringConnector(OffloadingConnector):
-    """`OffloadingConnector` whose loads start before the forward of the step that carries
-    them and are reported at its end (see the module docstring). Constructed by vLLM, once
+    """`OffloadingConnector` whose loads finish before the forward of the step that
+    schedules them, which computes the request (see the module docstring). Constructed by vLLM, once
     per role and process; raises what `OffloadingConnector` and the spec raise."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
@@ -101,6 +120,50 @@ class KVTieringConnector(OffloadingConnector):
         if self.connector_scheduler is not None:
             self.connector_scheduler.manager.manager.answer_pending_hits = True
         self._load_waits: dict[str, float] = {}  # request id -> seconds, until the step's metadata carries them
+        self._locally_computed: dict[str, int] = {}  # scheduler: request id -> tokens vLLM's cache had at its lookup
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's lookup of a request's prefix (scheduler thread): (tokens to load beyond
+        `num_computed_tokens`, None to ask again next step; at most all but the request's
+        last token), and False: the load feeds the forward of the step that schedules it
+        (see the module docstring)."""
+        tokens, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if tokens:
+            # the step must compute at least the last token (vLLM asserts it; an asynchronous
+            # load gets the same cut when it lands): the last block still loads whole
+            tokens = max(min(tokens, request.num_tokens - 1 - num_computed_tokens), 0)
+            self._locally_computed[request.request_id] = num_computed_tokens
+        return tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM's planning of a request's load once its GPU blocks are allocated (scheduler
+        thread). vLLM's offloading scheduler loads into the blocks that have no hash yet, as
+        after an asynchronous allocation; vLLM hashes the blocks of a synchronous load at
+        allocation, so the blocks past the ones computed locally are shown to it as fresh."""
+        local = self._locally_computed.pop(request.request_id, None)
+        if num_external_tokens and local is not None:
+            assert self.connector_scheduler is not None
+            groups = list(blocks.blocks)
+            for group in self.connector_scheduler.config.kv_group_configs:
+                per_block = group.tokens_per_block
+                first, end = -(-local // per_block), -(-(local + num_external_tokens) // per_block)
+                group_blocks = list(groups[group.group_idx])
+                for i in range(first, end):
+                    if not group_blocks[i].is_null:
+                        group_blocks[i] = _FreshBlock(group_blocks[i].block_id)
+                groups[group.group_idx] = group_blocks
+            blocks = KVCacheBlocks(tuple(groups))
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Start this step's transfers and wait for its loads (worker thread, before the
+        forward they feed; blocks it for as long as the copies, and any promotion reads they
+        wait for, take). Raises what vLLM's worker raises."""
+        super().start_load_kv(forward_context, **kwargs)
+        assert self.connector_worker is not None and self.connector_worker.worker is not None
+        assert isinstance(self._connector_metadata, OffloadingConnectorMetadata)
+        if self._connector_metadata.load_jobs:
+            self.connector_worker.worker.wait(set(self._connector_metadata.load_jobs))
 
     def on_new_request(self, request: Any) -> None:
         """vLLM's handling of a new request (scheduler side), its ``cache_salt`` passed to
@@ -113,26 +176,41 @@ class KVTieringConnector(OffloadingConnector):
         super().on_new_request(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> OffloadingConnectorMetadata:
-        """vLLM's metadata; a step with loads starts them before its forward."""
-        metadata = super().build_connector_meta(scheduler_output)
-        if metadata.load_jobs:
-            scheduler_output.has_sync_kv_loads = True
-        return metadata
+        """vLLM's plan of the step's transfers (scheduler thread). A request that loads in
+        this step also computes in it, and may store its new blocks in it; vLLM's offloading
+        scheduler asserts that a request stores only with no load pending, true of
+        asynchronous loads alone. While it plans the step's stores, the step's loads pass
+        for stores: they finish before the forward whose blocks the stores read (and vLLM's
+        worker submits the stores after it)."""
+        assert self.connector_scheduler is not None
+        scheduler = self.connector_scheduler
+        loads = [scheduler._jobs[job_id] for job_id in scheduler._current_batch_load_jobs]
+        for job in loads:
+            job.is_store = True
+        try:
+            return super().build_connector_meta(scheduler_output)
+        finally:
+            for job in loads:
+                job.is_store = False
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's end of a request (scheduler thread): what `OffloadingConnector` answers,
+        after forgetting a lookup the request was never allocated for (aborted waiting)."""
+        self._locally_computed.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """vLLM's report of finished transfers: (request ids done sending, done receiving),
-        after waiting for this step's loads (blocks the worker thread for as long as a copy
-        outlasts the forward). Raises what vLLM's worker raises (a failed transfer)."""
+        """vLLM's report of finished transfers (worker thread): (request ids done sending,
+        done receiving). Done receiving is always empty: vLLM expects it of asynchronous
+        loads only, and every load here finished before its step's forward (the jobs still
+        reach the scheduler, in the worker metadata). Raises what vLLM's worker raises."""
         assert self.connector_worker is not None and self.connector_worker.worker is not None
-        assert isinstance(self._connector_metadata, OffloadingConnectorMetadata)
-        if self._connector_metadata.load_jobs:
-            self.connector_worker.worker.wait(set(self._connector_metadata.load_jobs))
         requests = dict(self.connector_worker._load_jobs)  # job -> request, forgotten by vLLM's get_finished
-        finished = super().get_finished(finished_req_ids)
+        sending, _ = super().get_finished(finished_req_ids)
         for job_id, seconds in self.connector_worker.worker.take_load_waits().items():
             if job_id in requests:
                 self._load_waits[requests[job_id]] = seconds
-        return finished
+        return sending, set()
 
     def build_connector_worker_meta(self) -> Any:
         """vLLM's worker metadata, with the seconds this step's loads waited for promoted
