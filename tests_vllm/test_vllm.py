@@ -466,3 +466,22 @@ def test_a_requests_cache_salt_is_its_tenant_and_tenants_never_share_blocks(mode
     for tenant in ("acme", "globex"):
         assert tenants[tenant]["counters"]["blocks_stored"] == tenants[tenant]["gauges"]["blocks"] == blocks
     assert tenants["acme"]["counters"]["hits"] >= blocks
+
+
+def test_a_vllm_whose_offloading_scheduler_lacks_what_synchronous_loads_read_is_refused_by_name(model, monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    built = OffloadingConnectorScheduler.__init__
+
+    def without_jobs(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        del self._current_batch_load_jobs
+
+    monkeypatch.setattr(OffloadingConnectorScheduler, "__init__", without_jobs)
+    with pytest.raises(Exception, match="lacks \\(_current_batch_load_jobs\\); use OffloadingConnector"):
+        tiny.make_llm(model, {"cpu_bytes_to_use": CPU_BYTES}, connector="KVTieringConnector")
+    ensure_kv_transfer_shutdown()  # the worker's connector, built before the scheduler's refused
+    for spec in live_specs():
+        spec.shutdown()
+    gc.collect()

@@ -89,6 +89,10 @@ class TieringWorkerMetadata(OffloadingWorkerMetadata):
         return TieringWorkerMetadata(merged.completed_jobs, merged.transfer_stats, waits)
 
 
+_SCHEDULER_STATE = ("_jobs", "_current_batch_load_jobs")
+"""What the connector reads of vLLM's `OffloadingConnectorScheduler` beyond its API (vLLM 0.32)."""
+
+
 class _FreshBlock(NamedTuple):
     """A GPU block as vLLM's offloading scheduler reads it to find where a load starts: one
     the request has not computed (no hash yet). See `KVTieringConnector.update_state_after_alloc`."""
@@ -118,6 +122,14 @@ class KVTieringConnector(OffloadingConnector):
         with set_current_vllm_config(vllm_config):  # the spec reads the step's token budget on both sides
             super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_scheduler is not None:
+            missing = [name for name in _SCHEDULER_STATE if not hasattr(self.connector_scheduler, name)]
+            if missing or not hasattr(self.connector_scheduler.config, "kv_group_configs"):
+                raise RuntimeError(
+                    f"KVTieringConnector plans synchronous loads with vLLM's offloading scheduler state "
+                    f"({', '.join(_SCHEDULER_STATE)}, config.kv_group_configs), which this vLLM lacks "
+                    f"({', '.join(missing) or 'kv_group_configs'}); use OffloadingConnector with "
+                    f"spec_name {VLLM_SPEC['spec_name']!r} instead"
+                )
             self.connector_scheduler.manager.manager.answer_pending_hits = True
         self._load_waits: dict[str, float] = {}  # request id -> seconds, until the step's metadata carries them
         self._locally_computed: dict[str, int] = {}  # scheduler: request id -> tokens vLLM's cache had at its lookup
