@@ -406,6 +406,23 @@ def test_an_absent_key_is_remembered_for_the_negative_ttl():
         tier.shutdown()
 
 
+def test_a_hundred_thousand_distinct_misses_keep_the_newest_answers_and_no_more_than_the_bound():
+    (tier,) = shared_tiers(count=1, negative_ttl_s=3600)
+    try:
+        misses = [key(i) for i in range(100_000)]
+        assert all(tier.lookup(k, CTX) is None for k in misses)
+        finish(tier)
+        assert tier.get_stats()["gauges"]["probe_answers"] == 65_536  # was every key: 100,000
+        probed = tier.store.exists_calls  # keys checked
+        assert tier.lookup(misses[-1], CTX) is False  # the newest absences are remembered
+        assert tier.lookup(misses[0], CTX) is None  # the oldest was forgotten: probed again
+        finish(tier)
+        assert tier.store.exists_calls == probed + 1
+        assert tier.get_stats()["gauges"]["probe_answers"] == 65_536
+    finally:
+        tier.shutdown()
+
+
 def test_repeated_failures_pause_the_tier_until_a_probe_succeeds(caplog):
     view = RegionStandIn(8, ROW).create_kv_memoryview()
     tier = BlockStoreTier(

@@ -116,6 +116,7 @@ HELP = {
     "capacity_bytes": "The configured capacity in bytes.",
     "room_bytes": "While the device is full: the bytes it was found to hold.",
     "jobs_in_flight": "Jobs submitted and not reported yet.",
+    "probe_answers": "Existence probes in flight and absences remembered (at most 65,536; the oldest go first).",
     "healthy": "1 while I/O flows, 0 while the tier's circuit breaker is open.",
     "rows_reading": "CPU-tier rows pinned by readers now (GPU loads and cascades in flight).",
     "rows_writing": "CPU-tier rows reserved for writes in flight now (GPU stores and promotions).",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any
@@ -47,7 +47,7 @@ from tiering.stats import Every, JobTimer, TierStats, worth_logging
 logger = logging.getLogger(__name__)
 
 _COUNTERS = ("blocks_stored", "bytes_stored", "blocks_loaded", "bytes_loaded", "jobs_succeeded", "jobs_failed")
-_MAX_PROBES = 65536  # remembered probe answers before expired ones are swept
+_MAX_PROBES = 65536  # probe answers remembered (and probes in flight); past it the oldest is forgotten
 FORGED_LOG_INTERVAL_S = 60.0  # a block whose seal does not open is logged at most this often per tier
 
 
@@ -109,7 +109,8 @@ class BlockStoreTier(SecondaryTierManager):
         self._counters: Counter[str] = Counter()
         self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
         self._stores, self._loads = JobTimer(), JobTimer()
-        self._probes: dict[OffloadKey, float | None] = {}  # None: in flight; else absent until
+        # None: in flight; else absent until then. Oldest first: every absence lasts negative_ttl_s
+        self._probes: OrderedDict[OffloadKey, float | None] = OrderedDict()
         self._object_bytes: dict[int, int] = {}  # by key length
         self._released: list[int] = []
         self._evicted: dict[OffloadKey, None] = {}  # objects to delete at the end of the step
@@ -263,7 +264,7 @@ class BlockStoreTier(SecondaryTierManager):
     def get_stats(self) -> TierStats:
         """Counters (lookups by answer, blocks and bytes stored and loaded, seconds busy
         storing and loading, evictions, jobs succeeded and failed, failures by reason), gauges
-        (blocks and bytes held, capacity, jobs in flight, health) and histograms of store and
+        (blocks and bytes held, capacity, jobs in flight, probes remembered, health) and histograms of store and
         load job durations (``store_seconds``, ``load_seconds``: submission to the end of the
         I/O).
         Cheap; scheduler thread."""
@@ -285,6 +286,7 @@ class BlockStoreTier(SecondaryTierManager):
             "capacity_bytes": self.capacity_bytes,
             "room_bytes": self.room_bytes,
             "jobs_in_flight": len(self._stores) + len(self._loads),
+            "probe_answers": len(self._probes),
             "healthy": self.health.healthy,
             "state": self.health.state.value,
         }
@@ -437,7 +439,7 @@ class BlockStoreTier(SecondaryTierManager):
             if key in done.drop:
                 self._index.remove(key)
                 if key in done.forged and self.settings.probe_misses:
-                    self._probes[key] = time.monotonic() + self.settings.negative_ttl_s
+                    self._remember_probe(key, time.monotonic() + self.settings.negative_ttl_s)
             elif key in done.ok:
                 self._index.touch([key])
                 self._counters["blocks_loaded"] += 1
@@ -449,12 +451,19 @@ class BlockStoreTier(SecondaryTierManager):
             return None
         if state > time.monotonic():
             return False
-        if len(self._probes) >= _MAX_PROBES:
-            now = time.monotonic()
-            self._probes = {k: v for k, v in self._probes.items() if v is None or v > now}
-        self._probes[key] = None
+        self._remember_probe(key, None)
         self._probing.append(key)
         return None
+
+    def _remember_probe(self, key: OffloadKey, state: float | None) -> None:
+        """Note `key`'s probe (None: in flight) or its absence until `state`, as the newest;
+        past `_MAX_PROBES` the oldest is forgotten, in O(1) (an absence expired by then, or
+        the earliest to expire: its key is probed again at its next miss; an answer for a
+        forgotten probe is dropped)."""
+        self._probes[key] = state
+        self._probes.move_to_end(key)
+        if len(self._probes) > _MAX_PROBES:
+            self._probes.popitem(last=False)
 
     def _flush_probes(self) -> None:
         """Send the step's existence checks, `batch_bytes` worth of blocks per call."""
@@ -469,7 +478,7 @@ class BlockStoreTier(SecondaryTierManager):
             if self._probes.get(key, 0.0) is not None:
                 continue  # stored meanwhile, or the answer is moot
             if key not in done.found:
-                self._probes[key] = absent_until
+                self._remember_probe(key, absent_until)
                 continue
             del self._probes[key]
             if key not in self._index:
