@@ -20,6 +20,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,10 @@ from tiering.seal import Seal
 logger = logging.getLogger(__name__)
 
 _TMP_SUFFIX = ".tmp"
+TEMPORARY_GRACE_S = 300.0
+"""A temporary file younger than this may be a write in flight of another engine sharing the
+namespace (a write is abandoned after ``op_timeout_s``, 30 s by default): recovery leaves it,
+and removes it at a later start once it is older."""
 _SHARDS = [f"{i:02x}" for i in range(256)]
 _QUARANTINE = "quarantine"
 ALIGN = 4096  # O_DIRECT alignment of buffers, lengths and offsets
@@ -442,11 +447,12 @@ def _quarantine(ns: Namespace, dir_fd: int, name: str) -> None:
 
 
 def scan(ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None) -> list[tuple[OffloadKey, int]]:
-    """Objects in the namespace, oldest first; removes temporaries and regular files that
-    are not whole objects of ours, and leaves alone (unlisted) those whose seal `seal` does
-    not open. Never follows a link."""
+    """Objects in the namespace, oldest first; removes temporaries older than
+    `TEMPORARY_GRACE_S` and regular files that are not whole objects of ours, and leaves
+    alone (unlisted) those whose seal `seal` does not open. Never follows a link."""
     found: list[tuple[float, OffloadKey, int]] = []
     removed = foreign = 0
+    now = time.time()
     progress = RecoveryProgress(f"file tier {directory}")
     for dir_fd in ns.shards:
         with os.scandir(dir_fd) as entries:
@@ -456,13 +462,16 @@ def scan(ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None) 
                     continue  # a link, directory or FIFO: never loaded; a load or put sets it aside
                 try:
                     temporary = entry.name.endswith(_TMP_SUFFIX)
+                    if temporary and _written_since(entry, now - TEMPORARY_GRACE_S):
+                        continue  # perhaps another engine's write in flight (or renamed by now)
                     recovered = None if temporary else _check_header(dir_fd, entry.name, fingerprint, seal)
                 except ForgedObjectError:
                     foreign += 1
                     continue
                 if recovered is None:
-                    os.unlink(entry.name, dir_fd=dir_fd)
-                    removed += 1
+                    with contextlib.suppress(FileNotFoundError):  # another engine's, removed meanwhile
+                        os.unlink(entry.name, dir_fd=dir_fd)
+                        removed += 1
                 else:
                     found.append(recovered)
     if removed:
@@ -471,6 +480,15 @@ def scan(ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None) 
         logger.warning("file tier %s: left %d objects whose seal does not open (kept, not loaded)", directory, foreign)
     found.sort(key=lambda item: item[0])
     return [(key, size) for _, key, size in found]
+
+
+def _written_since(entry: os.DirEntry[str], since: float) -> bool:
+    """Whether the file `entry` was modified after `since` (seconds since the epoch), or is
+    gone already."""
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime > since
+    except FileNotFoundError:
+        return True
 
 
 def _check_header(

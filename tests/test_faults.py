@@ -13,7 +13,7 @@ import pytest
 from tests import region_worker
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
 from tiering import JobMetadata, SecondaryTierFactory
-from tiering.backends import FileBlockStore
+from tiering.backends import FileBlockStore, file_io
 from tiering.benchmarks.s3_server import MotoServer
 from tiering.testing.block_store import FINGERPRINT, read_verified
 
@@ -92,7 +92,8 @@ def test_a_full_disk_fails_stores_cleanly_holds_what_fits_and_keeps_serving_load
 
 
 @pytest.mark.asyncio
-async def test_a_process_killed_while_writing_leaves_only_intact_blocks(tmp_path):
+async def test_a_process_killed_while_writing_leaves_only_intact_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(file_io, "TEMPORARY_GRACE_S", 0.0)  # restarted once its writes can no longer be in flight
     store = FileBlockStore(tmp_path, FINGERPRINT, direct_io=False)
     await store.open()  # creates the namespace and shard directories
     await store.close()

@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers import key
 from tiering import ObjectNotFoundError
-from tiering.backends import FileBlockStore
+from tiering.backends import FileBlockStore, file_io
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, buffer, opened, payload
 
@@ -64,7 +64,8 @@ async def test_recovery_removes_temporaries_and_foreign_files(store_kit):
     await store.put(key(2), payload(100))
     await store.close()
     shard = store.path(key(1)).parent
-    (shard / "deadbeef.1234.tmp").write_bytes(b"half a write")  # a crash mid-write
+    (shard / "deadbeef.1234.tmp").write_bytes(b"half a write")  # a crash mid-write, long ago
+    os.utime(shard / "deadbeef.1234.tmp", (0, os.stat(shard).st_mtime - file_io.TEMPORARY_GRACE_S - 1))
     (shard / "not-hex-at-all").write_bytes(b"junk")
     store.path(key(2)).write_bytes(store.path(key(2)).read_bytes()[:-5])  # torn object
     reopened = await opened(store_kit)
@@ -76,6 +77,24 @@ async def test_recovery_removes_temporaries_and_foreign_files(store_kit):
         assert not store.path(key(2)).exists()
     finally:
         await reopened.close()
+
+
+@pytest.mark.asyncio
+async def test_a_restart_leaves_another_engines_write_in_flight_alone(store_kit):
+    """Two engines share a namespace; one restarts while the other is writing a block."""
+    writer = await opened(store_kit)
+    restarting = await opened(store_kit)
+    try:
+        await writer.put(key(1), payload(100))
+        await restarting.close()
+        in_flight = writer.path(key(3)).parent / "0123456789abcdef.tmp"  # the writer's next block, half written
+        in_flight.write_bytes(writer.path(key(1)).read_bytes()[:50])
+        restarting = await opened(store_kit)
+        assert [k for k, _ in await restarting.recover()] == [key(1)]
+        assert in_flight.exists()  # before, recovery removed it, and the writer's rename would fail
+    finally:
+        await writer.close()
+        await restarting.close()
 
 
 @pytest.mark.asyncio
