@@ -24,7 +24,7 @@ once in ``on_schedule_end``; a tier that rings the manager's `Doorbell` is polle
 a ring, so an idle step asks no tier anything. A tier that raises is logged and its job
 counted as failed; no backend exception reaches the scheduler.
 
-Thread: the scheduler thread only (`drain` and `shutdown` may block; every other method
+Thread: the scheduler thread only (`shutdown` may block; every other method
 returns in microseconds).
 """
 
@@ -106,7 +106,7 @@ class TieringOffloadingManager(OffloadingManager):
     """The scheduler's manager over a CPU primary tier and ordered secondary tiers.
 
     Call every method from the scheduler thread; none blocks or does I/O, except
-    `reset_cache` and `shutdown`, which wait for the tiers to drain.
+    `shutdown`, which waits for the tiers to shut down.
     """
 
     def __init__(
@@ -114,7 +114,6 @@ class TieringOffloadingManager(OffloadingManager):
         primary_tier: CPUPrimaryTierOffloadingManager,
         secondary_tiers: Sequence[SecondaryTierManager] | None = None,
         enable_events: bool = False,
-        drain_timeout_s: float = 30.0,
         admission: Sequence[AdmissionConfig | None] | None = None,
         block_tokens: int | None = None,
         recompute_tokens_per_s: float | None = None,
@@ -127,7 +126,6 @@ class TieringOffloadingManager(OffloadingManager):
             primary_tier: the CPU tier; the only one that talks to the GPU.
             secondary_tiers: looked up in this order on a primary miss.
             enable_events: return the tiers' events from `take_events`.
-            drain_timeout_s: how long `reset_cache` waits for each tier's jobs, seconds.
             admission: per secondary tier, in order, its `AdmissionConfig` (None, or a
                 shorter list: the defaults).
             block_tokens: tokens per block, for the token counters of `get_stats`; None
@@ -151,7 +149,6 @@ class TieringOffloadingManager(OffloadingManager):
         self.primary_tier = primary_tier
         self.secondary_tiers = list(secondary_tiers or ())
         self._enable_events = enable_events
-        self._drain_timeout_s = drain_timeout_s
         self._job_ids = itertools.count()
         self._jobs: dict[JobId, _Job] = {}
         self._sources: dict[OffloadKey, str] = {}  # recently promoted keys -> tier name, oldest first
@@ -498,19 +495,17 @@ class TieringOffloadingManager(OffloadingManager):
         return bool(self._jobs or self._promotions)
 
     def reset_cache(self) -> None:
-        """Drain the tiers (up to `drain_timeout_s` each), process what finished, drop queued
-        promotions and empty the primary tier (see `CPUOffloadingManager.reset_cache`: the
-        caller's transfers started before the reset are void, as under vLLM). Secondary
-        tiers keep their blocks.
+        """Process what finished, drop queued promotions and empty the primary tier (see
+        `CPUOffloadingManager.reset_cache`: the caller's transfers started before the reset
+        are void, as under vLLM). Secondary tiers keep their blocks. Returns at once,
+        whatever the tiers do: it waits for no tier (vLLM resets from its scheduler loop,
+        where a wait for a frozen tier would stop serving every request).
 
-        A secondary tier's job still in flight after the drain is void too: its keys are
-        forgotten at once (no lookup waits on them), its rows stay out of use until the tier
-        reports it (or, after a timeout, releases its late I/O), and it is then counted as
-        failed. So every row comes back and nothing is left waiting.
+        A secondary tier's job still in flight is void: its keys are forgotten at once (no
+        lookup waits on them), its rows stay out of use until the tier reports it (or, after
+        a timeout, releases its late I/O), and it is then counted as failed. So every row
+        comes back and nothing is left waiting.
         """
-        for tier in self.secondary_tiers:
-            if not _guarded(tier, "drain", True, self._drain_timeout_s):
-                logger.warning("tier %s: jobs still in flight after %.1f s", tier.tier_type, self._drain_timeout_s)
         self._process_finished()
         self._drop_queued_promotions()
         # Rows of a held promotion are quarantined already; every other job's need a hold.
