@@ -141,6 +141,9 @@ class S3BlockStore(BlockStore):
         "op_timeout_s": 20.0,
         "batch_bytes": 1,  # one request per block: requests run concurrently, not in a batch
         "probe_misses": True,
+        # ~200 MiB of index: a bucket may hold far more (every engine's, kept by lifecycle
+        # rules); beyond it the least recent keys are forgotten, objects kept, found by probes
+        "index_max_blocks": 1 << 20,
     }
 
     @classmethod

@@ -252,3 +252,13 @@ async def test_recovery_reads_every_page_of_the_listing(s3_server, s3_bucket):
         assert sorted(k for k, _ in await reader.recover()) == keys(0, 1, 2, 3, 4)
     finally:
         await reader.close()
+
+
+def test_an_s3_tiers_index_is_bounded_by_default_and_forgets_without_deleting(s3_server, s3_bucket, engine_factory):
+    engine = engine_factory(s3_config(s3_server, s3_bucket))
+    assert engine.tier.settings.index_max_blocks == 1 << 20  # was unbounded: every listed key and probe hit
+    bounded = engine_factory({**s3_config(s3_server, s3_bucket), "index_max_blocks": 1})
+    bounded.store(0)
+    bounded.store(1)
+    assert bounded.tier.num_blocks == 1 and bounded.tier.get_stats()["counters"]["index_forgotten"] == 1
+    assert bounded.lookup_until_done(0, 1) == [True, True]  # the forgotten one is found again by a probe
