@@ -187,3 +187,23 @@ def test_tenants_with_the_same_tokens_never_share_a_key_in_any_tier_or_probe(kin
     for reader in readers:
         assert lookups_until_done(reader, "globex", [0, 1, 2, 3]) == [False] * 4
         assert lookups_until_done(reader, "acme", [0, 1, 2, 3]) == [True] * 4
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc-s"])
+def test_a_hundred_thousand_salts_keep_the_tenants_state_bounded_and_the_named_tenants_served(policy):
+    """Under vLLM any API client names its tenant (its cache_salt): state must not grow with them."""
+    cpu = manager(num_blocks=64, policy=policy, default_share=0.25, quotas={"chat": 0.5}, max_tenants=16)
+    store(cpu, "chat", 0, 1, 2, 3)
+    for salt in range(100_000):
+        request = ctx(f"salt-{salt}")
+        cpu.lookup(keys(1000 + salt)[0], request)
+        if salt % 100 == 0:  # some of them store a block too
+            store(cpu, f"salt-{salt}", 1000 + salt)
+    tenants = cpu.tenants
+    assert len(tenants.counters) <= 16 + 2  # the tracked ones, "chat" (a quota) and "other"
+    assert len(tenants._policies) <= 16 + 2 and len(tenants._idle) <= 16
+    assert resident(cpu, 0, 1, 2, 3) == [True] * 4  # a named tenant within its share kept its blocks
+    stats = tenants.stats()
+    assert len(stats) <= 8 + 1 and stats["chat"]["gauges"]["blocks"] == 4
+    assert sum(part["counters"]["misses"] for part in stats.values()) == 100_000  # nothing lost in "other"
+    assert sum(part["gauges"]["blocks"] for part in stats.values()) == len(cpu.tenants.owner) <= 64

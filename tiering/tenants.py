@@ -13,7 +13,9 @@ own (the configured one: LRU, ARC, ...), and eviction follows these rules:
 - a tenant within its share takes the rest from the fullest tenants for their share.
 
 Shares are not reservations: rows a tenant does not use serve the others until it needs
-them back. A request's tenant is `ReqContext.tenant`, or `TenantsConfig.default_tenant` when
+them back. State is bounded whatever clients send (`TenantsConfig.max_tenants`): a tenant
+holding nothing keeps only its counters, and is forgotten first when a new one needs its
+place; each tenant's policy is sized by its share. A request's tenant is `ReqContext.tenant`, or `TenantsConfig.default_tenant` when
 that is None (the vLLM adapter sets it to the request's ``cache_salt``). Keys are not changed:
 tenants' blocks never share a key because the block hashes they come from differ (vLLM mixes
 the salt into the first block's hash, and every later hash chains on it).
@@ -61,6 +63,10 @@ class TenantsConfig(BaseModel):
         quotas: shares by tenant name.
         metric_tenants: tenants counted by name in stats and metrics (the most active);
             the rest are summed under ``other``, so labels stay few.
+        max_tenants: tenants tracked at once besides those in `quotas` (a client may name
+            any number: under vLLM a tenant is a request's ``cache_salt``). A new one beyond
+            it takes the place of the tracked tenant that has held nothing longest, or
+            else counts as ``other`` (one tenant, of `default_share`).
     """
 
     model_config = STRICT
@@ -69,6 +75,7 @@ class TenantsConfig(BaseModel):
     default_share: Share = 1.0
     quotas: dict[str, Share] = Field(default_factory=dict)
     metric_tenants: Count = 8
+    max_tenants: Count = 256
 
 
 class TenantShares:
@@ -93,10 +100,11 @@ class TenantShares:
             raise ValueError(f"eviction policy {cache_policy!r} cannot serve tenants: it lists no eviction candidates")
         self._default_rows = self._rows(config.default_share)
         self._rows_by_tenant = {name: self._rows(share) for name, share in config.quotas.items()}
-        self._policies: dict[str, CachePolicy] = {}
+        self._policies: dict[str, CachePolicy] = {}  # of the tenants holding blocks
         self.owner: dict[OffloadKey, str] = {}
         self.held: Counter[str] = Counter()
-        self.counters: dict[str, Counter[str]] = {}
+        self.counters: dict[str, Counter[str]] = {}  # of every tracked tenant
+        self._idle: dict[str, None] = {}  # tracked tenants holding nothing, forgettable, longest idle first
 
     def _rows(self, share: float | int) -> int:
         if isinstance(share, float):
@@ -104,42 +112,84 @@ class TenantShares:
         return max(1, share // self.row_bytes)
 
     def tenant_of(self, req_context: ReqContext) -> str:
-        """The tenant of a call's request."""
-        return getattr(req_context, "tenant", None) or self.config.default_tenant
+        """The tenant of a call's request: its name while it is tracked (see
+        `TenantsConfig.max_tenants`), else ``other``."""
+        name = getattr(req_context, "tenant", None) or self.config.default_tenant
+        if name in self.counters:
+            return name
+        forgettable = len(self.counters) - len(self._rows_by_tenant.keys() & self.counters.keys())
+        if name not in self._rows_by_tenant and forgettable >= self.config.max_tenants and not self._forget_idle():
+            name = OTHER
+        if name not in self.counters:
+            self.counters[name] = Counter()
+            self._went_idle(name)
+        return name
+
+    def _went_idle(self, name: str) -> None:
+        """`name` holds nothing now: it is forgotten first if a new tenant needs its place."""
+        if name not in self._rows_by_tenant and name != OTHER:
+            self._idle[name] = None
+
+    def _forget_idle(self) -> bool:
+        """Forget the tenant that has held nothing longest, its counters added to
+        ``other``'s; False if every tracked tenant holds blocks."""
+        if not self._idle:
+            return False
+        name = next(iter(self._idle))
+        del self._idle[name]
+        self._policies.pop(name, None)  # an empty one, made for a touch
+        self.counters.setdefault(OTHER, Counter()).update(self.counters.pop(name))
+        return True
 
     def share(self, tenant: str) -> int:
         """Rows `tenant` may hold while others need them."""
         return self._rows_by_tenant.get(tenant, self._default_rows)
 
     def policy(self, tenant: str) -> CachePolicy:
-        """The policy that ranks `tenant`'s blocks."""
+        """The policy that ranks `tenant`'s blocks, sized by its share (a tenant holding
+        nothing gets a new one, dropped again if it inserts nothing)."""
         policy = self._policies.get(tenant)
         if policy is None:
-            policy = self._policies[tenant] = make_cache_policy(self._cache_policy, self.num_blocks)
+            policy = self._policies[tenant] = make_cache_policy(self._cache_policy, self.share(tenant))
         return policy
 
     def count(self, tenant: str, name: str, amount: int = 1) -> None:
-        """Add `amount` to `tenant`'s counter `name` (``hits``, ``misses``, ``blocks_stored``)."""
+        """Add `amount` to the counter `name` (``hits``, ``misses``, ``blocks_stored``) of
+        `tenant` (as `tenant_of` named it, or ``other`` if forgotten since)."""
         counters = self.counters.get(tenant)
         if counters is None:
-            counters = self.counters[tenant] = Counter()
+            counters = self.counters.setdefault(OTHER, Counter())
         counters[name] += amount
 
     def insert(self, key: OffloadKey, block: BlockStatus, tenant: str) -> None:
-        """`key` got a row for `tenant`: ranked by its policy as the most recent."""
+        """`key` got a row for `tenant` (as `tenant_of` named it): ranked by its policy as
+        the most recent."""
+        if tenant not in self.counters:  # forgotten between its lookup and its store
+            tenant = OTHER
+            self.counters.setdefault(OTHER, Counter())
         self.owner[key] = tenant
         self.held[tenant] += 1
+        self._idle.pop(tenant, None)
         self.policy(tenant).insert(key, block)
 
     def remove(self, key: OffloadKey) -> None:
         """`key` lost its row without being evicted (a failed write)."""
         tenant = self.owner.pop(key, None)
         if tenant is not None:
-            self.held[tenant] -= 1
             self._policies[tenant].remove(key)
+            self._released(tenant, 1)
+
+    def _released(self, tenant: str, count: int) -> None:
+        self.held[tenant] -= count
+        if not self.held[tenant]:
+            del self.held[tenant]
+            self._policies.pop(tenant, None)
+            self._went_idle(tenant)
 
     def reset(self) -> None:
         """Forget every block (the counters stay)."""
+        for tenant in list(self.held):
+            self._went_idle(tenant)
         self._policies.clear()
         self.owner.clear()
         self.held.clear()
@@ -188,7 +238,7 @@ class TenantShares:
             evicted = self._policies[name].evict_candidates(chosen)
             for key, _ in evicted:
                 del self.owner[key]
-            held[name] -= len(evicted)
+            self._released(name, len(evicted))
             victims += evicted
         return victims
 
