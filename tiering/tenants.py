@@ -13,12 +13,14 @@ own (the configured one: LRU, ARC, ...), and eviction follows these rules:
 - a tenant within its share takes the rest from the fullest tenants for their share.
 
 Shares are not reservations: rows a tenant does not use serve the others until it needs
-them back. State is bounded whatever clients send (`TenantsConfig.max_tenants`): a tenant
-holding nothing keeps only its counters, and is forgotten first when a new one needs its
-place; each tenant's policy is sized by its share. A request's tenant is `ReqContext.tenant`, or `TenantsConfig.default_tenant` when
+them back. A request's tenant is `ReqContext.tenant`, or `TenantsConfig.default_tenant` when
 that is None (the vLLM adapter sets it to the request's ``cache_salt``). Keys are not changed:
 tenants' blocks never share a key because the block hashes they come from differ (vLLM mixes
 the salt into the first block's hash, and every later hash chains on it).
+
+State is bounded whatever clients send (`TenantsConfig.max_tenants`): a tenant holding
+nothing keeps only its counters, and is forgotten first when a new one needs its place; each
+tenant's policy is sized by its share.
 
 Thread: the scheduler thread only, as the CPU tier that owns it.
 """
