@@ -148,6 +148,27 @@ def test_admission_is_configured_per_tier_and_checked_at_load():
         parse_config("cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{type: memory, admission: {shed: yes}}]")
 
 
+def test_write_back_scans_only_after_something_changed():
+    tier = ManualTier()
+    manager = manager_over(tier, rows=8, admission=AdmissionConfig(write="back", writeback_window=3))
+    scans = []
+    coldest = manager.primary_tier.coldest
+    manager.primary_tier.coldest = lambda n: scans.append(n) or coldest(n)
+    try:
+        store(manager, 0, 1, 2, 3)
+        manager.on_schedule_end()
+        assert len(scans) == 1 and len(tier.pending) == 1
+        for _ in range(100):  # idle steps: nothing to scan for (each used to scan the window)
+            manager.on_schedule_end()
+        assert len(scans) == 1
+        tier.finish(next(iter(tier.pending)), success=True)
+        manager.touch(keys(2), CTX)
+        manager.on_schedule_end()  # a job ended and an order changed: scanned again
+        assert len(scans) == 2 and [list(j.keys) for j in tier.pending.values()] == [keys(3)]
+    finally:
+        manager.shutdown()
+
+
 def test_write_back_copies_the_coldest_blocks_not_the_ones_just_stored():
     tier = ManualTier()
     manager = manager_over(tier, rows=8, admission=AdmissionConfig(write="back", writeback_window=3))

@@ -198,6 +198,9 @@ class TieringOffloadingManager(OffloadingManager):
         self._ringing_tiers = [entry for entry in polled if entry[0] in ringing]
         self._polled_tiers = [entry for entry in polled if entry[0] not in ringing]
         self._write_back_tiers = [idx for idx, admission in enumerate(self.admission) if admission.write_back]
+        # whether the primary tier's blocks, their order or their readers may have changed
+        # since the last write-back scan (one that found nothing to copy finds nothing again)
+        self._primary_changed = True
         states = primary_tier.row_states
         settling = [] if states is None else self._hooks["attach_row_states"]
         self._pending = _PendingLoads(
@@ -280,6 +283,7 @@ class TieringOffloadingManager(OffloadingManager):
             KeyError: a key is not loadable from the primary tier.
         """
         pending = self._pending.keys
+        self._primary_changed = True
         spec = self.primary_tier.prepare_load(keys, req_context, pending)
         if self._timeline is not None:
             early = sum(key in pending for key in keys) if pending else 0
@@ -294,6 +298,7 @@ class TieringOffloadingManager(OffloadingManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Record a use of `keys` in the primary tier and in every secondary tier."""
+        self._primary_changed = True
         self.primary_tier.touch(keys, req_context)
         for _, tier in self._hooks["touch"]:
             _guarded(tier, "touch", None, keys, req_context)
@@ -304,6 +309,7 @@ class TieringOffloadingManager(OffloadingManager):
         Raises:
             KeyError: a key has no reader.
         """
+        self._primary_changed = True
         self.primary_tier.complete_load(keys, req_context)
         if self._timeline is not None:
             self._timeline.load_completed(req_context.req_id)
@@ -313,10 +319,12 @@ class TieringOffloadingManager(OffloadingManager):
         if not self._polled_this_step:
             self._process_finished()
         self._requests.stored(req_context.req_id, keys)
+        self._primary_changed = True
         return self.primary_tier.prepare_store(keys, req_context)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         """Finish a GPU store and cascade the newly stored blocks to every secondary tier."""
+        self._primary_changed = True
         stored = self.primary_tier.complete_store(keys, req_context, success)
         if not stored:
             return
@@ -338,6 +346,7 @@ class TieringOffloadingManager(OffloadingManager):
         """Forget the request's lookups (see `tiering.lookups`). Its queued promotions still
         run (other requests share prefixes)."""
         self._requests.finished(req_context.req_id)
+        self._primary_changed = True
         self.primary_tier.on_request_finished(req_context)
         if self._timeline is not None:
             self._timeline.finished(req_context.req_id)
@@ -369,8 +378,10 @@ class TieringOffloadingManager(OffloadingManager):
                 self._submit(tier_idx, queued.keys, block_ids, True, queued.req_context, queued.queued_at)
                 self._counters["promotions_submitted"] += 1
             self._promotions.clear()
-        for tier_idx in self._write_back_tiers:
-            self._write_back(tier_idx, self.admission[tier_idx])
+        if self._primary_changed:
+            for tier_idx in self._write_back_tiers:
+                self._write_back(tier_idx, self.admission[tier_idx])
+            self._primary_changed = False
         if self._waiting_tiers:
             for tier_idx in list(self._waiting_tiers):
                 admission = self.admission[tier_idx]
@@ -514,6 +525,7 @@ class TieringOffloadingManager(OffloadingManager):
         for job in held:
             job.voided = True
         self.primary_tier.reset_cache(keep_rows=[row for job in held for row in job.rows])
+        self._primary_changed = True
         self._sources.clear()
         self._pending.keys.clear()
 
@@ -547,6 +559,7 @@ class TieringOffloadingManager(OffloadingManager):
             self._counters["promotions_deferred"] += 1
             return None
         settled = tier_idx in self._pending.settling_tiers
+        self._primary_changed = True
         reserved = self.primary_tier.prepare_write([key], req_context, self._step_hits, settled)
         if reserved is None:
             return False
@@ -623,6 +636,7 @@ class TieringOffloadingManager(OffloadingManager):
         I/O may still use the job's rows; they stay out of use until it releases them."""
         job = self._jobs.pop(job_id, None)
         primary = self.primary_tier
+        self._primary_changed = True
         if job is not None and job.is_promotion:
             self.promotion_rows.held -= len(job.keys)
             if self._pending.keys:
@@ -651,6 +665,7 @@ class TieringOffloadingManager(OffloadingManager):
     def _release(self, job: _Job) -> None:
         """End a job whose rows were held past its report: free its rows (a promotion, or
         any job voided by `reset_cache`), or unpin them (a failed cascade)."""
+        self._primary_changed = True
         if job.is_promotion or job.voided:
             self.primary_tier.release_rows(job.rows)
         if not job.is_promotion:
