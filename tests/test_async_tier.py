@@ -345,13 +345,24 @@ class CountingStore(MemoryBlockStore):
         return await super().exists_many(keys)
 
 
-def shared_tiers(count=2, **options):
+def shared_tiers(count=2, clock=time.monotonic, **options):
     backing: dict = {}
     view = RegionStandIn(8, ROW).create_kv_memoryview()
+    settings = S(probe_misses=True, **options)
     return [
-        BlockStoreTier(None, view, "shared", lambda fp: CountingStore(fp, backing), S(probe_misses=True, **options))
+        BlockStoreTier(None, view, "shared", lambda fp: CountingStore(fp, backing), settings, clock=clock)
         for _ in range(count)
     ]
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
 
 
 def finish(tier):
@@ -392,13 +403,15 @@ def test_a_steps_probes_go_out_together_in_calls_of_batch_bytes():
 
 
 def test_an_absent_key_is_remembered_for_the_negative_ttl():
-    (tier,) = shared_tiers(count=1, negative_ttl_s=0.2)
+    clock = Clock()
+    (tier,) = shared_tiers(count=1, clock=clock, negative_ttl_s=0.2)
     try:
         assert tier.lookup(key(9), CTX) is None
         finish(tier)
+        clock.now += 0.19
         assert tier.lookup(key(9), CTX) is False  # cached absence: no new probe
         assert tier.store.exists_calls == 1
-        time.sleep(0.25)
+        clock.now += 0.02
         assert tier.lookup(key(9), CTX) is None  # expired: probed again
         finish(tier)
         assert tier.store.exists_calls == 2
@@ -425,12 +438,14 @@ def test_a_hundred_thousand_distinct_misses_keep_the_newest_answers_and_no_more_
 
 def test_repeated_failures_pause_the_tier_until_a_probe_succeeds(caplog):
     view = RegionStandIn(8, ROW).create_kv_memoryview()
+    clock = Clock()
     tier = BlockStoreTier(
         None,
         view,
         "flaky",
         lambda fp: MemoryBlockStore(fp, failure_rate=1.0),
         S(failure_threshold=3, backoff_s=0.1),
+        clock=clock,
     )
     try:
         tier.submit_store(job(0, [0, 1, 2], [0, 1, 2], False))
@@ -440,11 +455,14 @@ def test_repeated_failures_pause_the_tier_until_a_probe_succeeds(caplog):
         tier.submit_load(job(2, [0], [0], True))
         assert [r.success for r in finish(tier)] == [False, False]
         assert tier.store.objects == {} and tier.lookup(key(3), CTX) is False
-        time.sleep(0.15)
+        clock.now += 0.09
+        finish(tier)  # no probe before the backoff has passed
+        assert tier.health.backoff_s == 0.1
+        clock.now += 0.02
         finish(tier)  # the probe fails too: the backoff doubles
         assert not tier.health.healthy and tier.health.backoff_s == 0.2
         tier.store.failure_rate = 0.0  # the backend comes back
-        time.sleep(0.25)
+        clock.now += 0.21
         finish(tier)
         assert tier.health.healthy
         tier.submit_store(job(3, [4], [4], False))

@@ -71,6 +71,7 @@ class BlockStoreTier(SecondaryTierManager):
         tier_type: str,
         store_factory: Callable[[bytes], BlockStore],
         settings: BlockStoreSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """Open the store and rebuild the index from what it holds (blocks the caller).
 
@@ -79,6 +80,8 @@ class BlockStoreTier(SecondaryTierManager):
             store_factory: builds the store from the 16-byte layout fingerprint.
             settings: capacity, concurrency, timeouts, batching, probing and health (see
                 `BlockStoreSettings`); None takes the defaults.
+            clock: seconds, monotonic: for the negative probe cache, the health breaker's
+                backoff and the index's full-device retries (tests pass their own).
 
         Raises:
             ValueError: `capacity_bytes` cannot hold one block; `integrity` is set and the
@@ -103,8 +106,11 @@ class BlockStoreTier(SecondaryTierManager):
                 f"{smallest} bytes (a row of {self.row_bytes} and its header)"
             )
         self.failures: Counter[str] = Counter()
-        self.health = TierHealth(self.name, settings.failure_threshold, settings.backoff_s, settings.max_backoff_s)
-        self._index = BlockIndex(self.name, settings.capacity_bytes, max_keys=settings.index_max_blocks)
+        self._clock = clock
+        self.health = TierHealth(
+            self.name, settings.failure_threshold, settings.backoff_s, settings.max_backoff_s, clock=clock
+        )
+        self._index = self._new_index()
         self._outbox = Outbox()
         self._counters: Counter[str] = Counter()
         self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
@@ -147,6 +153,10 @@ class BlockStoreTier(SecondaryTierManager):
         self._flush_deletes()
         self._runtime.flush()
         logger.info("tier %s: recovered %d blocks (%d bytes)", self.name, len(self._index), self.used_bytes)
+
+    def _new_index(self) -> BlockIndex:
+        settings = self.settings
+        return BlockIndex(self.name, settings.capacity_bytes, clock=self._clock, max_keys=settings.index_max_blocks)
 
     async def _open(self) -> list[tuple[OffloadKey, int]]:
         return await self._worker.open(self._runtime.task_group)
@@ -338,7 +348,7 @@ class BlockStoreTier(SecondaryTierManager):
         try:
             self.drain(self.settings.shutdown_timeout_s)
             self._runtime.run_sync(self.store.remove_namespace, timeout_s=self.settings.open_timeout_s)
-            self._index = BlockIndex(self.name, self.settings.capacity_bytes, max_keys=self.settings.index_max_blocks)
+            self._index = self._new_index()
         finally:
             self.shutdown()
 
@@ -439,7 +449,7 @@ class BlockStoreTier(SecondaryTierManager):
             if key in done.drop:
                 self._index.remove(key)
                 if key in done.forged and self.settings.probe_misses:
-                    self._remember_probe(key, time.monotonic() + self.settings.negative_ttl_s)
+                    self._remember_probe(key, self._clock() + self.settings.negative_ttl_s)
             elif key in done.ok:
                 self._index.touch([key])
                 self._counters["blocks_loaded"] += 1
@@ -449,7 +459,7 @@ class BlockStoreTier(SecondaryTierManager):
         state = self._probes.get(key, 0.0)
         if state is None:
             return None
-        if state > time.monotonic():
+        if state > self._clock():
             return False
         self._remember_probe(key, None)
         self._probing.append(key)
@@ -473,7 +483,7 @@ class BlockStoreTier(SecondaryTierManager):
             self._submit(self._worker.start_probe, outbox.ProbeDone(keys=keys))
 
     def _apply_probe(self, done: outbox.ProbeDone) -> None:
-        absent_until = time.monotonic() + self.settings.negative_ttl_s
+        absent_until = self._clock() + self.settings.negative_ttl_s
         for key in done.keys:
             if self._probes.get(key, 0.0) is not None:
                 continue  # stored meanwhile, or the answer is moot
