@@ -71,6 +71,8 @@ class PageLayouts:
 
     @classmethod
     def of(cls, layouts: Sequence[PageLayout]) -> PageLayouts:
+        """The table of `layouts`, one per tensor in tensor order (addresses and sizes in
+        bytes). Any thread; pure."""
         table = np.array([(x.base, x.stride, x.page_bytes) for x in layouts], dtype=np.int64).reshape(-1, 3)
         return cls(table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy())
 

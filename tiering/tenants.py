@@ -119,7 +119,8 @@ class TenantShares:
         name = getattr(req_context, "tenant", None) or self.config.default_tenant
         if name in self.counters:
             return name
-        forgettable = len(self.counters) - len(self._rows_by_tenant.keys() & self.counters.keys())
+        quotas_seen = sum(name in self.counters for name in self._rows_by_tenant)  # walks the (few) quotas
+        forgettable = len(self.counters) - quotas_seen - (OTHER in self.counters)
         if name not in self._rows_by_tenant and forgettable >= self.config.max_tenants and not self._forget_idle():
             name = OTHER
         if name not in self.counters:
