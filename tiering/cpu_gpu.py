@@ -437,8 +437,8 @@ class CpuGpuOffloadingHandlers:
     """The two handlers of a worker: `gpu_to_cpu_handler` (store), `cpu_to_gpu_handler` (load).
 
     CPU pages are this rank's views into `mmap_region` (one `create_next_view` per tensor,
-    ``block_size_factor`` pages each, in tensor order), or a private buffer (pinned under
-    CUDA) when there is no region.
+    ``block_size_factor`` pages each, in tensor order), or a private buffer of the same
+    layout (pinned under CUDA) when there is no region.
     """
 
     def __init__(
@@ -474,13 +474,13 @@ class CpuGpuOffloadingHandlers:
             raise ValueError(f"region has {mmap_region.num_blocks} rows; num_cpu_blocks is {num_cpu_blocks}")
         cuda = gpu_pages[0].is_cuda
         self._registered: int | None = None
-        flat_cpu = []
-        for pages in gpu_pages:
-            width = block_size_factor * pages.shape[1]
-            if mmap_region is None:
-                flat_cpu.append(torch.zeros((num_cpu_blocks, width), dtype=torch.int8, pin_memory=cuda))
-            else:
-                flat_cpu.append(torch.from_numpy(mmap_region.create_next_view(width)))
+        widths = [block_size_factor * pages.shape[1] for pages in gpu_pages]
+        if mmap_region is None:  # the region's layout: a row holds every tensor's pages side by side
+            rows = torch.zeros((num_cpu_blocks, sum(widths)), dtype=torch.int8, pin_memory=cuda)
+            starts = np.cumsum([0, *widths[:-1]]).tolist()
+            flat_cpu = [rows[:, start : start + width] for start, width in zip(starts, widths, strict=True)]
+        else:
+            flat_cpu = [torch.from_numpy(mmap_region.create_next_view(width)) for width in widths]
         if cuda and mmap_region is not None:
             self._register_host_memory(mmap_region)
         cpu_pages = [
