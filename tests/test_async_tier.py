@@ -77,6 +77,41 @@ def test_a_promotion_reaches_the_store_in_up_to_four_concurrent_calls_and_a_stor
     assert engine.loaded_bytes(*range(8)) == [block_bytes(k, ROW) for k in keys(*range(8))]
 
 
+class InOrderStore(BatchRecordingStore):
+    """A memory store that says it reads a call's items one after another, and records the
+    first key of each call and the most calls it ran at once."""
+
+    reads_in_order = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.firsts = []
+        self.running = self.most_running = 0
+
+    async def get_many(self, items):
+        self.firsts.append(items[0][0])
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        for _ in range(len(items)):  # one read after another: the other calls run meanwhile
+            await anyio.sleep(0)
+        self.running -= 1
+        return await super().get_many(items)
+
+
+def test_a_store_that_reads_in_order_gets_a_promotion_in_small_calls_a_few_at_a_time(engine_factory, monkeypatch):
+    tier = {"type": "in_order", "module_path": __name__, "class_name": "InOrderStore", "batch_bytes": "1GiB"}
+    engine = engine_factory(tier, num_blocks=16)
+    monkeypatch.setattr(worker, "LOAD_SPREAD_MIN_BYTES", 2 * ROW)
+    engine.store(*range(16))
+    engine.rows[:] = 0
+    engine.manager.reset_cache()
+    assert engine.lookup_until_done(*range(16)) == [True] * 16
+    assert engine.tier.store.gets == [2] * 8  # calls of LOAD_SPREAD_MIN_BYTES, not four of 4 blocks
+    assert engine.tier.store.firsts == keys(*range(0, 16, 2))  # in the promotion's order
+    assert engine.tier.store.most_running == worker.LOAD_SPREAD
+    assert engine.loaded_bytes(*range(16)) == [block_bytes(k, ROW) for k in keys(*range(16))]
+
+
 def test_slow_tier_answers_none_until_the_store_lands(engine_factory):
     engine = engine_factory({"type": "memory", "latency_s": 0.2})
     out = engine.manager.prepare_store(keys(0), CTX)

@@ -2,6 +2,8 @@
 (`tiering.row_states`), and a promotion that fails leaves its GPU blocks unwritten and named,
 never loaded. Real engine, real block-store tiers, real handlers on the CPU device."""
 
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -116,6 +118,40 @@ def test_a_hit_is_answered_in_the_step_its_promotion_starts_and_the_load_waits_f
     assert [engine.manager.lookup(k, ctx) for k in keys(0, 1)] == [True, True]
 
 
+def test_a_load_copies_each_row_as_its_promotion_lands_not_after_the_last(engine_of, monkeypatch):
+    monkeypatch.setattr(cpu_gpu, "PROMOTION_WAIT_S", 600.0)  # the test settles the rows by hand
+    engine = engine_of({"type": "memory"})
+    ctx = ReqContext("req-0")
+    engine.fill(0, 1)
+    engine.fill(1, 2)
+    engine.store(ctx, [0, 1], [0, 1])
+    cpu_spec = engine.manager.prepare_load(keys(0, 1), ctx)
+    first, second = cpu_spec.block_ids
+    states = engine.manager.primary_tier.row_states
+    states.mark([first, second], PENDING)  # both rows' bytes still landing, as under a promotion
+    handler = engine.handlers.cpu_to_gpu_handler
+    turns, copied = [], threading.Event()
+    copy_now = handler._copy_now
+
+    def recording(copies):
+        copy_now(copies)
+        turns.append(sorted({row for copy in copies for row in copy.cpu_rows.tolist()}))
+        copied.set()
+
+    monkeypatch.setattr(handler, "_copy_now", recording)
+    assert handler.transfer_async(1, (cpu_spec, GPULoadStoreSpec([5, 6], [2], [0])))
+    states.settle(first, ok=True)
+    assert copied.wait(60)
+    assert turns == [[first]] and (engine.gpu[5] == 1).all() and not engine.gpu[6].any()
+    assert handler.get_finished() == []  # the job is not over: its second row is still landing
+    states.settle(second, ok=True)
+    handler.wait([1])
+    (result,) = handler.get_finished()
+    assert result.success and result.failed_block_ids == ()
+    assert turns == [[first], [second]] and (engine.gpu[6] == 2).all()
+    engine.manager.complete_load(keys(0, 1), ctx)
+
+
 def test_a_failed_promotion_is_never_loaded_and_its_gpu_blocks_are_named(engine_of):
     engine = engine_of({"type": "faulty", "inner": {"type": "memory"}, "corruption_rate": 1.0, "seed": 0})
     ctx = ReqContext("req-0")
@@ -164,12 +200,13 @@ def test_a_late_promotion_stops_the_wait_at_its_bound(engine_of, monkeypatch):
     assert engine.load(1, out.store_spec, [2]).failed_block_ids == (2,)
 
 
-def test_row_states_wait_returns_the_rows_not_ready():
+def test_row_states_wait_any_returns_once_a_row_is_not_pending_or_at_the_deadline():
     states = RowStates(np.array([READY, FAILED, PENDING, READY], dtype=np.uint8))
-    assert states.wait(np.array([0, 3]), 10.0).tolist() == []
-    assert states.wait(np.array([0, 1, 2]), 0.0).tolist() == [1, 2]
+    assert states.wait_any(np.array([2, 3]), time.monotonic() + 60).tolist() == [PENDING, READY]
+    assert states.wait_any(np.array([1, 2]), time.monotonic() + 60).tolist() == [FAILED, PENDING]
+    assert states.wait_any(np.array([2]), time.monotonic()).tolist() == [PENDING]  # the deadline
     states.settle(2, ok=True)
-    assert states.wait(np.array([2, 3]), 10.0).tolist() == []
+    assert states.wait_any(np.array([2]), time.monotonic() + 60).tolist() == [READY]
     with pytest.raises(ValueError, match="1-D uint8"):
         RowStates(np.zeros((2, 2), dtype=np.uint8))
 

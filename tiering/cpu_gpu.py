@@ -34,9 +34,10 @@ bypass that check.
 A load may name CPU rows whose promotion from a secondary tier is still landing (a hit
 answered early, `tiering.row_states`). Its copy waits for those rows, at most
 `PROMOTION_WAIT_S`, off the calling thread (the copy thread on the CPU device, a launcher
-thread before the launch under CUDA); pages of a row whose promotion failed, or did not land
-in time, are not copied, and the result names their GPU blocks (`failed_block_ids`), which
-the vLLM adapter reports as load errors: vLLM recomputes them.
+thread under CUDA), and copies the pages of each row as it lands, in turns (one copier call
+each), so that the copy overlaps the tier's reads instead of following them; pages of a row
+whose promotion failed, or did not land in time, are not copied, and the result names their
+GPU blocks (`failed_block_ids`), which the vLLM adapter reports as load errors: vLLM recomputes them.
 
 Handlers are used from the worker thread that owns the KV cache.
 """
@@ -47,7 +48,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ import torch
 from tiering.batch_copy import BatchCopier, HostCopier, PageLayout, PageLayouts, cuda_copier, plan_batch
 from tiering.canonical import CanonicalKVCaches
 from tiering.mediums import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
-from tiering.row_states import RowStates
+from tiering.row_states import PENDING, READY, RowStates
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class TransferResult:
     ``transfer_type`` ``("GPU", "CPU")`` for a store or ``("CPU", "GPU")`` for a load.
     ``failed_block_ids``: GPU blocks a successful load left unwritten, their rows'
     promotion having failed (see the module docstring); empty otherwise. ``wait_time``: the
-    seconds of a load (part of ``transfer_time`` on the CPU device) spent waiting for rows
+    seconds of a load (part of ``transfer_time``) spent waiting for rows
     still being promoted."""
 
     job_id: int
@@ -161,16 +162,16 @@ def plan_copies(
     return copies
 
 
-def drop_rows(copies: list[PageCopy], rows: np.ndarray) -> tuple[list[PageCopy], tuple[int, ...]]:
-    """`copies` without the pages of CPU rows `rows`, and the GPU blocks those pages were
-    for (sorted, each once)."""
-    kept, failed = [], []
+def split_rows(copies: list[PageCopy], rows: np.ndarray) -> tuple[list[PageCopy], list[PageCopy]]:
+    """The pages of `copies` in CPU rows `rows`, and the others (one `PageCopy` per tensor
+    in each, possibly empty)."""
+    inside: list[PageCopy] = []
+    outside: list[PageCopy] = []
     for copy in copies:
-        lost = np.isin(copy.cpu_rows, rows)
-        failed.append(copy.gpu_ids[lost])
-        keep = ~lost
-        kept.append(PageCopy(copy.tensor_idx, copy.gpu_ids[keep], copy.cpu_rows[keep], copy.cpu_subs[keep]))
-    return kept, tuple(np.unique(np.concatenate(failed)).tolist())
+        mask = np.isin(copy.cpu_rows, rows)
+        for part, keep in ((inside, mask), (outside, ~mask)):
+            part.append(PageCopy(copy.tensor_idx, copy.gpu_ids[keep], copy.cpu_rows[keep], copy.cpu_subs[keep]))
+    return inside, outside
 
 
 @dataclass
@@ -269,20 +270,37 @@ class _DirectionHandler(OffloadingHandler):
         rows = np.asarray(cpu_spec.block_ids, dtype=np.int64)
         return rows if self._row_states.states[rows].any() else None
 
-    def _ready_copies(
-        self, copies: list[PageCopy], rows: np.ndarray | None
-    ) -> tuple[list[PageCopy], tuple[int, ...], float]:
-        """Wait for `rows` (see `RowStates.wait`); `copies` without the pages of rows that
-        did not land, the GPU blocks those were for, and the seconds waited."""
+    def _copy_as_rows_land(
+        self, copies: list[PageCopy], rows: np.ndarray | None, copy: Callable[[list[PageCopy]], None]
+    ) -> tuple[tuple[int, ...], float]:
+        """`copy` the pages of `copies` in turns, each turn those of the rows whose promotion
+        landed since the last (`rows`: the load's rows, None when none is waited for: one
+        turn), so that copying overlaps the tier's reads; pages of rows whose promotion
+        failed, or had not landed `PROMOTION_WAIT_S` after the first wait, are not copied.
+
+        Returns:
+            The GPU blocks those pages were for (sorted, each once), and the seconds waited.
+        """
         if rows is None or self._row_states is None:
-            return copies, (), 0.0
-        start = time.perf_counter()
-        failed_rows = self._row_states.wait(rows, PROMOTION_WAIT_S)
-        waited = time.perf_counter() - start
-        if not len(failed_rows):
-            return copies, (), waited
-        logger.warning("a load skips %d rows whose promotion failed or is late; vLLM recomputes them", len(failed_rows))
-        return (*drop_rows(copies, failed_rows), waited)
+            copy(copies)
+            return (), 0.0
+        deadline = time.monotonic() + PROMOTION_WAIT_S
+        waiting, waited = np.unique(rows), 0.0
+        while len(waiting):
+            start = time.perf_counter()
+            states = self._row_states.wait_any(waiting, deadline)
+            waited += time.perf_counter() - start
+            landed = waiting[states == READY]
+            if len(landed):
+                now, copies = split_rows(copies, landed)
+                copy(now)
+            waiting = waiting[states == PENDING]
+            if time.monotonic() >= deadline:
+                break
+        failed = tuple(np.unique(np.concatenate([c.gpu_ids for c in copies] or [rows[:0]])).tolist())
+        if failed:
+            logger.warning("a load skips %d blocks whose promotion failed or is late: recomputed", len(failed))
+        return failed, waited
 
     def get_finished(self) -> list[TransferResult]:
         results = []
@@ -312,7 +330,10 @@ class _DirectionHandler(OffloadingHandler):
 
     def _copy_on_host(self, copies: list[PageCopy], rows: np.ndarray | None) -> tuple[float, tuple[int, ...], float]:
         start = time.perf_counter()
-        copies, failed, waited = self._ready_copies(copies, rows)
+        failed, waited = self._copy_as_rows_land(copies, rows, self._copy_now)
+        return time.perf_counter() - start, failed, waited
+
+    def _copy_now(self, copies: list[PageCopy]) -> None:
         small = [copy for copy in copies if self._gpu[copy.tensor_idx].shape[1] < RUN_PAGE_BYTES]
         large = [copy for copy in copies if self._gpu[copy.tensor_idx].shape[1] >= RUN_PAGE_BYTES]
         if large:
@@ -320,7 +341,6 @@ class _DirectionHandler(OffloadingHandler):
             self._copier(plan_batch(large, self._gpu_layout, self._cpu_layout, self._to_cpu), None, not self._to_cpu)
         for copy in small:
             self._gather(copy)
-        return time.perf_counter() - start, failed, waited
 
     def _gather(self, copy: PageCopy) -> None:
         """Copy the pages of `copy` `GATHER_PAGES` at a time, by index."""
@@ -347,11 +367,10 @@ class _DirectionHandler(OffloadingHandler):
 
     # -- CUDA ------------------------------------------------------------------------------
 
-    def _launch_cuda(
-        self, copies: list[PageCopy], after: Any, failed: tuple[int, ...] = (), waited: float = 0.0
-    ) -> _Launched:
+    def _launch_cuda(self, copies: list[PageCopy], after: Any, rows: np.ndarray | None = None) -> _Launched:
         """Launch `copies` on this direction's stream once `after` (the compute stream, or an
-        event recorded on it) is done there."""
+        event recorded on it) is done there; with `rows` (rows still being promoted), in
+        turns as they land (`_copy_as_rows_land`)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if isinstance(after, torch.cuda.Event):
             self._stream.wait_event(after)
@@ -359,16 +378,15 @@ class _DirectionHandler(OffloadingHandler):
             self._stream.wait_stream(after)
         with torch.cuda.stream(self._stream):
             start.record(self._stream)
-            self._copy_on_stream(copies)
+            failed, waited = self._copy_as_rows_land(copies, rows, self._copy_on_stream)
             end.record(self._stream)
         return _Launched(start, end, failed, waited)
 
     def _launch_when_ready(self, copies: list[PageCopy], rows: np.ndarray | None, compute: Any) -> _Launched:
-        """On the launcher thread: wait for the load's rows, then launch what landed (on the
-        KV cache's device: a new thread's current device is the first GPU)."""
-        ready, failed, waited = self._ready_copies(copies, rows)
+        """On the launcher thread: launch the load as its rows land, on the KV cache's device
+        (a new thread's current device is the first GPU)."""
         with torch.cuda.device(self._gpu[0].device):
-            return self._launch_cuda(ready, compute, failed, waited)
+            return self._launch_cuda(copies, compute, rows)
 
     @torch.inference_mode()
     def _copy_on_stream(self, copies: list[PageCopy]) -> None:

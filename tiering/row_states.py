@@ -16,7 +16,7 @@ promotion (`mark`), and ``READY`` when it reserves it for anything else; the tie
 ``READY`` or ``FAILED`` as soon as the block's bytes are checked, from whatever thread
 finishes its read (`settle`); the scheduler settles it again when it processes the job (a
 tier that settles nothing, or that failed the job before reading). A worker only reads
-(`wait`). A row is pinned while a load waits on it, so its state changes once during the
+(`wait_any`). A row is pinned while a load waits on it, so its state changes once during the
 wait, from ``PENDING`` to its end.
 
 The bytes live after the rows in the engine's `SharedOffloadRegion`; a byte store is
@@ -66,22 +66,17 @@ class RowStates:
         ``FAILED``. Any thread; idempotent for the same outcome."""
         self.states[row] = READY if ok else FAILED
 
-    def wait(self, rows: np.ndarray, timeout_s: float) -> np.ndarray:
-        """Block until no row of `rows` (int64 ids) is ``PENDING``, for at most `timeout_s`
-        seconds (worker thread).
+    def wait_any(self, rows: np.ndarray, deadline: float) -> np.ndarray:
+        """Block until a row of `rows` (int64 ids) is not ``PENDING``, or until `deadline`
+        (a `time.monotonic` value), whichever comes first (worker thread).
 
         Returns:
-            The rows not ready (``FAILED``, or still ``PENDING`` at the timeout), in the
-            order of `rows`; empty when every row is ready.
+            The states of `rows` when it stopped waiting, in the order of `rows` (a copy).
         """
-        states = self.states
-        if not states[rows].any():  # the rule: every row stored from the GPU, or promoted already
-            return rows[:0]
-        deadline = time.monotonic() + timeout_s
         nap = _FIRST_NAP_S
         while True:
-            current = states[rows]
-            if not (current == PENDING).any() or time.monotonic() >= deadline:
-                return rows[current != READY]
+            current = self.states[rows]
+            if (current != PENDING).any() or time.monotonic() >= deadline:
+                return current
             time.sleep(nap)
             nap = min(2 * nap, _LONGEST_NAP_S)

@@ -102,6 +102,8 @@ async def _complete(
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line.removeprefix("data: "))
+                if chunk.get("error") and outcome.error is None:  # the server failed mid-stream
+                    outcome.error = f"in the stream: {json.dumps(chunk['error'])[:200]}"
                 if chunk.get("choices") and outcome.ttft_s is None:
                     outcome.ttft_s = time.monotonic() - due
                 usage = chunk.get("usage")
@@ -109,6 +111,8 @@ async def _complete(
                     outcome.output_tokens = usage.get("completion_tokens", 0)
                     outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         outcome.latency_s = time.monotonic() - due
+        if outcome.ttft_s is None and outcome.error is None:
+            outcome.error = "the stream ended without a token"
     except httpx.HTTPError as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
         outcome.ttft_s = None
