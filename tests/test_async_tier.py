@@ -112,6 +112,29 @@ def test_a_store_that_reads_in_order_gets_a_promotion_in_small_calls_a_few_at_a_
     assert engine.loaded_bytes(*range(16)) == [block_bytes(k, ROW) for k in keys(*range(16))]
 
 
+def test_a_tier_whose_loop_thread_died_misses_and_fails_its_jobs_at_once(engine_factory, caplog):
+    engine = engine_factory({"type": "memory"}, num_blocks=4)
+    engine.store(0, 1)
+    runtime = engine.tier._runtime
+
+    def escape():
+        raise SystemExit("a bug")
+
+    runtime.submit(escape)
+    runtime.flush()
+    while runtime.alive:  # the thread ends once the error has unwound its loop
+        threading.Event().wait(0.01)
+    assert "the event loop thread died" in caplog.text
+    assert engine.manager.get_stats()["tiers"]["memory"]["gauges"]["loop_alive"] is False
+    engine.manager.reset_cache()  # blocks 0 and 1 are in the tier only
+    assert [engine.manager.lookup(k, CTX) for k in keys(0, 1)] == [False, False]  # misses: the requests recompute
+    engine.store(2)  # its cascade fails at once: the drain in `store` returns, nothing is left in flight
+    stats = engine.manager.get_stats()
+    assert stats["tiers"]["memory"]["counters"]["jobs_failed"] == 1
+    assert stats["manager"]["gauges"]["jobs_in_flight"] == 0
+    assert engine.primary.ref_count(key(2)) == 0  # its row is not pinned by a cascade that will never run
+
+
 def test_slow_tier_answers_none_until_the_store_lands(engine_factory):
     engine = engine_factory({"type": "memory", "latency_s": 0.2})
     out = engine.manager.prepare_store(keys(0), CTX)

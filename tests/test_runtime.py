@@ -3,7 +3,7 @@ import threading
 import anyio
 import pytest
 
-from tiering import AsyncRuntime, RuntimeClosedError
+from tiering import AsyncRuntime, RuntimeClosedError, RuntimeDeadError
 
 
 class CountingRuntime(AsyncRuntime):
@@ -156,3 +156,50 @@ def test_the_loop_polls_while_work_is_in_flight_and_is_rung_again_after(runtime,
             break
         deadline.wait(0.01)
     assert not runtime._polling
+
+
+def kill_loop(runtime):
+    """End the loop thread the way a bug would: an error that escapes the loop."""
+
+    def escape():
+        raise SystemExit("a bug")
+
+    runtime.submit(escape)
+    runtime.flush()
+    while runtime.alive:  # the thread ends as soon as the error has unwound the loop
+        threading.Event().wait(0.01)
+
+
+def test_a_loop_thread_that_dies_is_logged_and_never_waited_on(runtime, caplog):
+    runtime.run_sync(anyio.sleep, 0)  # running
+    kill_loop(runtime)
+    assert "the event loop thread died" in caplog.text and "a bug" in caplog.text
+    with pytest.raises(RuntimeDeadError):
+        runtime.submit(print)
+    with pytest.raises(RuntimeDeadError):
+        runtime.flush()
+    with pytest.raises(RuntimeDeadError):
+        runtime.run_sync(anyio.sleep, 0)  # no timeout: it would wait forever on a dead loop
+    assert isinstance(RuntimeDeadError("x"), RuntimeClosedError)  # callers that handle a closed runtime cope
+    runtime.shutdown()  # returns at once
+
+
+def test_a_blocking_call_in_flight_ends_when_the_loop_thread_dies(runtime):
+    started, outcome = threading.Event(), []
+
+    async def forever():
+        started.set()
+        await anyio.sleep_forever()
+
+    def call():
+        try:
+            runtime.run_sync(forever)
+        except RuntimeDeadError as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert started.wait(10)
+    kill_loop(runtime)
+    caller.join(60)
+    assert not caller.is_alive() and len(outcome) == 1

@@ -410,6 +410,59 @@ def test_reset_cache_voids_jobs_in_flight_and_every_row_comes_back(policy, ctx):
     assert primary.lookup(key(7), ctx) is False  # the voided promotion loaded nothing
 
 
+class Clock:
+    """Seconds that move only when a test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_job_its_tier_never_reports_fails_at_its_deadline_and_the_request_recomputes(policy, ctx, caplog):
+    tier = ManualTier()  # a tier with a bug: it reports nothing until the test says so
+    tier.present[key(0)] = True
+    clock = Clock()
+    primary = CPUPrimaryTierOffloadingManager(4, RegionStandIn(4), cache_policy=policy)
+    manager = TieringOffloadingManager(primary, [tier], job_deadline_s=60, clock=clock)
+    assert promote(manager, ctx, 0) == [None]
+    store(manager, ctx, 1)  # and a cascade, reading the row of 1
+    clock.now = 59.9
+    manager.on_schedule_end()
+    assert manager.lookup(key(0), ctx) is None  # both still in flight
+    clock.now = 60.0
+    manager.on_schedule_end()
+    counters, gauges = manager.get_stats()["manager"]["counters"], manager.get_stats()["manager"]["gauges"]
+    assert (counters["jobs_expired"], gauges["jobs_in_flight"], gauges["jobs_holding_rows"]) == (2, 0, 2)
+    assert "job 0 not reported 60 s after its submission" in caplog.text
+    assert not manager.has_pending_work()
+    assert manager.lookup(key(0), ctx) is False  # a miss: the request recomputes, the stuck tier is not asked
+    manager.on_schedule_end()
+    assert sum(job.is_promotion for job in tier.submitted) == 1
+    assert primary.get_stats()["gauges"]["rows_quarantined"] == 1  # the tier may still write the row
+    assert primary.ref_count(key(1)) == 1  # and still read this one
+    tier.finish_all()  # it reports after all
+    manager.on_schedule_end()
+    assert primary.get_stats()["gauges"]["rows_quarantined"] == 0 and primary.ref_count(key(1)) == 0
+    assert primary.num_free_blocks == 3  # every row back but the one of block 1, stored
+    assert manager.get_stats()["manager"]["gauges"]["jobs_holding_rows"] == 0
+    assert manager.get_stats()["tiers"]["manual"]["gauges"]["rows_in_flight"] == 0
+    assert manager.lookup(key(0), ctx) is None  # the tier answers again: promoted from it once more
+
+
+def test_no_deadline_without_one(policy, ctx):
+    tier = ManualTier()
+    tier.present[key(0)] = True
+    clock = Clock()
+    primary = CPUPrimaryTierOffloadingManager(4, RegionStandIn(4), cache_policy=policy)
+    manager = TieringOffloadingManager(primary, [tier], job_deadline_s=None, clock=clock)
+    promote(manager, ctx, 0)
+    clock.now = 1e9
+    manager.on_schedule_end()
+    assert manager.get_stats()["manager"]["gauges"]["jobs_in_flight"] == 1
+
+
 def test_shutdown_order_and_every_job_reported_once(policy, ctx, caplog):
     log: list[str] = []
     tiers = [ManualTier("a", log), ManualTier("b", log)]

@@ -46,6 +46,7 @@ from tiering.blockstore.store import BlockStore
 from tiering.context import tier_name_problem, unique_names
 from tiering.errors import ConfigError, TierConfigError
 from tiering.factory import SecondaryTierFactory, check_tier_options
+from tiering.manager import JOB_DEADLINE_S
 from tiering.options import Seconds, Size, describe_error, join_path, key_path, set_options, validate_options
 from tiering.policies import cache_policy_names
 from tiering.tenants import TenantsConfig
@@ -82,6 +83,7 @@ class TieringConfig(BaseModel):
     request_log: str | None = Field(default=None, min_length=1)
     max_promotion_rows: int | None = Field(default=None, gt=0)
     store_reserve_rows: int | None = Field(default=None, ge=0)
+    job_deadline_s: Seconds = JOB_DEADLINE_S
     tenants: TenantsConfig | None = None
     _source: str = PrivateAttr(default="<string>")
 

@@ -114,6 +114,11 @@ class RuntimeClosedError(TieringError, RuntimeError):
     """The `AsyncRuntime` was shut down; no more work is accepted."""
 
 
+class RuntimeDeadError(RuntimeClosedError):
+    """The `AsyncRuntime`'s loop thread died (its cause is logged when it does); nothing
+    submitted to it will run."""
+
+
 class RegionInUseError(TieringError, RuntimeError):
     """Another live engine holds this role (scheduler, or worker rank) of the shared region
     with the same instance id."""

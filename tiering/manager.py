@@ -24,6 +24,12 @@ once in ``on_schedule_end``; a tier that rings the manager's `Doorbell` is polle
 a ring, so an idle step asks no tier anything. A tier that raises is logged and its job
 counted as failed; no backend exception reaches the scheduler.
 
+A job its tier has not reported ``job_deadline_s`` after its submission fails here
+(``jobs_expired``): a promotion's blocks become misses (the request recomputes) and its rows
+are quarantined, a cascade's rows stay pinned, until the tier reports the job after all (its
+I/O may still use them). Until the tier reports any job again, no block is promoted from it:
+a tier with a bug, or whose event loop died, strands no request.
+
 Thread: the scheduler thread only (`shutdown` may block; every other method
 returns in microseconds).
 """
@@ -65,7 +71,36 @@ class _Job:
     req_context: ReqContext
     tier_idx: int
     queued_at: float = 0.0  # a promotion's first lookup, perf_counter seconds (unused for cascades)
+    due: float = float("inf")  # the job fails here after this (`_Deadlines.clock` seconds)
     voided: bool = False  # by reset_cache: its keys are gone and its rows held until it ends
+
+
+_Polled = tuple[int, SecondaryTierManager, bool]  # (tier index, tier, has `take_released_jobs`)
+
+
+@dataclass
+class _Polling:
+    """How the manager hears of finished jobs: the tiers that ring `doorbell` are polled
+    after a ring (`ringing`), the others every step (`every_step`)."""
+
+    doorbell: Doorbell
+    ringing: list[_Polled]
+    every_step: list[_Polled]
+
+
+JOB_DEADLINE_S = 120.0
+"""Seconds a secondary tier has to report a job before the manager fails it (four of a block
+store's ``op_timeout_s``: a tier whose calls time out reports long before)."""
+
+
+@dataclass
+class _Deadlines:
+    """When unreported jobs fail: `seconds` after submission on `clock`; `unresponsive`: the
+    tiers with a job failed so, not promoted from until they report again."""
+
+    seconds: float | None
+    clock: Callable[[], float]
+    unresponsive: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -120,6 +155,8 @@ class TieringOffloadingManager(OffloadingManager):
         request_log: str | Path | None = None,
         max_promotion_rows: int | None = None,
         store_reserve_rows: int = 0,
+        job_deadline_s: float | None = JOB_DEADLINE_S,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """
         Args:
@@ -141,6 +178,9 @@ class TieringOffloadingManager(OffloadingManager):
                 row only if more than this many are available (free, or idle and evictable)
                 when it asks, or if no promotion holds a row (so one always starts). Under
                 vLLM, one scheduler step's stores (`tiering.integrations.vllm`).
+            job_deadline_s: seconds a secondary tier has to report a job before it fails
+                here (see the module docstring); None: no deadline.
+            clock: seconds, monotonic: when jobs are due (tests move it by hand).
 
         Raises:
             ValueError: more admission configs than tiers.
@@ -166,7 +206,9 @@ class TieringOffloadingManager(OffloadingManager):
         self.admission = [TierAdmission(config or AdmissionConfig(), rows, tiers) for config in configs]
         self.gates = [RecomputeGate(recompute_tokens_per_s, block_tokens) for _ in self.secondary_tiers]
         self.block_tokens = block_tokens
-        self._counters = {"promotions_submitted": 0, "promotions_deferred": 0, "cascades_submitted": 0}
+        counted = ("promotions_submitted", "promotions_deferred", "cascades_submitted", "jobs_expired")
+        self._counters = dict.fromkeys(counted, 0)
+        self._deadlines = _Deadlines(job_deadline_s, clock)
         # (few attributes: past 30, CPython stops sharing instance dict keys and every attribute read slows)
         self.promotion_rows = PromotionRows(max_promotion_rows or primary_tier.num_blocks, store_reserve_rows)
         self._step_hits: set[OffloadKey] = set()  # found in the primary tier by this step's lookups
@@ -187,16 +229,19 @@ class TieringOffloadingManager(OffloadingManager):
             )
         }
         # Tiers that ring the doorbell are polled only after a ring; the others every step.
-        self._doorbell = Doorbell()
+        doorbell = Doorbell()
         ringing = {
             idx
             for idx, tier in self._hooks["attach_doorbell"]
-            if _attached(tier, "attach_doorbell", self._doorbell, "it is polled every step")
+            if _attached(tier, "attach_doorbell", doorbell, "it is polled every step")
         }
         releasing = {idx for idx, _ in self._hooks["take_released_jobs"]}
         polled = [(idx, tier, idx in releasing) for idx, tier in enumerate(self.secondary_tiers)]
-        self._ringing_tiers = [entry for entry in polled if entry[0] in ringing]
-        self._polled_tiers = [entry for entry in polled if entry[0] not in ringing]
+        self._polling = _Polling(
+            doorbell,
+            [entry for entry in polled if entry[0] in ringing],
+            [entry for entry in polled if entry[0] not in ringing],
+        )
         self._write_back_tiers = [idx for idx, admission in enumerate(self.admission) if admission.write_back]
         # whether the primary tier's blocks, their order or their readers may have changed
         # since the last write-back scan (one that found nothing to copy finds nothing again)
@@ -237,7 +282,10 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _lookup_secondary(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         answer: bool | None = False
+        unresponsive = self._deadlines.unresponsive
         for tier_idx, tier in enumerate(self.secondary_tiers):
+            if unresponsive and tier_idx in unresponsive:
+                continue
             try:
                 found = tier.lookup(key, req_context)
             except Exception:
@@ -364,8 +412,10 @@ class TieringOffloadingManager(OffloadingManager):
     def on_schedule_end(self) -> None:
         """Process finished jobs, submit the step's promotions, write-backs and the cascades
         that waited for room (see `tiering.admission`), then let tiers flush."""
-        if self._doorbell.rung or self._polled_tiers:
+        if self._polling.doorbell.rung or self._polling.every_step:
             self._process_finished()
+        if self._jobs and self._deadlines.seconds is not None:
+            self._expire_overdue()
         if self._probes:  # their rows reserved only now: a reservation may evict, and the step's loads are pinned now
             for tier_idx, key, req_context in self._probes:
                 if self.primary_tier.ref_count(key) is None:
@@ -594,7 +644,9 @@ class TieringOffloadingManager(OffloadingManager):
         queued_at: float = 0.0,
     ) -> None:
         job_id = next(self._job_ids)
-        self._jobs[job_id] = _Job(keys, block_ids.tolist(), is_promotion, req_context, tier_idx, queued_at)
+        seconds = self._deadlines.seconds
+        due = self._deadlines.clock() + seconds if seconds is not None else float("inf")
+        self._jobs[job_id] = _Job(keys, block_ids.tolist(), is_promotion, req_context, tier_idx, queued_at, due)
         tier = self.secondary_tiers[tier_idx]
         job = JobMetadata(job_id, keys, block_ids, is_promotion, req_context)
         try:
@@ -608,13 +660,14 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _process_finished(self) -> None:
         self._polled_this_step = True
-        if self._doorbell.rung:
-            self._doorbell.rung = False  # before polling: a ring from now on is seen next time
-            self._poll(self._ringing_tiers)
-        if self._polled_tiers:
-            self._poll(self._polled_tiers)
+        polling = self._polling
+        if polling.doorbell.rung:
+            polling.doorbell.rung = False  # before polling: a ring from now on is seen next time
+            self._poll(polling.ringing)
+        if polling.every_step:
+            self._poll(polling.every_step)
 
-    def _poll(self, tiers: list[tuple[int, SecondaryTierManager, bool]]) -> None:
+    def _poll(self, tiers: list[_Polled]) -> None:
         """Apply what each (index, tier, has `take_released_jobs`) reports."""
         for tier_idx, tier, releases in tiers:
             try:  # `_guarded`'s work, inline: this runs every step, and an empty answer is the rule
@@ -623,7 +676,13 @@ class TieringOffloadingManager(OffloadingManager):
             except Exception:
                 logger.exception("tier %s: get_finished failed", tier.tier_type)
                 results = []
+            if results and self._deadlines.unresponsive:
+                self._deadlines.unresponsive.discard(tier_idx)
             for result in results:
+                if result.job_id not in self._jobs and (tier_idx, result.job_id) in self._held:
+                    if not result.rows_in_use:  # failed at its deadline; now its I/O is over
+                        self._release(self._held.pop((tier_idx, result.job_id)))
+                    continue
                 self._finish(result.job_id, result.success, tier_idx if result.rows_in_use else None)
             if releases:
                 for job_id in _guarded(tier, "take_released_jobs", []):
@@ -661,6 +720,26 @@ class TieringOffloadingManager(OffloadingManager):
                     self._timeline.promoted(job.req_context.req_id, self.tier_names[job.tier_idx])
         else:
             self._end_cascade(job, success)
+
+    def _expire_overdue(self) -> None:
+        """Fail the jobs past their deadline (see the module docstring), oldest first: jobs
+        are kept in submission order, so the scan stops at the first one not due."""
+        now = self._deadlines.clock()
+        while self._jobs:
+            job_id, job = next(iter(self._jobs.items()))
+            if job.due > now:
+                return
+            self._counters["jobs_expired"] += 1
+            self._deadlines.unresponsive.add(job.tier_idx)
+            logger.error(
+                "tier %s: %s job %d not reported %.0f s after its submission; failed here, its rows held until "
+                "the tier reports it, and nothing promoted from the tier until it reports again",
+                self.tier_names[job.tier_idx],
+                "load" if job.is_promotion else "store",
+                job_id,
+                self._deadlines.seconds,
+            )
+            self._finish(job_id, success=False, held_by=job.tier_idx)
 
     def _release(self, job: _Job) -> None:
         """End a job whose rows were held past its report: free its rows (a promotion, or

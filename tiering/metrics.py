@@ -118,6 +118,7 @@ HELP = {
     "jobs_in_flight": "Jobs submitted and not reported yet.",
     "probe_answers": "Existence probes in flight and absences remembered (at most 65,536; the oldest go first).",
     "healthy": "1 while I/O flows, 0 while the tier's circuit breaker is open.",
+    "loop_alive": "1 while the tier's event loop thread runs; 0 once it died (the log says why): the tier misses.",
     "rows_reading": "CPU-tier rows pinned by readers now (GPU loads and cascades in flight).",
     "rows_writing": "CPU-tier rows reserved for writes in flight now (GPU stores and promotions).",
     "rows_in_flight": "CPU-tier rows pinned by this tier's unreported cascades.",
@@ -134,6 +135,7 @@ HELP = {
         "rows for stores, or promotions held max_promotion_rows."
     ),
     "cascades_submitted": "Store jobs submitted to secondary tiers.",
+    "jobs_expired": "Jobs a secondary tier did not report within job_deadline_s, failed by the manager.",
     "jobs_holding_rows": "Failed jobs whose timed-out I/O may still use their rows.",
     "promotions_queued": "Blocks queued for promotion at the end of this step.",
     "promotion_rows": "CPU-tier rows reserved by promotions queued or in flight.",

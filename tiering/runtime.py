@@ -19,6 +19,10 @@ when the scheduler submits nothing new for a while. (A call that never returns e
 at the tier's ``op_timeout_s``, so polling always stops.) Polling costs about 7% of one core
 of a 2-core VM (2,000 wake-ups a second); waiting for a ring costs nothing.
 
+If the loop thread dies (an error escaped the loop: a bug), its cause is logged, `alive`
+turns False and every later call raises `RuntimeDeadError` at once: nothing waits on a loop
+that will never run it (jobs already handed over are failed by the manager's deadline).
+
 Tiers share a runtime by reference counting: each tier `acquire`s it when built and
 `release`s it at shutdown; the last release stops the loop and joins the thread.
 """
@@ -28,21 +32,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
 
-from tiering.errors import RuntimeClosedError
+from tiering.errors import RuntimeClosedError, RuntimeDeadError
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 POLL_S = 0.0005  # while busy, the loop looks at the inbox this often, seconds
 POLL_IDLE_S = 0.05  # and goes back to waiting for a ring after this long without work
+_DEATH_CHECK_S = 0.1  # a blocking call looks this often whether the loop thread died
 
 
 @dataclass(frozen=True)
@@ -96,12 +103,19 @@ class AsyncRuntime:
         if self._users <= 0:
             self.shutdown(timeout_s)
 
+    @property
+    def alive(self) -> bool:
+        """False once the loop thread has died (see the module docstring) or the runtime was
+        shut down; True before the loop first starts. Any thread; never raises."""
+        return not self._closed and (self._thread is None or self._thread.is_alive())
+
     def submit(self, callback: Callable[[], None]) -> None:
         """Queue `callback()` to run on the loop thread at the next `flush`, after every
         callback queued before it. Costs a deque append.
 
         Raises:
             RuntimeClosedError: the runtime was shut down.
+            RuntimeDeadError: its loop thread died.
             RuntimeError: called from the loop thread itself.
         """
         self._check_caller()
@@ -113,6 +127,7 @@ class AsyncRuntime:
 
         Raises:
             RuntimeClosedError: the runtime was shut down.
+            RuntimeDeadError: its loop thread died.
             RuntimeError: called from the loop thread itself.
         """
         self._check_caller()
@@ -128,14 +143,15 @@ class AsyncRuntime:
 
         Raises:
             RuntimeClosedError: the runtime was shut down.
+            RuntimeDeadError: its loop thread died (also while this call waited).
             RuntimeError: called from the loop thread itself (it would deadlock).
             TimeoutError: it took longer than `timeout_s` seconds (it is cancelled).
         """
-        running = self._running or self._start()
         self._check_caller()
+        running = self._running or self._start()
         future = asyncio.run_coroutine_threadsafe(func(*args), running.loop)
         try:
-            return future.result(timeout_s)
+            return self._result(future, timeout_s)
         except BaseException:  # a timeout, or the caller interrupted (SIGTERM, Ctrl-C): stop the coroutine too
             future.cancel()
             raise
@@ -150,10 +166,10 @@ class AsyncRuntime:
         """
         if self._closed:
             return
-        self._check_caller()
+        self._check_caller(alive=False)
         self._closed = True
         running, thread = self._running, self._thread
-        if running is None or thread is None:
+        if running is None or thread is None or not thread.is_alive():  # never started, or died
             return
         running.loop.call_soon_threadsafe(running.stop.set)
         thread.join(timeout_s)
@@ -189,9 +205,13 @@ class AsyncRuntime:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _check_caller(self) -> None:
+    def _check_caller(self, alive: bool = True) -> None:
+        """Raise unless the caller may use the runtime: open, off the loop thread, and (with
+        `alive`) its loop thread not dead."""
         if self._closed:
             raise RuntimeClosedError(f"runtime {self.name} is shut down")
+        if alive and not self.alive:
+            raise RuntimeDeadError(f"runtime {self.name}: its loop thread died (the log says why)")
         if self.in_loop_thread():
             raise RuntimeError(f"runtime {self.name}: called from its own loop thread; use the loop directly")
 
@@ -201,13 +221,38 @@ class AsyncRuntime:
                 raise RuntimeClosedError(f"runtime {self.name} is shut down")
             if self._running is None:
                 started = threading.Event()
-                self._thread = threading.Thread(
-                    target=anyio.run, args=(self._main, started), name=self.name, daemon=True
-                )
+                self._thread = threading.Thread(target=self._run, args=(started,), name=self.name, daemon=True)
                 self._thread.start()
                 if not started.wait(self._start_timeout_s) or self._running is None:
                     raise RuntimeError(f"runtime {self.name}: loop did not start in {self._start_timeout_s} s")
         return self._running
+
+    def _run(self, started: threading.Event) -> None:
+        """The loop thread: the loop until `shutdown`; an error that escapes it is logged."""
+        try:
+            anyio.run(self._main, started)
+        except BaseException:
+            logger.exception("runtime %s: the event loop thread died; its tiers fail their jobs from now on", self.name)
+
+    def _result(self, future: Future[T], timeout_s: float | None) -> T:
+        """`future`'s result, waited for in slices so that a loop thread that dies meanwhile
+        ends the wait at once."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = _DEATH_CHECK_S if deadline is None else min(_DEATH_CHECK_S, deadline - time.monotonic())
+            try:
+                return future.result(max(0.0, left))
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                if not self.alive and not future.done():
+                    raise RuntimeDeadError(f"runtime {self.name}: its loop thread died") from None
+            except CancelledError:  # by the loop's end: a shutdown, or the thread dying (join: which)
+                if self._thread is not None and not self._closed:
+                    self._thread.join(_DEATH_CHECK_S)
+                    if not self._thread.is_alive():
+                        raise RuntimeDeadError(f"runtime {self.name}: its loop thread died") from None
+                raise
 
     async def _main(self, started: threading.Event) -> None:
         async with anyio.create_task_group() as task_group:

@@ -206,6 +206,7 @@ class TieringOffloadingSpec:
                     request_log=self.config.request_log,
                     max_promotion_rows=self.config.max_promotion_rows,
                     store_reserve_rows=self.store_reserve_rows,
+                    job_deadline_s=self.config.job_deadline_s,
                 )
             except OSError as exc:
                 problem = f"cannot be opened for appending: {exc.strerror}"

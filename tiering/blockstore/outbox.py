@@ -139,8 +139,12 @@ class Outbox:
         """A task is in flight, or an outcome waits to be taken."""
         return self._finished != self._started or bool(self._items)
 
+    def idle(self) -> bool:
+        """Every task started has finished (outcomes may still wait). Any thread."""
+        return self._finished == self._started
+
     def wait_idle(self, timeout_s: float | None) -> bool:
         """Block until every task started has finished (outcomes may still wait), at most
         `timeout_s` seconds (None: no limit); True if so. Never from the loop thread."""
         with self._done:
-            return self._done.wait_for(lambda: self._finished == self._started, timeout_s)
+            return self._done.wait_for(self.idle, timeout_s)

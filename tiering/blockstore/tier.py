@@ -165,10 +165,10 @@ class BlockStoreTier(SecondaryTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """True if stored here, None while its store (or an existence probe) is in flight,
-        else False. Always False while the tier is unhealthy."""
+        else False. Always False while the tier is unhealthy or its loop thread is dead."""
         entry = self._index.get(key)
         answer: bool | None
-        if not self.health.healthy:
+        if not self._serving:
             answer = False
         elif entry is not None:
             answer = True if entry.stored else None
@@ -189,7 +189,7 @@ class BlockStoreTier(SecondaryTierManager):
         evicted: list[OffloadKey] = []
         items: list[tuple[OffloadKey, int]]
         jobs_items = zip(job_metadata.keys, job_metadata.block_ids.tolist(), strict=True)
-        if self._closed or not self.health.healthy:
+        if self._closed or not self._serving:
             items, done.complete = [], all(key in self._index for key in job_metadata.keys)
         else:
             items, done.complete = self._index.reserve_all(jobs_items, self.object_bytes, evicted)
@@ -215,7 +215,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._loads.start(job_metadata.job_id)
         items = list(zip(job_metadata.keys, (int(b) for b in job_metadata.block_ids), strict=True))
         keys = [key for key, _ in items]
-        if self._closed or not self.health.healthy or not self._index.start_reads(keys):
+        if self._closed or not self._serving or not self._index.start_reads(keys):
             if self._worker.row_states is not None:  # now: a load may be waiting for these rows
                 for _, row in items:
                     self._worker.row_states.settle(row, ok=False)
@@ -298,15 +298,23 @@ class BlockStoreTier(SecondaryTierManager):
             "jobs_in_flight": len(self._stores) + len(self._loads),
             "probe_answers": len(self._probes),
             "healthy": self.health.healthy,
+            "loop_alive": self._runtime.alive,
             "state": self.health.state.value,
         }
         histograms = {"store_seconds": self._stores.seconds.snapshot(), "load_seconds": self._loads.seconds.snapshot()}
         return {"counters": counters, "gauges": gauges, "histograms": histograms}
 
+    @property
+    def _serving(self) -> bool:
+        """Healthy, with a live loop thread: a dead loop runs nothing more, so the tier
+        misses and fails its jobs at once (`AsyncRuntime.alive`)."""
+        return self.health.healthy and self._runtime.alive
+
     def on_schedule_end(self) -> None:
         """Start the work submitted during the step (one wake-up of the loop), and, when an
-        unhealthy tier's backoff has passed, its health probe. Nothing after shutdown."""
-        if self._closed:
+        unhealthy tier's backoff has passed, its health probe. Nothing after shutdown, or
+        once the loop thread is dead."""
+        if self._closed or not self._runtime.alive:
             return
         if not self.health.healthy and self.health.probe_due():
             self._submit(self._worker.start_ping, outbox.PingDone())
@@ -325,6 +333,8 @@ class BlockStoreTier(SecondaryTierManager):
         """
         if self._runtime.in_loop_thread():
             raise RuntimeError(f"tier {self.name}: drain() from the loop thread would deadlock")
+        if not self._runtime.alive:  # shut down, or a dead loop: what is left never ends
+            return self._outbox.idle()
         if not self._closed:  # after shutdown nothing new can start; only wait
             self._flush_probes()
             self._flush_deletes()
