@@ -156,6 +156,16 @@ def block_bytes(key: OffloadKey, size: int) -> bytes:
     return bytes(out[:size])
 
 
+class ManualClock:
+    """Seconds, monotonic, that move only when a test moves them (``clock.now += 5``)."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 ROW = 4096  # bytes of one primary row in the engine tests
 CTX = ReqContext("req-0")
 

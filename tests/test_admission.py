@@ -3,20 +3,12 @@ reuse filter, and what the scheduler sees when a tier falls behind."""
 
 import pytest
 
-from tests.helpers import CTX, ROW, ManualTier, RegionStandIn, keys
+from tests.helpers import CTX, ROW, ManualClock, ManualTier, RegionStandIn, keys
 from tiering import ConfigError, CPUPrimaryTierOffloadingManager, TieringOffloadingManager, parse_config
 from tiering.admission import AdmissionConfig, TierAdmission
 from tiering.sketch import CountMinSketch
 
 UNBOUNDED = AdmissionConfig(max_rows_in_flight=1 << 30, max_backlog_s=None)
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_the_bound_admits_a_whole_job_when_nothing_is_in_flight_and_what_exceeds_it_waits():
@@ -49,7 +41,7 @@ def test_at_most_the_bounds_worth_of_blocks_wait():
 
 
 def test_a_tier_that_keeps_up_sheds_nothing_and_one_that_falls_behind_sheds_until_it_catches_up():
-    clock = Clock()
+    clock = ManualClock(0.0)
     config = AdmissionConfig(max_rows_in_flight=1000, max_backlog_s=1.0)
     admission = TierAdmission(config, 99, clock=clock)
     for _ in range(50):  # 10 blocks every 0.1 s, done 0.05 s later: 200 blocks/s while busy

@@ -8,7 +8,7 @@ import anyio
 import numpy as np
 import pytest
 
-from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
+from tests.helpers import CTX, ROW, ManualClock, RegionStandIn, block_bytes, key, keys
 from tiering import (
     AsyncRuntime,
     BlockStoreSettings,
@@ -147,16 +147,21 @@ def test_slow_tier_answers_none_until_the_store_lands(engine_factory):
     assert not engine.tier.has_pending_work()
 
 
-def test_a_job_in_flight_keeps_the_loop_polling_so_the_step_makes_no_system_call(engine_factory, monkeypatch):
+def test_a_job_in_flight_keeps_the_loop_polling_so_the_step_makes_no_system_call(monkeypatch):
     monkeypatch.setattr("tiering.runtime.POLL_IDLE_S", 0.02)
-    engine = engine_factory({"type": "memory", "latency_s": 2.0})
-    out = engine.manager.prepare_store(keys(0), CTX)
-    engine.manager.complete_store(out.keys_to_store, CTX)
-    engine.manager.on_schedule_end()
-    time.sleep(0.1)  # five idle times, the write still running (it takes 2 s)
-    assert engine.tier._runtime._polling  # the next flush will not ring
-    engine.settle()
-    assert engine.tier.lookup(key(0), CTX) is True
+    tier = make_tier(BlockablePuts, capacity_objects=2)
+    try:
+        tier.store.blocked = True
+        tier.submit_store(job(0, [0], [0], False))
+        tier.on_schedule_end()
+        assert tier.store.writing.wait(10)  # the job is in flight, and stays so until released
+        tier._runtime.run_sync(anyio.sleep, 0.1)  # five idle times on the loop's clock, the loop running
+        assert tier._runtime._polling  # the next flush will not ring
+    finally:
+        tier._runtime.submit(tier.store.release.set)
+        tier.on_schedule_end()
+        assert tier.drain(10) and [r.success for r in tier.get_finished()] == [True]
+        tier.shutdown()
 
 
 def test_a_failing_backend_fails_the_job_and_forgets_its_blocks(engine_factory, caplog):
@@ -413,16 +418,6 @@ def shared_tiers(count=2, clock=time.monotonic, **options):
     ]
 
 
-class Clock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
 def finish(tier):
     tier.on_schedule_end()
     assert tier.drain(10)
@@ -461,7 +456,7 @@ def test_a_steps_probes_go_out_together_in_calls_of_batch_bytes():
 
 
 def test_an_absent_key_is_remembered_for_the_negative_ttl():
-    clock = Clock()
+    clock = ManualClock()
     (tier,) = shared_tiers(count=1, clock=clock, negative_ttl_s=0.2)
     try:
         assert tier.lookup(key(9), CTX) is None
@@ -496,7 +491,7 @@ def test_a_hundred_thousand_distinct_misses_keep_the_newest_answers_and_no_more_
 
 def test_repeated_failures_pause_the_tier_until_a_probe_succeeds(caplog):
     view = RegionStandIn(8, ROW).create_kv_memoryview()
-    clock = Clock()
+    clock = ManualClock()
     tier = BlockStoreTier(
         None,
         view,

@@ -6,13 +6,14 @@ import os
 import signal
 import subprocess
 import time
+from functools import partial
 
 import numpy as np
 import pytest
 
 from tests import region_worker
-from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
-from tiering import JobMetadata, SecondaryTierFactory
+from tests.helpers import CTX, ROW, ManualClock, RegionStandIn, block_bytes, key, keys
+from tiering import BlockStoreSettings, BlockStoreTier, JobMetadata, SecondaryTierFactory
 from tiering.backends import FileBlockStore, file_io
 from tiering.benchmarks.s3_server import MotoServer
 from tiering.testing.block_store import FINGERPRINT, read_verified
@@ -21,6 +22,13 @@ from tiering.testing.block_store import FINGERPRINT, read_verified
 def make_tier(config, num_blocks=8):
     view = RegionStandIn(num_blocks, ROW).create_kv_memoryview()
     return SecondaryTierFactory.create_secondary_tier(config, view, None), np.asarray(view)
+
+
+def disk_tier(root, clock, num_blocks=8, **settings):
+    """A file tier on `root` (buffered I/O) whose full-device retries follow `clock`."""
+    view = RegionStandIn(num_blocks, ROW).create_kv_memoryview()
+    store = partial(FileBlockStore, root, direct_io=False)
+    return BlockStoreTier(None, view, "file", store, BlockStoreSettings(**settings), clock=clock), np.asarray(view)
 
 
 def job(job_id, ids, rows, promotion):
@@ -156,7 +164,8 @@ def store_blocks(tier, rows, job_id, ids):
 
 def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(small_disk, monkeypatch):
     monkeypatch.setattr("tiering.blockstore.index.ROOM_BACKOFF_S", (0.2, 0.4))
-    tier, rows = make_tier({"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False})
+    clock = ManualClock()
+    tier, rows = disk_tier(small_disk / "tier", clock)
     try:
         fill(small_disk / "someone-elses-file")
         assert store_blocks(tier, rows, 1, [0, 1]) is False
@@ -164,10 +173,10 @@ def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(sm
         assert store_blocks(tier, rows, 2, [2]) is False  # refused without I/O while full
         assert tier.failures["store_no_space"] == 2
         os.unlink(small_disk / "someone-elses-file")
-        time.sleep(0.25)  # the first retry is due
+        clock.now += 0.25  # the first retry is due
         assert store_blocks(tier, rows, 3, [3, 4]) is True  # the room, raised, fits them
         assert tier.num_blocks == 2 and tier.room_bytes >= tier.used_bytes
-        time.sleep(0.25)  # the next retry: the tier does not use all its room, which is forgotten
+        clock.now += 0.25  # the next retry: the tier does not use all its room, which is forgotten
         assert store_blocks(tier, rows, 4, [5]) is True
         assert tier.room_bytes is None and tier.num_blocks == 3
     finally:
@@ -176,8 +185,8 @@ def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(sm
 
 def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(small_disk, monkeypatch):
     monkeypatch.setattr("tiering.blockstore.index.ROOM_BACKOFF_S", (0.2, 0.4))
-    config = {"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False, "capacity_bytes": "4MiB"}
-    tier, rows = make_tier(config)
+    clock = ManualClock()
+    tier, rows = disk_tier(small_disk / "tier", clock, capacity_bytes=4 << 20)
     try:
         ids = iter(range(10**6))
         while store_blocks(tier, rows, next(ids), [next(ids)]):
@@ -185,8 +194,8 @@ def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(sm
         held = tier.room_bytes
         assert held == tier.used_bytes and 0 < held <= 1 << 20
         subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
-        time.sleep(0.25)
         while tier.room_bytes is not None:  # raised an eighth per retry (the test's timeout bounds it)
+            clock.now += 0.5  # the next retry is due
             assert store_blocks(tier, rows, next(ids), [next(ids)])  # every raise fits: nothing fails
         assert tier.used_bytes > held
     finally:
@@ -197,7 +206,8 @@ def test_a_full_disk_under_steady_stores_keeps_its_room_and_evicts_only_the_shor
     """Stores keep coming while evicted objects are still being deleted: the room must stay
     at what the disk holds, not ratchet down by what was in flight at each refusal."""
     monkeypatch.setattr("tiering.blockstore.index.ROOM_BACKOFF_S", (0.05, 0.2))  # retries within the test
-    tier, _ = make_tier({"type": "file", "root_dir": str(small_disk / "tier"), "direct_io": False}, num_blocks=8)
+    clock = ManualClock()
+    tier, _ = disk_tier(small_disk / "tier", clock)
     try:
         held, offered, next_key = [], 0, 0
         for step in range(300):
@@ -207,7 +217,7 @@ def test_a_full_disk_under_steady_stores_keeps_its_room_and_evicts_only_the_shor
                 offered += 8
             tier.on_schedule_end()
             tier.get_finished()
-            time.sleep(0.002)
+            clock.now += 0.002
             held.append(tier.used_bytes)
         disk = 1 << 20
         stored = tier.get_stats()["counters"]["blocks_stored"]

@@ -1,17 +1,11 @@
 import pytest
 
+from tests.helpers import ManualClock
 from tiering.health import HealthState, TierHealth
 
 
-class Clock:
-    now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
 def breaker(**options):
-    clock = Clock()
+    clock = ManualClock(100.0)
     return TierHealth("tier", clock=clock, **options), clock
 
 

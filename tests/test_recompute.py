@@ -1,20 +1,12 @@
 """Load or recompute: the gate's decision from a tier's measured rate, its backlog and the
 prefill rate, and what the scheduler sees through the manager."""
 
-from tests.helpers import ManualTier, RegionStandIn, key, keys
+from tests.helpers import ManualClock, ManualTier, RegionStandIn, key, keys
 from tiering import CPUPrimaryTierOffloadingManager, ReqContext, TieringOffloadingManager
 from tiering.recompute import RecomputeGate
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
-def measure(gate: RecomputeGate, clock: Clock, blocks: int, seconds: float) -> None:
+def measure(gate: RecomputeGate, clock: ManualClock, blocks: int, seconds: float) -> None:
     """One promotion of `blocks` taking `seconds`."""
     gate.queued(blocks)
     gate.submitted(blocks)
@@ -23,7 +15,7 @@ def measure(gate: RecomputeGate, clock: Clock, blocks: int, seconds: float) -> N
 
 
 def test_without_a_prefill_rate_or_a_measurement_every_block_is_loaded():
-    clock = Clock()
+    clock = ManualClock(100.0)
     assert RecomputeGate(None, 32, clock=clock).decide(1) == "load"
     gate = RecomputeGate(1000.0, 32, clock=clock)  # a block recomputes in 32 ms
     assert gate.decide(1) == "load"  # no rate yet
@@ -33,7 +25,7 @@ def test_without_a_prefill_rate_or_a_measurement_every_block_is_loaded():
 
 
 def test_a_fast_tier_loads_a_slow_one_is_declined_and_counted():
-    clock = Clock()
+    clock = ManualClock(100.0)
     fast, slow = RecomputeGate(1000.0, 32, clock=clock), RecomputeGate(1000.0, 32, clock=clock)
     measure(fast, clock, 1, 0.01)  # a promotion in 10 ms
     measure(slow, clock, 1, 0.1)  # in 100 ms, slower than 32 ms of prefill
@@ -44,7 +36,7 @@ def test_a_fast_tier_loads_a_slow_one_is_declined_and_counted():
 
 
 def test_a_fast_tier_with_a_deep_backlog_is_declined():
-    clock = Clock()
+    clock = ManualClock(100.0)
     gate = RecomputeGate(1000.0, 32, clock=clock)
     for _ in range(10):  # promotions of a block in 10 ms, one after the other: 100 blocks/s
         measure(gate, clock, 1, 0.01)
@@ -57,7 +49,7 @@ def test_a_fast_tier_with_a_deep_backlog_is_declined():
 
 
 def test_a_tier_that_recovers_is_measured_again_by_a_probe_every_interval():
-    clock = Clock()
+    clock = ManualClock(100.0)
     gate = RecomputeGate(1000.0, 32, probe_interval_s=10.0, clock=clock)
     measure(gate, clock, 1, 1.0)
     assert [gate.decide(1) for _ in range(2)] == ["probe", "decline"]

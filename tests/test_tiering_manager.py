@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from tests.helpers import ManualTier, RegionStandIn, key, keys
+from tests.helpers import ManualClock, ManualTier, RegionStandIn, key, keys
 from tiering import (
     CPUPrimaryTierOffloadingManager,
     OffloadingEvent,
@@ -410,20 +410,10 @@ def test_reset_cache_voids_jobs_in_flight_and_every_row_comes_back(policy, ctx):
     assert primary.lookup(key(7), ctx) is False  # the voided promotion loaded nothing
 
 
-class Clock:
-    """Seconds that move only when a test says so."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
 def test_a_job_its_tier_never_reports_fails_at_its_deadline_and_the_request_recomputes(policy, ctx, caplog):
     tier = ManualTier()  # a tier with a bug: it reports nothing until the test says so
     tier.present[key(0)] = True
-    clock = Clock()
+    clock = ManualClock(0.0)
     primary = CPUPrimaryTierOffloadingManager(4, RegionStandIn(4), cache_policy=policy)
     manager = TieringOffloadingManager(primary, [tier], job_deadline_s=60, clock=clock)
     assert promote(manager, ctx, 0) == [None]
@@ -454,7 +444,7 @@ def test_a_job_its_tier_never_reports_fails_at_its_deadline_and_the_request_reco
 def test_no_deadline_without_one(policy, ctx):
     tier = ManualTier()
     tier.present[key(0)] = True
-    clock = Clock()
+    clock = ManualClock(0.0)
     primary = CPUPrimaryTierOffloadingManager(4, RegionStandIn(4), cache_policy=policy)
     manager = TieringOffloadingManager(primary, [tier], job_deadline_s=None, clock=clock)
     promote(manager, ctx, 0)

@@ -6,21 +6,13 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers import ManualTier, RegionStandIn, engine_regions, key, keys
+from tests.helpers import ManualClock, ManualTier, RegionStandIn, engine_regions, key, keys
 from tiering import CPUPrimaryTierOffloadingManager, KVLayout, ReqContext, TieringOffloadingManager
 from tiering.config import parse_config
 from tiering.errors import ConfigError
 from tiering.row_states import RowStates
 from tiering.spec import TieringOffloadingSpec
 from tiering.timeline import RequestTimeline
-
-
-class Clock:
-    def __init__(self):
-        self.now = 10.0
-
-    def __call__(self):
-        return self.now
 
 
 def lines(path) -> list[dict]:
@@ -31,7 +23,7 @@ def test_a_promoted_prefix_shows_its_deferred_steps_promotion_and_load(tmp_path)
     log = tmp_path / "requests.jsonl"
     tier = ManualTier("file")
     manager = TieringOffloadingManager(CPUPrimaryTierOffloadingManager(8, RegionStandIn(8)), [tier], request_log=log)
-    clock = Clock()
+    clock = ManualClock(10.0)
     manager._timeline._clock = clock  # the manager's own clock, moved by the test
     tier.present.update(dict.fromkeys(keys(1, 2), True))
     request = ReqContext("req-1")
