@@ -152,6 +152,36 @@ def test_a_load_copies_each_row_as_its_promotion_lands_not_after_the_last(engine
     engine.manager.complete_load(keys(0, 1), ctx)
 
 
+def raising(*_):
+    raise RuntimeError("a bug in the copy")
+
+
+def test_a_failed_gpu_store_is_never_kept_and_a_failed_load_names_every_block(engine_of, monkeypatch, caplog):
+    engine = engine_of({"type": "memory"})
+    ctx = ReqContext("req-0")
+    engine.fill(0, 1)
+    engine.fill(2, 3)
+    engine.store(ctx, [0, 2], [0, 2])  # blocks 0 and 2 in the CPU tier
+    store, load = engine.handlers.gpu_to_cpu_handler, engine.handlers.cpu_to_gpu_handler
+    monkeypatch.setattr(store, "_copy_now", raising)
+    out = engine.manager.prepare_store(keys(1), ctx)
+    assert store.transfer_async(7, (GPULoadStoreSpec([1], [1], [0]), out.store_spec))
+    store.wait([7])
+    (result,) = store.get_finished()
+    assert not result.success and result.failed_block_ids == ()
+    states = engine.manager.primary_tier.row_states.states
+    assert states[out.store_spec.block_ids[0]] == FAILED  # the worker's mark, read by the scheduler's side
+    engine.manager.complete_store(out.keys_to_store, ctx)  # as vLLM completes every store
+    assert engine.manager.primary_tier.lookup(key(1), ctx) is False  # not kept
+    assert engine.manager.primary_tier.get_stats()["counters"]["blocks_store_failed"] == 1
+    assert engine.manager.primary_tier.num_free_blocks == NUM_ROWS - 2  # its row came back
+    assert not engine.tier.has_pending_work()  # and nothing was cascaded from it
+    monkeypatch.setattr(load, "_copy_now", raising)
+    result = engine.load(8, engine.manager.prepare_load(keys(0, 2), ctx), [5, 4])
+    assert not result.success and result.failed_block_ids == (4, 5)  # for vLLM to recompute
+    assert "a bug in the copy" in caplog.text
+
+
 def test_a_failed_promotion_is_never_loaded_and_its_gpu_blocks_are_named(engine_of):
     engine = engine_of({"type": "faulty", "inner": {"type": "memory"}, "corruption_rate": 1.0, "seed": 0})
     ctx = ReqContext("req-0")

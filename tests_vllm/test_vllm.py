@@ -228,6 +228,32 @@ def test_behind_the_engines_connector_a_failed_promotion_is_recomputed_with_the_
         close(llm)
 
 
+def test_behind_the_engines_connector_a_copy_that_fails_is_recomputed_and_never_kept(model, baseline, monkeypatch):
+    from tiering import cpu_gpu
+
+    llm = tiny.make_llm(model, {"cpu_bytes_to_use": 2 * CPU_BYTES}, connector="KVTieringConnector")
+    try:
+        tiny.generate(llm, [PROMPT])
+        tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
+        assert llm.reset_prefix_cache()
+
+        def raising(self, copies):
+            raise RuntimeError("a bug in the copy")
+
+        monkeypatch.setattr(cpu_gpu._DirectionHandler, "_copy_now", raising)  # every copy fails from here on
+        # PROMPT's 6 blocks load and fail (recomputed); the 3 blocks LONGER computes after them store and fail
+        tokens, logprobs, _ = tiny.generate(llm, [LONGER])[0]
+        assert (tokens, logprobs) == baseline[tuple(LONGER)][:2]  # and vLLM's worker did not fail
+        tiny.settle(llm, lambda: manager_stats()["primary"]["counters"]["blocks_store_failed"] == 3)
+        monkeypatch.undo()
+        assert llm.reset_prefix_cache()
+        tokens, logprobs, cached = tiny.generate(llm, [LONGER])[0]
+        assert (tokens, logprobs) == baseline[tuple(LONGER)][:2]
+        assert cached == FULL_BLOCKS  # PROMPT's blocks, still whole; the 3 failed ones were not kept
+    finally:
+        close(llm)
+
+
 def test_an_s3_tier_serves_promotions_the_same_way(model, baseline, monkeypatch):
     from tiering.benchmarks.s3_server import MotoServer
 

@@ -80,9 +80,11 @@ serving step, so a promotion slower than this becomes a recompute of its blocks.
 class TransferResult:
     """A finished transfer: ``transfer_size`` in bytes, ``transfer_time`` in seconds,
     ``transfer_type`` ``("GPU", "CPU")`` for a store or ``("CPU", "GPU")`` for a load.
-    ``failed_block_ids``: GPU blocks a successful load left unwritten, their rows'
-    promotion having failed (see the module docstring); empty otherwise. ``wait_time``: the
-    seconds of a load (part of ``transfer_time``) spent waiting for rows
+    ``failed_block_ids``: GPU blocks a load left unwritten: those of rows whose promotion
+    failed (see the module docstring), or every block of a load that failed itself (its copy
+    raised: ``success`` False); empty for a store. A store that failed marks its CPU rows
+    ``FAILED`` (`tiering.row_states`), so that the CPU tier never keeps or loads them.
+    ``wait_time``: the seconds of a load (part of ``transfer_time``) spent waiting for rows
     still being promoted."""
 
     job_id: int
@@ -179,6 +181,8 @@ class _Pending:
     job_id: int
     nbytes: int
     done: Any  # a Future: of (seconds, failed GPU blocks, seconds waited) on the CPU device, of _Launched under CUDA
+    gpu_ids: np.ndarray  # the job's GPU blocks and CPU rows, for a failure
+    cpu_rows: np.ndarray
 
 
 @dataclass
@@ -223,7 +227,7 @@ class _DirectionHandler(OffloadingHandler):
         self._pending: deque[_Pending] = deque()
         self._cuda = self._gpu[0].is_cuda
         self._closed = False
-        self._row_states = None if to_cpu else row_states
+        self._row_states = row_states  # loads wait on it; a failed store marks its rows FAILED
         if self._cuda:  # lower is higher priority: -1 for loads, the default 0 for stores
             self._stream = torch.cuda.Stream(self._gpu[0].device, priority=0 if to_cpu else -1)
             self._launcher = ThreadPoolExecutor(1, thread_name_prefix="tiering-launch-load")
@@ -259,13 +263,14 @@ class _DirectionHandler(OffloadingHandler):
             compute = torch.cuda.Event()
             compute.record(torch.cuda.current_stream(self._gpu[0].device))
             done = self._last_deferred = self._launcher.submit(self._launch_when_ready, copies, rows, compute)
-        self._pending.append(_Pending(job_id, nbytes, done))
+        gpu_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
+        self._pending.append(_Pending(job_id, nbytes, done, gpu_ids, np.asarray(cpu_spec.block_ids, dtype=np.int64)))
         return True
 
     def _rows_to_wait_for(self, cpu_spec: CPULoadStoreSpec) -> np.ndarray | None:
         """The load's rows if one of them is not ``READY`` now (a promotion still landing,
-        or failed), else None."""
-        if self._row_states is None:
+        or failed), else None (and always for a store)."""
+        if self._row_states is None or self._to_cpu:
             return None
         rows = np.asarray(cpu_spec.block_ids, dtype=np.int64)
         return rows if self._row_states.states[rows].any() else None
@@ -417,7 +422,10 @@ class _DirectionHandler(OffloadingHandler):
         error = pending.done.exception()
         if error is not None:
             logger.error("transfer %d failed: %r", pending.job_id, error)
-            return TransferResult(pending.job_id, False, 0, 0.0, self.transfer_type)
+            if self._to_cpu and self._row_states is not None:  # the rows hold no block: never loaded or kept
+                self._row_states.fail_store(pending.cpu_rows)
+            failed = () if self._to_cpu else tuple(np.unique(pending.gpu_ids).tolist())
+            return TransferResult(pending.job_id, False, 0, 0.0, self.transfer_type, failed)
         if self._cuda:
             launched = pending.done.result()
             seconds = launched.start.elapsed_time(launched.end) / 1e3
@@ -511,7 +519,7 @@ class CpuGpuOffloadingHandlers:
         if copier is None:
             copier = cuda_copier() if cuda else HostCopier()
         common = (gpu_pages, cpu_pages, block_size_factor, group_tensors)
-        self.gpu_to_cpu_handler = _DirectionHandler(*common, True, None, copier)
+        self.gpu_to_cpu_handler = _DirectionHandler(*common, True, states, copier)
         self.cpu_to_gpu_handler = _DirectionHandler(*common, False, states, copier)
 
     def _register_host_memory(self, region: Any) -> None:

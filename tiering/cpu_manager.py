@@ -15,7 +15,7 @@ from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.policies import BlockStatus, CachePolicy, make_cache_policy
 from tiering.request_access import RequestAccesses
-from tiering.row_states import PENDING, READY, RowStates
+from tiering.row_states import FAILED, PENDING, READY, RowStates
 from tiering.stats import TierStats, worth_logging
 from tiering.tenants import TenantsConfig, TenantShares
 
@@ -312,13 +312,33 @@ class CPUOffloadingManager(OffloadingManager):
         On success each row becomes idle (its rank is the one `prepare_store` gave it, so
         the order of `keys` does not matter); on failure it is freed.
 
+        A row its worker marked ``FAILED`` (the GPU copy into it failed: `tiering.cpu_gpu`)
+        fails its key whatever `success` says.
+
         Returns:
             The keys that became loadable by this call (empty on failure).
         """
+        if success and self.row_states is not None and keys and self.row_states.store_failures_pending():
+            keys = self._without_failed_copies(keys)
         stored = self._complete_writes(keys, success, "blocks_stored")
         if self.tenants is not None and stored:
             self.tenants.count(self.tenants.tenant_of(req_context), "blocks_stored", len(stored))
         return stored
+
+    def _without_failed_copies(self, keys: Collection[OffloadKey]) -> Collection[OffloadKey]:
+        """`keys` less those whose row is ``FAILED``, whose writes are failed here."""
+        assert self.row_states is not None
+        resident = self._resident
+        rows = {key: block.block_id for key in keys if (block := resident.get(key)) is not None and block.ref_cnt == -1}
+        states = self.row_states.states
+        failed = [key for key, row in rows.items() if states[row] == FAILED]
+        if not failed:  # another store's rows failed: its completion is still to come
+            return keys
+        self.row_states.handle_store_failures(len(failed))
+        logger.error("%d blocks stored from the GPU failed in the worker's copy: not kept", len(failed))
+        self._complete_writes(failed, False, "blocks_stored")
+        lost = set(failed)
+        return [key for key in keys if key not in lost]
 
     def _complete_writes(self, keys: Collection[OffloadKey], success: bool, counter: str) -> list[OffloadKey]:
         if not success:
@@ -473,8 +493,10 @@ class CPUOffloadingManager(OffloadingManager):
         quarantined = self._quarantined
         # Lowest row first (`_allocate_block_id` pops from the end).
         self._free_block_ids = [row for row in reversed(range(self._num_ids_used)) if row not in quarantined]
-        if orphans and self.row_states is not None:
-            self.row_states.mark([row for row in orphans if row not in quarantined], READY)
+        if self.row_states is not None:
+            self.row_states.handle_store_failures(None)  # the stores they failed are forgotten too
+            if orphans:
+                self.row_states.mark([row for row in orphans if row not in quarantined], READY)
 
     def _policy_of(self, req_context: ReqContext) -> CachePolicy:
         """The policy that ranks the blocks of `req_context`'s request (its tenant's)."""

@@ -9,7 +9,11 @@ for the tier's read, and must never copy it if the read failed. One byte per row
   no promotion is filling: rows stored from the GPU, free rows);
 - ``PENDING``: a promotion is filling the row;
 - ``FAILED``: that promotion failed (the read, its check, or the tier): the row holds no
-  block, and a load that waited for it loads nothing from it.
+  block, and a load that waited for it loads nothing from it. A worker whose GPU store into
+  a row failed (its copy raised) marks it so too (`fail_store`), and counts the rows in its
+  own slot of a shared counter: the scheduler, which completes the store when vLLM tells it
+  to, looks at the rows of a completed store only while that count is ahead of what it has
+  handled (`store_failures`), and keeps none of them.
 
 Who writes, in order: the scheduler thread marks a row ``PENDING`` when it reserves it for a
 promotion (`mark`), and ``READY`` when it reserves it for anything else; the tier marks it
@@ -46,12 +50,18 @@ class RowStates:
     Args:
         states: a uint8 array of one byte per row, in memory every process maps (or a
             private array for a single process).
+        store_failures: a uint64 array, one slot per worker rank, in the same memory: the
+            rows each rank's failed stores marked; None: a private one-slot array.
+        rank: the slot this process counts into (a worker's rank; 0 elsewhere).
     """
 
-    def __init__(self, states: np.ndarray):
+    def __init__(self, states: np.ndarray, store_failures: np.ndarray | None = None, rank: int = 0):
         if states.dtype != np.uint8 or states.ndim != 1:
             raise ValueError(f"row states must be a 1-D uint8 array, got {states.dtype} of shape {states.shape}")
         self.states = states
+        self._store_failures = np.zeros(1, dtype=np.uint64) if store_failures is None else store_failures
+        self._rank = rank
+        self._handled = 0  # rows of failed stores the scheduler has dealt with (its instance only)
 
     def __len__(self) -> int:
         """Rows, one state byte each."""
@@ -60,6 +70,22 @@ class RowStates:
     def mark(self, rows: Sequence[int] | np.ndarray, state: int) -> None:
         """Set `rows` to `state` (scheduler thread, when it reserves them)."""
         self.states[np.asarray(rows, dtype=np.int64)] = state
+
+    def fail_store(self, rows: np.ndarray) -> None:
+        """Mark the rows of a GPU store whose copy failed ``FAILED``, then count them
+        (worker thread: the count is seen after the marks)."""
+        self.states[rows] = FAILED
+        self._store_failures[self._rank] += np.uint64(len(rows))
+
+    def store_failures_pending(self) -> bool:
+        """Whether rows that failed stores marked (`fail_store`, any worker) are more than
+        this instance has handled (`handle_store_failures`). Scheduler thread; cheap."""
+        return sum(self._store_failures.tolist()) != self._handled
+
+    def handle_store_failures(self, rows: int | None) -> None:
+        """Count `rows` marked by failed stores as dealt with; None: all marked so far (a
+        reset forgets every block). Scheduler thread."""
+        self._handled = sum(self._store_failures.tolist()) if rows is None else self._handled + rows
 
     def settle(self, row: int, ok: bool) -> None:
         """End row `row`'s promotion: ``READY`` if its bytes are in and checked, else

@@ -130,7 +130,8 @@ class SharedOffloadRegion:
             raise
         rows_bytes = num_blocks * self.row_stride
         self._rows = np.frombuffer(self._mmap, dtype=np.int8, count=rows_bytes).reshape(num_blocks, self.row_stride)
-        self._states = np.frombuffer(self._mmap, dtype=np.uint8, count=num_blocks, offset=rows_bytes)
+        self._store_failures = np.frombuffer(self._mmap, dtype=np.uint64, count=num_workers, offset=rows_bytes)
+        self._states = np.frombuffer(self._mmap, dtype=np.uint8, count=num_blocks, offset=rows_bytes + 8 * num_workers)
         self._unlink_once_all_attached()
 
     @property
@@ -140,9 +141,11 @@ class SharedOffloadRegion:
 
     @property
     def total_size_bytes(self) -> int:
-        """Size of the file: ``num_blocks * row_stride``, then a byte per row for the rows'
-        states (`create_row_states`), padded to a page."""
-        return self.num_blocks * self.row_stride + -(-self.num_blocks // mmap.PAGESIZE) * mmap.PAGESIZE
+        """Size of the file: ``num_blocks * row_stride``, then the rows' states
+        (`create_row_states`: a count of failed GPU stores per worker, 8 bytes each, then a
+        byte per row), padded to a page."""
+        states = 8 * self.num_workers + self.num_blocks
+        return self.num_blocks * self.row_stride + -(-states // mmap.PAGESIZE) * mmap.PAGESIZE
 
     def create_kv_memoryview(self) -> memoryview:
         """The scheduler's view: every row, shape ``(num_blocks, row_bytes)``, format ``b``.
@@ -153,9 +156,10 @@ class SharedOffloadRegion:
         return self._rows[:, : self.row_bytes].data
 
     def create_row_states(self) -> RowStates:
-        """The rows' promotion states (`tiering.row_states`), one byte per row, shared by
-        every process that maps the region; all ``READY`` in a new region."""
-        return RowStates(self._states)
+        """The rows' states (`tiering.row_states`), one byte per row, and each worker's count
+        of rows its failed GPU stores marked, shared by every process that maps the region;
+        all ``READY`` and 0 in a new region. A worker rank's `RowStates` counts into its own."""
+        return RowStates(self._states, self._store_failures, self.rank or 0)
 
     def create_next_view(self, page_bytes: int) -> np.ndarray:
         """Carve the next `page_bytes` of this worker's slot out of every row.
@@ -188,7 +192,7 @@ class SharedOffloadRegion:
         if self._mmap is None:
             return
         mapping, self._mmap = self._mmap, None
-        del self._rows, self._states  # the mapping can close once no array of ours exports it
+        del self._rows, self._states, self._store_failures  # the mapping can close once no array of ours exports it
         try:
             mapping.close()
         except BufferError:

@@ -369,12 +369,19 @@ class _Worker(OffloadingWorker):
     A load whose rows' promotion failed succeeds for vLLM (its worker asserts that every
     transfer does) and leaves the GPU blocks of those rows unwritten; they gather in
     `load_errors`, which the engine's connector reports as vLLM's load errors. The seconds
-    loads waited for promoted rows gather by job in `load_waits`."""
+    loads waited for promoted rows gather by job in `load_waits`.
+
+    A transfer that failed itself (its copy raised) fails vLLM's worker, which asserts that
+    none does, unless `recover_failed_transfers` is set (by the engine's connector, which
+    reports load errors): then it succeeds for vLLM, a load's blocks all become load errors
+    (vLLM recomputes them), and a store's rows are ``FAILED``, which the CPU tier reads
+    when vLLM completes the store: the blocks are not kept (`tiering.cpu_gpu`)."""
 
     def __init__(self, handlers: Any, spec: KVTieringOffloadingSpec):
         self.handlers, self.spec = handlers, spec
         self.load_errors: set[int] = set()
         self.load_waits: dict[int, float] = {}
+        self.recover_failed_transfers = False
 
     def submit_store(self, job_id: int, src_spec: VllmGPUSpec, dst_spec: Any) -> bool:
         return self._submit(self.handlers.gpu_to_cpu_handler, job_id, (_gpu(src_spec), _cpu(dst_spec)))
@@ -390,11 +397,12 @@ class _Worker(OffloadingWorker):
 
     def get_finished(self) -> list[VllmTransferResult]:
         results = self.handlers.gpu_to_cpu_handler.get_finished() + self.handlers.cpu_to_gpu_handler.get_finished()
+        recover = self.recover_failed_transfers
         for result in results:
             self.load_errors.update(result.failed_block_ids)
             if result.wait_time:
                 self.load_waits[result.job_id] = result.wait_time
-        return [VllmTransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time) for r in results]
+        return [VllmTransferResult(r.job_id, r.success or recover, r.transfer_size, r.transfer_time) for r in results]
 
     def take_load_errors(self) -> set[int]:
         """The GPU blocks loads left unwritten since the last call (see the class)."""

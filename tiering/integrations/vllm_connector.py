@@ -40,6 +40,10 @@ prefill it would have saved, never wrong output. That needs vLLM's
 ``kv_load_failure_policy`` at ``"recompute"``: the connector sets it (and says so in the
 log) where it is vLLM's default ``"fail"``, which would fail the request instead.
 
+A transfer that fails in the worker (its copy raises: a bug, a device error) takes the same
+way instead of failing vLLM's worker, which asserts that no transfer fails: a load's blocks
+become load errors, recomputed; a store's blocks are not kept (`register_kv_caches`).
+
 It also tells the engine each request's ``cache_salt``, which is the request's tenant
 (`tiering.tenants`); under vLLM's own connector every request is the default tenant.
 
@@ -240,6 +244,15 @@ class KVTieringConnector(OffloadingConnector):
         if isinstance(meta, TieringWorkerMetadata) and meta.load_waits and self.connector_scheduler is not None:
             self.connector_scheduler.manager.loads_waited(meta.load_waits)
         super().update_connector_output(connector_output)
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        """vLLM's worker start (worker thread): as `OffloadingConnector`; then a transfer that
+        fails itself becomes load errors and unkept blocks instead of failing vLLM's worker
+        (`tiering.integrations.vllm`, ``_Worker``), since this connector reports load errors."""
+        super().register_kv_caches(kv_caches)
+        worker = self.connector_worker.worker if self.connector_worker is not None else None
+        if worker is not None and hasattr(worker, "recover_failed_transfers"):
+            worker.recover_failed_transfers = True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The GPU blocks this worker's loads left unwritten since the last call, their
