@@ -120,7 +120,10 @@ def test_the_default_run_verifies_every_byte_and_writes_its_report(tmp_path, cap
         (["--config", "/nonexistent/engine.yaml"], "engine.yaml: cannot read the file"),
         (["--block-bytes", "8kb"], "--block-bytes: read 8,000 bytes, not a multiple of 2,048"),
         (["--gpu-cache-blocks", "2"], "--gpu-cache-blocks 2 cannot hold the longest prompt"),
-        (["--model", "gpt-9"], "argument --model: invalid choice: 'gpt-9' (choose from 'llama-3.1-70b'"),
+        (
+            ["--model", "gpt-9"],
+            "argument --model: invalid choice: 'gpt-9' (choose from 'gpt-oss-120b', 'gpt-oss-20b', 'llama-3.1-70b'",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_status_2(argv, message, capsys):

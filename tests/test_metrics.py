@@ -93,7 +93,7 @@ def test_the_docs_list_exactly_the_metrics_served_with_their_help_texts():
     assert reported - set(HELP) == {"state"}  # the breaker's state as a string; `healthy` serves it
     served = {name: help.replace("\\'", "'") for name, help in re.findall(r"^# HELP (\S+) (.*)$", text, re.MULTILINE)}
     readme = (Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
-    rows = re.findall(r"^  \| `(tiering_[a-z_]+)(?:\{reason\})?` \| (.*) \|$", readme, re.MULTILINE)
+    rows = re.findall(r"^  \| `(tiering_[a-z_]+)(?:\{(?:reason|group)\})?` \| (.*) \|$", readme, re.MULTILINE)
     documented = dict(rows)
     assert len(rows) == len(documented)  # no metric listed twice
     assert {name: documented.get(name) for name in served} == served  # all served, with their HELP

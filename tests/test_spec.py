@@ -67,7 +67,9 @@ def test_the_fingerprint_changes_with_the_layout_only():
 def test_impossible_sizes_are_refused(config, layout, message):
     with pytest.raises(ValueError, match=message):
         TieringOffloadingSpec(parse_config(config), layout, instance())
-    with pytest.raises(ValueError, match=r"unknown model preset 'gpt-9'; known presets: llama-3\.1-70b"):
+    with pytest.raises(
+        ValueError, match=r"unknown model preset 'gpt-9'; known presets: gpt-oss-120b, gpt-oss-20b, llama-3\.1-70b"
+    ):
         KVLayout.from_preset("gpt-9")
 
 

@@ -1,5 +1,7 @@
 """The adapter's translations, without starting an engine."""
 
+import dataclasses
+
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
@@ -46,9 +48,26 @@ def test_a_config_file_is_shared_with_tiering_bench_and_not_mixed_with_keys(tmp_
         adapter.KVTieringOffloadingSpec(offloading_config({"config_file": str(path), "eviction_policy": "arc"}))
 
 
-def test_hybrid_models_and_unknown_versions_are_refused_at_start():
-    with pytest.raises(ValueError, match="supports one KV-cache group; this model has 2"):
-        adapter.KVTieringOffloadingSpec(offloading_config({"cpu_bytes_to_use": "1MiB"}, groups=2))
+def test_groups_of_another_kind_or_block_size_and_unknown_versions_are_refused_at_start():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from tiering.integrations.vllm_connector import check_group_kinds
+
+    config = offloading_config({"cpu_bytes_to_use": "1MiB"}, groups=2)
+    spec = adapter.KVTieringOffloadingSpec(config)  # two groups of one block size: a hybrid model
+    spec.shutdown()
+    odd = dataclasses.replace(
+        config, groups=(config.groups[0], dataclasses.replace(config.groups[1], tokens_per_block=64))
+    )
+    with pytest.raises(ValueError, match=r"groups have \[32, 64\] tokens per block \(a Mamba or linear-attention"):
+        adapter.KVTieringOffloadingSpec(odd)
+    attention = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
+    groups = [KVCacheGroupSpec(["layers.0.attn"], attention), KVCacheGroupSpec(["layers.1.mixer"], mamba)]
+    check_group_kinds(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups[:1]))
+    with pytest.raises(ValueError, match=r"^KVTieringConnector cannot offload KV-cache group 1 of kind MambaSpec \("):
+        check_group_kinds(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups))
     with pytest.raises(RuntimeError, match=r"supports vLLM 0.32.x and 0.33.x; this is vLLM 0.34.1"):
         adapter.check_version("0.34.1")
     adapter.check_version("0.33.0+cpu")

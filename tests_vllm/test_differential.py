@@ -38,23 +38,26 @@ class Request:
     """A request as vLLM's connector drives it: its keys (with token positions recorded in
     its context), the load or store jobs in flight and the step each one completes at."""
 
-    def __init__(self, req_id: str, keys: list[bytes]):
-        self.keys = keys
+    def __init__(self, req_id: str, names: list[bytes], groups: int):
+        self.keys = [make_offload_key(name, 0) for name in names]  # a full-attention group: every block
+        # a second group as a sliding window's: the last two blocks, looked up tail first
+        self.tail = [make_offload_key(name, 1) for name in names[-2:]] if groups == 2 else []
         self.contexts = [ReqContext(req_id), ReqContext(req_id)]  # vLLM's manager, ours
         for context in self.contexts:
-            for position, key in enumerate(keys, start=1):
-                context.set_offload_key_position(key, position * TOKENS_PER_ROW)
+            for position, name in enumerate(names, start=1):
+                for key in (self.keys[position - 1], *(k for k in self.tail if k[:-4] == name)):
+                    context.set_offload_key_position(key, position * TOKENS_PER_ROW)
         self.jobs: list[tuple[int, str, object]] = []  # (due step, "load" | "store", keys)
         self.looked_up = False
 
 
-def request_keys(rng: random.Random) -> list[bytes]:
-    """A chat-like prompt: one of 3 system prompts, then a conversation's turns (a prefix
-    of one of 12 conversations), 2 to 9 rows in all."""
+def request_names(rng: random.Random) -> list[bytes]:
+    """A chat-like prompt's block hashes: one of 3 system prompts, then a conversation's
+    turns (a prefix of one of 12 conversations), 2 to 9 rows in all."""
     system = [f"sys{rng.randrange(3)}-{i}" for i in range(2)]
     conversation = rng.randrange(12)
     turns = [f"{system[0]}/conv{conversation}-{i}" for i in range(rng.randrange(7) + 1)]
-    return [make_offload_key(name.encode().ljust(16, b"."), 0) for name in system + turns]
+    return [name.encode().ljust(16, b".") for name in system + turns]
 
 
 def events(manager) -> list[tuple]:
@@ -63,7 +66,10 @@ def events(manager) -> list[tuple]:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_this_engine_and_vllms_cpu_manager_agree_call_by_call(policy, seed):
+@pytest.mark.parametrize("groups", [1, 2], ids=["one-group", "full-and-sliding-groups"])
+def test_this_engine_and_vllms_cpu_manager_agree_call_by_call(policy, seed, groups):
+    """With two groups, a request's blocks are keys of either group: the second looked up
+    tail first and stored before the first (out of prefix order), as a sliding window's."""
     name, module = VLLM_POLICIES[policy]
     vllm_manager = VllmCPUManager(ROWS, name, cache_policy_module_path=module, enable_events=True)
     extra = {"cpu_bytes_to_use": ROWS * ROW_BYTES, "eviction_policy": policy}
@@ -82,7 +88,7 @@ def test_this_engine_and_vllms_cpu_manager_agree_call_by_call(policy, seed):
     try:
         for step in range(400):
             if rng.random() < 0.7:
-                live.append(Request(f"req-{step}", request_keys(rng)))
+                live.append(Request(f"req-{step}", request_names(rng), groups))
             for request in list(live):
                 for job in [job for job in request.jobs if job[0] <= step]:
                     request.jobs.remove(job)
@@ -101,24 +107,39 @@ def test_this_engine_and_vllms_cpu_manager_agree_call_by_call(policy, seed):
                         break
                     hits += theirs is LookupResult.HIT and not deferred
                     deferred |= theirs is not LookupResult.HIT
+                tail_hits = []
+                for key in reversed(request.tail):  # a sliding window's lookup: from the end
+                    if deferred:
+                        break
+                    ours, theirs = both("lookup", request, key)[::-1]
+                    assert ours is theirs, f"step {step}: lookup {key!r}: vLLM {theirs}, ours {ours}"
+                    if theirs is LookupResult.MISS:
+                        break
+                    deferred |= theirs is not LookupResult.HIT
+                    tail_hits.append(key)
                 if deferred:
                     continue  # asked again next step
                 request.looked_up = True
+                if tail_hits:
+                    both("prepare_load", request, tail_hits)
+                    request.jobs.append((step + rng.randrange(3), "load", tail_hits))
                 if hits:
                     loaded = request.keys[:hits]
                     specs = both("prepare_load", request, loaded)
                     assert [len(s.block_ids) for s in specs] == [hits, hits]
                     request.jobs.append((step + rng.randrange(3), "load", loaded))
                 offered = request.keys if rng.random() < 0.5 else request.keys[hits:]
-                vllm_out, our_out = both("prepare_store", request, offered)
-                if vllm_out is None or our_out is None:
-                    assert vllm_out is our_out, f"step {step}: a store refused by one manager only"
-                    continue
-                assert our_out.keys_to_store == vllm_out.keys_to_store, f"step {step}"
-                assert our_out.evicted_keys == vllm_out.evicted_keys, f"step {step}: evicted"
-                evictions += len(vllm_out.evicted_keys)
-                if vllm_out.keys_to_store:  # the connector completes a store with a set
-                    request.jobs.append((step + rng.randrange(3), "store", set(vllm_out.keys_to_store)))
+                tail = [key for key in request.tail if key not in tail_hits]
+                for keys in ([tail] if tail else []) + [offered]:  # the tail's store first: out of order
+                    vllm_out, our_out = both("prepare_store", request, keys)
+                    if vllm_out is None or our_out is None:
+                        assert vllm_out is our_out, f"step {step}: a store refused by one manager only"
+                        continue
+                    assert our_out.keys_to_store == vllm_out.keys_to_store, f"step {step}"
+                    assert our_out.evicted_keys == vllm_out.evicted_keys, f"step {step}: evicted"
+                    evictions += len(vllm_out.evicted_keys)
+                    if vllm_out.keys_to_store:  # the connector completes a store with a set
+                        request.jobs.append((step + rng.randrange(3), "store", set(vllm_out.keys_to_store)))
             if step % 97 == 96:  # a reset with transfers in flight: vLLM drops their completions
                 for manager in managers:
                     manager.reset_cache()

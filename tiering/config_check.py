@@ -46,7 +46,11 @@ def describe(config: TieringConfig, layout: KVLayout | None) -> tuple[list[str],
     if layout is not None and block_size is not None:
         block_bytes = layout.kv_bytes_per_token * block_size
         rows = config.cpu_bytes_to_use // block_bytes
-        lines.append(f"block: {block_size} tokens of {layout.model} = {block_bytes:,} bytes; cpu tier rows: {rows:,}")
+        groups = f" per KV-cache group ({layout.kv_groups} groups: a block of a prefix takes {layout.kv_groups} rows)"
+        lines.append(
+            f"block: {block_size} tokens of {layout.model} = {block_bytes:,} bytes"
+            f"{groups if layout.kv_groups > 1 else ''}; cpu tier rows: {rows:,}"
+        )
         if rows < 1:
             problems.append(f"cpu_bytes_to_use holds no whole block of {block_bytes:,} bytes")
     for index, tier in enumerate(config.secondary_tiers):

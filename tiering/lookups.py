@@ -12,7 +12,9 @@ those calls. Here each (request, block) pair counts once:
 - ``hit_blocks`` by tier: pairs whose lookup answered True at some point, counted once, for
   the tier that supplied the block: ``cpu`` if it was in the CPU tier when the request first
   asked, else the secondary tier it was promoted from (``cpu`` when it arrived from the GPU,
-  stored by another request). ``hit_tokens`` likewise.
+  stored by another request). ``hit_tokens`` likewise;
+- ``hit_blocks_by_group``: the same hits by KV-cache group (the key's group index), so that a
+  hybrid model's sliding-window and full-attention groups show their hits apart.
 
 So ``sum(hit_tokens) / requested_tokens`` is the engine's token hit rate over the blocks it
 was asked for: the GPU prefix cache in front is excluded (the scheduler never asks about
@@ -29,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from tiering.context import PRIMARY_NAME
-from tiering.keys import OffloadKey
+from tiering.keys import OffloadKey, get_offload_group_idx
 from tiering.request_access import per_request
 
 
@@ -55,6 +57,7 @@ class RequestLookups:
         self.requested_blocks = 0
         self.lookups_repeated = 0
         self.hit_blocks: Counter[str] = Counter()
+        self.hit_blocks_by_group: Counter[int] = Counter()
 
     def answered(self, req_id: str, key: OffloadKey, answer: bool | None, source: str | None = None) -> None:
         """Count the manager's answer (True, False, or None: ask again) to a lookup of `key`
@@ -67,11 +70,13 @@ class RequestLookups:
             asked[key] = answer is True
             if answer is True:
                 self.hit_blocks[source or PRIMARY_NAME] += 1
+                self.hit_blocks_by_group[get_offload_group_idx(key)] += 1
             return
         self.lookups_repeated += 1
         if answer is True and not hit:
             asked[key] = True
             self.hit_blocks[self._source(key) or PRIMARY_NAME] += 1
+            self.hit_blocks_by_group[get_offload_group_idx(key)] += 1
 
     def stored(self, req_id: str, keys: Iterable[OffloadKey]) -> None:
         """Count the blocks of a store for request `req_id` it never looked up. Never raises."""

@@ -509,10 +509,13 @@ class TieringOffloadingManager(OffloadingManager):
             }
             stats.setdefault("histograms", {})
             tiers[name] = stats
-        counters = {**self._counters, "requested_blocks": requests.requested_blocks}
+        counters: dict[str, Any] = {**self._counters, "requested_blocks": requests.requested_blocks}
         if self.block_tokens is not None:
             counters["requested_tokens"] = requests.requested_blocks * self.block_tokens
         counters["lookups_repeated"] = requests.lookups_repeated
+        counters["hit_blocks_by_group"] = {
+            str(group): count for group, count in sorted(requests.hit_blocks_by_group.items())
+        }
         gauges = {
             "jobs_in_flight": len(self._jobs),
             "jobs_holding_rows": len(self._held),

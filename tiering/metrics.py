@@ -129,6 +129,7 @@ HELP = {
     "requested_blocks": "Blocks of requests the engine saw (looked up, or stored after a miss), once per request.",
     "requested_tokens": "Tokens of the requested blocks (requested_blocks times the tokens per block).",
     "lookups_repeated": "Further lookups of a block a request had already asked about (retries after 'in flight').",
+    "hit_blocks_by_group": "Blocks of requests found by the engine, once per request, by KV-cache group index.",
     "promotions_submitted": "Load jobs submitted to secondary tiers (one per tier and request and step).",
     "promotions_deferred": (
         "Lookups answered 'ask again next step': a promotion would have left fewer than store_reserve_rows "
@@ -141,6 +142,9 @@ HELP = {
     "promotion_rows": "CPU-tier rows reserved by promotions queued or in flight.",
     "promotion_seconds": "Seconds from the lookup that queued a promotion to its blocks being loadable.",
 }
+
+
+_DICT_LABELS = {"hit_blocks_by_group": "group"}  # the label of a counter kept by key; "reason" otherwise
 
 
 def _help(name: str) -> str:
@@ -164,7 +168,8 @@ def _families(
         for name, value in stats.get("counters", {}).items():
             if isinstance(value, dict):
                 for reason, count in value.items():
-                    family(CounterMetricFamily, name, ("reason",)).add_metric([*labels, reason], count)
+                    label_name = _DICT_LABELS.get(name, "reason")
+                    family(CounterMetricFamily, name, (label_name,)).add_metric([*labels, reason], count)
             else:
                 family(CounterMetricFamily, name).add_metric(labels, value)
         for name, value in stats.get("gauges", {}).items():

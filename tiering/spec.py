@@ -35,11 +35,13 @@ from tiering.shared_region import SharedOffloadRegion
 logger = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1, "int8": 1}
-MODEL_PRESETS = {  # layers, KV heads, head dimension
+MODEL_PRESETS = {  # layers, KV heads, head dimension[, KV-cache groups under vLLM's hybrid cache]
     "llama-3.1-8b": (32, 8, 128),
     "llama-3.1-70b": (80, 8, 128),
     "mistral-7b": (32, 8, 128),
     "qwen2.5-7b": (28, 4, 128),
+    "gpt-oss-20b": (24, 8, 64, 2),  # sliding-window and full attention, alternating
+    "gpt-oss-120b": (36, 8, 64, 2),
 }
 
 
@@ -54,6 +56,9 @@ class KVLayout:
         gpu_block_size: tokens per GPU (paged-attention) block.
         dtype: KV dtype name, part of the fingerprint.
         world_size: tensor-parallel workers sharing each CPU row.
+        kv_groups: KV-cache groups (vLLM's hybrid cache: each group's layers, of one kind,
+            laid over the same tensors); a block of a prefix takes one row per group, and
+            `num_layers` are one group's.
     """
 
     model: str
@@ -62,6 +67,7 @@ class KVLayout:
     gpu_block_size: int = 16
     dtype: str = "bfloat16"
     world_size: int = 1
+    kv_groups: int = 1
 
     @classmethod
     def from_preset(
@@ -76,8 +82,10 @@ class KVLayout:
             raise ValueError(f"unknown model preset {model!r}; known presets: {', '.join(sorted(MODEL_PRESETS))}")
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {dtype!r}; known dtypes: {', '.join(sorted(DTYPE_BYTES))}")
-        layers, kv_heads, head_dim = MODEL_PRESETS[model]
-        return cls(model, layers, 2 * kv_heads * head_dim * DTYPE_BYTES[dtype], gpu_block_size, dtype, world_size)
+        layers, kv_heads, head_dim, *groups = MODEL_PRESETS[model]
+        kv_groups = groups[0] if groups else 1
+        per_layer = 2 * kv_heads * head_dim * DTYPE_BYTES[dtype]
+        return cls(model, layers // kv_groups, per_layer, gpu_block_size, dtype, world_size, kv_groups)
 
     @property
     def kv_bytes_per_token(self) -> int:

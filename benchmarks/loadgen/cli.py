@@ -245,9 +245,12 @@ def check_output(path: Path | None, option: str) -> None:
 
 
 def layout_for(args: argparse.Namespace) -> KVLayout:
-    """The simulated model: a preset, or `LAYERS` tensors adding up to --block-bytes."""
+    """The simulated model: a preset, or `LAYERS` tensors adding up to --block-bytes. A
+    hybrid preset's KV-cache groups are simulated as one, of all its layers: a block is one
+    key here (the bound on its bytes; a sliding-window group stores only its window's tail)."""
     if args.model:
-        return KVLayout.from_preset(args.model, gpu_block_size=BLOCK_TOKENS)
+        layout = KVLayout.from_preset(args.model, gpu_block_size=BLOCK_TOKENS)
+        return dataclasses.replace(layout, num_layers=layout.num_layers * layout.kv_groups, kv_groups=1)
     per_token_layer, remainder = divmod(args.block_bytes, LAYERS * BLOCK_TOKENS)
     if remainder or not per_token_layer:
         raise ValueError(

@@ -40,9 +40,19 @@ SHAPES = {
 }
 
 
-def make_model(directory: Path, shape: ModelShape = SHAPES["tiny"], seed: int = 0, max_len: int = 4096) -> Path:
+def make_model(
+    directory: Path,
+    shape: ModelShape = SHAPES["tiny"],
+    seed: int = 0,
+    max_len: int = 4096,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+) -> Path:
     """Save a Llama of `shape` with N(0, 0.2) weights (fp32) and a word-level tokenizer
-    (`make_tokenizer`) in `directory`; returns it."""
+    (`make_tokenizer`) in `directory`; returns it. `layer_types`: each layer's attention,
+    ``"full_attention"`` or ``"sliding_attention"`` over the last `sliding_window` tokens
+    (vLLM reads both from the config: a hybrid model, in KV-cache groups by kind); None:
+    every layer full attention."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -58,6 +68,8 @@ def make_model(directory: Path, shape: ModelShape = SHAPES["tiny"], seed: int = 
         max_position_embeddings=max_len,
         torch_dtype="float32",
     )
+    if layer_types is not None:
+        config.layer_types, config.sliding_window = layer_types, sliding_window
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for parameter in model.parameters():

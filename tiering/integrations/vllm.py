@@ -40,8 +40,19 @@ What it translates between vLLM's API (0.32.x and 0.33.x) and the engine's (the 
   vLLM's ``vllm:kv_offload_*`` byte and time counters count them. Secondary-tier failures
   stay inside the manager (a failed promotion is a miss).
 
-Not supported (refused at start with a message): several KV-cache groups (hybrid models),
-vLLM versions outside `SUPPORTED_VERSIONS`.
+Hybrid models (several KV-cache groups: sliding-window and full-attention layers, as in
+gpt-oss, Gemma 2 and 3, Cohere2): vLLM's offloading keys are block hash + group index, so
+each group's blocks are blocks of their own here, in a row each; vLLM's hybrid cache lays
+every group's layers over the same tensors, so one row holds one group's pages of a block
+and is the same size for every group. vLLM's offloading scheduler decides what each group
+stores, looks up and loads (a sliding-window group: its in-window tail only), and records
+each key's token position, by which a finished request's blocks are ranked head to tail
+across groups (`tiering.request_access`). Hits are counted by group
+(``hit_blocks_by_group``).
+
+Not supported (refused at start with a message): KV-cache groups of different block sizes
+(Mamba and linear-attention layers; `KVTieringConnector` names the group kind), vLLM versions
+outside `SUPPORTED_VERSIONS`.
 
 The class is `KVTieringOffloadingSpec`: vLLM's factory looks ``spec_name`` up in its own
 registry before it reads ``spec_module_path``, and vLLM registers a ``TieringOffloadingSpec``
@@ -142,29 +153,31 @@ def log_like_vllm() -> None:
     ours.propagate = False
 
 
-def rows_for_one_step(max_num_batched_tokens: int, tokens_per_row: int) -> int:
+def rows_for_one_step(max_num_batched_tokens: int, tokens_per_row: int, kv_groups: int = 1) -> int:
     """CPU rows one scheduler step of `max_num_batched_tokens` (tokens) can store, in rows
-    of `tokens_per_row` tokens: what promotions leave available for the GPU's stores
-    (``store_reserve_rows``) unless the config says otherwise, at most half the tier."""
-    return -(-max_num_batched_tokens // tokens_per_row)
+    of `tokens_per_row` tokens, a row per block of each of `kv_groups` KV-cache groups (a
+    sliding-window group stores fewer: this is the bound): what promotions leave available
+    for the GPU's stores (``store_reserve_rows``) unless the config says otherwise, at most
+    half the tier."""
+    return -(-max_num_batched_tokens // tokens_per_row) * kv_groups
 
 
-def rows_for_two_steps(max_num_batched_tokens: int, tokens_per_row: int) -> int:
+def rows_for_two_steps(max_num_batched_tokens: int, tokens_per_row: int, kv_groups: int = 1) -> int:
     """The fewest CPU rows that carry vLLM's transfers under load: two scheduler steps of
     `max_num_batched_tokens` (tokens), in rows of `tokens_per_row` tokens. The rows a step
     stores stay in flight until its transfer finishes, while the next step's requests
     load their hits and promote their prefixes into rows of their own; a row in flight
     cannot be evicted, so a smaller tier refuses stores and promotions when prefills run."""
-    return 2 * rows_for_one_step(max_num_batched_tokens, tokens_per_row)
+    return 2 * rows_for_one_step(max_num_batched_tokens, tokens_per_row, kv_groups)
 
 
-def check_cpu_tier_size(engine: EngineSpec, max_num_batched_tokens: int) -> None:
+def check_cpu_tier_size(engine: EngineSpec, max_num_batched_tokens: int, kv_groups: int = 1) -> None:
     """Warn (once per engine and process) when the CPU tier has fewer rows than
     `rows_for_two_steps`, naming ``cpu_bytes_to_use`` and the bytes that would fit."""
     if engine.instance_id in _SIZE_CHECKED:
         return
     _SIZE_CHECKED.add(engine.instance_id)
-    needed = rows_for_two_steps(max_num_batched_tokens, engine.block_size)
+    needed = rows_for_two_steps(max_num_batched_tokens, engine.block_size, kv_groups)
     if engine.num_blocks < needed:
         logger.warning(
             "the CPU tier (cpu_bytes_to_use=%d: %d rows of %d tokens) is smaller than two scheduler steps of "
@@ -190,24 +203,29 @@ class KVTieringOffloadingSpec(OffloadingSpec):
         RuntimeError: an unsupported vLLM version.
         ConfigError: the extra config is invalid (file or ``kv_connector_extra_config``, key
             path, problem).
-        ValueError: several KV-cache groups, or a block that does not split into tokens.
+        ValueError: KV-cache groups of different block sizes, or a block that does not split
+            into tokens.
     """
 
     def __init__(self, config: OffloadingConfig):
         check_version()
         log_like_vllm()
         super().__init__(config)
-        if len(config.groups) != 1:
+        sizes = sorted({group.tokens_per_block for group in config.groups})
+        if len(sizes) != 1:
             raise ValueError(
-                f"tiering.integrations.vllm supports one KV-cache group; this model has {len(config.groups)} "
-                "(hybrid models are not supported yet)"
+                f"tiering.integrations.vllm needs one block size in every KV-cache group; this model's groups have "
+                f"{sizes} tokens per block (a Mamba or linear-attention group: not supported)"
             )
-        tokens = config.groups[0].tokens_per_block
+        tokens = sizes[0]
         world_size = max(1, config.parallel.world_size)
         block_bytes = config.worker_kv_bytes_per_block * world_size
         if block_bytes % tokens:
             raise ValueError(f"a GPU block of {block_bytes} bytes does not split into {tokens} tokens")
-        layout = KVLayout(config.model.name, 1, block_bytes // tokens, tokens, str(config.model.dtype), world_size)
+        model = (
+            config.model.name if len(config.groups) == 1 else f"{config.model.name} ({len(config.groups)} KV groups)"
+        )
+        layout = KVLayout(model, 1, block_bytes // tokens, tokens, str(config.model.dtype), world_size)
         try:
             tiering_config = engine_config(config.extra_config, tokens * self.blocks_per_chunk)
         except ConfigError as exc:
@@ -223,10 +241,14 @@ class KVTieringOffloadingSpec(OffloadingSpec):
         vllm_config = get_current_vllm_config_or_none()
         budget = None if vllm_config is None else vllm_config.scheduler_config.max_num_batched_tokens
         if tiering_config.store_reserve_rows is None:  # a step's stores; half the tier where the step is unknown
-            step_rows = self.engine.num_blocks if budget is None else rows_for_one_step(budget, self.engine.block_size)
+            step_rows = (
+                self.engine.num_blocks
+                if budget is None
+                else rows_for_one_step(budget, self.engine.block_size, len(config.groups))
+            )
             self.engine.store_reserve_rows = min(step_rows, self.engine.num_blocks // 2)
         if budget is not None and config.parallel.rank == 0:
-            check_cpu_tier_size(self.engine, budget)
+            check_cpu_tier_size(self.engine, budget, len(config.groups))
         self._closed = False
         _LIVE.add(self)
         atexit.register(self.shutdown)  # a forgotten shutdown still releases shared memory and threads

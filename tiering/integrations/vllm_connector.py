@@ -106,12 +106,42 @@ class _FreshBlock(NamedTuple):
     block_hash: None = None
 
 
+SUPPORTED_GROUP_KINDS = (
+    "FullAttentionSpec",
+    "SlidingWindowSpec",
+    "MLAAttentionSpec",
+    "SlidingWindowMLASpec",
+    "ChunkedLocalAttentionSpec",
+)
+"""The KV-cache group kinds (vLLM's spec classes) the engine offloads: attention whose pages
+are a block's tokens, in groups of one block size. Mamba and other state kinds are refused."""
+
+
+def check_group_kinds(kv_cache_config: Any) -> None:
+    """Refuse a model with a KV-cache group of a kind not in `SUPPORTED_GROUP_KINDS`.
+
+    Raises:
+        ValueError: one line naming the kind and its group.
+    """
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        spec = group.kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)  # vLLM's UniformTypeKVCacheSpecs: a spec per layer
+        for one in per_layer.values() if per_layer else (spec,):
+            if not any(kind.__name__ in SUPPORTED_GROUP_KINDS for kind in type(one).__mro__):
+                layers = ", ".join(group.layer_names[:3]) + (", ..." if len(group.layer_names) > 3 else "")
+                raise ValueError(
+                    f"KVTieringConnector cannot offload KV-cache group {index} of kind {type(one).__name__} "
+                    f"(layers {layers}); it offloads {', '.join(SUPPORTED_GROUP_KINDS)}"
+                )
+
+
 class KVTieringConnector(OffloadingConnector):
     """`OffloadingConnector` whose loads finish before the forward of the step that
     schedules them, which computes the request (see the module docstring). Constructed by vLLM, once
     per role and process; raises what `OffloadingConnector` and the spec raise."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
+        check_group_kinds(kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         for key, value in VLLM_SPEC.items():
             extra.setdefault(key, value)
