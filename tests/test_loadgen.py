@@ -15,7 +15,7 @@ import pytest
 from tiering import ConfigError, RegionInUseError
 from tiering.benchmarks.loadgen import cli, runs
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
-from tiering.benchmarks.loadgen.workload import Request, read_trace, synthetic
+from tiering.benchmarks.loadgen.workload import CONTINUATION_TTL_S, Request, read_trace, synthetic, with_hints
 
 TRACE = Path(__file__).parent / "data" / "conversation_trace_head2000.jsonl"  # shipped: see data/README.md
 REAL_LINES = """\
@@ -647,3 +647,32 @@ def test_without_a_terminal_the_replay_logs_its_progress(monkeypatch, caplog):
         assert cli.main(["--max-requests", "3"]) == 0  # pytest's stderr is no terminal
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("replayed ")]
     assert [line.split(" in ")[0] for line in lines] == [f"replayed {i} of 3 requests ({i / 3:.0%})" for i in (1, 2, 3)]
+
+
+def test_hints_derived_from_the_trace_retain_a_continuing_conversation_and_release_its_last_turn():
+    first = Request(0, 1024, 1, (1, 2))
+    later = Request(1, 1536, 1, (1, 2, 3))  # the same conversation, one turn on
+    alone = Request(2, 1024, 1, (9, 8))
+    hinted = with_hints([first, later, alone], "continuation")
+    assert [r.hint for r in hinted] == [{"retain": CONTINUATION_TTL_S}, {"release": True}, {"release": True}]
+    assert [r.hint for r in with_hints([first, alone], "ttl:60")] == [{"retain": 60.0}, {"retain": 60.0}]
+    assert with_hints([first], "none") == [first]
+    for bad in ("ttl:soon", "ttl:-5", "always"):
+        with pytest.raises(ValueError, match="--hints"):
+            with_hints([first], bad)
+
+
+def test_continuation_hints_lift_the_hit_rate_and_retaining_everything_costs_little(tmp_path):
+    """A small CPU tier on the conversation trace's head: told which conversations continue,
+    it keeps them and drops the finished ones; told to keep everything for a day, the cap on
+    retained rows keeps it close to no hints at all."""
+    config = tmp_path / "engine.yaml"
+    config.write_text("cpu_bytes_to_use: 4MiB\neviction_policy: lru\n")  # 1,024 blocks of 4 KiB
+    rates = {}
+    for hints in ("none", "continuation", "ttl:86400"):
+        output = tmp_path / f"{hints.replace(':', '-')}.json"
+        argv = ["--config", str(config), "--trace", str(TRACE), "--block-bytes", "4KiB", "--gpu-cache-blocks", "0"]
+        assert cli.main([*argv, "--hints", hints, "--quiet", "--output", str(output)]) == 0
+        rates[hints] = json.loads(output.read_text())["hit_rate"]["cpu"]
+    assert rates["continuation"] > rates["none"] + 0.02, rates
+    assert rates["ttl:86400"] >= rates["none"] - 0.02, rates

@@ -24,6 +24,7 @@ def test_counters_match_a_scripted_run(engine_factory):
         "rows_reading": 0,
         "rows_writing": 0,
         "rows_quarantined": 0,
+        "retained_blocks": 0,
         "healthy": True,
     }
 

@@ -49,6 +49,7 @@ from tiering.factory import SecondaryTierFactory, check_tier_options
 from tiering.manager import JOB_DEADLINE_S
 from tiering.options import Seconds, Size, describe_error, join_path, key_path, set_options, validate_options
 from tiering.policies import cache_policy_names
+from tiering.retention import RETENTION_MAX_FRACTION
 from tiering.tenants import TenantsConfig
 
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -84,6 +85,7 @@ class TieringConfig(BaseModel):
     max_promotion_rows: int | None = Field(default=None, gt=0)
     store_reserve_rows: int | None = Field(default=None, ge=0)
     job_deadline_s: Seconds = JOB_DEADLINE_S
+    retention_max_fraction: float = Field(default=RETENTION_MAX_FRACTION, ge=0, le=1)
     tenants: TenantsConfig | None = None
     _source: str = PrivateAttr(default="<string>")
 

@@ -15,6 +15,7 @@ from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.policies import BlockStatus, CachePolicy, make_cache_policy
 from tiering.request_access import RequestAccesses
+from tiering.retention import RETENTION_MAX_FRACTION, Retention, hint_of
 from tiering.row_states import FAILED, PENDING, READY, RowStates
 from tiering.stats import TierStats, worth_logging
 from tiering.tenants import TenantsConfig, TenantShares
@@ -60,6 +61,7 @@ class CPUOffloadingManager(OffloadingManager):
         cache_policy: str = "lru",
         enable_events: bool = False,
         tenants: TenantShares | None = None,
+        retention_max_fraction: float = RETENTION_MAX_FRACTION,
     ):
         """
         Args:
@@ -67,6 +69,9 @@ class CPUOffloadingManager(OffloadingManager):
             cache_policy: eviction policy name, ``"lru"`` or ``"arc"``.
             enable_events: collect `OffloadingEvent`s for `take_events`.
             tenants: the tenants' shares of the rows, or None: every request alike.
+            retention_max_fraction: the share of the rows that requests' retention hints
+                may hold at once (`tiering.retention`); 0, or with `tenants`: hints are
+                ignored.
 
         Raises:
             ValueError: `num_blocks` < 1, or `cache_policy` is unknown.
@@ -90,6 +95,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._rows_writing = 0  # rows with a write in flight (ref count -1)
         self._accesses = RequestAccesses()
         self.tenants = tenants
+        max_retained = int(retention_max_fraction * num_blocks)
+        self.retention = Retention(max_retained) if max_retained and tenants is None else None
         self._pending_pins: dict[OffloadKey, list[str]] = {}  # a write in flight -> requests pinning it
         self._orphans: dict[tuple[str, OffloadKey], int] = {}  # (request, key) -> row of a failed write it pins
 
@@ -250,7 +257,7 @@ class CPUOffloadingManager(OffloadingManager):
         if shortfall > 0:
             kept = _Either(unique, protected) if protected else unique
             if tenants is None:
-                victims = policy.evict(shortfall, protected=kept)
+                victims = self._evict(policy, shortfall, kept)
             else:
                 victims = tenants.evict(shortfall, kept, tenant, len(keys_to_store))
             if victims is None:
@@ -260,6 +267,8 @@ class CPUOffloadingManager(OffloadingManager):
                 del resident[key]
                 self._free_block_ids.append(block.block_id)
                 evicted.append(key)
+            if self.retention is not None and len(self.retention):
+                self.retention.forget(evicted)
             self._counters["evictions"] += len(victims)
             self._emit(evicted, removed=True)
         block_ids = [self._allocate_block_id() for _ in keys_to_store]
@@ -340,6 +349,55 @@ class CPUOffloadingManager(OffloadingManager):
         lost = set(failed)
         return [key for key in keys if key not in lost]
 
+    def _evict(
+        self, policy: CachePolicy, n: int, kept: Container[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        """`n` victims of `policy` not in `kept`: blocks without a retention deadline first;
+        if those are too few, the retained ones with the earliest deadlines lose theirs
+        (`tiering.retention`). None if even that leaves too few."""
+        retention = self.retention
+        if retention is None:
+            return policy.evict(n, protected=kept)
+        released: list[tuple[OffloadKey, BlockStatus]] = []
+        if retention.has_released:
+            resident = self._resident
+
+            def evictable(key: OffloadKey) -> bool:
+                block = resident.get(key)
+                return block is not None and block.ref_cnt == 0 and key not in kept
+
+            for key in retention.take_released(n, evictable):
+                block = policy.remove(key)
+                if block is not None:
+                    released.append((key, block))
+            if len(released) == n:
+                return released
+        rest = self._evict_unreleased(policy, n - len(released), kept)
+        if rest is None:  # refused after all: the released blocks stay, at the front again
+            for key, block in released:
+                policy.insert(key, block)
+            retention.release(key for key, _ in released)
+            return None
+        return released + rest
+
+    def _evict_unreleased(
+        self, policy: CachePolicy, n: int, kept: Container[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        """`_evict`'s blocks without a deadline first, then those with the earliest."""
+        assert self.retention is not None
+        retained = self.retention.live()
+        if retained is None:
+            return policy.evict(n, protected=kept)
+        victims = policy.evict(n, protected=_Either(kept, retained))
+        if victims is not None:
+            return victims
+        try:
+            short = n - len(policy.candidates(n, _Either(kept, retained)))
+        except NotImplementedError:
+            short = n
+        self.retention.give_up(short, kept)
+        return policy.evict(n, protected=_Either(kept, self.retention.live() or ()))
+
     def _complete_writes(self, keys: Collection[OffloadKey], success: bool, counter: str) -> list[OffloadKey]:
         if not success:
             rows = self._drop_writes(keys)
@@ -409,6 +467,8 @@ class CPUOffloadingManager(OffloadingManager):
             if block is not None and block.ref_cnt == -1:
                 if self.tenants is None:
                     self._policy.remove(key)
+                    if self.retention is not None:
+                        self.retention.forget((key,))
                 else:
                     self.tenants.remove(key)
                 del self._resident[key]
@@ -433,6 +493,16 @@ class CPUOffloadingManager(OffloadingManager):
         if access is not None and access.keys:
             policy = self._policy_of(req_context)
             policy.on_request_finished(access.prefix_order(req_context), access.inserted, access.reused)
+            if self.retention is not None:
+                hint = hint_of(req_context)
+                if hint is None:
+                    self.retention.used(access.keys)
+                else:
+                    used = [key for key in access.keys if key in self._resident]  # stored or loaded
+                    if hint.release:
+                        self.retention.release(used)
+                    if hint.retain_s is not None:
+                        self.retention.retain(used, hint.retain_s)
 
     def get_stats(self) -> TierStats:
         """Counters (lookups by answer, blocks stored and loaded, evictions, refused stores as
@@ -446,9 +516,11 @@ class CPUOffloadingManager(OffloadingManager):
             "lookups_deferred": self._lookups[None],
             **{name: self._counters[name] for name in self.counter_names},
             **{name: dict(reasons) for name, reasons in self._refusals.items()},
+            **(self.retention.counters if self.retention is not None else {}),
         }
         gauges = {
             "blocks": len(self._resident),
+            "retained_blocks": len(self.retention) if self.retention is not None else 0,
             "capacity_blocks": self.num_blocks,
             "rows_reading": self._rows_reading,
             "rows_writing": self._rows_writing,
@@ -481,6 +553,8 @@ class CPUOffloadingManager(OffloadingManager):
         """
         self._quarantined.update(keep_rows)
         self._policy = make_cache_policy(self._cache_policy, self.num_blocks)
+        if self.retention is not None:
+            self.retention.clear()
         if self.tenants is not None:
             self.tenants.reset()
         self._resident.clear()
@@ -582,10 +656,12 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         cache_policy: str = "lru",
         enable_events: bool = False,
         tenants: TenantsConfig | None = None,
+        retention_max_fraction: float = RETENTION_MAX_FRACTION,
     ):
         """
         Args:
             tenants: the tenants' shares of the rows (`tiering.tenants`), or None.
+            retention_max_fraction: as `CPUOffloadingManager`.
 
         Raises:
             ValueError: as `CPUOffloadingManager`, or the region's view does not have
@@ -596,7 +672,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
             raise ValueError(f"region view has shape {kv_view.shape}; expected ({num_blocks}, row_bytes)")
         row_bytes = kv_view.nbytes // max(1, num_blocks)
         shares = None if tenants is None else TenantShares(tenants, num_blocks, row_bytes, cache_policy)
-        super().__init__(num_blocks, cache_policy, enable_events, shares)
+        super().__init__(num_blocks, cache_policy, enable_events, shares, retention_max_fraction)
         self._region: KVRegion | None = mmap_region
         self._kv_view = kv_view
         create_row_states = getattr(mmap_region, "create_row_states", None)

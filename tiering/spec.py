@@ -192,7 +192,12 @@ class TieringOffloadingSpec:
                     raise
                 raise ConfigError(self.config.source, [("cpu_bytes_to_use", str(exc.strerror))]) from exc
             primary = CPUPrimaryTierOffloadingManager(
-                self.num_blocks, region, self.config.eviction_policy, self.enable_events, self.config.tenants
+                self.num_blocks,
+                region,
+                self.config.eviction_policy,
+                self.enable_events,
+                self.config.tenants,
+                self.config.retention_max_fraction,
             )
             view = primary.get_kv_memoryview()
             for index, tier_config in enumerate(self.config.secondary_tiers):

@@ -46,7 +46,14 @@ from tiering.benchmarks.loadgen import BENCH_MODULES, runs
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
 from tiering.benchmarks.loadgen.run import SchedulerLoop
-from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS, WORKLOADS, read_trace, synthetic, with_flood
+from tiering.benchmarks.loadgen.workload import (
+    BLOCK_TOKENS,
+    WORKLOADS,
+    read_trace,
+    synthetic,
+    with_flood,
+    with_hints,
+)
 from tiering.errors import describe, describe_bind_error
 from tiering.options import parse_size
 from tiering.spec import MODEL_PRESETS
@@ -216,6 +223,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a second tenant ('flood') sends FACTOR prompts of blocks nobody else has per replayed request, each "
         "as long as it; the replayed requests become tenant 'replay' (shares: the config's tenants section)",
     )
+    parser.add_argument(
+        "--hints",
+        default="none",
+        metavar="MODE",
+        help="retention hints the requests send (tiering.retention): 'continuation' (retain 5 min while the "
+        "conversation has a later turn, release at its last), 'ttl:SECONDS' (every request retains), 'none' "
+        "(default); deadlines follow the trace's clock",
+    )
     parser.add_argument("--verify", action="store_true", help="check every loaded byte")
     parser.add_argument("--output", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, help="write hit rates over the run as PNG")
@@ -318,6 +333,7 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
             raise ValueError("no requests to replay")
         if args.flood:
             requests = with_flood(requests, args.flood)
+        requests = with_hints(requests, args.hints)
         longest = max(len(request.hash_ids) for request in requests)
         prefix_cache = args.gpu_blocks != 0
         gpu_blocks = args.gpu_blocks or max(64 if prefix_cache else 1, longest)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiering import ReqContext, make_offload_key
 from tiering.benchmarks.loadgen.workload import Request
+from tiering.retention import HINT_KEY
 
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
@@ -67,6 +68,7 @@ class SchedulerLoop:
         self.step_s = step_s
         self.max_steps = max_steps
         self.stats = RunStats()
+        self._trace_s = 0.0  # the trace's clock: the arrival of the request being served, seconds
 
     def _call(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
         start = time.perf_counter_ns()
@@ -89,6 +91,9 @@ class SchedulerLoop:
         ``interrupted`` is set and the numbers cover the requests served.
         """
         stop = stop or threading.Event()
+        retention = self.manager.primary_tier.retention
+        if retention is not None:  # retention deadlines in the trace's seconds, whatever the replay's pace
+            retention.clock = lambda: self._trace_s
         start = time.perf_counter()
         try:
             for index, request in enumerate(requests):
@@ -116,7 +121,9 @@ class SchedulerLoop:
 
     def _serve(self, index: int, request: Request) -> None:
         engine, stats = self.engine, self.stats
-        context = ReqContext(f"req-{index}", tenant=request.tenant)
+        self._trace_s = request.timestamp_ms / 1000.0
+        params = None if request.hint is None else {HINT_KEY: request.hint}
+        context = ReqContext(f"req-{index}", kv_transfer_params=params, tenant=request.tenant)
         self._call("on_new_request", self.manager.on_new_request, context)
         # A partial last block is computed, never cached (`Request.full_blocks`).
         keys = [block_key(block, request.tenant) for block in request.hash_ids[: request.full_blocks()]]

@@ -7,6 +7,7 @@ see `Request.full_blocks`), and the tenant it is for (None: the engine's default
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,14 +27,16 @@ REPLAY_TENANT, FLOOD_TENANT = "replay", "flood"  # the two tenants of `with_floo
 
 @dataclass(frozen=True)
 class Request:
-    """One request: arrival in milliseconds from the first, prompt and output tokens, and
-    the ids of its prompt's blocks."""
+    """One request: arrival in milliseconds from the first, prompt and output tokens, the
+    ids of its prompt's blocks, its tenant, and the retention hint it sends
+    (`tiering.retention`: ``{"retain": seconds}`` or ``{"release": True}``; None: none)."""
 
     timestamp_ms: float
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
     tenant: str | None = None
+    hint: dict[str, Any] | None = None
 
     def block_tokens(self) -> list[int]:
         """Tokens of each block: full blocks, then the remainder of the prompt."""
@@ -136,6 +140,49 @@ def synthetic(name: str, num_requests: int, seed: int = 0) -> list[Request]:
     return [
         Request(float(t), BLOCK_TOKENS * len(b) - int(rng.integers(0, BLOCK_TOKENS)), 256, tuple(b))
         for t, b in zip(times, blocks, strict=True)
+    ]
+
+
+HINTS = ("none", "continuation", "ttl:SECONDS")
+CONTINUATION_TTL_S = 300.0
+"""The retention a request whose conversation continues asks for under ``--hints continuation``."""
+
+
+def with_hints(requests: list[Request], mode: str) -> list[Request]:
+    """`requests` with the hints a client would send (`HINTS`): ``continuation``, retain for
+    `CONTINUATION_TTL_S` a request whose prompt a later request extends (the user is still
+    typing: its conversation has another turn), release the others (the last turn);
+    ``ttl:SECONDS``, every request retains for SECONDS; ``none``, no hint.
+
+    Raises:
+        ValueError: an unknown mode, or SECONDS not a positive number.
+    """
+    if mode == "none":
+        return requests
+    if mode.startswith("ttl:"):
+        try:
+            seconds = float(mode.removeprefix("ttl:"))
+        except ValueError:
+            seconds = 0.0
+        if not 0 < seconds < float("inf"):
+            raise ValueError(f"--hints ttl:SECONDS takes a positive number of seconds, got {mode!r}")
+        return [dataclasses.replace(request, hint={"retain": seconds}) for request in requests]
+    if mode != "continuation":
+        raise ValueError(f"--hints: expected one of {', '.join(HINTS)}, got {mode!r}")
+    later: set[int] = set()  # a hash of every prefix of a later request's full blocks
+    continues = [False] * len(requests)
+    for index in range(len(requests) - 1, -1, -1):
+        prefix, ids = 0, requests[index].hash_ids[: requests[index].full_blocks()]
+        for block in ids:
+            prefix = hash((prefix, block))
+        continues[index] = bool(ids) and prefix in later
+        prefix = 0
+        for block in ids:
+            prefix = hash((prefix, block))
+            later.add(prefix)
+    return [
+        dataclasses.replace(request, hint={"retain": CONTINUATION_TTL_S} if go_on else {"release": True})
+        for request, go_on in zip(requests, continues, strict=True)
     ]
 
 

@@ -1,0 +1,113 @@
+"""Soft retention from clients' hints (tiering.retention), in the CPU tier's eviction."""
+
+import pytest
+
+from tests.helpers import ManualClock, RegionStandIn, keys
+from tiering import CPUPrimaryTierOffloadingManager, ReqContext
+from tiering.retention import MAX_RETAIN_S, Retention, hint_of, parse_duration
+
+
+@pytest.fixture(params=["lru", "arc", "arc-s"])
+def policy(request):
+    return request.param
+
+
+def tier(policy, rows=8, fraction=0.5):
+    """A CPU tier of `rows` rows whose retention runs on a manual clock."""
+    primary = CPUPrimaryTierOffloadingManager(rows, RegionStandIn(rows), cache_policy=policy)
+    clock = ManualClock()
+    primary.retention = Retention(int(fraction * rows), clock)
+    return primary, clock
+
+
+def serve(primary, req_id, ids, hint=None):
+    """A request that stores `ids` (loading those already there) and finishes."""
+    ctx = ReqContext(req_id, kv_transfer_params=None if hint is None else {"kv_tiering": hint})
+    resident = [k for k in keys(*ids) if primary.lookup(k, ctx)]
+    if resident:
+        primary.prepare_load(resident, ctx)
+        primary.complete_load(resident, ctx)
+    out = primary.prepare_store(keys(*ids), ctx)
+    assert out is not None, f"{req_id}: store refused"
+    primary.complete_store(out.keys_to_store, ctx)
+    primary.on_request_finished(ctx)
+    return out.evicted_keys
+
+
+def resident(primary, *ids):
+    return [primary.lookup(k, ReqContext("probe")) is True for k in keys(*ids)]
+
+
+def test_durations_and_hints_parse_and_a_bad_hint_is_ignored_not_fatal(caplog):
+    assert [parse_duration(v) for v in ("5m", "1h", "24h", "90s", "2d", 300, "1.5h")] == [
+        300.0,
+        3600.0,
+        86400.0,
+        90.0,
+        172800.0,
+        300.0,
+        5400.0,
+    ]
+    assert parse_duration("30d") == MAX_RETAIN_S
+    for bad in ("soon", -5, 0, True, "5 minutes"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+    assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"retain": "5m"}})).retain_s == 300.0
+    assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"release": True}})).release
+    assert hint_of(ReqContext("r", kv_transfer_params={"other": 1})) is None
+    assert hint_of(ReqContext("r")) is None
+    assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"retain": "forever"}})) is None
+    assert "request r: hint kv_tiering ignored" in caplog.text
+
+
+def test_a_retained_prefix_outlives_a_flood_that_evicts_an_unretained_one(policy):
+    primary, _ = tier(policy)
+    serve(primary, "kept", [0, 1], {"retain": "5m"})
+    serve(primary, "plain", [2, 3])
+    for i in range(10):  # a flood of new prompts, two blocks each
+        serve(primary, f"flood-{i}", [100 + 2 * i, 101 + 2 * i])
+    assert resident(primary, 0, 1, 2, 3) == [True, True, False, False]
+    assert primary.get_stats()["gauges"]["retained_blocks"] == 2
+
+
+def test_an_expired_deadline_is_ordinary_recency_and_a_released_block_goes_first(policy):
+    primary, clock = tier(policy)
+    serve(primary, "kept", [0, 1], {"retain": 60})
+    clock.now += 61
+    for i in range(10):
+        serve(primary, f"flood-{i}", [100 + 2 * i, 101 + 2 * i])
+    assert resident(primary, 0, 1) == [False, False]
+    assert primary.get_stats()["counters"]["retentions_expired"] == 2
+    serve(primary, "again", [0, 1], {"retain": "1h"})
+    serve(primary, "bye", [0, 1], {"release": True})  # the session is over: no deadline left
+    assert primary.get_stats()["counters"]["retentions_released"] == 2
+    assert primary.get_stats()["gauges"]["retained_blocks"] == 0
+    assert serve(primary, "next", [300]) == keys(0)  # a released block goes first, even from ARC's T2
+    serve(primary, "uses-it", [1])  # a request uses the other: it is ordinary again
+    for i in range(3):
+        serve(primary, f"more-{i}", [200 + 2 * i, 201 + 2 * i])
+    assert resident(primary, 1) == [True]
+
+
+def test_retention_never_holds_more_than_its_share_and_never_refuses_a_store(policy):
+    primary, clock = tier(policy, rows=8, fraction=0.5)  # at most 4 rows retained
+    for i in range(4):  # every request asks for a day; later ones for longer
+        clock.now += 1
+        serve(primary, f"greedy-{i}", [2 * i, 2 * i + 1], {"retain": "24h"})
+    stats = primary.get_stats()
+    assert stats["gauges"]["retained_blocks"] == 4 and stats["counters"]["retentions_dropped"] == 4
+    assert resident(primary, 0, 1, 2, 3, 4, 5, 6, 7) == [True] * 8
+    serve(primary, "new", [50, 51, 52, 53, 54, 55])  # 6 rows: more than the unretained ones
+    assert resident(primary, 50, 51, 52, 53, 54, 55) == [True] * 6
+    assert sum(resident(primary, 4, 5, 6, 7)) == 2  # the latest deadlines kept the longest
+    assert primary.get_stats()["gauges"]["retained_blocks"] <= 2
+
+
+def test_without_hints_nothing_changes(policy):
+    with_retention, _ = tier(policy)
+    without = CPUPrimaryTierOffloadingManager(8, RegionStandIn(8), cache_policy=policy, retention_max_fraction=0)
+    assert without.retention is None
+    for primary in (with_retention, without):
+        evicted = [serve(primary, f"r-{i}", [i % 11, (3 * i) % 13 + 20]) for i in range(40)]
+        primary.evictions = evicted
+    assert with_retention.evictions == without.evictions
