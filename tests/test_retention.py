@@ -70,7 +70,7 @@ def test_a_retained_prefix_outlives_a_flood_that_evicts_an_unretained_one(policy
     assert primary.get_stats()["gauges"]["retained_blocks"] == 2
 
 
-def test_an_expired_deadline_is_ordinary_recency_and_a_released_block_goes_first(policy):
+def test_an_expired_deadline_is_ordinary_recency(policy):
     primary, clock = tier(policy)
     serve(primary, "kept", [0, 1], {"retain": 60})
     clock.now += 61
@@ -78,15 +78,19 @@ def test_an_expired_deadline_is_ordinary_recency_and_a_released_block_goes_first
         serve(primary, f"flood-{i}", [100 + 2 * i, 101 + 2 * i])
     assert resident(primary, 0, 1) == [False, False]
     assert primary.get_stats()["counters"]["retentions_expired"] == 2
-    serve(primary, "again", [0, 1], {"retain": "1h"})
-    serve(primary, "bye", [0, 1], {"release": True})  # the session is over: no deadline left
-    assert primary.get_stats()["counters"]["retentions_released"] == 2
     assert primary.get_stats()["gauges"]["retained_blocks"] == 0
-    assert serve(primary, "next", [300]) == keys(0)  # a released block goes first, even from ARC's T2
-    serve(primary, "uses-it", [1])  # a request uses the other: it is ordinary again
-    for i in range(3):
-        serve(primary, f"more-{i}", [200 + 2 * i, 201 + 2 * i])
-    assert resident(primary, 1) == [True]
+
+
+def test_a_release_makes_the_blocks_its_request_stored_go_first_until_used_again(policy):
+    primary, _ = tier(policy)
+    serve(primary, "old", [1, 2])  # the oldest blocks
+    serve(primary, "doc", [5])
+    serve(primary, "session", [3, 4, 5, 6], {"release": True})  # stored 3, 4 and 6; found 5 (another's)
+    serve(primary, "filler", [7, 8])  # the tier's 8 rows are full
+    serve(primary, "back", [6])  # the session's 6 is used again: ordinary from now on
+    assert set(serve(primary, "next", [9, 10])) == set(keys(3, 4))  # not 1 and 2, older
+    assert resident(primary, 1, 2, 5, 6) == [True] * 4
+    assert primary.get_stats()["counters"]["retentions_released"] == 3
 
 
 def test_retention_never_holds_more_than_its_share_and_never_refuses_a_store(policy):

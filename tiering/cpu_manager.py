@@ -499,8 +499,8 @@ class CPUOffloadingManager(OffloadingManager):
                     self.retention.used(access.keys)
                 else:
                     used = [key for key in access.keys if key in self._resident]  # stored or loaded
-                    if hint.release:
-                        self.retention.release(used)
+                    if hint.release:  # its own blocks: those it found already there others use too
+                        self.retention.release(key for key in used if key not in access.reused)
                     if hint.retain_s is not None:
                         self.retention.retain(used, hint.retain_s)
 
