@@ -356,7 +356,7 @@ class CPUOffloadingManager(OffloadingManager):
         if those are too few, the retained ones with the earliest deadlines lose theirs
         (`tiering.retention`). None if even that leaves too few."""
         retention = self.retention
-        if retention is None:
+        if retention is None or not retention.active:
             return policy.evict(n, protected=kept)
         released: list[tuple[OffloadKey, BlockStatus]] = []
         if retention.has_released:

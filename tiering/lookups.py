@@ -31,8 +31,10 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from tiering.context import PRIMARY_NAME
-from tiering.keys import OffloadKey, get_offload_group_idx
+from tiering.keys import OffloadKey, get_offload_group_idx, make_offload_key
 from tiering.request_access import per_request
+
+_GROUP_0 = make_offload_key(b"", 0)  # the 4 bytes of group index 0 that end a key
 
 
 class RequestLookups:
@@ -57,7 +59,7 @@ class RequestLookups:
         self.requested_blocks = 0
         self.lookups_repeated = 0
         self.hit_blocks: Counter[str] = Counter()
-        self.hit_blocks_by_group: Counter[int] = Counter()
+        self._hits_past_group_0: Counter[bytes] = Counter()  # by the key's 4 group bytes; group 0 is the rest
 
     def answered(self, req_id: str, key: OffloadKey, answer: bool | None, source: str | None = None) -> None:
         """Count the manager's answer (True, False, or None: ask again) to a lookup of `key`
@@ -70,13 +72,22 @@ class RequestLookups:
             asked[key] = answer is True
             if answer is True:
                 self.hit_blocks[source or PRIMARY_NAME] += 1
-                self.hit_blocks_by_group[get_offload_group_idx(key)] += 1
+                if key[-4:] != _GROUP_0:
+                    self._hits_past_group_0[key[-4:]] += 1
             return
         self.lookups_repeated += 1
         if answer is True and not hit:
             asked[key] = True
             self.hit_blocks[self._source(key) or PRIMARY_NAME] += 1
-            self.hit_blocks_by_group[get_offload_group_idx(key)] += 1
+            if key[-4:] != _GROUP_0:
+                self._hits_past_group_0[key[-4:]] += 1
+
+    @property
+    def hit_blocks_by_group(self) -> dict[int, int]:
+        """``hit_blocks`` of every tier by KV-cache group index (groups with hits only)."""
+        others = {get_offload_group_idx(OffloadKey(group)): count for group, count in self._hits_past_group_0.items()}
+        first = sum(self.hit_blocks.values()) - sum(others.values())
+        return {0: first, **others} if first else others
 
     def stored(self, req_id: str, keys: Iterable[OffloadKey]) -> None:
         """Count the blocks of a store for request `req_id` it never looked up. Never raises."""

@@ -157,6 +157,12 @@ class Retention:
         return taken
 
     @property
+    def active(self) -> bool:
+        """Whether some key holds a deadline or waits to be evicted first: eviction without
+        either is the policy's alone."""
+        return bool(self._deadlines or self._released)
+
+    @property
     def has_released(self) -> bool:
         """Whether some key waits to be evicted first."""
         return bool(self._released)
