@@ -254,6 +254,29 @@ def test_behind_the_engines_connector_a_copy_that_fails_is_recomputed_and_never_
         close(llm)
 
 
+@pytest.mark.parametrize("hint", [None, {"retain": "1h"}], ids=["no-hint", "retain"])
+def test_a_prefix_whose_request_asked_for_retention_survives_a_flood_that_evicts_it_otherwise(model, baseline, hint):
+    config = {"cpu_bytes_to_use": 16 * BLOCK_BYTES, "retention_max_fraction": 0.5}  # 8 rows may be retained
+    llm = tiny.make_llm(model, config, connector="KVTieringConnector")
+    try:
+        params = None if hint is None else {"kv_tiering": hint}  # as in an OpenAI request body
+        tiny.generate(llm, [PROMPT], kv_transfer_params=params)
+        tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
+        for other in OTHERS:  # 18 new blocks into 16 rows
+            tiny.generate(llm, [other])
+        tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
+        assert llm.reset_prefix_cache()
+        tokens, logprobs, cached = tiny.generate(llm, [PROMPT])[0]
+        assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2]
+        retained = manager_stats()["primary"]["gauges"]["retained_blocks"]
+        if hint is None:
+            assert cached < FULL_BLOCKS and retained == 0  # the flood evicted some of it
+        else:
+            assert cached == FULL_BLOCKS and retained == FULL_BLOCKS // tiny.BLOCK
+    finally:
+        close(llm)
+
+
 def test_an_s3_tier_serves_promotions_the_same_way(model, baseline, monkeypatch):
     from tiering.benchmarks.s3_server import MotoServer
 

@@ -47,12 +47,18 @@ def make_llm(model: Path, extra_config: dict | None = None, connector: str = "Of
     return LLM(**options)
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int = 8, cache_salt: str | None = None):
+def generate(
+    llm, prompts: list[list[int]], max_tokens: int = 8, cache_salt: str | None = None, kv_transfer_params=None
+):
     """(token ids, logprobs of the chosen tokens, cached prompt tokens) per prompt, greedy;
-    `cache_salt`: the prompts' salt (their tenant), or None."""
+    `cache_salt`: the prompts' salt (their tenant), or None; `kv_transfer_params`: the
+    requests' (as the OpenAI server passes a request body's), or None."""
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False, extra_args=extra
+    )
     salt = {} if cache_salt is None else {"cache_salt": cache_salt}
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p, **salt) for p in prompts], params, use_tqdm=False)
     results = []
