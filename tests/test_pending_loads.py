@@ -274,3 +274,21 @@ def test_a_tier_whose_row_states_hook_raises_is_logged_and_its_hits_wait_for_the
         assert not manager.pending_loadable(key(0))
     finally:
         manager.shutdown()
+
+
+def test_a_failed_store_its_caller_fails_itself_leaves_no_scan_behind(engine_of, monkeypatch):
+    engine = engine_of({"type": "memory"})
+    ctx = ReqContext("req-0")
+    store = engine.handlers.gpu_to_cpu_handler
+    monkeypatch.setattr(store, "_copy_now", raising)
+    out = engine.manager.prepare_store(keys(1), ctx)
+    assert store.transfer_async(7, (GPULoadStoreSpec([1], [1], [0]), out.store_spec))
+    store.wait([7])
+    assert not store.get_finished()[0].success
+    states = engine.manager.primary_tier.row_states
+    assert states.store_failures_pending()
+    engine.manager.complete_store(out.keys_to_store, ctx, success=False)  # a caller that saw the failure
+    monkeypatch.undo()
+    engine.fill(2, 3)
+    engine.store(ctx, [2], [2])  # the next completed store finds no FAILED row left
+    assert not states.store_failures_pending()

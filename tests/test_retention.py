@@ -115,3 +115,24 @@ def test_without_hints_nothing_changes(policy):
         evicted = [serve(primary, f"r-{i}", [i % 11, (3 * i) % 13 + 20]) for i in range(40)]
         primary.evictions = evicted
     assert with_retention.evictions == without.evictions
+
+
+def test_a_hint_too_large_for_a_float_is_ignored_and_the_deadline_heap_stays_small(caplog):
+    assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"retain": 10**400}})) is None
+    assert "hint kv_tiering ignored" in caplog.text
+    clock = ManualClock()
+    retention = Retention(4, clock)
+    for _ in range(1000):  # the same blocks retained by request after request, each deadline later
+        clock.now += 1
+        retention.retain(keys(0, 1, 2), 60)
+    assert len(retention) == 3 and len(retention._heap) <= 2 * 3 + 64
+    clock.now += 61
+    assert retention.live() is None and retention.counters["retentions_expired"] == 3
+
+
+def test_released_blocks_evicted_meanwhile_leave_nothing_behind(policy):
+    primary, _ = tier(policy)
+    serve(primary, "session", [1, 2], {"release": True})
+    for i in range(10):  # the released go first, then the flood evicts the rest of what it needs
+        serve(primary, f"flood-{i}", [100 + 2 * i, 101 + 2 * i])
+    assert not primary.retention.active

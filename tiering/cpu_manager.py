@@ -267,7 +267,7 @@ class CPUOffloadingManager(OffloadingManager):
                 del resident[key]
                 self._free_block_ids.append(block.block_id)
                 evicted.append(key)
-            if self.retention is not None and len(self.retention):
+            if self.retention is not None and self.retention.active:
                 self.retention.forget(evicted)
             self._counters["evictions"] += len(victims)
             self._emit(evicted, removed=True)
@@ -341,7 +341,9 @@ class CPUOffloadingManager(OffloadingManager):
         rows = {key: block.block_id for key in keys if (block := resident.get(key)) is not None and block.ref_cnt == -1}
         states = self.row_states.states
         failed = [key for key, row in rows.items() if states[row] == FAILED]
-        if not failed:  # another store's rows failed: its completion is still to come
+        if not failed:  # another store's rows failed: its completion is still to come, unless
+            if not (states == FAILED).any():  # its caller failed it itself (rows freed since)
+                self.row_states.handle_store_failures(None)
             return keys
         self.row_states.handle_store_failures(len(failed))
         logger.error("%d blocks stored from the GPU failed in the worker's copy: not kept", len(failed))
@@ -363,10 +365,9 @@ class CPUOffloadingManager(OffloadingManager):
             resident = self._resident
 
             def evictable(key: OffloadKey) -> bool:
-                block = resident.get(key)
-                return block is not None and block.ref_cnt == 0 and key not in kept
+                return resident[key].ref_cnt == 0 and key not in kept
 
-            for key in retention.take_released(n, evictable):
+            for key in retention.take_released(n, resident, evictable):
                 block = policy.remove(key)
                 if block is not None:
                     released.append((key, block))
@@ -376,7 +377,7 @@ class CPUOffloadingManager(OffloadingManager):
         if rest is None:  # refused after all: the released blocks stay, at the front again
             for key, block in released:
                 policy.insert(key, block)
-            retention.release(key for key, _ in released)
+            retention.release((key for key, _ in released), counted=False)
             return None
         return released + rest
 

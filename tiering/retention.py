@@ -90,7 +90,7 @@ def hint_of(req_context: Any) -> RetentionHint | None:
             raise ValueError(f"expected {{'retain': duration}} or {{'release': true}}, got {hint!r}")
         retain = hint.get("retain")
         return RetentionHint(None if retain is None else parse_duration(retain), hint.get("release") is True)
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:  # a JSON number too large for a float overflows
         logger.warning("request %s: hint %s ignored: %s", getattr(req_context, "req_id", "?"), HINT_KEY, exc)
         return None
 
@@ -129,14 +129,18 @@ class Retention:
                 heapq.heappush(heap, (deadline, key))
         while len(deadlines) > self.max_blocks:
             self._pop_earliest("retentions_dropped")
+        if len(heap) > 2 * len(deadlines) + 64:  # mostly entries of deadlines extended since: rebuild
+            self._heap = [(when, key) for key, when in deadlines.items()]
+            heapq.heapify(self._heap)
 
-    def release(self, keys: Iterable[OffloadKey]) -> None:
+    def release(self, keys: Iterable[OffloadKey], counted: bool = True) -> None:
         """`keys` lose their deadlines and go first at the next evictions (a session the
-        client closed)."""
+        client closed); `counted` False: put back ones `take_released` gave out (not counted
+        again)."""
         for key in keys:
             self._deadlines.pop(key, None)
             self._released[key] = None
-            self.counters["retentions_released"] += 1
+            self.counters["retentions_released"] += counted
 
     def used(self, keys: Collection[OffloadKey]) -> None:
         """A request used `keys`: those released are not evicted first any more."""
@@ -144,14 +148,18 @@ class Retention:
             for key in keys:
                 self._released.pop(key, None)
 
-    def take_released(self, n: int, evictable: Callable[[OffloadKey], bool]) -> list[OffloadKey]:
+    def take_released(
+        self, n: int, resident: Container[OffloadKey], evictable: Callable[[OffloadKey], bool]
+    ) -> list[OffloadKey]:
         """Up to `n` released keys that are `evictable` now, oldest release first, no longer
-        released."""
+        released; released keys no longer `resident` are dropped on the way."""
         taken: list[OffloadKey] = []
         for key in list(self._released):
             if len(taken) == n:
                 break
-            if evictable(key):
+            if key not in resident:
+                del self._released[key]
+            elif evictable(key):
                 del self._released[key]
                 taken.append(key)
         return taken

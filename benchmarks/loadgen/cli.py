@@ -403,6 +403,7 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
                 "namespace": layout.model,
                 "time_scale": args.time_scale,
                 "flood": args.flood,
+                "hints": args.hints,
                 "seed": args.seed,
                 "device": str(engine.device),
                 "trace_span_s": (replayed[-1].timestamp_ms - replayed[0].timestamp_ms) / 1000.0 if replayed else 0.0,

@@ -172,14 +172,10 @@ def with_hints(requests: list[Request], mode: str) -> list[Request]:
     later: set[int] = set()  # a hash of every prefix of a later request's full blocks
     continues = [False] * len(requests)
     for index in range(len(requests) - 1, -1, -1):
-        prefix, ids = 0, requests[index].hash_ids[: requests[index].full_blocks()]
-        for block in ids:
-            prefix = hash((prefix, block))
-        continues[index] = bool(ids) and prefix in later
-        prefix = 0
-        for block in ids:
-            prefix = hash((prefix, block))
-            later.add(prefix)
+        ids = requests[index].hash_ids[: requests[index].full_blocks()]
+        prefixes = list(itertools.accumulate(ids, lambda prefix, block: hash((prefix, block)), initial=0))[1:]
+        continues[index] = bool(prefixes) and prefixes[-1] in later
+        later.update(prefixes)
     return [
         dataclasses.replace(request, hint={"retain": CONTINUATION_TTL_S} if go_on else {"release": True})
         for request, go_on in zip(requests, continues, strict=True)

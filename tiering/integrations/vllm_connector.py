@@ -118,7 +118,8 @@ are a block's tokens, in groups of one block size. Mamba and other state kinds a
 
 
 def check_group_kinds(kv_cache_config: Any) -> None:
-    """Refuse a model with a KV-cache group of a kind not in `SUPPORTED_GROUP_KINDS`.
+    """Refuse a model with a KV-cache group of a kind not in `SUPPORTED_GROUP_KINDS`
+    (`kv_cache_config`: vLLM's ``KVCacheConfig``). Any thread; reads only.
 
     Raises:
         ValueError: one line naming the kind and its group.
