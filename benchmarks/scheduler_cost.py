@@ -3,9 +3,12 @@
 The engine is a `TieringOffloadingManager` over a real shared-memory primary tier (its
 policy chosen by ``--policy``) with two `example` secondary tiers; each batch of stores is
 one request, opened and finished around it as a scheduler does (a policy that learns from
-requests pays for it there). The baseline does the least any manager must do for the same
-call: the dict operations on plain Python objects, nothing else. Both run interleaved,
-`--repeats` times, and the fastest run of each is kept (the machines are shared and noisy).
+requests pays for it there), with the retention hint of ``--hints`` (`tiering.retention`:
+``retain`` gives every request's blocks a deadline of an hour, ``release`` releases them;
+the example tiers keep no deadlines, so this is the CPU tier's and the manager's cost).
+The baseline does the least any manager must do for the same call: the dict operations on
+plain Python objects, nothing else. Both run interleaved, `--repeats` times, and the fastest
+run of each is kept (the machines are shared and noisy).
 
 Timed sections run with the garbage collector paused, as `timeit` does: a collection
 triggered by an earlier section's garbage would otherwise land in a later one.
@@ -15,7 +18,7 @@ A second table gives the cost of handing one job to an async tier on the schedul
 meanwhile), against a bare `AsyncRuntime.submit` and against one
 `asyncio.run_coroutine_threadsafe` per job to a loop thread.
 
-    python -m tiering.benchmarks.scheduler_cost --blocks 20000 [--policy arc-s]
+    python -m tiering.benchmarks.scheduler_cost --blocks 20000 [--policy arc-s] [--hints retain]
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from tiering import (
 from tiering.policies import cache_policy_names
 
 CTX = ReqContext("bench")
+HINTS = {"none": None, "retain": {"kv_tiering": {"retain": "1h"}}, "release": {"kv_tiering": {"release": True}}}
+"""The ``kv_transfer_params`` of every request under each ``--hints``."""
 
 
 def _keys(start: int, count: int) -> list[bytes]:
@@ -66,15 +71,16 @@ class Engine:
         self.manager.shutdown()
 
 
-def time_engine(num_blocks: int, batch: int, policy: str) -> dict[str, float]:
-    """Seconds per block (store) or per call (the others) of the real engine."""
+def time_engine(num_blocks: int, batch: int, policy: str, hints: str = "none") -> dict[str, float]:
+    """Seconds per block (store) or per call (the others) of the real engine, its requests
+    sending `HINTS[hints]`."""
     engine = Engine(num_blocks, policy)
     manager = engine.manager
     stored, missing = _keys(0, num_blocks), _keys(num_blocks, num_blocks)
     try:
         elapsed = 0.0
         for i in range(0, num_blocks, batch):
-            chunk, request = stored[i : i + batch], ReqContext(f"bench-{i}")
+            chunk, request = stored[i : i + batch], ReqContext(f"bench-{i}", kv_transfer_params=HINTS[hints])
             start = time.perf_counter()
             manager.on_new_request(request)
             out = manager.prepare_store(chunk, request)
@@ -141,12 +147,14 @@ def _per_call(call: Callable[[bytes, ReqContext], object], keys: list[bytes]) ->
     return (time.perf_counter() - start) / len(keys)
 
 
-def measure(num_blocks: int, batch: int, repeats: int, policy: str = "lru") -> dict[str, tuple[float, float]]:
+def measure(
+    num_blocks: int, batch: int, repeats: int, policy: str = "lru", hints: str = "none"
+) -> dict[str, tuple[float, float]]:
     """Best (engine, baseline) seconds of each operation over `repeats` interleaved runs."""
     best: dict[str, tuple[float, float]] = {}
     for _ in range(repeats):
         with _gc_paused():
-            engine, baseline = time_engine(num_blocks, batch, policy), time_baseline(num_blocks, batch)
+            engine, baseline = time_engine(num_blocks, batch, policy, hints), time_baseline(num_blocks, batch)
         for op, seconds in engine.items():
             old = best.get(op, (float("inf"), float("inf")))
             best[op] = (min(old[0], seconds), min(old[1], baseline[op]))
@@ -208,10 +216,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--policy", choices=cache_policy_names(), default="lru", help="the CPU tier's eviction policy (default lru)"
     )
+    parser.add_argument(
+        "--hints", choices=HINTS, default="none", help="the retention hint every request sends (default none)"
+    )
     args = parser.parse_args(argv)
-    results = measure(args.blocks, args.batch, args.repeats, args.policy)
+    results = measure(args.blocks, args.batch, args.repeats, args.policy, args.hints)
     table = Table(
-        title=f"Scheduler-thread cost, {args.blocks} blocks, {args.policy}, two example tiers, best of {args.repeats}"
+        title=f"Scheduler-thread cost, {args.blocks} blocks, {args.policy}, hints {args.hints}, two example tiers, "
+        f"best of {args.repeats}"
     )
     table.add_column("operation")
     table.add_column("engine (us)", justify="right")

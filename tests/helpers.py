@@ -173,7 +173,7 @@ CTX = ReqContext("req-0")
 class Engine:
     """A manager over `num_blocks` primary rows and one tier built from `config`."""
 
-    def __init__(self, config, num_blocks=4, spec=None):
+    def __init__(self, config, num_blocks=4, spec=None, admission=None):
         region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", num_blocks, ROW)  # page-aligned rows
         self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region)
         self.rows = np.asarray(self.primary.get_kv_memoryview())
@@ -182,14 +182,15 @@ class Engine:
         except BaseException:
             self.primary.shutdown()
             raise
-        self.manager = TieringOffloadingManager(self.primary, [self.tier])
+        self.manager = TieringOffloadingManager(self.primary, [self.tier], admission=admission)
 
-    def store(self, *ids):
-        """Store blocks as the GPU would (rows filled with their bytes), then let the cascade land."""
-        out = self.manager.prepare_store(keys(*ids), CTX)
+    def store(self, *ids, ctx=CTX):
+        """Store blocks as the GPU would (rows filled with their bytes) for the request of
+        `ctx`, then let the cascade land."""
+        out = self.manager.prepare_store(keys(*ids), ctx)
         for k, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
             self.rows[row] = np.frombuffer(block_bytes(k, ROW), dtype=self.rows.dtype)
-        self.manager.complete_store(out.keys_to_store, CTX)
+        self.manager.complete_store(out.keys_to_store, ctx)
         self.settle()
         return out
 

@@ -28,6 +28,7 @@ def test_the_bound_admits_a_whole_job_when_nothing_is_in_flight_and_what_exceeds
         "cascades_deferred": 2,
         "cascades_dropped": 1,
         "cascades_filtered": 0,
+        "cascades_retained": 0,
     }
     assert admission.rows_in_flight == 1
 

@@ -1,9 +1,12 @@
-"""Soft retention from clients' hints (tiering.retention), in the CPU tier's eviction."""
+"""Soft retention from clients' hints (tiering.retention), in the CPU tier's eviction and in
+the block-store tiers' (their index, and the writes a long retention asks for)."""
 
 import pytest
 
-from tests.helpers import ManualClock, RegionStandIn, keys
+from tests.helpers import ROW, ManualClock, RegionStandIn, key, keys
 from tiering import CPUPrimaryTierOffloadingManager, ReqContext
+from tiering.admission import AdmissionConfig
+from tiering.object_format import object_size
 from tiering.retention import MAX_RETAIN_S, Retention, hint_of, parse_duration
 
 
@@ -136,3 +139,75 @@ def test_released_blocks_evicted_meanwhile_leave_nothing_behind(policy):
     for i in range(10):  # the released go first, then the flood evicts the rest of what it needs
         serve(primary, f"flood-{i}", [100 + 2 * i, 101 + 2 * i])
     assert not primary.retention.active
+
+
+OBJECT = object_size(len(key(0)), ROW)  # a memory-tier object
+
+
+def tier_engine(engine_factory, admission=None):
+    """A manager over 8 CPU rows and a memory tier of 4 blocks, 2 of which may be retained."""
+    config = {"type": "memory", "capacity_bytes": 4 * OBJECT, "retention_max_fraction": 0.5}
+    engine = engine_factory(config, num_blocks=8, admission=None if admission is None else [admission])
+    clock = ManualClock()
+    engine.tier._index.retention.clock = clock
+    return engine, clock
+
+
+def finished(engine, req_id, ids, hint=None):
+    """Request `req_id` stores `ids` and finishes with `hint`."""
+    ctx = ReqContext(req_id, kv_transfer_params=None if hint is None else {"kv_tiering": hint})
+    engine.store(*ids, ctx=ctx)
+    engine.manager.on_request_finished(ctx)
+    engine.settle()
+
+
+def in_tier(engine, *ids):
+    return [engine.tier.lookup(k, ReqContext("probe")) is True for k in keys(*ids)]
+
+
+@pytest.mark.parametrize("hint", [None, {"retain": "1h"}], ids=["no-hint", "retain"])
+def test_a_block_store_tier_passes_over_retained_blocks_until_their_deadline(engine_factory, hint):
+    engine, clock = tier_engine(engine_factory)
+    finished(engine, "chat", [0, 1], hint)
+    finished(engine, "other", [2, 3])
+    finished(engine, "flood", [4, 5])  # evicts 2 of the 4
+    if hint is None:
+        assert in_tier(engine, 0, 1, 2, 3) == [False, False, True, True]
+    else:
+        assert in_tier(engine, 0, 1, 2, 3) == [True, True, False, False]
+        stats = engine.manager.get_stats()["tiers"]["memory"]
+        assert stats["gauges"]["retained_blocks"] == 2 and stats["counters"]["retentions"] == 2
+        clock.now += 3601  # the deadline passed: 0 and 1 are the least recent again
+        finished(engine, "flood-2", [6, 7])
+        assert in_tier(engine, 0, 1, 4, 5) == [False, False, True, True]
+        assert engine.manager.get_stats()["tiers"]["memory"]["counters"]["retentions_expired"] == 2
+
+
+def test_a_block_store_tier_evicts_a_released_session_first(engine_factory):
+    engine, _ = tier_engine(engine_factory)
+    finished(engine, "older", [0, 1])
+    finished(engine, "closed", [2, 3], {"release": True})
+    finished(engine, "next", [4, 5])
+    assert in_tier(engine, 0, 1, 2, 3) == [True, True, False, False]
+    assert engine.manager.get_stats()["tiers"]["memory"]["counters"]["retentions_released"] == 2
+
+
+def test_a_block_store_tier_gives_up_the_earliest_deadline_when_nothing_else_can_go(engine_factory):
+    engine, clock = tier_engine(engine_factory)
+    finished(engine, "a", [0, 1], {"retain": "1h"})
+    clock.now += 1
+    finished(engine, "b", [2, 3], {"retain": "2h"})  # past the 2 that may be retained: 0 and 1 lose theirs
+    finished(engine, "c", [4, 5])
+    assert in_tier(engine, 0, 1, 2, 3) == [False, False, True, True]
+    assert engine.manager.get_stats()["tiers"]["memory"]["counters"]["retentions_dropped"] == 2
+
+
+@pytest.mark.parametrize(("retain", "written"), [("5m", False), ("1h", True)])
+def test_a_long_retention_writes_blocks_admission_would_skip(engine_factory, retain, written):
+    engine, _ = tier_engine(engine_factory, AdmissionConfig(min_reuse=2))  # every block is stored once: filtered
+    finished(engine, "plain", [0])
+    finished(engine, "kept", [1, 2], {"retain": retain})  # retained_write_s defaults to 1h
+    assert in_tier(engine, 0, 1, 2) == [False, written, written]
+    stats = engine.manager.get_stats()["tiers"]["memory"]
+    assert stats["counters"]["cascades_retained"] == (2 if written else 0)
+    assert stats["gauges"]["retained_blocks"] == (2 if written else 0)

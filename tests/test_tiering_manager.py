@@ -192,6 +192,18 @@ def test_the_source_of_a_promoted_block_is_remembered_until_the_gpu_stores_it_ag
 # -- cascade --------------------------------------------------------------------------------
 
 
+def test_a_request_that_looked_up_or_stored_is_open_until_it_finishes(policy):
+    manager, _ = build(policy, [ManualTier()])
+    looked_up, stored, silent = ReqContext("looked-up"), ReqContext("stored"), ReqContext("silent")
+    manager.lookup(key(9), looked_up)
+    store(manager, stored, 0)
+    manager.on_new_request(silent)
+    assert manager.get_stats()["manager"]["gauges"]["requests_open"] == 2
+    for request in (silent, looked_up, stored):
+        manager.on_request_finished(request)
+    assert manager.get_stats()["manager"]["gauges"]["requests_open"] == 0
+
+
 def test_complete_store_cascades_at_once_to_every_tier(policy, ctx):
     tiers = [ManualTier("a"), ManualTier("b")]
     manager, _ = build(policy, tiers)

@@ -26,21 +26,20 @@ PROMPTS = [prompt(200 + i, 300) for i in range(8)]  # 9 blocks each: 72 blocks o
 
 
 class Server(VllmServer):
-    """`vllm serve` with this engine (a CPU tier and a file tier, the engine's exporter on a
-    port of its own), on a free port."""
+    """`vllm serve` with this engine (by default a CPU tier and a file tier under `root`; the
+    engine's exporter on a port of its own), on a free port."""
 
-    def __init__(self, model: Path, root: Path, log: Path):
+    def __init__(self, model: Path, root: Path, log: Path, engine: dict | None = None):
         self.engine_port = free_port()
-        engine = {
-            "cpu_bytes_to_use": 4 << 20,
-            "secondary_tiers": [{"type": "file", "root_dir": str(root)}],
-            "metrics": {"port": self.engine_port},  # in the engine core's process
-        }
+        engine = engine or {"cpu_bytes_to_use": 4 << 20, "secondary_tiers": [{"type": "file", "root_dir": str(root)}]}
+        engine = {**engine, "metrics": {"port": self.engine_port}}  # in the engine core's process
         options = ServerOptions(engine, tiny.BLOCK, max_model_len=1024, gpu_blocks=64, log_stats_s=1)
         super().__init__(model, options, log)
 
-    def complete(self, tokens: list[int], max_tokens: int = 2) -> bool:
+    def complete(self, tokens: list[int], max_tokens: int = 2, kv_transfer_params: dict | None = None) -> bool:
         body = {"model": self.model_name, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
         body = json.dumps(body).encode()
         request = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
         try:
@@ -50,10 +49,10 @@ class Server(VllmServer):
         except OSError:
             return False  # the server stopped under it
 
-    def metric(self, name: str, port: int | None = None) -> dict[str, float]:
-        """The counter `name` by tier label, from vLLM's /metrics (one of the engine's
-        ``vllm:kv_tiering_*``) or from the exporter on `port`."""
-        samples = self.metrics(port).get(f"{name}_total", {})
+    def metric(self, name: str, port: int | None = None, suffix: str = "_total") -> dict[str, float]:
+        """The counter `name` (a gauge: `suffix` "") by tier label, from vLLM's /metrics (one
+        of the engine's ``vllm:kv_tiering_*``) or from the exporter on `port`."""
+        samples = self.metrics(port).get(f"{name}{suffix}", {})
         return {dict(labels)["tier"]: value for labels, value in samples.items()}
 
 
@@ -122,3 +121,27 @@ def test_a_server_whose_every_process_is_killed_leaves_no_shared_memory(model, t
     finally:
         server.stop(signal.SIGKILL, group=True)
     assert regions_left_behind(before) == []
+
+
+def test_retention_and_release_hints_in_the_request_body_reach_the_engine(model, tmp_path):
+    server = Server(model, tmp_path / "kv", tmp_path / "server.log", engine={"cpu_bytes_to_use": 4 << 20})
+    try:
+        retained, released = PROMPTS[0], PROMPTS[1]  # 9 full blocks each
+        assert server.complete(retained, kv_transfer_params={"kv_tiering": {"retain": "1h"}})
+        assert server.complete(released, kv_transfer_params={"kv_tiering": {"release": True}})
+        assert server.complete(PROMPTS[2], kv_transfer_params={"kv_tiering": {"retain": "forever"}})  # ignored
+
+        def counts() -> tuple[float, float, float]:
+            return (
+                server.metric("tiering_tier_retained_blocks", server.engine_port, suffix="").get("cpu", 0),
+                server.metric("tiering_tier_retentions", server.engine_port).get("cpu", 0),
+                server.metric("tiering_tier_retentions_released", server.engine_port).get("cpu", 0),
+            )
+
+        deadline = time.monotonic() + 60  # the exporter reads the stats vLLM's stepping publishes
+        while counts() != (9, 9, 9) and time.monotonic() < deadline:
+            server.complete(PROMPTS[3])  # keeps the engine stepping (served by vLLM's own cache)
+        assert counts() == (9, 9, 9)
+    finally:
+        server.stop(signal.SIGINT)
+    assert "hint kv_tiering ignored" in server.output()

@@ -277,6 +277,28 @@ def test_a_prefix_whose_request_asked_for_retention_survives_a_flood_that_evicts
         close(llm)
 
 
+@pytest.mark.parametrize("hint", [None, {"release": True}], ids=["no-hint", "release"])
+def test_a_released_prefix_is_evicted_before_an_older_one(model, baseline, hint):
+    llm = tiny.make_llm(model, {"cpu_bytes_to_use": 16 * BLOCK_BYTES}, connector="KVTieringConnector")
+    try:
+        older, released = OTHERS[0], PROMPT
+        params = [None, None if hint is None else {"kv_tiering": hint}, None]
+        for prompt, kv_transfer_params in zip([older, released, OTHERS[1]], params, strict=True):
+            tiny.generate(llm, [prompt], kv_transfer_params=kv_transfer_params)
+            # vLLM reports a request finished to the engine a step later: its order (and hint) apply then
+            tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["requests_open"] == 0)
+        # 18 blocks into 16 rows: 2 were evicted
+        assert llm.reset_prefix_cache()
+        whole, evicted = (released, older) if hint is None else (older, released)  # least recent, or released
+        tokens, logprobs, cached = tiny.generate(llm, [whole])[0]  # loads it all: stores, and so evicts, nothing
+        assert (tokens, logprobs) == baseline[tuple(whole)][:2] and cached == FULL_BLOCKS
+        tokens, logprobs, cached = tiny.generate(llm, [evicted])[0]
+        assert (tokens, logprobs) == baseline[tuple(evicted)][:2] and cached < FULL_BLOCKS
+        assert manager_stats()["primary"]["counters"]["retentions_released"] == (0 if hint is None else 6)
+    finally:
+        close(llm)
+
+
 def test_an_s3_tier_serves_promotions_the_same_way(model, baseline, monkeypatch):
     from tiering.benchmarks.s3_server import MotoServer
 

@@ -26,6 +26,11 @@ key (`AdmissionConfig`):
   the primary rows) that the tier does not hold yet. Blocks evicted before their turn are
   lost to this tier; blocks used while hot are never written.
 
+- **Durable retention** (``retained_write_s``): a request that asks to retain its blocks at
+  least this long (`tiering.retention`) has them written to the tier even where the reuse
+  filter, shedding or write-back would skip them (``cascades_retained``): a client that
+  says "1h" means it will come back after the CPU tier has turned over.
+
 Dropped and filtered blocks stay in the primary tier; only the copy to this tier is skipped.
 """
 
@@ -60,6 +65,9 @@ class AdmissionConfig(BaseModel):
             eviction).
         writeback_window: with ``write: back``, how many of the coldest primary blocks are
             kept written; None: an eighth of the primary rows.
+        retained_write_s: a request's retention hint of at least this many seconds writes
+            its blocks to this tier whatever the rules above say (for a tier that keeps
+            deadlines: a block-store tier); None: hints never bypass them.
     """
 
     model_config = ConfigDict(**STRICT, frozen=True)
@@ -70,6 +78,7 @@ class AdmissionConfig(BaseModel):
     reuse_window: Count = 100_000
     write: Literal["through", "back"] = "through"
     writeback_window: Count | None = None
+    retained_write_s: Seconds | None = 3600.0
 
 
 class TierAdmission:
@@ -80,7 +89,8 @@ class TierAdmission:
         rows_in_flight: primary rows pinned by this tier's unreported cascades.
         counters: ``cascades_admitted``, ``cascades_deferred`` (over the bound, made to
             wait), ``cascades_dropped`` (never copied: behind, or waited in vain),
-            ``cascades_filtered`` (reuse), in blocks.
+            ``cascades_filtered`` (reuse), ``cascades_retained`` (written for a retention
+            hint, past the rules), in blocks.
         waiting: blocks over the bound, oldest first, for `admit_waiting`.
     """
 
@@ -100,7 +110,8 @@ class TierAdmission:
         """
         self.config = config
         self.max_rows = config.max_rows_in_flight or max(1, primary_rows // (2 * tiers))
-        self.counters = {"cascades_admitted": 0, "cascades_deferred": 0, "cascades_dropped": 0, "cascades_filtered": 0}
+        counted = ("admitted", "deferred", "dropped", "filtered", "retained")
+        self.counters = {f"cascades_{name}": 0 for name in counted}
         self.waiting: dict[OffloadKey, None] = {}
         self._sketch = CountMinSketch(_SKETCH_WIDTH, config.reuse_window) if config.min_reuse > 1 else None
         self.write_back = config.write == "back"
@@ -167,6 +178,15 @@ class TierAdmission:
             else:
                 self.counters["cascades_dropped"] += 1
         return self._started(admitted)
+
+    def admit_retained(self, keys: Sequence[OffloadKey], seconds: float) -> list[OffloadKey]:
+        """`keys`, which a request asked to retain `seconds` and the tier lacks, if that is at
+        least ``retained_write_s`` (they count as in flight until `finished`), else none."""
+        limit = self.config.retained_write_s
+        if limit is None or seconds < limit or not keys:
+            return []
+        self.counters["cascades_retained"] += len(keys)
+        return self._started(list(keys))
 
     def _room(self, wanted: int) -> int:
         return max(0, self.max_rows - self.rows_in_flight) if self.rows_in_flight else wanted

@@ -61,6 +61,10 @@ class RequestLookups:
         self.hit_blocks: Counter[str] = Counter()
         self._hits_past_group_0: Counter[bytes] = Counter()  # by the key's 4 group bytes; group 0 is the rest
 
+    def __len__(self) -> int:
+        """Requests remembered: they looked up or stored a block, and are not finished."""
+        return len(self._requests)
+
     def answered(self, req_id: str, key: OffloadKey, answer: bool | None, source: str | None = None) -> None:
         """Count the manager's answer (True, False, or None: ask again) to a lookup of `key`
         for request `req_id`; `source`: the tier a True answer's block is being promoted
@@ -97,9 +101,11 @@ class RequestLookups:
                 asked[key] = False
                 self.requested_blocks += 1
 
-    def finished(self, req_id: str) -> None:
-        """Forget the request (it will not be looked up again); an unknown one is ignored."""
-        self._requests.pop(req_id, None)
+    def finished(self, req_id: str) -> dict[OffloadKey, bool]:
+        """Forget the request (it will not be looked up again); returns its blocks, each
+        with whether a lookup found it (False: a miss, or stored without a lookup), empty
+        for an unknown request."""
+        return self._requests.pop(req_id, None) or {}
 
     def _request(self, req_id: str) -> dict[OffloadKey, bool]:
         return per_request(self._requests, req_id, dict, self._max_requests)

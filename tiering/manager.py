@@ -54,6 +54,7 @@ from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.lookups import RequestLookups
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.recompute import RecomputeGate
+from tiering.retention import RetentionHint, hint_of
 from tiering.secondary import Doorbell, JobId, JobMetadata, SecondaryTierManager
 from tiering.stats import Histogram
 from tiering.timeline import RequestTimeline
@@ -226,6 +227,8 @@ class TieringOffloadingManager(OffloadingManager):
                 "take_released_jobs",
                 "attach_doorbell",
                 "attach_row_states",
+                "retain",
+                "release",
             )
         }
         # Tiers that ring the doorbell are polled only after a ring; the others every step.
@@ -391,13 +394,40 @@ class TieringOffloadingManager(OffloadingManager):
         return self.primary_tier.on_new_request(req_context)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        """Forget the request's lookups (see `tiering.lookups`). Its queued promotions still
-        run (other requests share prefixes)."""
-        self._requests.finished(req_context.req_id)
+        """Forget the request's lookups (see `tiering.lookups`); pass its retention hint to
+        every tier (`tiering.retention`). Its queued promotions still run (other requests
+        share prefixes)."""
+        blocks = self._requests.finished(req_context.req_id)
         self._primary_changed = True
         self.primary_tier.on_request_finished(req_context)
+        if blocks and (self._hooks["retain"] or self._hooks["release"]):
+            hint = hint_of(req_context, log=self.primary_tier.retention is None)  # else the primary tier logged it
+            if hint is not None:
+                self._hint_secondary_tiers(hint, blocks, req_context)
         if self._timeline is not None:
             self._timeline.finished(req_context.req_id)
+
+    def _hint_secondary_tiers(
+        self, hint: RetentionHint, blocks: dict[OffloadKey, bool], req_context: ReqContext
+    ) -> None:
+        """Release the blocks the request did not find (it stored them: its own) and retain
+        all of them, in every tier with those hooks; blocks a tier lacks are written to it
+        where its admission says the retention is long enough, and retained there too."""
+        if hint.release:
+            own = [key for key, found in blocks.items() if not found]
+            for _, tier in self._hooks["release"]:
+                _guarded(tier, "release", None, own)
+        if hint.retain_s is None:
+            return
+        keys = list(blocks)
+        for tier_idx, tier in self._hooks["retain"]:
+            missing = _guarded(tier, "retain", (), keys, hint.retain_s)
+            if missing:
+                readable = [key for key in missing if self._readable(key)]
+                written = self.admission[tier_idx].admit_retained(readable, hint.retain_s)
+                self._cascade([tier_idx], written, req_context)
+                if written:
+                    _guarded(tier, "retain", (), written, hint.retain_s)
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events of the primary tier, then of each secondary tier, since the last call;
@@ -478,10 +508,11 @@ class TieringOffloadingManager(OffloadingManager):
             per request (``hit_blocks``, and ``hit_tokens`` when `block_tokens` is set; see
             `tiering.lookups`); each secondary tier adds its admission's counters
             (``cascades_admitted``, ``cascades_deferred``, ``cascades_dropped``,
-            ``cascades_filtered``) and gauges (``rows_in_flight``, ``cascades_waiting``), and
-            the promotions its `RecomputeGate` declined (``promotions_declined``). ``manager``
-            has the request-level counters (``requested_blocks``, ``requested_tokens``,
-            ``lookups_repeated``), jobs submitted, jobs and promotions in flight, and the
+            ``cascades_filtered``, ``cascades_retained``) and gauges (``rows_in_flight``,
+            ``cascades_waiting``), and the promotions its `RecomputeGate` declined
+            (``promotions_declined``). ``manager`` has the request-level counters
+            (``requested_blocks``, ``requested_tokens``, ``lookups_repeated``), the requests
+            open (``requests_open``), jobs submitted, jobs and promotions in flight, and the
             ``promotion_seconds`` histogram (from the lookup that queued a promotion to its
             blocks being loadable). ``tenants``, with a ``tenants`` config, has per tenant (the
             `TenantsConfig.metric_tenants` most active by name, the rest as ``other``) the CPU
@@ -517,6 +548,7 @@ class TieringOffloadingManager(OffloadingManager):
             str(group): count for group, count in sorted(requests.hit_blocks_by_group.items())
         }
         gauges = {
+            "requests_open": len(requests),
             "jobs_in_flight": len(self._jobs),
             "jobs_holding_rows": len(self._held),
             "promotions_queued": sum(len(queued.keys) for queued in self._promotions.values()),

@@ -78,9 +78,9 @@ def parse_duration(value: Any) -> float:
     return min(seconds, MAX_RETAIN_S)
 
 
-def hint_of(req_context: Any) -> RetentionHint | None:
+def hint_of(req_context: Any, log: bool = True) -> RetentionHint | None:
     """The request's hint (see the module docstring), or None when it gave none or one that
-    does not parse (logged). Never raises."""
+    does not parse (logged, if `log`). Never raises."""
     params = getattr(req_context, "kv_transfer_params", None)
     if not isinstance(params, dict) or HINT_KEY not in params:
         return None
@@ -91,7 +91,8 @@ def hint_of(req_context: Any) -> RetentionHint | None:
         retain = hint.get("retain")
         return RetentionHint(None if retain is None else parse_duration(retain), hint.get("release") is True)
     except (ValueError, OverflowError) as exc:  # a JSON number too large for a float overflows
-        logger.warning("request %s: hint %s ignored: %s", getattr(req_context, "req_id", "?"), HINT_KEY, exc)
+        if log:
+            logger.warning("request %s: hint %s ignored: %s", getattr(req_context, "req_id", "?"), HINT_KEY, exc)
         return None
 
 

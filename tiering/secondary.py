@@ -84,7 +84,7 @@ class SecondaryTierManager(ABC):
     submitted job exactly once, also when it shuts down with the job still in flight.
 
     The optional hooks (`touch`, `on_schedule_end`, `take_released_jobs`, `take_events`,
-    `attach_doorbell`) are called only if the tier's class overrides them: the manager
+    `attach_doorbell`, `retain`, `release`) are called only if the tier's class overrides them: the manager
     looks once, when it is built, so a default hook costs nothing per step (a hook set on
     the instance later is not seen).
     """
@@ -137,6 +137,20 @@ class SecondaryTierManager(ABC):
 
     def on_schedule_end(self) -> None:
         """Called at the end of each scheduler step, after the step's jobs were submitted."""
+        return
+
+    def retain(self, keys: Collection[OffloadKey], seconds: float) -> Collection[OffloadKey]:
+        """Optional: a finished request asked to retain `keys` (`tiering.retention`): give
+        those held here a deadline `seconds` from now for this tier's eviction (soft: passed
+        over while other blocks can go, within a share of the tier). Returns the keys not
+        held here (nor being stored): the manager writes them when the tier's admission says
+        a retention this long must reach it (``retained_write_s``), then calls again with
+        them. The default keeps no deadlines and reports nothing missing."""
+        return ()
+
+    def release(self, keys: Collection[OffloadKey]) -> None:
+        """Optional: a finished request said its session is over: `keys` (the blocks it
+        stored itself) lose their deadlines and are this tier's first victims."""
         return
 
     def has_pending_work(self) -> bool:

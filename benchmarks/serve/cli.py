@@ -29,7 +29,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tiering.benchmarks.loadgen.cli import _positive, _rate, _size, check_output
-from tiering.benchmarks.loadgen.workload import WORKLOADS, read_trace, synthetic
+from tiering.benchmarks.loadgen.workload import WORKLOADS, read_trace, synthetic, with_hints
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
 from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary, summarize
 from tiering.benchmarks.serve.run import CONFIGURATIONS, Setup, run_configuration, s3_server
@@ -104,6 +104,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the connector the engine runs behind (c-g): its own, whose loads feed the step that schedules them, "
         "or vLLM's",
     )
+    parser.add_argument(
+        "--hints",
+        default="none",
+        metavar="MODE",
+        help="retention hints the requests send in their body's kv_transfer_params (tiering.retention), every "
+        "configuration alike: 'continuation' (retain 5 min while the conversation has a later turn, release at its "
+        "last), 'ttl:SECONDS' (every request retains), 'none' (default)",
+    )
     parser.add_argument("--work-dir", type=Path, help="the model, tiers and server logs (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--output", type=Path, help="write the results as JSON")
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         check_output(args.output, "--output")
         check_output(args.plot, "--plot")
         source = read_trace(args.trace) if args.trace else synthetic(args.workload, args.max_requests)
-        requests = sample_conversations(source, args.conversation_sample)[: args.max_requests]
+        requests = with_hints(sample_conversations(source, args.conversation_sample)[: args.max_requests], args.hints)
     except (ValueError, OSError) as exc:
         print(f"tiering-bench serve: {exc}")
         return 2
@@ -171,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "g" and not setup.recompute_tokens_per_s:
                     observed = observed_prefill_rate(next(run for run in runs if run["name"] == "a"))
                     setup = dataclasses.replace(setup, recompute_tokens_per_s=observed)
+                hints = [request.hint for request in requests]
                 run = run_configuration(
-                    name, setup, token_prompts, arrivals, args.max_tokens, args.max_concurrency, endpoint
+                    name, setup, token_prompts, arrivals, args.max_tokens, args.max_concurrency, endpoint, hints
                 )
                 runs.append(run)
                 summary = summarize(run, reusable)

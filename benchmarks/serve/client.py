@@ -1,8 +1,10 @@
 """An OpenAI-API client that replays requests at their arrival times and times each one.
 
 Each request is a streamed ``/v1/completions`` call with the prompt as token ids, greedy, a
-fixed number of output tokens (``ignore_eos``), and the request id ``bench-<index>`` (the
-``X-Request-Id`` header; vLLM's own ids for it contain that). Its time to first token is
+fixed number of output tokens (``ignore_eos``), the request id ``bench-<index>`` (the
+``X-Request-Id`` header; vLLM's own ids for it contain that) and its retention hint, if it
+has one, in the body's ``kv_transfer_params`` (``{"kv_tiering": hint}``, `tiering.retention`),
+as a client of the engine sends it. Its time to first token is
 measured from the moment it was due (its arrival), so time spent waiting for a connection
 slot counts, as a user would see it.
 
@@ -15,8 +17,11 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import httpx
+
+from tiering.retention import HINT_KEY
 
 
 @dataclass
@@ -49,10 +54,13 @@ def replay(
     max_tokens: int,
     max_concurrency: int | None = None,
     timeout_s: float = 600.0,
+    hints: list[dict[str, Any] | None] | None = None,
 ) -> list[Outcome]:
     """Send ``prompts[i]`` at ``arrivals_s[i]`` seconds from now (at most `max_concurrency`
-    in flight, None: no limit) and wait for all of them; outcomes in request order."""
-    return asyncio.run(_replay(url, model, prompts, arrivals_s, max_tokens, max_concurrency, timeout_s))
+    in flight, None: no limit), with the retention hint ``hints[i]`` (None: none; `hints`
+    None: no request has one), and wait for all of them; outcomes in request order."""
+    hints = hints or [None] * len(prompts)
+    return asyncio.run(_replay(url, model, prompts, arrivals_s, max_tokens, max_concurrency, timeout_s, hints))
 
 
 async def _replay(
@@ -63,6 +71,7 @@ async def _replay(
     max_tokens: int,
     max_concurrency: int | None,
     timeout_s: float,
+    hints: list[dict[str, Any] | None],
 ) -> list[Outcome]:
     slots = asyncio.Semaphore(max_concurrency or len(prompts) or 1)
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1)
@@ -74,16 +83,22 @@ async def _replay(
             outcome = Outcome(index, arrivals_s[index], len(prompts[index]), due)
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             async with slots:
-                await _complete(client, model, prompts[index], max_tokens, outcome, due)
+                await _complete(client, model, prompts[index], max_tokens, hints[index], outcome, due)
             return outcome
 
         return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
 
 
 async def _complete(
-    client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, outcome: Outcome, due: float
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    hint: dict[str, Any] | None,
+    outcome: Outcome,
+    due: float,
 ) -> None:
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -92,6 +107,8 @@ async def _complete(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if hint is not None:
+        body["kv_transfer_params"] = {HINT_KEY: hint}
     try:
         headers = {"X-Request-Id": f"bench-{outcome.index}"}
         async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:

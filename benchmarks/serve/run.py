@@ -156,8 +156,10 @@ def run_configuration(
     max_tokens: int,
     max_concurrency: int | None,
     s3_endpoint: str | None,
+    hints: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
-    """Start configuration `name`'s server, replay the requests, read its counters, stop it.
+    """Start configuration `name`'s server, replay the requests (with their retention
+    `hints`, `tiering.benchmarks.serve.client.replay`), read its counters, stop it.
 
     Returns:
         ``{"name", "description", "wall_s", "outcomes": [Outcome dicts], "vllm": counters}``;
@@ -174,7 +176,7 @@ def run_configuration(
     server = VllmServer(setup.model, options, log)
     try:
         start = time.perf_counter()
-        outcomes = replay(server.url, server.model_name, prompts, arrivals_s, max_tokens, max_concurrency)
+        outcomes = replay(server.url, server.model_name, prompts, arrivals_s, max_tokens, max_concurrency, hints=hints)
         wall_s = time.perf_counter() - start
         counters = settled_counters(server)
     finally:

@@ -12,6 +12,10 @@ did. What fit counts the evicted objects whose deletes have not finished
 the device is (a store that evicted to make room waits for those deletes:
 `BlockStoreTier`), so churn never lowers it; it follows free space down (another program's
 files) and, at each retry, up, evicting no more than the shortfall.
+
+Retention (`tiering.retention`, the same rules as the CPU tier's): eviction takes released
+keys first, then passes over keys whose deadline has not passed while others can go; if
+none can, the earliest deadlines are given up.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 
 from tiering.keys import OffloadKey
+from tiering.retention import Retention
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,7 @@ class BlockIndex:
         max_keys: keys held at most, or None; beyond it the least recent idle stored keys are
             forgotten (not evicted: their objects stay, for a store that evicts by itself).
         forgotten: keys forgotten so far.
+        retention: the deadlines and releases of requests' hints, or None: none are kept.
     """
 
     def __init__(
@@ -62,8 +68,10 @@ class BlockIndex:
         room_backoff_s: tuple[float, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_keys: int | None = None,
+        retention: Retention | None = None,
     ):
         self.name = name
+        self.retention = retention
         self.capacity_bytes = capacity_bytes
         self.max_keys = max_keys
         self.room_bytes: int | None = None
@@ -150,6 +158,8 @@ class BlockIndex:
         """Stop holding `key` (a failed store, a missing or corrupt object)."""
         entry = self._entries.pop(key, None)
         if entry is not None:
+            if self.retention is not None:
+                self.retention.forget((key,))
             self.used_bytes -= entry.size
             if not entry.stored:
                 self.reserved_bytes -= entry.size
@@ -157,9 +167,12 @@ class BlockIndex:
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         """Make the held `keys` the most recent, the first one most."""
         entries = self._entries
-        for key in reversed(list(keys)):
+        keys = list(keys)
+        for key in reversed(keys):
             if key in entries:
                 entries.move_to_end(key)
+        if self.retention is not None:
+            self.retention.used(keys)
 
     def start_reads(self, keys: Collection[OffloadKey]) -> bool:
         """Count a load of all `keys` (they cannot be evicted until `end_read`); False, with
@@ -237,6 +250,8 @@ class BlockIndex:
                     break
         for key in victims:
             self.used_bytes -= entries.pop(key).size
+        if self.retention is not None:
+            self.retention.forget(victims)
         self.forgotten += len(victims)
 
     def _make_room(self, size: int, evicted: list[OffloadKey]) -> bool:
@@ -249,7 +264,7 @@ class BlockIndex:
             return False
         entries = self._entries
         while self.used_bytes + size > limit:
-            victim = next((key for key, entry in entries.items() if entry.stored and entry.readers == 0), None)
+            victim = self._victim()
             if victim is None:
                 return False
             victim_size = entries.pop(victim).size
@@ -259,3 +274,27 @@ class BlockIndex:
             evicted.append(victim)
             self.evictions += 1
         return True
+
+    def _victim(self) -> OffloadKey | None:
+        """The key to evict next: idle (stored, no reader), released first, then the least
+        recent without a live deadline, giving up the earliest deadlines while there is none;
+        None if no key is idle."""
+        entries, retention = self._entries, self.retention
+
+        def idle(key: OffloadKey) -> bool:
+            entry = entries[key]
+            return entry.stored and entry.readers == 0
+
+        if retention is None or not retention.active:
+            return next((key for key in entries if idle(key)), None)
+        if retention.has_released and (released := retention.take_released(1, entries, idle)):
+            retention.forget(released)
+            return released[0]
+        while True:
+            live = retention.live() or ()
+            victim = next((key for key in entries if key not in live and idle(key)), None)
+            if victim is not None or not live or not retention.give_up(1, ()):
+                break
+        if victim is not None:
+            retention.forget((victim,))
+        return victim

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tiering.options import STRICT, Count, Delay, Seconds, Size
+from tiering.retention import RETENTION_MAX_FRACTION
 from tiering.seal import Integrity
 
 
@@ -42,6 +43,9 @@ class BlockStoreSettings(BaseModel):
             objects sealed by one of them load (see `tiering.seal`).
         encryption: ``aes-256-gcm`` to encrypt payloads with those keys, or None to sign
             them only.
+        retention_max_fraction: the share of `capacity_bytes` that requests' retention hints
+            may hold at once (`tiering.retention`); 0: hints are ignored here. Without a
+            capacity the tier evicts nothing, and keeps no deadlines.
     """
 
     model_config = ConfigDict(**STRICT, frozen=True)
@@ -60,6 +64,7 @@ class BlockStoreSettings(BaseModel):
     max_backoff_s: Seconds = 5.0
     integrity: Integrity | None = None
     encryption: Literal["aes-256-gcm"] | None = None
+    retention_max_fraction: float = Field(default=RETENTION_MAX_FRACTION, ge=0, le=1)
 
     @model_validator(mode="after")
     def _rules_between_keys(self) -> BlockStoreSettings:

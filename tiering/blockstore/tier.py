@@ -38,6 +38,7 @@ from tiering.errors import HungCallError, RuntimeClosedError, describe
 from tiering.health import TierHealth
 from tiering.keys import OffloadKey, ReqContext
 from tiering.object_format import object_size
+from tiering.retention import Retention
 from tiering.row_states import RowStates
 from tiering.runtime import AsyncRuntime
 from tiering.seal import Seal
@@ -155,8 +156,13 @@ class BlockStoreTier(SecondaryTierManager):
         logger.info("tier %s: recovered %d blocks (%d bytes)", self.name, len(self._index), self.used_bytes)
 
     def _new_index(self) -> BlockIndex:
-        settings = self.settings
-        return BlockIndex(self.name, settings.capacity_bytes, clock=self._clock, max_keys=settings.index_max_blocks)
+        settings, retention = self.settings, None
+        if settings.capacity_bytes is not None and settings.retention_max_fraction:
+            blocks = settings.capacity_bytes // object_size(0, self.row_bytes, self.store.header_align)
+            if max_retained := int(settings.retention_max_fraction * blocks):
+                retention = Retention(max_retained, self._clock)
+        max_keys = settings.index_max_blocks
+        return BlockIndex(self.name, settings.capacity_bytes, clock=self._clock, max_keys=max_keys, retention=retention)
 
     async def _open(self) -> list[tuple[OffloadKey, int]]:
         return await self._worker.open(self._runtime.task_group)
@@ -180,6 +186,21 @@ class BlockStoreTier(SecondaryTierManager):
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Make the held `keys` the most recent for eviction (the first one most)."""
         self._index.touch(keys)
+
+    def retain(self, keys: Collection[OffloadKey], seconds: float) -> list[OffloadKey]:
+        """A request's hint: the held `keys` get a deadline `seconds` from now, or keep a
+        later one (`tiering.retention`); returns the keys this tier does not hold (nor is
+        storing). Scheduler thread."""
+        held = [key for key in keys if key in self._index]
+        if held and self._index.retention is not None:
+            self._index.retention.retain(held, seconds)
+        return [key for key in keys if key not in self._index]
+
+    def release(self, keys: Collection[OffloadKey]) -> None:
+        """A request's hint: the held `keys` lose their deadlines and are evicted first
+        (`tiering.retention`). Scheduler thread."""
+        if self._index.retention is not None:
+            self._index.retention.release(key for key in keys if key in self._index)
 
     def submit_store(self, job_metadata: JobMetadata) -> None:
         """Reserve room for the blocks not held yet (evicting idle LRU blocks) and start
@@ -289,9 +310,11 @@ class BlockStoreTier(SecondaryTierManager):
             "evictions": self._index.evictions,
             "index_forgotten": self._index.forgotten,
             "failures": dict(self.failures),
+            **(retention.counters if (retention := self._index.retention) is not None else {}),
         }
         gauges = {
             "blocks": len(self._index),
+            "retained_blocks": len(self._index.retention) if self._index.retention is not None else 0,
             "bytes": self.used_bytes,
             "capacity_bytes": self.capacity_bytes,
             "room_bytes": self.room_bytes,
