@@ -15,19 +15,29 @@ from tiering.tenants import TenantsConfig, TenantShares
 ROW = 4096
 
 
-def manager(num_blocks=8, policy="lru", **tenants):
-    shares = None if tenants.get("off") else TenantShares(TenantsConfig(**tenants), num_blocks, ROW, policy)
+def manager(num_blocks=8, policy="lru", retention=0.0, **tenants):
+    """A CPU tier of `num_blocks` rows with `tenants` (``off=True``: none) whose requests'
+    retention hints may hold `retention` of each tenant's share."""
+    shares = None
+    if not tenants.get("off"):
+        shares = TenantShares(TenantsConfig(**tenants), num_blocks, ROW, policy, retention)
     return CPUOffloadingManager(num_blocks, policy, tenants=shares)
 
 
-def ctx(tenant, req="r"):
-    return ReqContext(f"{req}-{tenant}", tenant=tenant)
+def ctx(tenant, req="r", hint=None):
+    return ReqContext(
+        f"{req}-{tenant}", tenant=tenant, kv_transfer_params=None if hint is None else {"kv_tiering": hint}
+    )
 
 
-def store(cpu, tenant, *ids):
-    out = cpu.prepare_store(keys(*ids), ctx(tenant))
+def store(cpu, tenant, *ids, hint=None, req="r"):
+    """Tenant `tenant`'s request `req` stores `ids`; with a `hint`, it finishes with it."""
+    request = ctx(tenant, req, hint)
+    out = cpu.prepare_store(keys(*ids), request)
     if out is not None:
-        cpu.complete_store(out.keys_to_store, ctx(tenant))
+        cpu.complete_store(out.keys_to_store, request)
+    if hint is not None:
+        cpu.on_request_finished(request)
     return out
 
 
@@ -43,6 +53,32 @@ def test_a_tenant_within_its_share_is_never_evicted_for_one_beyond_it(policy):
         assert store(cpu, "flood", *range(start, start + 4)) is not None  # it evicts its own
     assert resident(cpu, 0, 1, 2, 3) == [True] * 4
     assert cpu.tenants.held == {"chat": 4, "flood": 4}
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "arc-s"])
+def test_a_tenants_hints_hold_within_its_own_share(policy):
+    cpu = manager(policy=policy, retention=0.5, default_share=0.5)  # 4 rows each; 2 may be retained
+    store(cpu, "chat", 0, 1, hint={"retain": "1h"}, req="a")
+    store(cpu, "chat", 2, 3, hint={"release": True}, req="b")
+    store(cpu, "flood", *range(100, 104))
+    store(cpu, "chat", 4, 5, req="c")  # within its share: evicts its own, released first
+    assert resident(cpu, 0, 1, 2, 3, 4, 5) == [True, True, False, False, True, True]
+    store(cpu, "chat", 6, 7, req="d")  # then the unretained ones, least recent first
+    assert resident(cpu, 0, 1, 4, 5, 6, 7) == [True, True, False, False, True, True]
+    store(cpu, "chat", 8, 9, 10, req="e")  # 6 and 7, then one deadline gives way
+    assert resident(cpu, 0, 1).count(True) == 1 and resident(cpu, 6, 7, 8, 9, 10) == [False] * 2 + [True] * 3
+    stats = cpu.get_stats()
+    assert stats["counters"]["retentions"] == 2 and stats["counters"]["retentions_released"] == 2
+    assert stats["counters"]["retentions_dropped"] == 1 and stats["gauges"]["retained_blocks"] == 1
+    assert resident(cpu, *range(100, 104)) == [True] * 4  # the other tenant lost nothing
+
+
+def test_a_tenants_retention_is_capped_by_its_own_share():
+    cpu = manager(retention=0.5, default_share=0.5, quotas={"big": 0.75})  # chat may retain 2, big 3
+    store(cpu, "chat", 0, 1, 2, hint={"retain": "1h"})
+    store(cpu, "big", 10, 11, 12, hint={"retain": "1h"})
+    assert cpu.get_stats()["gauges"]["retained_blocks"] == 5
+    assert cpu.get_stats()["counters"]["retentions_dropped"] == 1  # chat's third
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

@@ -261,7 +261,7 @@ def test_a_prefix_whose_request_asked_for_retention_survives_a_flood_that_evicts
     try:
         params = None if hint is None else {"kv_tiering": hint}  # as in an OpenAI request body
         tiny.generate(llm, [PROMPT], kv_transfer_params=params)
-        tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
+        tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["requests_open"] == 0)  # the hint applied
         for other in OTHERS:  # 18 new blocks into 16 rows
             tiny.generate(llm, [other])
         tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)

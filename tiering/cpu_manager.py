@@ -15,7 +15,7 @@ from tiering.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.policies import BlockStatus, CachePolicy, make_cache_policy
 from tiering.request_access import RequestAccesses
-from tiering.retention import RETENTION_MAX_FRACTION, Retention, hint_of
+from tiering.retention import RETENTION_MAX_FRACTION, Either, Retention, hint_of
 from tiering.row_states import FAILED, PENDING, READY, RowStates
 from tiering.stats import TierStats, worth_logging
 from tiering.tenants import TenantsConfig, TenantShares
@@ -70,8 +70,8 @@ class CPUOffloadingManager(OffloadingManager):
             enable_events: collect `OffloadingEvent`s for `take_events`.
             tenants: the tenants' shares of the rows, or None: every request alike.
             retention_max_fraction: the share of the rows that requests' retention hints
-                may hold at once (`tiering.retention`); 0, or with `tenants`: hints are
-                ignored.
+                may hold at once (`tiering.retention`; with `tenants`, of each tenant's
+                share, as `tenants` was built); 0: hints are ignored.
 
         Raises:
             ValueError: `num_blocks` < 1, or `cache_policy` is unknown.
@@ -255,7 +255,7 @@ class CPUOffloadingManager(OffloadingManager):
         tenants = self.tenants
         tenant = tenants.tenant_of(req_context) if tenants is not None else ""
         if shortfall > 0:
-            kept = _Either(unique, protected) if protected else unique
+            kept = Either(unique, protected) if protected else unique
             if tenants is None:
                 victims = self._evict(policy, shortfall, kept)
             else:
@@ -365,19 +365,19 @@ class CPUOffloadingManager(OffloadingManager):
             resident = self._resident
 
             def evictable(key: OffloadKey) -> bool:
-                return resident[key].ref_cnt == 0 and key not in kept
+                block = resident.get(key)
+                return block is not None and block.ref_cnt == 0 and key not in kept
 
-            for key in retention.take_released(n, resident, evictable):
+            for key in retention.released(n, evictable):
                 block = policy.remove(key)
                 if block is not None:
                     released.append((key, block))
             if len(released) == n:
                 return released
         rest = self._evict_unreleased(policy, n - len(released), kept)
-        if rest is None:  # refused after all: the released blocks stay, at the front again
+        if rest is None:  # refused after all: the released blocks stay (still released)
             for key, block in released:
                 policy.insert(key, block)
-            retention.release((key for key, _ in released), counted=False)
             return None
         return released + rest
 
@@ -389,15 +389,15 @@ class CPUOffloadingManager(OffloadingManager):
         retained = self.retention.live()
         if retained is None:
             return policy.evict(n, protected=kept)
-        victims = policy.evict(n, protected=_Either(kept, retained))
+        victims = policy.evict(n, protected=Either(kept, retained))
         if victims is not None:
             return victims
         try:
-            short = n - len(policy.candidates(n, _Either(kept, retained)))
+            short = n - len(policy.candidates(n, Either(kept, retained)))
         except NotImplementedError:
             short = n
         self.retention.give_up(short, kept)
-        return policy.evict(n, protected=_Either(kept, self.retention.live() or ()))
+        return policy.evict(n, protected=Either(kept, self.retention.live() or ()))
 
     def _complete_writes(self, keys: Collection[OffloadKey], success: bool, counter: str) -> list[OffloadKey]:
         if not success:
@@ -494,16 +494,19 @@ class CPUOffloadingManager(OffloadingManager):
         if access is not None and access.keys:
             policy = self._policy_of(req_context)
             policy.on_request_finished(access.prefix_order(req_context), access.inserted, access.reused)
-            if self.retention is not None:
+            retention = (
+                self.retention if self.tenants is None else self.tenants.retention(self.tenants.tenant_of(req_context))
+            )
+            if retention is not None:
                 hint = hint_of(req_context)
                 if hint is None:
-                    self.retention.used(access.keys)
+                    retention.used(access.keys)
                 else:
                     used = [key for key in access.keys if key in self._resident]  # stored or loaded
                     if hint.release:  # its own blocks: those it found already there others use too
-                        self.retention.release(key for key in used if key not in access.reused)
+                        retention.release(key for key in used if key not in access.reused)
                     if hint.retain_s is not None:
-                        self.retention.retain(used, hint.retain_s)
+                        retention.retain(used, hint.retain_s)
 
     def get_stats(self) -> TierStats:
         """Counters (lookups by answer, blocks stored and loaded, evictions, refused stores as
@@ -518,10 +521,11 @@ class CPUOffloadingManager(OffloadingManager):
             **{name: self._counters[name] for name in self.counter_names},
             **{name: dict(reasons) for name, reasons in self._refusals.items()},
             **(self.retention.counters if self.retention is not None else {}),
+            **(self.tenants.retention_counters if self.tenants is not None else {}),
         }
         gauges = {
             "blocks": len(self._resident),
-            "retained_blocks": len(self.retention) if self.retention is not None else 0,
+            "retained_blocks": self.tenants.retained_blocks if self.tenants is not None else len(self.retention or ()),
             "capacity_blocks": self.num_blocks,
             "rows_reading": self._rows_reading,
             "rows_writing": self._rows_writing,
@@ -573,6 +577,12 @@ class CPUOffloadingManager(OffloadingManager):
             if orphans:
                 self.row_states.mark([row for row in orphans if row not in quarantined], READY)
 
+    def _retention_of(self, req_context: ReqContext) -> Retention | None:
+        """The deadlines of `req_context`'s request's blocks (its tenant's), or None: hints
+        are ignored."""
+        tenants = self.tenants
+        return self.retention if tenants is None else tenants.retention(tenants.tenant_of(req_context))
+
     def _policy_of(self, req_context: ReqContext) -> CachePolicy:
         """The policy that ranks the blocks of `req_context`'s request (its tenant's)."""
         return self._policy if self.tenants is None else self.tenants.policy(self.tenants.tenant_of(req_context))
@@ -608,19 +618,6 @@ class CPUOffloadingManager(OffloadingManager):
     def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
         if keys and self._events is not None:
             self._events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed))
-
-
-class _Either:
-    """Keys in either of two containers (the keys of a reservation and the blocks protected
-    beside them), without building their union."""
-
-    __slots__ = ("first", "second")
-
-    def __init__(self, first: Container[OffloadKey], second: Container[OffloadKey]):
-        self.first, self.second = first, second
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.first or key in self.second
 
 
 class KVRegion(Protocol):
@@ -672,7 +669,11 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         if kv_view.ndim != 2 or kv_view.shape is None or kv_view.shape[0] != num_blocks:
             raise ValueError(f"region view has shape {kv_view.shape}; expected ({num_blocks}, row_bytes)")
         row_bytes = kv_view.nbytes // max(1, num_blocks)
-        shares = None if tenants is None else TenantShares(tenants, num_blocks, row_bytes, cache_policy)
+        shares = (
+            None
+            if tenants is None
+            else TenantShares(tenants, num_blocks, row_bytes, cache_policy, retention_max_fraction)
+        )
         super().__init__(num_blocks, cache_policy, enable_events, shares, retention_max_fraction)
         self._region: KVRegion | None = mmap_region
         self._kv_view = kv_view

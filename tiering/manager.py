@@ -401,7 +401,8 @@ class TieringOffloadingManager(OffloadingManager):
         self._primary_changed = True
         self.primary_tier.on_request_finished(req_context)
         if blocks and (self._hooks["retain"] or self._hooks["release"]):
-            hint = hint_of(req_context, log=self.primary_tier.retention is None)  # else the primary tier logged it
+            primary = self.primary_tier
+            hint = hint_of(req_context, log=primary.retention is None and primary.tenants is None)  # else logged there
             if hint is not None:
                 self._hint_secondary_tiers(hint, blocks, req_context)
         if self._timeline is not None:

@@ -113,6 +113,15 @@ class CachePolicy(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot list eviction candidates")
 
+    def candidate(self, key: OffloadKey) -> Any:
+        """The `candidates` token of resident `key`, busy or not, for `evict_candidates`; a
+        tuple whose first two items are the key and its `BlockStatus`. None: not resident.
+
+        Raises:
+            NotImplementedError: the policy does not list candidates (the default).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot list eviction candidates")
+
     @abstractmethod
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         """Every resident (key, block), in no particular order."""
@@ -196,6 +205,10 @@ class LRUCachePolicy(CachePolicy):
         for key, _ in chosen:
             del self._blocks[key]
         return chosen
+
+    def candidate(self, key: OffloadKey) -> tuple[OffloadKey, BlockStatus] | None:
+        block = self._blocks.get(key)
+        return None if block is None else (key, block)
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         return iter(list(self._blocks.items()))
@@ -305,6 +318,13 @@ class ARCCachePolicy(CachePolicy):
 
     def candidates(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus, bool]]:
         return list(islice(self._victims(protected), n))
+
+    def candidate(self, key: OffloadKey) -> tuple[OffloadKey, BlockStatus, bool] | None:
+        block = self._t1.get(key)
+        if block is not None:
+            return key, block, True
+        block = self._t2.get(key)
+        return None if block is None else (key, block, False)
 
     def evict_candidates(
         self, chosen: list[tuple[OffloadKey, BlockStatus, bool]]

@@ -96,22 +96,32 @@ def hint_of(req_context: Any, log: bool = True) -> RetentionHint | None:
         return None
 
 
+def new_counters() -> dict[str, int]:
+    """The counters of a `Retention`, at zero (several may share one dict: a tier's tenants)."""
+    return {"retentions": 0, "retentions_expired": 0, "retentions_released": 0, "retentions_dropped": 0}
+
+
 class Retention:
-    """The deadlines of the CPU tier's retained blocks (see the module docstring).
+    """The deadlines and releases of one tier's blocks, or of one tenant's in the CPU tier
+    (see the module docstring).
 
     Args:
         max_blocks: blocks that may hold a deadline at once (>= 1).
         clock: seconds, monotonic (tests move their own; the load generator follows its
             trace's clock); an attribute of the same name may be replaced later.
+        counters: the dict to count in (`new_counters`), shared with other retentions; None:
+            one of its own.
     """
 
-    def __init__(self, max_blocks: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, max_blocks: int, clock: Callable[[], float] = time.monotonic, counters: dict[str, int] | None = None
+    ):
         self.max_blocks = max(1, max_blocks)
         self.clock = clock
         self._deadlines: dict[OffloadKey, float] = {}
         self._heap: list[tuple[float, OffloadKey]] = []  # (deadline, key); stale entries skipped
         self._released: dict[OffloadKey, None] = {}  # evicted first, oldest release first
-        self.counters = {"retentions": 0, "retentions_expired": 0, "retentions_released": 0, "retentions_dropped": 0}
+        self.counters = new_counters() if counters is None else counters
 
     def __len__(self) -> int:
         """Blocks holding a deadline (some may have passed since the last `live`)."""
@@ -134,14 +144,13 @@ class Retention:
             self._heap = [(when, key) for key, when in deadlines.items()]
             heapq.heapify(self._heap)
 
-    def release(self, keys: Iterable[OffloadKey], counted: bool = True) -> None:
+    def release(self, keys: Iterable[OffloadKey]) -> None:
         """`keys` lose their deadlines and go first at the next evictions (a session the
-        client closed); `counted` False: put back ones `take_released` gave out (not counted
-        again)."""
+        client closed), until evicted (`forget`) or used again (`used`)."""
         for key in keys:
             self._deadlines.pop(key, None)
             self._released[key] = None
-            self.counters["retentions_released"] += counted
+            self.counters["retentions_released"] += 1
 
     def used(self, keys: Collection[OffloadKey]) -> None:
         """A request used `keys`: those released are not evicted first any more."""
@@ -149,19 +158,14 @@ class Retention:
             for key in keys:
                 self._released.pop(key, None)
 
-    def take_released(
-        self, n: int, resident: Container[OffloadKey], evictable: Callable[[OffloadKey], bool]
-    ) -> list[OffloadKey]:
-        """Up to `n` released keys that are `evictable` now, oldest release first, no longer
-        released; released keys no longer `resident` are dropped on the way."""
+    def released(self, n: int, evictable: Callable[[OffloadKey], bool]) -> list[OffloadKey]:
+        """Up to `n` released keys that are `evictable` now, oldest release first; they stay
+        released until `forget` (their eviction) or `used`."""
         taken: list[OffloadKey] = []
-        for key in list(self._released):
+        for key in self._released:
             if len(taken) == n:
                 break
-            if key not in resident:
-                del self._released[key]
-            elif evictable(key):
-                del self._released[key]
+            if evictable(key):
                 taken.append(key)
         return taken
 
@@ -177,7 +181,8 @@ class Retention:
         return bool(self._released)
 
     def forget(self, keys: Iterable[OffloadKey]) -> None:
-        """`keys` left the tier: their deadlines go with them (not counted)."""
+        """`keys` left the tier (evicted, or dropped): their deadlines and releases go with
+        them (not counted). The tier calls it for every key that leaves."""
         for key in keys:
             self._deadlines.pop(key, None)
             self._released.pop(key, None)
@@ -222,3 +227,16 @@ class Retention:
                 del self._deadlines[key]
                 self.counters[counter] += 1
                 return
+
+
+class Either:
+    """Keys in either of two containers (a reservation's keys and the blocks protected beside
+    them, or those and the retained ones), without building their union."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: Container[OffloadKey], second: Container[OffloadKey]):
+        self.first, self.second = first, second
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.first or key in self.second

@@ -18,6 +18,11 @@ that is None (the vLLM adapter sets it to the request's ``cache_salt``). Keys ar
 tenants' blocks never share a key because the block hashes they come from differ (vLLM mixes
 the salt into the first block's hash, and every later hash chains on it).
 
+Retention hints (`tiering.retention`) hold within a tenant: each tenant's deadlines are
+capped by `retention_max_fraction` of its own share, and its eviction takes its released
+blocks first and passes over its retained ones, by the same rules as without tenants. A
+tenant's retained blocks never protect it beyond its share from the rules above.
+
 State is bounded whatever clients send (`TenantsConfig.max_tenants`): a tenant holding
 nothing keeps only its counters, and is forgotten first when a new one needs its place; each
 tenant's policy is sized by its share.
@@ -37,6 +42,7 @@ from pydantic import BaseModel, BeforeValidator, Field
 from tiering.keys import OffloadKey, ReqContext
 from tiering.options import STRICT, Count, parse_size
 from tiering.policies import BlockStatus, CachePolicy, make_cache_policy
+from tiering.retention import Either, Retention, new_counters
 
 OTHER = "other"  # the label of the tenants beyond the `metric_tenants` most active
 
@@ -88,13 +94,25 @@ class TenantShares:
         num_blocks: rows of the tier.
         row_bytes: bytes of one row (shares in bytes become rows).
         cache_policy: the eviction policy each tenant's blocks are ranked by.
+        retention_max_fraction: the share of each tenant's share that its requests'
+            retention hints may hold (0: hints are ignored).
 
     Raises:
         ValueError: the policy cannot list eviction candidates (`CachePolicy.candidates`).
     """
 
-    def __init__(self, config: TenantsConfig, num_blocks: int, row_bytes: int, cache_policy: str = "lru"):
+    def __init__(
+        self,
+        config: TenantsConfig,
+        num_blocks: int,
+        row_bytes: int,
+        cache_policy: str = "lru",
+        retention_max_fraction: float = 0.0,
+    ):
         self.config = config
+        self._retention_max_fraction = retention_max_fraction
+        self._retentions: dict[str, Retention] = {}  # of the tenants holding blocks, made by a hint
+        self.retention_counters = new_counters()  # every tenant's, summed
         self.row_bytes = row_bytes
         self.num_blocks = num_blocks
         self._cache_policy = cache_policy
@@ -141,6 +159,7 @@ class TenantShares:
         name = next(iter(self._idle))
         del self._idle[name]
         self._policies.pop(name, None)  # an empty one, made for a touch
+        self._retentions.pop(name, None)
         self.counters.setdefault(OTHER, Counter()).update(self.counters.pop(name))
         return True
 
@@ -155,6 +174,22 @@ class TenantShares:
         if policy is None:
             policy = self._policies[tenant] = make_cache_policy(self._cache_policy, self.share(tenant))
         return policy
+
+    def retention(self, tenant: str) -> Retention | None:
+        """The deadlines of `tenant`'s blocks (made when first asked for), capped by its
+        share; None if hints are ignored (`retention_max_fraction` 0, or a share too small)."""
+        retention = self._retentions.get(tenant)
+        if retention is None:
+            max_blocks = int(self._retention_max_fraction * self.share(tenant))
+            if not max_blocks:
+                return None
+            retention = self._retentions[tenant] = Retention(max_blocks, counters=self.retention_counters)
+        return retention
+
+    @property
+    def retained_blocks(self) -> int:
+        """Blocks holding a deadline, every tenant's."""
+        return sum(len(retention) for retention in self._retentions.values())
 
     def count(self, tenant: str, name: str, amount: int = 1) -> None:
         """Add `amount` to the counter `name` (``hits``, ``misses``, ``blocks_stored``) of
@@ -180,6 +215,8 @@ class TenantShares:
         tenant = self.owner.pop(key, None)
         if tenant is not None:
             self._policies[tenant].remove(key)
+            if (retention := self._retentions.get(tenant)) is not None:
+                retention.forget((key,))
             self._released(tenant, 1)
 
     def _released(self, tenant: str, count: int) -> None:
@@ -187,6 +224,7 @@ class TenantShares:
         if not self.held[tenant]:
             del self.held[tenant]
             self._policies.pop(tenant, None)
+            self._retentions.pop(tenant, None)
             self._went_idle(tenant)
 
     def reset(self) -> None:
@@ -194,6 +232,7 @@ class TenantShares:
         for tenant in list(self.held):
             self._went_idle(tenant)
         self._policies.clear()
+        self._retentions.clear()
         self.owner.clear()
         self.held.clear()
 
@@ -217,10 +256,11 @@ class TenantShares:
         plan: dict[str, list[Any]] = {}
 
         def take(name: str, count: int) -> None:
-            already = planned[name]
-            chosen = self._policies[name].candidates(already + count, protected)[already:]
-            plan.setdefault(name, []).extend(chosen)
-            planned[name] += len(chosen)
+            chosen = plan.setdefault(name, [])
+            taken = {token[0] for token in chosen}
+            more = [token for token in self._candidates(name, len(chosen) + count, protected) if token[0] not in taken]
+            chosen.extend(more[:count])
+            planned[name] = len(chosen)
 
         over = sorted((rows - self.share(name), name) for name, rows in held.items() if rows > self.share(name))
         for excess, name in reversed(over):
@@ -241,9 +281,35 @@ class TenantShares:
             evicted = self._policies[name].evict_candidates(chosen)
             for key, _ in evicted:
                 del self.owner[key]
+            if (retention := self._retentions.get(name)) is not None:
+                retention.forget(key for key, _ in evicted)
             self._released(name, len(evicted))
             victims += evicted
         return victims
+
+    def _candidates(self, name: str, n: int, protected: Container[OffloadKey]) -> list[Any]:
+        """Up to `n` of `name`'s idle blocks not in `protected`, as its policy's tokens: its
+        released blocks first, then those without a live deadline, then (giving up the
+        earliest deadlines) retained ones."""
+        policy, retention = self._policies[name], self._retentions.get(name)
+        if retention is None or not retention.active:
+            return policy.candidates(n, protected)
+        chosen: list[Any] = []
+        if retention.has_released:
+
+            def idle(key: OffloadKey) -> bool:
+                token = policy.candidate(key)
+                return token is not None and token[1].ref_cnt == 0 and key not in protected
+
+            chosen = [policy.candidate(key) for key in retention.released(n, idle)]
+        guard = Either(protected, {token[0] for token in chosen}) if chosen else protected
+        live = retention.live()
+        rest = policy.candidates(n - len(chosen), guard if live is None else Either(guard, live))
+        short = n - len(chosen) - len(rest)
+        if short and live is not None and retention.give_up(short, protected):
+            live = retention.live()
+            rest = policy.candidates(n - len(chosen), guard if live is None else Either(guard, live))
+        return chosen + rest
 
     def _fullest(self) -> list[str]:
         """Tenants with blocks, the fullest for their share first."""

@@ -287,7 +287,7 @@ class BlockIndex:
 
         if retention is None or not retention.active:
             return next((key for key in entries if idle(key)), None)
-        if retention.has_released and (released := retention.take_released(1, entries, idle)):
+        if retention.has_released and (released := retention.released(1, lambda key: key in entries and idle(key))):
             retention.forget(released)
             return released[0]
         while True:
