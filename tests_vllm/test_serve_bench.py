@@ -31,6 +31,8 @@ def test_every_configuration_serves_the_trace_and_the_report_adds_up(tmp_path):
         "256KiB",
         "--work-dir",
         str(tmp_path / "work"),
+        "--hints",
+        "ttl:3600",  # in every request's body
     ]
     assert main([*argv, "--output", str(output), "--plot", str(plot)]) == 0
 
@@ -51,6 +53,7 @@ def test_every_configuration_serves_the_trace_and_the_report_adds_up(tmp_path):
     device = {name: run["summary"]["cached_tokens_by_source"]["device"] for name, run in runs.items()}
     assert device["a"] < device["b"]
     assert runs["d"]["summary"]["cached_tokens_by_source"]["disk"] >= 2 * 256
+    assert runs["c"]["vllm"]["engine"]["retentions"]["cpu"] > 0  # the hints reached the engine
     assert runs["e"]["summary"]["cached_tokens_by_source"]["external_unspecified"] >= 2 * 256
     assert runs["e"]["vllm"]["engine"]["blocks_stored"]["s3"] >= 32
     # the slow tier is promoted from in f; in g, after one probe, its blocks are recomputed

@@ -43,6 +43,10 @@ COUNTERS = {  # the engine's counter -> (vLLM's metric, what it counts)
         "Blocks of a secondary tier recomputed instead: promoting them was slower (recompute_tokens_per_s).",
     ),
     "jobs_failed": ("vllm:kv_tiering_jobs_failed", "Store and load jobs of a secondary tier that failed."),
+    "retentions": (
+        "vllm:kv_tiering_retentions",
+        "Blocks each tier gave a retention deadline for a request's hint (kv_transfer_params kv_tiering retain).",
+    ),
     "stores_refused": (
         "vllm:kv_tiering_stores_refused",
         "GPU stores the CPU tier refused, by reason: rows_in_flight (every row it could free was held by a "
