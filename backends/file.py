@@ -193,7 +193,8 @@ class FileBlockStore(BlockStore):
         abandoned once running."""
         self.check_open()
         with anyio.CancelScope(shield=True):
-            return await self._hop(self._read_pool if read else self._pool, func, *args)
+            result = await self._hop(self._read_pool if read else self._pool, func, *args)
+        return result
 
     @staticmethod
     async def _hop(pool: Executor | None, func: Callable[..., T], *args: Any) -> T:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import mmap
 import os
 import secrets
@@ -40,6 +41,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,13 +52,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
+from tiering import JobMetadata, OffloadKey, ReqContext, SecondaryTierFactory, make_offload_key
 from tiering.options import parse_size
 
 CTX = ReqContext("bench")
 
 
-def _keys(count: int) -> list[bytes]:
+def _keys(count: int) -> list[OffloadKey]:
     return [make_offload_key(i.to_bytes(16, "big"), 0) for i in range(count)]
 
 
@@ -76,7 +78,7 @@ def run_engine(
     if seal is not None:
         os.environ.setdefault(KEYS_ENV, secrets.token_hex(32))
         config |= {"integrity": {"keys_env": KEYS_ENV}, **SEALS[seal]}
-    tier = SecondaryTierFactory.create_secondary_tier({**config, "direct_io": direct}, memoryview(rows), None)
+    tier = SecondaryTierFactory.create_secondary_tier({**config, "direct_io": direct}, rows.data, None)
     keys = _keys(len(rows))
     jobs = [
         (keys[i : i + job_blocks], np.arange(i, min(i + job_blocks, len(rows)), dtype=np.int64))
@@ -112,7 +114,7 @@ def run_raw(rows: np.ndarray, directory: Path, concurrency: int, mode: str) -> d
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / f"{i:08d}" for i in range(len(rows))]
     headers = [memoryview(mmap.mmap(-1, HEADER_BYTES)) for _ in range(concurrency)]  # aligned, one per thread
-    slot = {}
+    slot: dict[int, int] = {}
 
     def header() -> memoryview:
         return headers[slot.setdefault(threading.get_ident(), len(slot))]
@@ -221,13 +223,17 @@ def measure(
     """
     num_blocks = max(total_bytes // block_bytes, job_blocks)
     rows = aligned_rows(num_blocks, block_bytes)
-    sides = [
+
+    def engine_sealed(directory: Path, seal: str) -> dict[str, float]:
+        return run_engine(rows, directory, concurrency, mode, job_blocks, seal)
+
+    sides: list[tuple[str, Callable[[Path], dict[str, float]]]] = [
         ("engine", lambda d: run_engine(rows, d, concurrency, mode, job_blocks)),
         ("raw", lambda d: run_raw(rows, d, concurrency, mode)),
         ("aiofiles", lambda d: run_aiofiles(rows, d, concurrency, mode)),
     ]
     for seal in seals:
-        sides.append((f"engine {seal}", lambda d, seal=seal: run_engine(rows, d, concurrency, mode, job_blocks, seal)))
+        sides.append((f"engine {seal}", functools.partial(engine_sealed, seal=seal)))
     best: dict[str, float] = {}
     for repeat in range(-1, repeats):
         for name, run in sides if repeat % 2 == 0 else sides[::-1]:

@@ -40,6 +40,7 @@ from tiering import (
     AsyncRuntime,
     CPUPrimaryTierOffloadingManager,
     JobMetadata,
+    OffloadKey,
     ReqContext,
     SecondaryTierFactory,
     SharedOffloadRegion,
@@ -53,7 +54,7 @@ HINTS = {"none": None, "retain": {"kv_tiering": {"retain": "1h"}}, "release": {"
 """The ``kv_transfer_params`` of every request under each ``--hints``."""
 
 
-def _keys(start: int, count: int) -> list[bytes]:
+def _keys(start: int, count: int) -> list[OffloadKey]:
     return [make_offload_key(i.to_bytes(16, "big"), 0) for i in range(start, start + count)]
 
 
@@ -84,6 +85,7 @@ def time_engine(num_blocks: int, batch: int, policy: str, hints: str = "none") -
             start = time.perf_counter()
             manager.on_new_request(request)
             out = manager.prepare_store(chunk, request)
+            assert out is not None  # the tier has a row for every block
             manager.complete_store(out.keys_to_store, request)
             manager.on_request_finished(request)  # the policy learns from the request here
             elapsed += time.perf_counter() - start
@@ -140,7 +142,7 @@ def _gc_paused():
         gc.enable()
 
 
-def _per_call(call: Callable[[bytes, ReqContext], object], keys: list[bytes]) -> float:
+def _per_call(call: Callable[[OffloadKey, ReqContext], object], keys: list[OffloadKey]) -> float:
     start = time.perf_counter()
     for key in keys:
         call(key, CTX)
@@ -165,7 +167,7 @@ def time_handoff(num_jobs: int, job_blocks: int = 16) -> dict[str, float]:
     """Scheduler-thread seconds per job for three ways of handing a job to a loop thread."""
     rows = np.zeros((num_jobs * job_blocks, 64), dtype=np.uint8)
     config = {"type": "memory", "latency_s": 60.0, "max_concurrency": num_jobs}
-    tier = SecondaryTierFactory.create_secondary_tier(config, memoryview(rows), None)
+    tier = SecondaryTierFactory.create_secondary_tier(config, rows.data, None)
     keys = _keys(0, num_jobs * job_blocks)
     spans = [range(j * job_blocks, (j + 1) * job_blocks) for j in range(num_jobs)]
     jobs = [JobMetadata(j, keys[s.start : s.stop], np.array(s), False, CTX) for j, s in enumerate(spans)]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
+from tiering import BlockStoreTier, JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
 
 CTX = ReqContext("bench")
 
@@ -36,7 +36,8 @@ def run_tier_jobs(rows: np.ndarray, config: Mapping[str, Any], job_blocks: int) 
     Raises:
         RuntimeError: a job failed, or a direction took over 600 s.
     """
-    tier = SecondaryTierFactory.create_secondary_tier(dict(config), memoryview(rows), None)
+    tier = SecondaryTierFactory.create_secondary_tier(dict(config), rows.data, None)
+    assert isinstance(tier, BlockStoreTier)  # the benchmarks' tiers are block stores
     keys = [make_offload_key(i.to_bytes(16, "big"), 0) for i in range(len(rows))]
     spans = [range(i, min(i + job_blocks, len(rows))) for i in range(0, len(rows), job_blocks)]
     try:

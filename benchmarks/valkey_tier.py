@@ -76,6 +76,7 @@ async def run_raw(rows: np.ndarray, addresses: list[str], cluster: bool, concurr
         values.append(b"".join(encode_object(key, memoryview(row), b"\0" * 16)))
     nodes = [NodeAddress(*parse_address(address)) for address in addresses]
     timeout_ms = int(REQUEST_TIMEOUT_S * 1000)
+    client: GlideClient | GlideClusterClient
     if cluster:
         client = await GlideClusterClient.create(GlideClusterClientConfiguration(nodes, request_timeout=timeout_ms))
     else:
