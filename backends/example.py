@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tiering.keys import OffloadKey, ReqContext
-from tiering.secondary import Doorbell, JobMetadata, JobResult, SecondaryTierManager
+from tiering.contract.keys import OffloadKey, ReqContext
+from tiering.tiers.base import Doorbell, JobMetadata, JobResult, SecondaryTierManager
 
 logger = logging.getLogger(f"tiering.{__name__}")  # one logger tree: "tiering"
 

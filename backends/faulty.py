@@ -28,13 +28,13 @@ from typing import Any, ClassVar
 import anyio
 from pydantic import BaseModel, field_validator
 
-from tiering.blockstore import BlockStore, BlockStoreSettings
+from tiering.contract.keys import OffloadKey
 from tiering.errors import TierConfigError
-from tiering.factory import SecondaryTierFactory
-from tiering.keys import OffloadKey
-from tiering.object_format import ObjectHeader
 from tiering.options import STRICT, Delay, Probability, validate_options
-from tiering.seal import Seal
+from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
+from tiering.tiers.factory import SecondaryTierFactory
+from tiering.tiers.object_format import ObjectHeader
+from tiering.tiers.seal import Seal
 
 
 class FaultyOptions(BaseModel):

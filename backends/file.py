@@ -52,11 +52,11 @@ import anyio
 from pydantic import AfterValidator, BaseModel
 
 from tiering.backends import file_io
-from tiering.blockstore import BlockStore, BlockStoreSettings
-from tiering.blockstore.pool import DaemonThreadPool
-from tiering.keys import OffloadKey
-from tiering.object_format import ObjectHeader
+from tiering.contract.keys import OffloadKey
 from tiering.options import STRICT, Count
+from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
+from tiering.tiers.blockstore.pool import DaemonThreadPool
+from tiering.tiers.object_format import ObjectHeader
 
 logger = logging.getLogger(__name__)
 

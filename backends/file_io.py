@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from tiering.blockstore.store import RecoveryProgress
+from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ForgedObjectError, ObjectNotFoundError, UnusableObjectError
-from tiering.keys import OffloadKey
-from tiering.object_format import (
+from tiering.tiers.blockstore.store import RecoveryProgress
+from tiering.tiers.object_format import (
     MAX_KEY_BYTES,
     ObjectHeader,
     check_length,
@@ -39,7 +39,7 @@ from tiering.object_format import (
     parse_header,
     verify_payload,
 )
-from tiering.seal import Seal
+from tiering.tiers.seal import Seal
 
 logger = logging.getLogger(__name__)
 

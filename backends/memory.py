@@ -16,11 +16,11 @@ from collections.abc import Collection
 import anyio
 from pydantic import BaseModel
 
-from tiering.blockstore import BlockStore
+from tiering.contract.keys import OffloadKey
 from tiering.errors import ObjectNotFoundError
-from tiering.keys import OffloadKey
-from tiering.object_format import ObjectHeader, check_length, encode_object, parse_header
 from tiering.options import STRICT, Delay, Probability
+from tiering.tiers.blockstore import BlockStore
+from tiering.tiers.object_format import ObjectHeader, check_length, encode_object, parse_header
 
 
 class MemoryOptions(BaseModel):

@@ -1,7 +1,7 @@
 """The ``s3`` tier: one object per block in an S3-compatible bucket, through aiobotocore.
 
 Objects are ``<prefix><layout fingerprint hex>/<key hex>``, in the stored format of
-`tiering.object_format`, so any engine of the same layout reading the bucket shares the
+`tiering.tiers.object_format`, so any engine of the same layout reading the bucket shares the
 blocks (a cross-instance cache): the tier probes keys it has not seen (one HEAD per key, a
 short negative cache) and rebuilds its index from a paginated listing at start.
 
@@ -32,12 +32,12 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, ParamValidationError
 from pydantic import BaseModel, field_validator
 
-from tiering.blockstore import BlockStore, BlockStoreSettings
-from tiering.blockstore.store import RecoveryProgress
+from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
-from tiering.keys import OffloadKey
-from tiering.object_format import ObjectHeader, check_length, encode_object, header_size, parse_header
 from tiering.options import STRICT, Count, Seconds
+from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
+from tiering.tiers.blockstore.store import RecoveryProgress
+from tiering.tiers.object_format import ObjectHeader, check_length, encode_object, header_size, parse_header
 
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}

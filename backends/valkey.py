@@ -3,7 +3,7 @@ cluster, through valkey-glide, shared by every engine of the same layout.
 
 Keys are ``<key_prefix>:<layout fingerprint hex>:<block key hex>``: engines of different
 models or layouts never collide, engines of the same layout share. Values are the stored
-format of `tiering.object_format` (header + payload; the CRC32C is checked as each value
+format of `tiering.tiers.object_format` (header + payload; the CRC32C is checked as each value
 arrives, before its copy into the row), so a stale, foreign or torn value is a miss, never
 loaded. Keys of different blocks hash to different slots; there is no multi-key command:
 a store call sends its blocks (`batch_bytes` worth) as one non-atomic pipeline of SETs or
@@ -35,12 +35,19 @@ from typing import Any, ClassVar
 import anyio
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from tiering.blockstore import BlockStore, BlockStoreSettings
-from tiering.blockstore.store import RecoveryProgress
+from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
-from tiering.keys import OffloadKey
-from tiering.object_format import ObjectHeader, check_length, encode_object, object_size, parse_header, verify_payload
 from tiering.options import STRICT, Lifetime, Seconds, Size
+from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
+from tiering.tiers.blockstore.store import RecoveryProgress
+from tiering.tiers.object_format import (
+    ObjectHeader,
+    check_length,
+    encode_object,
+    object_size,
+    parse_header,
+    verify_payload,
+)
 
 try:
     from glide import (

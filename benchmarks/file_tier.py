@@ -15,7 +15,7 @@ file fsynced), ``direct`` (O_DIRECT, the tier's default).
   number of threads): the library the mission first named for this tier, measured instead of
   assumed. It costs an executor hop per call where the tier makes one per batch.
 
-With ``--seals signed,encrypted`` the engine also runs with integrity keys (`tiering.seal`),
+With ``--seals signed,encrypted`` the engine also runs with integrity keys (`tiering.tiers.seal`),
 interleaved with the rest, and the table shows what signing or encrypting costs against the
 unsealed engine.
 

@@ -33,7 +33,7 @@ from rich.table import Table
 from tiering import make_offload_key
 from tiering.benchmarks.file_tier import aligned_rows
 from tiering.benchmarks.tier_jobs import add_job_arguments, interleaved, run_tier_jobs
-from tiering.object_format import encode_object
+from tiering.tiers.object_format import encode_object
 
 
 def run_engine(rows: np.ndarray, endpoint: str, bucket: str, concurrency: int, job_blocks: int) -> dict[str, float]:

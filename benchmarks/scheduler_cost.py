@@ -3,7 +3,7 @@
 The engine is a `TieringOffloadingManager` over a real shared-memory primary tier (its
 policy chosen by ``--policy``) with two `example` secondary tiers; each batch of stores is
 one request, opened and finished around it as a scheduler does (a policy that learns from
-requests pays for it there), with the retention hint of ``--hints`` (`tiering.retention`:
+requests pays for it there), with the retention hint of ``--hints`` (`tiering.eviction.retention`:
 ``retain`` gives every request's blocks a deadline of an hour, ``release`` releases them;
 the example tiers keep no deadlines, so this is the CPU tier's and the manager's cost).
 The baseline does the least any manager must do for the same call: the dict operations on
@@ -47,7 +47,7 @@ from tiering import (
     TieringOffloadingManager,
     make_offload_key,
 )
-from tiering.policies import cache_policy_names
+from tiering.eviction.policies import cache_policy_names
 
 CTX = ReqContext("bench")
 HINTS = {"none": None, "retain": {"kv_tiering": {"retain": "1h"}}, "release": {"kv_tiering": {"release": True}}}

@@ -43,8 +43,8 @@ from tiering import make_offload_key
 from tiering.backends.valkey import parse_address
 from tiering.benchmarks.file_tier import aligned_rows
 from tiering.benchmarks.tier_jobs import add_job_arguments, interleaved, run_tier_jobs
-from tiering.object_format import encode_object
 from tiering.options import parse_size
+from tiering.tiers.object_format import encode_object
 
 REQUEST_TIMEOUT_S = 5.0  # the tier's default request_timeout_s, on both sides
 

@@ -220,7 +220,7 @@ def metrics_text(manager) -> str:
     """What Prometheus would scrape from `manager`'s stats now."""
     from prometheus_client import generate_latest
 
-    from tiering.metrics import PrometheusExporter
+    from tiering.engine.metrics import PrometheusExporter
 
     exporter = PrometheusExporter(0)
     try:

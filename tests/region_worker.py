@@ -47,7 +47,7 @@ def store_rank_blocks(instance_id, num_blocks, page_shape, num_workers, rank, ba
     import torch
 
     from tiering import CPULoadStoreSpec, GPULoadStoreSpec, canonicalize_kv_caches
-    from tiering.cpu_gpu import CpuGpuOffloadingHandlers
+    from tiering.worker.cpu_gpu import CpuGpuOffloadingHandlers
 
     cache = torch.empty((num_blocks, *page_shape), dtype=torch.int8)
     for block in range(num_blocks):

@@ -18,8 +18,8 @@ from tiering import (
     TierContext,
 )
 from tiering.backends import MemoryBlockStore
-from tiering.blockstore import worker
-from tiering.object_format import object_size
+from tiering.tiers.blockstore import worker
+from tiering.tiers.object_format import object_size
 
 S = BlockStoreSettings
 OBJECT = object_size(len(key(0)), ROW)  # a memory-tier object (64-byte header)
@@ -148,7 +148,7 @@ def test_slow_tier_answers_none_until_the_store_lands(engine_factory):
 
 
 def test_a_job_in_flight_keeps_the_loop_polling_so_the_step_makes_no_system_call(monkeypatch):
-    monkeypatch.setattr("tiering.runtime.POLL_IDLE_S", 0.02)
+    monkeypatch.setattr("tiering.tiers.runtime.POLL_IDLE_S", 0.02)
     tier = make_tier(BlockablePuts, capacity_objects=2)
     try:
         tier.store.blocked = True

@@ -100,7 +100,7 @@ def test_help_and_version_import_no_torch():
 
 def test_the_spec_and_the_manager_are_context_managers(tmp_path):
     from tiering import KVLayout
-    from tiering.shared_region import region_path
+    from tiering.cpu.shared_region import region_path
 
     config = parse_config("cpu_bytes_to_use: 64KiB\nsecondary_tiers: [{type: memory}]")
     with TieringOffloadingSpec(config, KVLayout("t", 1, 64), "ctx-test") as spec, spec.get_manager() as manager:

@@ -14,11 +14,9 @@ from tiering import (
     CPULoadStoreSpec,
     GPULoadStoreSpec,
     SharedOffloadRegion,
-    batch_copy,
     canonicalize_kv_caches,
-    copy_kernel,
-    cpu_gpu,
 )
+from tiering.worker import batch_copy, copy_kernel, cpu_gpu
 
 DEVICES = [
     "cpu",

@@ -163,7 +163,7 @@ def store_blocks(tier, rows, job_id, ids):
 
 
 def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(small_disk, monkeypatch):
-    monkeypatch.setattr("tiering.blockstore.index.ROOM_BACKOFF_S", (0.2, 0.4))
+    monkeypatch.setattr("tiering.tiers.blockstore.index.ROOM_BACKOFF_S", (0.2, 0.4))
     clock = ManualClock()
     tier, rows = disk_tier(small_disk / "tier", clock)
     try:
@@ -184,7 +184,7 @@ def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(sm
 
 
 def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(small_disk, monkeypatch):
-    monkeypatch.setattr("tiering.blockstore.index.ROOM_BACKOFF_S", (0.2, 0.4))
+    monkeypatch.setattr("tiering.tiers.blockstore.index.ROOM_BACKOFF_S", (0.2, 0.4))
     clock = ManualClock()
     tier, rows = disk_tier(small_disk / "tier", clock, capacity_bytes=4 << 20)
     try:
@@ -205,7 +205,7 @@ def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(sm
 def test_a_full_disk_under_steady_stores_keeps_its_room_and_evicts_only_the_shortfall(small_disk, monkeypatch):
     """Stores keep coming while evicted objects are still being deleted: the room must stay
     at what the disk holds, not ratchet down by what was in flight at each refusal."""
-    monkeypatch.setattr("tiering.blockstore.index.ROOM_BACKOFF_S", (0.05, 0.2))  # retries within the test
+    monkeypatch.setattr("tiering.tiers.blockstore.index.ROOM_BACKOFF_S", (0.05, 0.2))  # retries within the test
     clock = ManualClock()
     tier, _ = disk_tier(small_disk / "tier", clock)
     try:

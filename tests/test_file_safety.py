@@ -9,8 +9,8 @@ import pytest
 from tests.helpers import CTX, ROW, block_bytes, key, keys
 from tiering import ObjectNotFoundError, UnusableObjectError
 from tiering.backends import FileBlockStore
-from tiering.object_format import MAX_KEY_BYTES
 from tiering.testing.block_store import FINGERPRINT, payload
+from tiering.tiers.object_format import MAX_KEY_BYTES
 
 
 async def opened_store(root, **options):

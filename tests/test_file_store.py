@@ -105,7 +105,7 @@ async def test_a_long_recovery_logs_its_progress(store_kit, monkeypatch, caplog)
     for i in range(3):
         await store.put(key(i), payload(100))
     await store.close()
-    monkeypatch.setattr("tiering.blockstore.store.PROGRESS_INTERVAL_S", 0.0)  # a line per object
+    monkeypatch.setattr("tiering.tiers.blockstore.store.PROGRESS_INTERVAL_S", 0.0)  # a line per object
     reopened = await opened(store_kit)
     try:
         with caplog.at_level(logging.INFO, logger="tiering"):

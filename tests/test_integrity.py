@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import CTX, ROW, block_bytes, keys, metrics_text
 from tiering import ConfigError, ForgedObjectError
 from tiering.config import parse_config
-from tiering.seal import Integrity, Seal, Sealed, read_keys
+from tiering.tiers.seal import Integrity, Seal, Sealed, read_keys
 
 KEYS_ENV = "KV_TIERING_TEST_KEYS"
 
@@ -99,8 +99,8 @@ def test_encryption_needs_keys_and_a_store_that_seals(keys_a, tier, message):
 
 def test_a_store_that_does_not_declare_sealing_refuses_integrity(keys_a, tmp_path):
     from tiering import BlockStore
-    from tiering.factory import tier_options
     from tiering.options import validate_options
+    from tiering.tiers.factory import tier_options
 
     class Unsealed(BlockStore):  # a third party's store that never passes its seal on
         put = get = exists = delete_many = recover = None  # type: ignore[assignment]

@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers import CTX, keys
 from tiering import KVLayout, TieringOffloadingSpec, parse_config
-from tiering.metrics import PrometheusExporter
+from tiering.engine.metrics import PrometheusExporter
 
 
 def scrape(port: int) -> str:
@@ -75,7 +75,7 @@ def test_the_docs_list_exactly_the_metrics_served_with_their_help_texts():
     import re
     from pathlib import Path
 
-    from tiering.metrics import HELP
+    from tiering.engine.metrics import HELP
 
     config = parse_config(
         "cpu_bytes_to_use: 64KiB\nmetrics: {port: 0}\nsecondary_tiers: [{type: memory, failure_threshold: 1}]"

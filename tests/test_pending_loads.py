@@ -1,5 +1,5 @@
 """Hits answered while their promotion runs: the worker's load waits for the rows
-(`tiering.row_states`), and a promotion that fails leaves its GPU blocks unwritten and named,
+(`tiering.cpu.row_states`), and a promotion that fails leaves its GPU blocks unwritten and named,
 never loaded. Real engine, real block-store tiers, real handlers on the CPU device."""
 
 import threading
@@ -21,9 +21,9 @@ from tiering import (
     SharedOffloadRegion,
     TieringOffloadingManager,
     canonicalize_kv_caches,
-    cpu_gpu,
 )
-from tiering.row_states import FAILED, PENDING, READY, RowStates
+from tiering.cpu.row_states import FAILED, PENDING, READY, RowStates
+from tiering.worker import cpu_gpu
 
 NUM_ROWS = 4
 NUM_GPU_BLOCKS = 8

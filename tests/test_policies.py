@@ -5,7 +5,7 @@ import pytest
 
 from tests.helpers import key, keys
 from tiering import ARCCachePolicy, LRUCachePolicy, make_cache_policy
-from tiering.policies import BlockStatus
+from tiering.eviction.policies import BlockStatus
 
 
 def fill(policy, *ids, ref_cnt=0):

@@ -1,13 +1,13 @@
-"""Soft retention from clients' hints (tiering.retention), in the CPU tier's eviction and in
+"""Soft retention from clients' hints (tiering.eviction.retention), in the CPU tier's eviction and in
 the block-store tiers' (their index, and the writes a long retention asks for)."""
 
 import pytest
 
 from tests.helpers import ROW, ManualClock, RegionStandIn, key, keys
 from tiering import CPUPrimaryTierOffloadingManager, ReqContext
-from tiering.admission import AdmissionConfig
-from tiering.object_format import object_size
-from tiering.retention import MAX_RETAIN_S, Retention, hint_of, parse_duration
+from tiering.eviction.retention import MAX_RETAIN_S, Retention, hint_of, parse_duration
+from tiering.tiers.admission import AdmissionConfig
+from tiering.tiers.object_format import object_size
 
 
 @pytest.fixture(params=["lru", "arc", "arc-s"])

@@ -128,7 +128,7 @@ def test_last_release_shuts_down(runtime):
 
 
 def test_a_busy_loop_polls_and_an_idle_one_is_rung_again_nothing_is_stranded(runtime, monkeypatch):
-    monkeypatch.setattr("tiering.runtime.POLL_IDLE_S", 0.02)
+    monkeypatch.setattr("tiering.tiers.runtime.POLL_IDLE_S", 0.02)
     done = []
     for burst in range(3):  # each burst: work while the loop polls, then a pause past its idle time
         for i in range(20):
@@ -143,7 +143,7 @@ def test_a_busy_loop_polls_and_an_idle_one_is_rung_again_nothing_is_stranded(run
 def test_the_loop_polls_while_work_is_in_flight_and_is_rung_again_after(runtime, monkeypatch):
     """A tier whose jobs outlast the idle time (writes lagging behind an overload) must not
     make the scheduler ring: its flush would be a system call on the scheduler thread."""
-    monkeypatch.setattr("tiering.runtime.POLL_IDLE_S", 0.02)
+    monkeypatch.setattr("tiering.tiers.runtime.POLL_IDLE_S", 0.02)
     runtime.submit(runtime.job_started)
     runtime.flush()
     threading.Event().wait(0.2)  # ten idle times with a job running and nothing submitted

@@ -9,7 +9,7 @@ import pytest
 
 from tests import helpers, region_worker
 from tiering import RegionInUseError, SharedOffloadRegion
-from tiering.shared_region import region_path
+from tiering.cpu.shared_region import region_path
 
 SPAWN = multiprocessing.get_context("spawn")
 

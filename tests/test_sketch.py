@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import key
-from tiering.sketch import CountMinSketch
+from tiering.eviction.sketch import CountMinSketch
 
 
 def test_an_estimate_is_never_below_the_true_count():

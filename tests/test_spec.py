@@ -17,7 +17,7 @@ from tiering import (
     canonicalize_kv_caches,
     parse_config,
 )
-from tiering.shared_region import region_path
+from tiering.cpu.shared_region import region_path
 
 
 def instance() -> str:

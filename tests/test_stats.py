@@ -83,7 +83,7 @@ def test_each_block_counts_once_per_request_for_the_tier_that_supplied_it(engine
 
 
 def test_a_forgotten_request_counts_again_and_the_oldest_goes_first():
-    from tiering.lookups import RequestLookups
+    from tiering.engine.lookups import RequestLookups
 
     counts = RequestLookups(lambda key: None, max_requests=2)
     for req_id in ("a", "b", "c"):  # "a" is forgotten when "c" arrives
@@ -131,7 +131,7 @@ def test_every_logger_is_under_one_tree():
 
     for package in (tiering, backends):
         for module in pkgutil.iter_modules(package.__path__, f"{package.__name__}."):
-            if module.name == "tiering.metrics":
+            if module.name == "tiering.engine.metrics":
                 continue  # imports prometheus_client only; no logger
             loaded = importlib.import_module(module.name)
             log = getattr(loaded, "logger", None)

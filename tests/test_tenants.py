@@ -10,7 +10,7 @@ from tests.helpers import block_bytes, keys, metrics_text
 from tiering import ConfigError, CPUOffloadingManager, ReqContext
 from tiering.benchmarks.loadgen.run import block_key
 from tiering.config import parse_config
-from tiering.tenants import TenantsConfig, TenantShares
+from tiering.cpu.tenants import TenantsConfig, TenantShares
 
 ROW = 4096
 

@@ -4,9 +4,9 @@ the third-party example runs it in test_third_party_tier.py."""
 import pytest
 
 from tiering import SecondaryTierFactory
-from tiering.object_format import object_size
 from tiering.testing import TierContractSuite, TierKit
 from tiering.testing.tier_contract import key
+from tiering.tiers.object_format import object_size
 
 
 def kit(config, header_align=64, bounded=True, copies_bytes=True):

@@ -1,4 +1,4 @@
-"""Every rule of the manager's semantics (tiering.manager), for both policies."""
+"""Every rule of the manager's semantics (tiering.engine.manager), for both policies."""
 
 import logging
 import threading

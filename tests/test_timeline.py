@@ -9,10 +9,10 @@ import pytest
 from tests.helpers import ManualClock, ManualTier, RegionStandIn, engine_regions, key, keys
 from tiering import CPUPrimaryTierOffloadingManager, KVLayout, ReqContext, TieringOffloadingManager
 from tiering.config import parse_config
+from tiering.cpu.row_states import RowStates
+from tiering.engine.timeline import RequestTimeline
 from tiering.errors import ConfigError
-from tiering.row_states import RowStates
 from tiering.spec import TieringOffloadingSpec
-from tiering.timeline import RequestTimeline
 
 
 def lines(path) -> list[dict]:

@@ -22,7 +22,7 @@ TOKENS_PER_ROW = 64
 
 class ARCWithGhostsToT2(VllmARC):
     """vLLM's ARC with this engine's one deliberate difference (see
-    `tiering.policies.ARCCachePolicy`): a key stored again while in a ghost list enters T2."""
+    `tiering.eviction.policies.ARCCachePolicy`): a key stored again while in a ghost list enters T2."""
 
     def insert(self, key, chunk):
         ghost = key in self.b1 or key in self.b2

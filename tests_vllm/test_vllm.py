@@ -229,7 +229,7 @@ def test_behind_the_engines_connector_a_failed_promotion_is_recomputed_with_the_
 
 
 def test_behind_the_engines_connector_a_copy_that_fails_is_recomputed_and_never_kept(model, baseline, monkeypatch):
-    from tiering import cpu_gpu
+    from tiering.worker import cpu_gpu
 
     llm = tiny.make_llm(model, {"cpu_bytes_to_use": 2 * CPU_BYTES}, connector="KVTieringConnector")
     try:

@@ -9,11 +9,28 @@ are imported on first use.
 import importlib
 from importlib.metadata import PackageNotFoundError, version
 
-from tiering.abstract import OffloadingManager
-from tiering.blockstore import BlockStore, BlockStoreSettings, BlockStoreTier
 from tiering.config import TieringConfig, load_config, parse_config
-from tiering.context import TierContext
-from tiering.cpu_manager import CPUOffloadingManager, CPUPrimaryTierOffloadingManager
+from tiering.contract.keys import (
+    OffloadKey,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
+from tiering.contract.mediums import (
+    BlockIDsLoadStoreSpec,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingEvent,
+    PrepareStoreOutput,
+)
+from tiering.contract.offloading import OffloadingManager
+from tiering.cpu.manager import CPUOffloadingManager, CPUPrimaryTierOffloadingManager
+from tiering.cpu.shared_region import SharedOffloadRegion
+from tiering.engine.manager import TieringOffloadingManager
 from tiering.errors import (
     ConfigError,
     CorruptObjectError,
@@ -27,31 +44,20 @@ from tiering.errors import (
     TieringError,
     UnusableObjectError,
 )
-from tiering.factory import SecondaryTierFactory
-from tiering.keys import (
-    OffloadKey,
-    OffloadPolicy,
-    ReqContext,
-    RequestOffloadingContext,
-    get_offload_block_hash,
-    get_offload_group_idx,
-    make_offload_key,
+from tiering.eviction.policies import (
+    ARCCachePolicy,
+    CachePolicy,
+    LRUCachePolicy,
+    make_cache_policy,
+    register_cache_policy,
 )
-from tiering.manager import TieringOffloadingManager
-from tiering.mediums import (
-    BlockIDsLoadStoreSpec,
-    CPULoadStoreSpec,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-    OffloadingEvent,
-    PrepareStoreOutput,
-)
-from tiering.object_format import layout_fingerprint
-from tiering.policies import ARCCachePolicy, CachePolicy, LRUCachePolicy, make_cache_policy, register_cache_policy
-from tiering.runtime import AsyncRuntime
-from tiering.secondary import Doorbell, JobId, JobMetadata, JobResult, SecondaryTierManager
-from tiering.shared_region import SharedOffloadRegion
 from tiering.spec import KVLayout, TieringOffloadingSpec
+from tiering.tiers.base import Doorbell, JobId, JobMetadata, JobResult, SecondaryTierManager
+from tiering.tiers.blockstore import BlockStore, BlockStoreSettings, BlockStoreTier
+from tiering.tiers.context import TierContext
+from tiering.tiers.factory import SecondaryTierFactory
+from tiering.tiers.object_format import layout_fingerprint
+from tiering.tiers.runtime import AsyncRuntime
 
 try:
     __version__ = version("kv-tiering")
@@ -120,13 +126,13 @@ __all__ = [
 ]
 
 _TORCH_NAMES = {
-    "CanonicalKVCacheRef": "tiering.canonical",
-    "CanonicalKVCacheTensor": "tiering.canonical",
-    "CanonicalKVCaches": "tiering.canonical",
-    "CpuGpuOffloadingHandlers": "tiering.cpu_gpu",
-    "OffloadingHandler": "tiering.cpu_gpu",
-    "TransferResult": "tiering.cpu_gpu",
-    "canonicalize_kv_caches": "tiering.canonical",
+    "CanonicalKVCacheRef": "tiering.worker.canonical",
+    "CanonicalKVCacheTensor": "tiering.worker.canonical",
+    "CanonicalKVCaches": "tiering.worker.canonical",
+    "CpuGpuOffloadingHandlers": "tiering.worker.cpu_gpu",
+    "OffloadingHandler": "tiering.worker.cpu_gpu",
+    "TransferResult": "tiering.worker.cpu_gpu",
+    "canonicalize_kv_caches": "tiering.worker.canonical",
 }
 
 

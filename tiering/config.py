@@ -23,7 +23,7 @@ Every problem is reported at once, each with the file, the key path
 arbitrary objects), duplicate keys are errors (not "the last one wins"), and a document may
 hold at most `MAX_VALUES` values `MAX_DEPTH` levels deep, aliases expanded (an alias bomb
 fails at once); the file must be a regular UTF-8 file of at most `MAX_CONFIG_BYTES`. Each
-tier's options are checked by its own schema (`tiering.factory.tier_options`), and every
+tier's options are checked by its own schema (`tiering.tiers.factory.tier_options`), and every
 tier gets a distinct ``name`` (its type unless given; ``file-2`` for a second ``file``).
 
 Raised errors: `tiering.errors.ConfigError`. Any thread; nothing is built.
@@ -41,16 +41,16 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from tiering.admission import AdmissionConfig
-from tiering.blockstore.store import BlockStore
-from tiering.context import tier_name_problem, unique_names
+from tiering.cpu.tenants import TenantsConfig
+from tiering.engine.manager import JOB_DEADLINE_S
 from tiering.errors import ConfigError, TierConfigError
-from tiering.factory import SecondaryTierFactory, check_tier_options
-from tiering.manager import JOB_DEADLINE_S
+from tiering.eviction.policies import cache_policy_names
+from tiering.eviction.retention import RETENTION_MAX_FRACTION
 from tiering.options import Seconds, Size, describe_error, join_path, key_path, set_options, validate_options
-from tiering.policies import cache_policy_names
-from tiering.retention import RETENTION_MAX_FRACTION
-from tiering.tenants import TenantsConfig
+from tiering.tiers.admission import AdmissionConfig
+from tiering.tiers.blockstore.store import BlockStore
+from tiering.tiers.context import tier_name_problem, unique_names
+from tiering.tiers.factory import SecondaryTierFactory, check_tier_options
 
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 MAX_CONFIG_BYTES = 1 << 20

@@ -20,15 +20,15 @@ import argparse
 import sys
 from typing import Any
 
-from tiering.admission import AdmissionConfig
-from tiering.blockstore import BlockStore
 from tiering.config import TieringConfig, load_config
+from tiering.contract.keys import make_offload_key
 from tiering.errors import ConfigError
-from tiering.factory import SecondaryTierFactory
 from tiering.integrations.vllm_config import check_kv_transfer_config
-from tiering.keys import make_offload_key
-from tiering.object_format import object_size
 from tiering.spec import MODEL_PRESETS, KVLayout
+from tiering.tiers.admission import AdmissionConfig
+from tiering.tiers.blockstore import BlockStore
+from tiering.tiers.factory import SecondaryTierFactory
+from tiering.tiers.object_format import object_size
 
 _KEY_BYTES = len(make_offload_key(bytes(32), 0))  # vLLM's keys: a 32-byte hash and a group index
 

@@ -99,7 +99,7 @@ class UnusableObjectError(CorruptObjectError):
 
 
 class ForgedObjectError(CorruptObjectError):
-    """A stored object's seal does not open with the tier's keys (`tiering.seal`): it was
+    """A stored object's seal does not open with the tier's keys (`tiering.tiers.seal`): it was
     planted or altered by someone without them, sealed by a deployment with other keys, or
     not sealed at all in a tier that has keys (and the reverse: sealed, in a tier without).
     It is a miss and is never loaded; unlike a corrupt object it is not deleted, since it

@@ -19,18 +19,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tiering.admission import AdmissionConfig
 from tiering.config import TieringConfig
-from tiering.context import TierContext
-from tiering.cpu_manager import CPUPrimaryTierOffloadingManager
+from tiering.contract.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.cpu.manager import CPUPrimaryTierOffloadingManager
+from tiering.cpu.shared_region import SharedOffloadRegion
+from tiering.engine.manager import TieringOffloadingManager
 from tiering.errors import ConfigError, TierConfigError, describe, describe_bind_error
-from tiering.factory import SecondaryTierFactory
-from tiering.manager import TieringOffloadingManager
-from tiering.mediums import CPULoadStoreSpec, GPULoadStoreSpec
-from tiering.object_format import layout_fingerprint
-from tiering.runtime import AsyncRuntime
-from tiering.secondary import SecondaryTierManager
-from tiering.shared_region import SharedOffloadRegion
+from tiering.tiers.admission import AdmissionConfig
+from tiering.tiers.base import SecondaryTierManager
+from tiering.tiers.context import TierContext
+from tiering.tiers.factory import SecondaryTierFactory
+from tiering.tiers.object_format import layout_fingerprint
+from tiering.tiers.runtime import AsyncRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class TieringOffloadingSpec:
         metrics = self.config.metrics
         assert metrics is not None and self._manager is not None
         try:
-            from tiering.metrics import PrometheusExporter
+            from tiering.engine.metrics import PrometheusExporter
         except ImportError:
             self.shutdown()
             problem = "needs prometheus_client (pip install 'kv-tiering[metrics]')"
@@ -270,7 +270,7 @@ class TieringOffloadingSpec:
         Raises:
             ValueError: the caches' pages do not fill the worker's slot exactly.
         """
-        from tiering.cpu_gpu import CpuGpuOffloadingHandlers
+        from tiering.worker.cpu_gpu import CpuGpuOffloadingHandlers
 
         pages = sum(entry.page_size_bytes for entry in kv_caches.tensors) * self.block_size_factor
         if pages != self.cpu_page_size_per_worker:

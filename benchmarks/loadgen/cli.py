@@ -227,7 +227,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--hints",
         default="none",
         metavar="MODE",
-        help="retention hints the requests send (tiering.retention): 'continuation' (retain 5 min while the "
+        help="retention hints the requests send (tiering.eviction.retention): 'continuation' (retain 5 min while the "
         "conversation has a later turn, release at its last), 'ttl:SECONDS' (every request retains), 'none' "
         "(default); deadlines follow the trace's clock",
     )
@@ -352,7 +352,7 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
                     if isinstance(tier, BlockStoreTier) and isinstance(tier.store, FileBlockStore):
                         claim.claim(tier.store.directory)
             if args.metrics_port is not None:
-                from tiering.metrics import PrometheusExporter
+                from tiering.engine.metrics import PrometheusExporter
 
                 try:
                     exporter = PrometheusExporter(args.metrics_port)
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     # From here on a signal ends the run with its own exit status, whenever it comes; an
     # interrupted or terminated run still shuts the engine down (its shared memory, its tier
-    # threads); a run killed outright leaves no region either (see tiering.shared_region).
+    # threads); a run killed outright leaves no region either (see tiering.cpu.shared_region).
     interrupts = Interrupts()
     previous = {signum: signal.signal(signum, interrupts) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from tiering.benchmarks.loadgen.run import RunStats
 from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS
-from tiering.context import PRIMARY_NAME
+from tiering.tiers.context import PRIMARY_NAME
 
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
@@ -89,7 +89,7 @@ def _hit_rates(tokens: Counter, sources: list[str]) -> dict[str, float]:
 
 
 def _engine_counts(engine_stats: dict[str, Any]) -> dict[str, Any]:
-    """The engine's own per-request counts (`tiering.lookups`): what Prometheus shows."""
+    """The engine's own per-request counts (`tiering.engine.lookups`): what Prometheus shows."""
     manager = engine_stats["manager"]["counters"]
     parts = {PRIMARY_NAME: engine_stats["primary"], **engine_stats["tiers"]}
     requested = manager.get("requested_tokens", 0)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiering import ReqContext, make_offload_key
 from tiering.benchmarks.loadgen.workload import Request
-from tiering.retention import HINT_KEY
+from tiering.eviction.retention import HINT_KEY
 
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine

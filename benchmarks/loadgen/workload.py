@@ -29,7 +29,7 @@ REPLAY_TENANT, FLOOD_TENANT = "replay", "flood"  # the two tenants of `with_floo
 class Request:
     """One request: arrival in milliseconds from the first, prompt and output tokens, the
     ids of its prompt's blocks, its tenant, and the retention hint it sends
-    (`tiering.retention`: ``{"retain": seconds}`` or ``{"release": True}``; None: none)."""
+    (`tiering.eviction.retention`: ``{"retain": seconds}`` or ``{"release": True}``; None: none)."""
 
     timestamp_ms: float
     input_length: int

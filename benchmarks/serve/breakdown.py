@@ -1,5 +1,5 @@
 """Where a request's time to first token went: the client's times joined with the engine's
-request log (`tiering.timeline`, one JSON line per request vLLM finished).
+request log (`tiering.engine.timeline`, one JSON line per request vLLM finished).
 
 For a request that loaded blocks from the engine, from its arrival (all in seconds):
 

@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--hints",
         default="none",
         metavar="MODE",
-        help="retention hints the requests send in their body's kv_transfer_params (tiering.retention), every "
+        help="retention hints the requests send in their body's kv_transfer_params (tiering.eviction.retention), every "
         "configuration alike: 'continuation' (retain 5 min while the conversation has a later turn, release at its "
         "last), 'ttl:SECONDS' (every request retains), 'none' (default)",
     )

@@ -3,7 +3,7 @@
 Each request is a streamed ``/v1/completions`` call with the prompt as token ids, greedy, a
 fixed number of output tokens (``ignore_eos``), the request id ``bench-<index>`` (the
 ``X-Request-Id`` header; vLLM's own ids for it contain that) and its retention hint, if it
-has one, in the body's ``kv_transfer_params`` (``{"kv_tiering": hint}``, `tiering.retention`),
+has one, in the body's ``kv_transfer_params`` (``{"kv_tiering": hint}``, `tiering.eviction.retention`),
 as a client of the engine sends it. Its time to first token is
 measured from the moment it was due (its arrival), so time spent waiting for a connection
 slot counts, as a user would see it.
@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from tiering.retention import HINT_KEY
+from tiering.eviction.retention import HINT_KEY
 
 
 @dataclass

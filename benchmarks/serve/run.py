@@ -8,7 +8,7 @@
 - ``e``: a CPU tier and an S3 tier (an S3-compatible server on 127.0.0.1, started here);
 - ``f``: a CPU tier and a file tier made slow on purpose (the ``faulty`` tier's latency on
   every operation);
-- ``g``: the same, with ``recompute_tokens_per_s`` (load or recompute, `tiering.recompute`).
+- ``g``: the same, with ``recompute_tokens_per_s`` (load or recompute, `tiering.tiers.recompute`).
 
 Every configuration gets the same requests at the same arrival times, the same vLLM KV
 cache (but ``b``'s) and its own server, so nothing is shared between them but the model.
@@ -128,7 +128,7 @@ def server_options(name: str, setup: Setup, s3_endpoint: str | None) -> ServerOp
 
 
 def request_log(name: str, setup: Setup) -> Path:
-    """The engine's request log of configuration `name` (`tiering.timeline`)."""
+    """The engine's request log of configuration `name` (`tiering.engine.timeline`)."""
     return setup.work_dir / f"requests-{name}.jsonl"
 
 

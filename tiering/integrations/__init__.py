@@ -1,6 +1,6 @@
 """Adapters to serving engines (optional extras; importing `tiering` imports none of them).
 
-Thread: see each adapter.
+Thread: see each adapter. Imports: any part of `tiering` (which imports none of them).
 """
 
 VLLM_SPEC = {"spec_name": "KVTieringOffloadingSpec", "spec_module_path": "tiering.integrations.vllm"}

@@ -47,7 +47,7 @@ every group's layers over the same tensors, so one row holds one group's pages o
 and is the same size for every group. vLLM's offloading scheduler decides what each group
 stores, looks up and loads (a sliding-window group: its in-window tail only), and records
 each key's token position, by which a finished request's blocks are ranked head to tail
-across groups (`tiering.request_access`). Hits are counted by group
+across groups (`tiering.cpu.request_access`). Hits are counted by group
 (``hit_blocks_by_group``).
 
 Not supported (refused at start with a message): KV-cache groups of different block sizes
@@ -102,12 +102,12 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPUSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tiering.contract.keys import OffloadKey as Key
+from tiering.contract.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.engine.manager import TieringOffloadingManager
 from tiering.errors import ConfigError
 from tiering.integrations.vllm_config import engine_config
 from tiering.integrations.vllm_stats import VllmStats, metric_definitions
-from tiering.keys import OffloadKey as Key
-from tiering.manager import TieringOffloadingManager
-from tiering.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.spec import KVLayout
 from tiering.spec import TieringOffloadingSpec as EngineSpec
 
@@ -313,12 +313,12 @@ class _Manager(OffloadingManager):
 
     def loads_waited(self, waits: dict[str, float]) -> None:
         """Seconds the workers' loads of each request (by id) waited for promoted rows, for
-        the request log (`tiering.timeline`); from the engine's connector."""
+        the request log (`tiering.engine.timeline`); from the engine's connector."""
         for req_id, seconds in waits.items():
             self.manager.load_waited(req_id, seconds)
 
     def set_cache_salt(self, req_id: str, cache_salt: str) -> None:
-        """Make `cache_salt` the tenant of request `req_id` (`tiering.tenants`), from the
+        """Make `cache_salt` the tenant of request `req_id` (`tiering.cpu.tenants`), from the
         time vLLM announces the request until it finishes."""
         self._salts[req_id] = cache_salt
 
@@ -397,7 +397,7 @@ class _Worker(OffloadingWorker):
     none does, unless `recover_failed_transfers` is set (by the engine's connector, which
     reports load errors): then it succeeds for vLLM, a load's blocks all become load errors
     (vLLM recomputes them), and a store's rows are ``FAILED``, which the CPU tier reads
-    when vLLM completes the store: the blocks are not kept (`tiering.cpu_gpu`)."""
+    when vLLM completes the store: the blocks are not kept (`tiering.worker.cpu_gpu`)."""
 
     def __init__(self, handlers: Any, spec: KVTieringOffloadingSpec):
         self.handlers, self.spec = handlers, spec

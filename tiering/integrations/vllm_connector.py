@@ -32,8 +32,8 @@ A block found only in a secondary tier costs no extra step either. Under vLLM's 
 its lookup answers "pending" until the promotion has landed in the CPU tier and the
 scheduler noticed, steps later; here it answers "hit" in the step the promotion starts
 (`TieringOffloadingManager.answer_pending_hits`), and that step's load waits for the rows
-in the worker (`tiering.row_states`). If the promotion fails, or takes longer than
-`tiering.cpu_gpu.PROMOTION_WAIT_S`, the load leaves those GPU blocks unwritten and the
+in the worker (`tiering.cpu.row_states`). If the promotion fails, or takes longer than
+`tiering.worker.cpu_gpu.PROMOTION_WAIT_S`, the load leaves those GPU blocks unwritten and the
 connector reports them as load errors (`get_block_ids_with_load_errors`): vLLM drops the
 step's output for that request and recomputes the blocks, so a failed promotion costs the
 prefill it would have saved, never wrong output. That needs vLLM's
@@ -45,7 +45,7 @@ way instead of failing vLLM's worker, which asserts that no transfer fails: a lo
 become load errors, recomputed; a store's blocks are not kept (`register_kv_caches`).
 
 It also tells the engine each request's ``cache_salt``, which is the request's tenant
-(`tiering.tenants`); under vLLM's own connector every request is the default tenant.
+(`tiering.cpu.tenants`); under vLLM's own connector every request is the default tenant.
 
 Use it in place of ``OffloadingConnector``; the extra config is the same, with this
 engine's spec as the default::

@@ -3,7 +3,7 @@
 
 Each count is a vLLM counter labelled with the tier (``cpu`` and each secondary tier by
 name); the CPU tier's refusals are labelled with their reason too
-(`tiering.cpu_manager.REFUSAL_REASONS`). The engine's own exporter (the ``metrics`` key)
+(`tiering.cpu.manager.REFUSAL_REASONS`). The engine's own exporter (the ``metrics`` key)
 remains the detailed view: every counter, gauge and histogram of README's "Observability".
 
 Thread: vLLM's scheduler thread.
@@ -16,8 +16,8 @@ import time
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata
 
-from tiering.context import PRIMARY_NAME
-from tiering.manager import TieringOffloadingManager
+from tiering.engine.manager import TieringOffloadingManager
+from tiering.tiers.context import PRIMARY_NAME
 
 COUNTERS = {  # the engine's counter -> (vLLM's metric, what it counts)
     "hit_blocks": (

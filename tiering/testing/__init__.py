@@ -2,7 +2,7 @@
 pytest-asyncio): `BlockStoreSuite` for a `BlockStore`, `TierContractSuite` for any
 `SecondaryTierManager`. Every store and tier of this project runs both.
 
-Thread: pytest's.
+Thread: pytest's. Imports: `tiering` (the public names) and `tiering.tiers`.
 """
 
 from tiering.testing.block_store import BlockStoreSuite, StoreKit

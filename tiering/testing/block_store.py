@@ -31,10 +31,10 @@ from tiering import (
     layout_fingerprint,
     make_offload_key,
 )
-from tiering.blockstore import BlockStore
-from tiering.keys import OffloadKey
-from tiering.object_format import header_size, open_payload, verify_payload
-from tiering.seal import Seal
+from tiering.contract.keys import OffloadKey
+from tiering.tiers.blockstore import BlockStore
+from tiering.tiers.object_format import header_size, open_payload, verify_payload
+from tiering.tiers.seal import Seal
 
 FINGERPRINT = layout_fingerprint("conformance")
 FOREIGN = layout_fingerprint("another model")

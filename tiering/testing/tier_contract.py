@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from tiering import Doorbell, JobMetadata, JobResult, ReqContext, SecondaryTierManager, make_offload_key
-from tiering.keys import OffloadKey
+from tiering.contract.keys import OffloadKey
 
 ROWS, ROW_BYTES = 16, 4096
 CONTEXT = ReqContext("contract")

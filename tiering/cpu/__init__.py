@@ -1,0 +1,14 @@
+"""The CPU primary tier: the only tier that talks to the GPU, its rows in shared memory.
+
+- `manager`: `CPUOffloadingManager` and `CPUPrimaryTierOffloadingManager`: rows, ref counts,
+  stores and loads, eviction through a policy;
+- `tenants`: tenants' shares of the rows, per-tenant eviction and counters;
+- `request_access`: a request's blocks, ranked in prefix order when it finishes;
+- `shared_region`: `SharedOffloadRegion`, the rows in one ``/dev/shm`` file shared with the
+  worker processes;
+- `row_states`: a byte per row, whether its promotion landed (loads that wait for it).
+
+Thread: the scheduler thread (`shared_region` and `row_states` are also mapped by the
+workers). Imports: `tiering.contract`, `tiering.eviction`, `tiering.errors`, `tiering.options`,
+`tiering.stats`.
+"""

@@ -1,0 +1,10 @@
+"""What goes first when a tier is full: the policies that rank a tier's blocks, the
+frequency sketch some of them learn from, and the retention clients ask for.
+
+- `policies`: LRU, ARC and ARC-S over the CPU tier's rows, a registry by name;
+- `sketch`: `CountMinSketch`, counts of keys in fixed memory (ARC-S, admission's reuse filter);
+- `retention`: requests' retain/release hints and the soft deadlines they give blocks (the
+  CPU tier, its tenants, and the block-store tiers' index keep them).
+
+Thread: the scheduler thread (the tier that owns each object). Imports: `tiering.contract`.
+"""

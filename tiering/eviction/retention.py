@@ -1,0 +1,242 @@
+"""Soft retention of the CPU tier's blocks: what a client says it will need again.
+
+A request may carry a hint in its ``kv_transfer_params`` (vLLM passes the OpenAI request's
+``kv_transfer_params`` through), under the key ``kv_tiering``::
+
+    {"kv_tiering": {"retain": "5m"}}     # or "1h", "24h", 300 (seconds)
+    {"kv_tiering": {"release": true}}    # the session is over
+
+*retain*: when the request finishes, the blocks it stored or loaded get a deadline, now plus
+the duration; a later hint only extends a deadline. *release*: its blocks lose their
+deadlines, and those it stored itself (not those it found already there: another request
+had them, a shared document say) are evicted first, before any other block, unless a later
+request uses them again. A hint that does not parse is ignored (logged once per request): a client's
+mistake never fails its request.
+
+Retention is soft: a block under a deadline stays in its policy's order (LRU, ARC, ARC-S)
+and is only passed over by eviction while blocks without one can go; if they cannot, the
+retained blocks with the earliest deadlines lose them first. At most ``max_blocks``
+(``retention_max_fraction`` of the tier) hold a deadline at once: past that, the earliest
+deadline is dropped. A deadline that passed is forgotten, and the block is whatever its
+ordinary recency makes it. So a client that retains everything for a day costs at most the
+share of the tier the cap allows, never the tier.
+
+Thread: the scheduler thread (the CPU tier's).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import re
+import time
+from collections.abc import Callable, Collection, Container, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from tiering.contract.keys import OffloadKey
+
+logger = logging.getLogger(__name__)
+
+HINT_KEY = "kv_tiering"
+"""The key of the engine's hints in a request's ``kv_transfer_params``."""
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
+_UNIT_S = {None: 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+RETENTION_MAX_FRACTION = 0.2
+"""The default share of the CPU tier's rows that retention deadlines may hold at once: on the
+Mooncake conversation trace a client that retains every request for a day then costs ARC-S at
+most a point at 1-2% (2.3-2.9 with 0.5), while continuation hints gain as much as with 0.5."""
+MAX_RETAIN_S = 7 * 86400.0
+"""The longest retention a hint may ask for, seconds (a longer one is cut to it)."""
+
+
+@dataclass(frozen=True)
+class RetentionHint:
+    """What a request asked: `retain_s` seconds of retention (None: none), or `release`."""
+
+    retain_s: float | None = None
+    release: bool = False
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds of ``"5m"``, ``"1h"``, ``"24h"``, ``"90s"``, ``"2d"`` or a number of seconds.
+
+    Raises:
+        ValueError: not a positive duration.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration such as '5m' or seconds, got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if match is None:
+            raise ValueError(f"expected a duration such as '5m', '1h' or seconds, got {value!r}")
+        seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"expected a positive duration, got {value!r}")
+    return min(seconds, MAX_RETAIN_S)
+
+
+def hint_of(req_context: Any, log: bool = True) -> RetentionHint | None:
+    """The request's hint (see the module docstring), or None when it gave none or one that
+    does not parse (logged, if `log`). Never raises."""
+    params = getattr(req_context, "kv_transfer_params", None)
+    if not isinstance(params, dict) or HINT_KEY not in params:
+        return None
+    hint = params[HINT_KEY]
+    try:
+        if not isinstance(hint, dict) or not set(hint) <= {"retain", "release"}:
+            raise ValueError(f"expected {{'retain': duration}} or {{'release': true}}, got {hint!r}")
+        retain = hint.get("retain")
+        return RetentionHint(None if retain is None else parse_duration(retain), hint.get("release") is True)
+    except (ValueError, OverflowError) as exc:  # a JSON number too large for a float overflows
+        if log:
+            logger.warning("request %s: hint %s ignored: %s", getattr(req_context, "req_id", "?"), HINT_KEY, exc)
+        return None
+
+
+def new_counters() -> dict[str, int]:
+    """The counters of a `Retention`, at zero (several may share one dict: a tier's tenants)."""
+    return {"retentions": 0, "retentions_expired": 0, "retentions_released": 0, "retentions_dropped": 0}
+
+
+class Retention:
+    """The deadlines and releases of one tier's blocks, or of one tenant's in the CPU tier
+    (see the module docstring).
+
+    Args:
+        max_blocks: blocks that may hold a deadline at once (>= 1).
+        clock: seconds, monotonic (tests move their own; the load generator follows its
+            trace's clock); an attribute of the same name may be replaced later.
+        counters: the dict to count in (`new_counters`), shared with other retentions; None:
+            one of its own.
+    """
+
+    def __init__(
+        self, max_blocks: int, clock: Callable[[], float] = time.monotonic, counters: dict[str, int] | None = None
+    ):
+        self.max_blocks = max(1, max_blocks)
+        self.clock = clock
+        self._deadlines: dict[OffloadKey, float] = {}
+        self._heap: list[tuple[float, OffloadKey]] = []  # (deadline, key); stale entries skipped
+        self._released: dict[OffloadKey, None] = {}  # evicted first, oldest release first
+        self.counters = new_counters() if counters is None else counters
+
+    def __len__(self) -> int:
+        """Blocks holding a deadline (some may have passed since the last `live`)."""
+        return len(self._deadlines)
+
+    def retain(self, keys: Collection[OffloadKey], seconds: float) -> None:
+        """Give `keys` a deadline `seconds` from now, or keep a later one; past `max_blocks`,
+        the earliest deadlines are dropped (counted in ``retentions_dropped``)."""
+        self.used(keys)
+        deadline = self.clock() + seconds
+        deadlines, heap = self._deadlines, self._heap
+        for key in keys:
+            if deadlines.get(key, -1.0) < deadline:
+                self.counters["retentions"] += key not in deadlines
+                deadlines[key] = deadline
+                heapq.heappush(heap, (deadline, key))
+        while len(deadlines) > self.max_blocks:
+            self._pop_earliest("retentions_dropped")
+        if len(heap) > 2 * len(deadlines) + 64:  # mostly entries of deadlines extended since: rebuild
+            self._heap = [(when, key) for key, when in deadlines.items()]
+            heapq.heapify(self._heap)
+
+    def release(self, keys: Iterable[OffloadKey]) -> None:
+        """`keys` lose their deadlines and go first at the next evictions (a session the
+        client closed), until evicted (`forget`) or used again (`used`)."""
+        for key in keys:
+            self._deadlines.pop(key, None)
+            self._released[key] = None
+            self.counters["retentions_released"] += 1
+
+    def used(self, keys: Collection[OffloadKey]) -> None:
+        """A request used `keys`: those released are not evicted first any more."""
+        if self._released:
+            for key in keys:
+                self._released.pop(key, None)
+
+    def released(self, n: int, evictable: Callable[[OffloadKey], bool]) -> list[OffloadKey]:
+        """Up to `n` released keys that are `evictable` now, oldest release first; they stay
+        released until `forget` (their eviction) or `used`."""
+        taken: list[OffloadKey] = []
+        for key in self._released:
+            if len(taken) == n:
+                break
+            if evictable(key):
+                taken.append(key)
+        return taken
+
+    @property
+    def active(self) -> bool:
+        """Whether some key holds a deadline or waits to be evicted first: eviction without
+        either is the policy's alone."""
+        return bool(self._deadlines or self._released)
+
+    @property
+    def has_released(self) -> bool:
+        """Whether some key waits to be evicted first."""
+        return bool(self._released)
+
+    def forget(self, keys: Iterable[OffloadKey]) -> None:
+        """`keys` left the tier (evicted, or dropped): their deadlines and releases go with
+        them (not counted). The tier calls it for every key that leaves."""
+        for key in keys:
+            self._deadlines.pop(key, None)
+            self._released.pop(key, None)
+
+    def clear(self) -> None:
+        """Forget every deadline and release (a reset of the tier)."""
+        self._deadlines.clear()
+        self._heap.clear()
+        self._released.clear()
+
+    def live(self) -> Container[OffloadKey] | None:
+        """The keys whose deadline has not passed (those that passed are forgotten, counted
+        in ``retentions_expired``), or None if there are none: what eviction passes over."""
+        now, heap = self.clock(), self._heap
+        while heap and heap[0][0] <= now:
+            self._pop_earliest("retentions_expired")
+        return self._deadlines or None
+
+    def give_up(self, n: int, keep: Collection[OffloadKey] | Container[OffloadKey]) -> int:
+        """Drop the deadlines of up to `n` retained keys not in `keep`, earliest first
+        (counted in ``retentions_dropped``): eviction found too few blocks without one.
+        Returns how many were dropped."""
+        dropped, put_back = 0, []
+        while dropped < n and self._heap:
+            deadline, key = heapq.heappop(self._heap)
+            if self._deadlines.get(key) != deadline:
+                continue  # stale: extended, released or forgotten since
+            if key in keep:
+                put_back.append((deadline, key))
+                continue
+            del self._deadlines[key]
+            self.counters["retentions_dropped"] += 1
+            dropped += 1
+        for entry in put_back:
+            heapq.heappush(self._heap, entry)
+        return dropped
+
+    def _pop_earliest(self, counter: str) -> None:
+        while self._heap:
+            deadline, key = heapq.heappop(self._heap)
+            if self._deadlines.get(key) == deadline:
+                del self._deadlines[key]
+                self.counters[counter] += 1
+                return
+
+
+class Either:
+    """Keys in either of two containers (a reservation's keys and the blocks protected beside
+    them, or those and the retained ones), without building their union."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: Container[OffloadKey], second: Container[OffloadKey]):
+        self.first, self.second = first, second
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.first or key in self.second

@@ -1,0 +1,273 @@
+"""`BlockStore`: the async interface a storage backend implements to become a tier.
+
+Loop thread: every coroutine runs on the tier's event loop. The class attributes and
+`from_config` are read on the thread that builds the engine.
+
+A store declares its config keys as a pydantic model, `Options`, and may change the
+defaults of the adapter's own keys (`BlockStoreSettings`: capacity, concurrency, timeouts,
+batching, probing, health) with `tier_defaults`. Registered under a type name (entry point
+group ``tiering.secondary_tiers``), the store becomes a tier with the keys of both.
+
+A store keeps one object per key in the format of `tiering.tiers.object_format` (it writes what
+`encode_object` returns on put, and calls `parse_header` and `check_length` on get), under
+the namespace of its layout fingerprint. A store moves bytes; the payload's CRC (or
+signature) is checked above every store layer, by the adapter, so a wrapping store
+(`tiering.backends.faulty`) is checked too, unless the outermost store checks it itself as it
+reads (`verifies_payloads`). A store that passes its `seal` to those functions says so
+(`supports_integrity`), and tiers of it may then sign or encrypt their objects
+(`tiering.tiers.seal`).
+
+All coroutines run on the tier's event loop; a store may move the blocking part of an
+operation to its own threads, one hop per operation. The adapter
+`tiering.tiers.blockstore.BlockStoreTier` owns the index, capacity, eviction and concurrency, so
+a store does no bookkeeping of its own.
+
+Errors: a missing object raises `ObjectNotFoundError`, one that fails verification
+`CorruptObjectError` (`ForgedObjectError` when its seal does not open), any use outside
+open..close `StoreClosedError`; anything else (OSError, timeouts, client errors) counts as
+a transient failure of that operation.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import anyio
+from pydantic import BaseModel
+
+from tiering.contract.keys import OffloadKey
+from tiering.errors import StoreClosedError
+from tiering.options import NoOptions
+from tiering.stats import Every
+from tiering.tiers.object_format import HEADER_ALIGN, ObjectHeader
+
+if TYPE_CHECKING:
+    from tiering.tiers.blockstore.settings import BlockStoreSettings
+    from tiering.tiers.seal import Seal
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 5.0  # seconds between two progress lines of a long `recover`
+
+
+class BlockStore(ABC):
+    """Objects by key: put from a memoryview, get into a memoryview.
+
+    Attributes:
+        Options: the pydantic model of the store's own config keys (default: none).
+        tier_defaults: defaults of `BlockStoreSettings` keys for tiers of this store, for
+            example ``{"max_concurrency": 64}``; the config may still set each key.
+        header_align: the store pads object headers to a multiple of this many bytes.
+        evicts_itself: True for a backend that evicts by its own policy (a cache server's
+            ``maxmemory``): an absent object is simply a miss, and a store refused for lack
+            of room (ENOSPC) fails alone, without the tier holding back or evicting to make
+            room, since room comes back as the server evicts.
+        verifies_payloads: True when `get` and `get_many` check the payload's CRC32C
+            themselves (`verify_payload`, raising `CorruptObjectError`), in the thread that
+            read it while it is still in the CPU's cache; the adapter then skips its own
+            check, which would read every byte once more on the loop thread. A store that
+            wraps another (and may change bytes the inner one checked) leaves it False.
+        reads_in_order: True when `get_many` reads its items one after another (the file
+            store: one pool thread per call). The adapter then hands a promotion over in
+            calls of about `LOAD_SPREAD_MIN_BYTES`, a few at a time, so that its rows land
+            (and are copied to the GPU) call after call instead of all at the end; a store
+            that reads a call's items concurrently gets fewer, larger calls.
+        supports_integrity: True when the store passes `seal` to `encode_object`,
+            `parse_header` and `verify_payload`, and leaves alone (never deletes) objects
+            whose seal does not open (`ForgedObjectError`) when it recovers; only then may
+            its tiers take the ``integrity`` key.
+        seal: the tier's `tiering.tiers.seal.Seal`, set by the adapter before `open`, or None for
+            a tier without integrity keys.
+    """
+
+    Options: ClassVar[type[BaseModel]] = NoOptions
+    tier_defaults: ClassVar[Mapping[str, Any]] = {}
+    header_align = HEADER_ALIGN
+    evicts_itself: ClassVar[bool] = False
+    verifies_payloads: ClassVar[bool] = False
+    reads_in_order: ClassVar[bool] = False
+    supports_integrity: ClassVar[bool] = False
+
+    @classmethod
+    def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> BlockStore:
+        """The store a tier config describes: `options` (an `Options`, validated) and the
+        tier's `settings`. The default passes the options as keyword arguments,
+        ``cls(fingerprint, **options)``; a store whose arguments differ overrides it.
+        Nothing is opened yet.
+
+        Raises:
+            ValueError: an option does not fit.
+        """
+        return cls(fingerprint, **dict(options))
+
+    @classmethod  # noqa: B027 - an optional hook, empty by default
+    def check_config(cls, options: BaseModel, settings: BlockStoreSettings) -> None:
+        """Rules between the store's options and the tier's settings, checked when a config
+        is loaded, before anything is built. Default: none.
+
+        Raises:
+            ValueError: a rule is broken (the message says which keys and why).
+        """
+
+    @classmethod
+    def location(cls, options: Mapping[str, Any]) -> str | None:
+        """Where the objects of a tier configured with `options` (its validated config keys)
+        live, as text that is equal for two configs that would share them (``file
+        /srv/kv``); the config is refused when two tiers of one engine share one: each would
+        evict, and recover, the other's blocks. Checked at config load. Default: None (no
+        check)."""
+        return None
+
+    def __init__(self, fingerprint: bytes):
+        """`fingerprint`: the 16-byte layout fingerprint written into, and expected in, every
+        object (see `tiering.tiers.object_format.layout_fingerprint`)."""
+        self.fingerprint = fingerprint
+        self.seal: Seal | None = None
+        self._open = False
+
+    async def open(self) -> None:
+        """Connect or create what the store needs. Called once, before anything else.
+
+        Raises:
+            OSError: the backing storage is not usable (the message says why).
+        """
+        self._open = True
+
+    async def close(self) -> None:
+        """Release connections, threads and files. Later calls do nothing."""
+        self._open = False
+
+    def check_open(self) -> None:
+        """Raises `StoreClosedError` unless the store is open."""
+        if not self._open:
+            raise StoreClosedError(f"{type(self).__name__} is not open")
+
+    @abstractmethod
+    async def put(self, key: OffloadKey, payload: memoryview) -> None:
+        """Store `payload` (a 1-D contiguous buffer) under `key`, atomically: a reader sees
+        the old object, the new one, or none, never a mix. Replaces an existing object."""
+
+    @abstractmethod
+    async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
+        """Read the payload of `key`'s object into `into` (exactly its length) and return
+        the object's header. The header and the length are checked; the CRC or signature
+        is the caller's to check (`tiering.tiers.object_format.verify_payload`), unless the store
+        `verifies_payloads`; an encrypted payload is left encrypted, for the caller.
+
+        `into` may hold garbage when this raises, and until the CRC is checked.
+
+        Raises:
+            ObjectNotFoundError: no object for `key`.
+            CorruptObjectError: the header or the length is wrong.
+            UnusableObjectError: this object cannot be read for a reason of its own, not the
+                backend's (a file's permissions or media error, an S3 object archived to a
+                storage class that cannot be read): the tier drops the key and deletes the
+                object, and the failure does not count against the tier's health.
+            ForgedObjectError: the header's seal is not one `seal` opens.
+            Exception: anything else is the backend's failure (it counts towards the breaker).
+        """
+
+    async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
+        """`put` each (key, payload); returns, per item, None or the exception it raised.
+
+        The default runs the puts concurrently; a store whose operations block a thread
+        overrides it to do the whole batch in one hop.
+        """
+        return await _each(self.put, items)
+
+    async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
+        """`get` each (key, into); returns, per item, its header or the exception it raised."""
+        return await _each(self.get, items)
+
+    @abstractmethod
+    async def exists(self, key: OffloadKey) -> bool:
+        """Whether an object for `key` exists (it is not read or verified)."""
+
+    async def exists_many(self, keys: Sequence[OffloadKey]) -> list[bool | Exception]:
+        """`exists` of each key; returns, per key, the answer or the exception it raised.
+
+        The default checks the keys concurrently; a store with a cheaper way to ask for many
+        (a pipeline) overrides it.
+        """
+        return await _each(self.exists, [(key,) for key in keys])
+
+    @abstractmethod
+    async def delete_many(self, keys: Collection[OffloadKey]) -> None:
+        """Delete the objects of `keys`; missing ones are ignored."""
+
+    async def ping(self) -> None:
+        """Cheap request that succeeds only if the store is reachable and usable; the health
+        breaker sends it before resuming I/O. Default: an existence check.
+
+        Raises:
+            Exception: the store is not usable (any error counts).
+        """
+        await self.exists(OffloadKey(b"tiering-health-probe"))
+
+    @abstractmethod
+    async def recover(self) -> list[tuple[OffloadKey, int]]:
+        """Every object a previous run left, as (key, object bytes), oldest first.
+
+        Called once after `open`. Headers are checked (not payloads) where the listing has
+        them; objects that fail, and leftovers of interrupted writes, are deleted, except
+        those whose seal does not open, which are left out and kept.
+        """
+
+    async def undo_open(self) -> None:
+        """Remove what `open` created in the backing storage while it still holds nothing
+        (an empty directory tree), and close: for an engine whose start failed after this
+        store opened. Anything another process stored since stays. Default: `close`."""
+        await self.close()
+
+    async def remove_namespace(self) -> None:
+        """Delete every object of this store's namespace, and the namespace itself where the
+        backend has one (a directory). Called with no other operation in flight; afterwards
+        the store is only closed. Default: `recover`, then `delete_many` of what it lists.
+
+        Raises:
+            Exception: as `delete_many`; what was deleted stays deleted.
+        """
+        await self.delete_many([key for key, _ in await self.recover()])
+
+
+class RecoveryProgress:
+    """Logs how far a long `BlockStore.recover` has got, at most every `PROGRESS_INTERVAL_S`
+    seconds (INFO), so that recovering a large tier is not minutes of silence. Used from the
+    one thread or task that recovers."""
+
+    def __init__(self, what: str):
+        """`what` names the store in the log line (``file tier /mnt/kv/ab12...``)."""
+        self._what = what
+        self._every = Every(PROGRESS_INTERVAL_S)
+        self.count = 0
+
+    def add(self, objects: int = 1) -> None:
+        """Count `objects` more objects looked at; log if the interval has passed."""
+        self.count += objects
+        if self._every.due():
+            elapsed = self._every.elapsed()
+            logger.info("%s: recovering, %d objects looked at in %.0f s", self._what, self.count, elapsed)
+
+
+async def _each(operation: Callable[..., Awaitable[Any]], items: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """operation(*item) for each item, concurrently: its result, or the exception it raised."""
+    if len(items) == 1:  # no task group: a store called one block at a time pays for none
+        try:
+            return [await operation(*items[0])]
+        except Exception as exc:
+            return [exc]
+    outcomes: list[Any] = [None] * len(items)
+
+    async def run(i: int) -> None:
+        try:
+            outcomes[i] = await operation(*items[i])
+        except Exception as exc:
+            outcomes[i] = exc
+
+    async with anyio.create_task_group() as task_group:
+        for i in range(len(items)):
+            task_group.start_soon(run, i)
+    return outcomes

@@ -1,0 +1,538 @@
+"""`BlockStoreTier`: turns any async `BlockStore` into a `SecondaryTierManager`.
+
+Scheduler thread: every method here. It keeps the `BlockIndex` (keys, capacity, LRU
+eviction, readers), the health breaker and the stats; submitting a job is bookkeeping plus
+one `AsyncRuntime.submit` (a deque append), and the step's jobs start at `on_schedule_end`,
+which wakes the loop once. Nothing blocks except `drain` and `shutdown`.
+
+The loop half is `tiering.tiers.blockstore.worker.BlockWorker`; the two meet only in the
+`Outbox`, whose outcomes `get_finished` applies to the index.
+
+Deletes of evicted objects are deferred to the end of the step and sent as one batch; a key
+evicted and stored again within the step is not deleted at all (the put replaces the
+object). Rules: a key is in flight (lookup None) from `submit_store` until its job is
+reported; a block being read is never evicted; a load that finds a missing, corrupt or forged
+object drops the key (a forged one is also believed absent for `negative_ttl_s`, so probes do
+not find it again at once); a job succeeds only if all its blocks do; every job is reported exactly once, also
+when the tier shuts down with it in flight (as failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from tiering.contract.keys import OffloadKey, ReqContext
+from tiering.cpu.row_states import RowStates
+from tiering.errors import HungCallError, RuntimeClosedError, describe
+from tiering.eviction.retention import Retention
+from tiering.stats import Every, JobTimer, TierStats, worth_logging
+from tiering.tiers.base import Doorbell, JobMetadata, JobResult, SecondaryTierManager
+from tiering.tiers.blockstore import outbox
+from tiering.tiers.blockstore.index import BlockIndex
+from tiering.tiers.blockstore.outbox import LoadDone, Outbox, StoreDone
+from tiering.tiers.blockstore.settings import BlockStoreSettings
+from tiering.tiers.blockstore.store import BlockStore
+from tiering.tiers.blockstore.worker import BlockWorker
+from tiering.tiers.health import TierHealth
+from tiering.tiers.object_format import object_size
+from tiering.tiers.runtime import AsyncRuntime
+from tiering.tiers.seal import Seal
+
+logger = logging.getLogger(__name__)
+
+_COUNTERS = ("blocks_stored", "bytes_stored", "blocks_loaded", "bytes_loaded", "jobs_succeeded", "jobs_failed")
+_MAX_PROBES = 65536  # probe answers remembered (and probes in flight); past it the oldest is forgotten
+FORGED_LOG_INTERVAL_S = 60.0  # a block whose seal does not open is logged at most this often per tier
+
+
+class BlockStoreTier(SecondaryTierManager):
+    """A secondary tier over a `BlockStore`, its I/O on an `AsyncRuntime` loop.
+
+    The loop is the context's shared runtime when it has one (one loop per engine), else a
+    private one. Objects live in the namespace of the context's layout fingerprint.
+
+    Attributes:
+        store: the block store.
+        settings: the `BlockStoreSettings` it runs under.
+        failures: failed store calls by reason (``store``, ``load_corrupt``, ...).
+        health: the `TierHealth` breaker.
+    """
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        store_factory: Callable[[bytes], BlockStore],
+        settings: BlockStoreSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """Open the store and rebuild the index from what it holds (blocks the caller).
+
+        Args:
+            offloading_spec, primary_kv_view, tier_type: as for every `SecondaryTierManager`.
+            store_factory: builds the store from the 16-byte layout fingerprint.
+            settings: capacity, concurrency, timeouts, batching, probing and health (see
+                `BlockStoreSettings`); None takes the defaults.
+            clock: seconds, monotonic: for the negative probe cache, the health breaker's
+                backoff and the index's full-device retries (tests pass their own).
+
+        Raises:
+            ValueError: `capacity_bytes` cannot hold one block; `integrity` is set and the
+                store does not support it, or its keys cannot be read (see
+                `tiering.tiers.seal.read_keys`).
+            OSError, TimeoutError: the store could not be opened or recovered in time.
+            TieringError: the store's own errors while opening (see its `open`).
+        """
+        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        self.settings = settings = settings or BlockStoreSettings()
+        rows = np.asarray(self.context.primary_rows).view(np.uint8)
+        self.row_bytes = rows.shape[1]
+        self.store = store_factory(self.context.layout_fingerprint)
+        if settings.integrity is not None:
+            if not self.store.supports_integrity:
+                raise ValueError(f"tier {self.name}: {type(self.store).__name__} cannot seal its objects")
+            self.store.seal = Seal.from_config(settings.integrity, settings.encryption)
+        smallest = object_size(0, self.row_bytes, self.store.header_align)
+        if settings.capacity_bytes is not None and settings.capacity_bytes < smallest:
+            raise ValueError(
+                f"capacity_bytes ({settings.capacity_bytes}) cannot hold one block: a block takes at least "
+                f"{smallest} bytes (a row of {self.row_bytes} and its header)"
+            )
+        self.failures: Counter[str] = Counter()
+        self._clock = clock
+        self.health = TierHealth(
+            self.name, settings.failure_threshold, settings.backoff_s, settings.max_backoff_s, clock=clock
+        )
+        self._index = self._new_index()
+        self._outbox = Outbox()
+        self._counters: Counter[str] = Counter()
+        self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
+        self._stores, self._loads = JobTimer(), JobTimer()
+        # None: in flight; else absent until then. Oldest first: every absence lasts negative_ttl_s
+        self._probes: OrderedDict[OffloadKey, float | None] = OrderedDict()
+        self._object_bytes: dict[int, int] = {}  # by key length
+        self._released: list[int] = []
+        self._evicted: dict[OffloadKey, None] = {}  # objects to delete at the end of the step
+        self._probing: list[OffloadKey] = []  # keys to check for at the end of the step
+        self._forged_log = Every(FORGED_LOG_INTERVAL_S, at_once=True)
+        self._closed = False
+        self._batch_blocks = batch_blocks = max(1, settings.batch_bytes // max(1, self.row_bytes))
+        runtime = self.context.runtime or AsyncRuntime(f"tiering-{self.name}")
+        self._runtime = runtime.acquire()
+        self._worker = BlockWorker(
+            self.name,
+            self.store,
+            rows,
+            self._outbox,
+            settings.max_concurrency,
+            settings.op_timeout_s,
+            batch_blocks,
+            self._runtime,
+        )
+        sealed = f", sealing objects ({self.store.seal!r})" if self.store.seal else ""
+        logger.info("tier %s: opening %r%s and recovering the blocks it holds", self.name, self.store, sealed)
+        try:
+            recovered = self._runtime.run_sync(self._open, timeout_s=settings.open_timeout_s)
+        except BaseException as exc:
+            self._closed = True
+            self._runtime.release()
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(
+                    f"tier {self.name}: {self.store!r} did not open in {settings.open_timeout_s} s"
+                ) from None
+            raise
+        for key, size in recovered:
+            self._add_stored(key, size)
+        self._flush_deletes()
+        self._runtime.flush()
+        logger.info("tier %s: recovered %d blocks (%d bytes)", self.name, len(self._index), self.used_bytes)
+
+    def _new_index(self) -> BlockIndex:
+        settings, retention = self.settings, None
+        if settings.capacity_bytes is not None and settings.retention_max_fraction:
+            blocks = settings.capacity_bytes // object_size(0, self.row_bytes, self.store.header_align)
+            if max_retained := int(settings.retention_max_fraction * blocks):
+                retention = Retention(max_retained, self._clock)
+        max_keys = settings.index_max_blocks
+        return BlockIndex(self.name, settings.capacity_bytes, clock=self._clock, max_keys=max_keys, retention=retention)
+
+    async def _open(self) -> list[tuple[OffloadKey, int]]:
+        return await self._worker.open(self._runtime.task_group)
+
+    # -- SecondaryTierManager ---------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """True if stored here, None while its store (or an existence probe) is in flight,
+        else False. Always False while the tier is unhealthy or its loop thread is dead."""
+        entry = self._index.get(key)
+        answer: bool | None
+        if not self._serving:
+            answer = False
+        elif entry is not None:
+            answer = True if entry.stored else None
+        else:
+            answer = self._probe(key) if self.settings.probe_misses else False
+        self._lookups[answer] += 1
+        return answer
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Make the held `keys` the most recent for eviction (the first one most)."""
+        self._index.touch(keys)
+
+    def retain(self, keys: Collection[OffloadKey], seconds: float) -> list[OffloadKey]:
+        """A request's hint: the held `keys` get a deadline `seconds` from now, or keep a
+        later one (`tiering.eviction.retention`); returns the keys this tier does not hold (nor is
+        storing). Scheduler thread."""
+        held = [key for key in keys if key in self._index]
+        if held and self._index.retention is not None:
+            self._index.retention.retain(held, seconds)
+        return [key for key in keys if key not in self._index]
+
+    def release(self, keys: Collection[OffloadKey]) -> None:
+        """A request's hint: the held `keys` lose their deadlines and are evicted first
+        (`tiering.eviction.retention`). Scheduler thread."""
+        if self._index.retention is not None:
+            self._index.retention.release(key for key in keys if key in self._index)
+
+    def submit_store(self, job_metadata: JobMetadata) -> None:
+        """Reserve room for the blocks not held yet (evicting idle LRU blocks) and start
+        writing them. A block that finds no room fails the job, the others still go."""
+        self._stores.start(job_metadata.job_id)
+        done = StoreDone(job_id=job_metadata.job_id)
+        evicted: list[OffloadKey] = []
+        items: list[tuple[OffloadKey, int]]
+        jobs_items = zip(job_metadata.keys, job_metadata.block_ids.tolist(), strict=True)
+        if self._closed or not self._serving:
+            items, done.complete = [], all(key in self._index for key in job_metadata.keys)
+        else:
+            items, done.complete = self._index.reserve_all(jobs_items, self.object_bytes, evicted)
+        done.keys = [key for key, _ in items]
+        for pending in (self._probes, self._evicted):
+            if pending:  # a probe's answer, or a deferred delete, is moot once the key is stored
+                for key in done.keys:
+                    pending.pop(key, None)
+        self._evicted.update(dict.fromkeys(evicted))
+        if items:
+            # a full device: its room is there once the evicted objects are gone, so they are
+            # deleted now (not at the end of the step) and the store writes after that
+            full = self._index.room_bytes is not None
+            if full:
+                self._flush_deletes()
+            self._submit(self._worker.start_store, done, items, full)
+        else:
+            self._outbox.put(done, task_finished=False)
+
+    def submit_load(self, job_metadata: JobMetadata) -> None:
+        """Start reading the job's blocks into its primary rows; fails at once if a key is
+        not stored here."""
+        self._loads.start(job_metadata.job_id)
+        items = list(zip(job_metadata.keys, (int(b) for b in job_metadata.block_ids), strict=True))
+        keys = [key for key, _ in items]
+        if self._closed or not self._serving or not self._index.start_reads(keys):
+            if self._worker.row_states is not None:  # now: a load may be waiting for these rows
+                for _, row in items:
+                    self._worker.row_states.settle(row, ok=False)
+            self._outbox.put(LoadDone(job_id=job_metadata.job_id, complete=False), task_finished=False)
+            return
+        self._submit(self._worker.start_load, LoadDone(job_id=job_metadata.job_id, keys=keys), items)
+
+    def get_finished(self) -> list[JobResult]:
+        """Results of the jobs finished since the last call; applies their outcomes to the
+        index. Never blocks."""
+        results = []
+        for outcome in self._outbox.take():
+            self._count_failures(outcome)
+            if self.health.healthy and any(isinstance(error, HungCallError) for _, error in outcome.failures):
+                # calls stop returning: no more work for the tier (each would strand a thread)
+                self.health.trip(f"a call gave no answer in {self.settings.op_timeout_s} s")
+            match outcome:
+                case outbox.PingDone():
+                    self.health.probe_result(not outcome.errors)
+                case outbox.RowsReleased():
+                    self._released.append(outcome.job_id)
+                case outbox.DeletesDone():
+                    self._index.deleted(outcome.keys)
+                case outbox.ProbeDone():
+                    self.health.record(len(outcome.keys) - outcome.errors, outcome.errors)
+                    self._apply_probe(outcome)
+                case StoreDone() | LoadDone():
+                    self.health.record(len(outcome.ok), outcome.errors)
+                    if isinstance(outcome, StoreDone):
+                        self._apply_store(outcome)
+                        self._stores.finish(outcome.job_id, outcome.at)
+                    else:
+                        self._apply_load(outcome)
+                        self._loads.finish(outcome.job_id, outcome.at)
+                    results.append(JobResult(outcome.job_id, outcome.success, rows_in_use=outcome.rows_in_use))
+                    self._counters["jobs_succeeded" if outcome.success else "jobs_failed"] += 1
+        return results
+
+    def attach_doorbell(self, doorbell: Doorbell) -> None:
+        """Ring `doorbell` whenever an outcome is handed to this thread (scheduler thread)."""
+        self._outbox.doorbell = doorbell
+        doorbell.ring()  # outcomes handed over before now
+
+    def attach_row_states(self, row_states: RowStates) -> None:
+        """Settle each promoted row as its block is read and checked, from the loop thread
+        (scheduler thread, once, before any job)."""
+        self._worker.row_states = row_states
+
+    def take_released_jobs(self) -> list[int]:
+        """Jobs reported with ``rows_in_use`` whose late store calls have returned since the
+        last call (their rows may be reused now). Scheduler thread, after `get_finished`;
+        never blocks."""
+        released, self._released = self._released, []
+        return released
+
+    def get_stats(self) -> TierStats:
+        """Counters (lookups by answer, blocks and bytes stored and loaded, seconds busy
+        storing and loading, evictions, jobs succeeded and failed, failures by reason), gauges
+        (blocks and bytes held, capacity, jobs in flight, probes remembered, health) and histograms of store and
+        load job durations (``store_seconds``, ``load_seconds``: submission to the end of the
+        I/O).
+        Cheap; scheduler thread."""
+        counters = {
+            "lookups": sum(self._lookups.values()),
+            "hits": self._lookups[True],
+            "misses": self._lookups[False],
+            "lookups_deferred": self._lookups[None],
+            **{name: self._counters[name] for name in _COUNTERS},
+            "store_busy_seconds": self._stores.busy_seconds(),
+            "load_busy_seconds": self._loads.busy_seconds(),
+            "evictions": self._index.evictions,
+            "index_forgotten": self._index.forgotten,
+            "failures": dict(self.failures),
+            **(retention.counters if (retention := self._index.retention) is not None else {}),
+        }
+        gauges = {
+            "blocks": len(self._index),
+            "retained_blocks": len(self._index.retention) if self._index.retention is not None else 0,
+            "bytes": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "room_bytes": self.room_bytes,
+            "jobs_in_flight": len(self._stores) + len(self._loads),
+            "probe_answers": len(self._probes),
+            "healthy": self.health.healthy,
+            "loop_alive": self._runtime.alive,
+            "state": self.health.state.value,
+        }
+        histograms = {"store_seconds": self._stores.seconds.snapshot(), "load_seconds": self._loads.seconds.snapshot()}
+        return {"counters": counters, "gauges": gauges, "histograms": histograms}
+
+    @property
+    def _serving(self) -> bool:
+        """Healthy, with a live loop thread: a dead loop runs nothing more, so the tier
+        misses and fails its jobs at once (`AsyncRuntime.alive`)."""
+        return self.health.healthy and self._runtime.alive
+
+    def on_schedule_end(self) -> None:
+        """Start the work submitted during the step (one wake-up of the loop), and, when an
+        unhealthy tier's backoff has passed, its health probe. Nothing after shutdown, or
+        once the loop thread is dead."""
+        if self._closed or not self._runtime.alive:
+            return
+        if not self.health.healthy and self.health.probe_due():
+            self._submit(self._worker.start_ping, outbox.PingDone())
+        self._flush_probes()
+        self._flush_deletes()
+        self._runtime.flush()
+
+    def has_pending_work(self) -> bool:
+        return self._outbox.pending()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Block until every submitted operation finished (results may wait in the outbox).
+
+        Raises:
+            RuntimeError: called from the loop thread.
+        """
+        if self._runtime.in_loop_thread():
+            raise RuntimeError(f"tier {self.name}: drain() from the loop thread would deadlock")
+        if not self._runtime.alive:  # shut down, or a dead loop: what is left never ends
+            return self._outbox.idle()
+        if not self._closed:  # after shutdown nothing new can start; only wait
+            self._flush_probes()
+            self._flush_deletes()
+            self._runtime.flush()
+        return self._outbox.wait_idle(timeout_s)
+
+    def remove_namespace(self) -> None:
+        """Wait for the jobs in flight (up to ``shutdown_timeout_s``), delete every object of
+        the tier's namespace and the namespace itself (`BlockStore.remove_namespace`, up to
+        ``open_timeout_s``), then shut the tier down. For runs whose blocks must not outlive
+        them (a benchmark's fresh namespace). Scheduler thread; blocks. Does nothing after
+        shutdown.
+
+        Raises:
+            TimeoutError: the removal did not finish in time (the tier is shut down anyway).
+            Exception: the store's own errors (as `BlockStore.delete_many`); the tier is shut
+                down anyway.
+        """
+        if self._closed:
+            return
+        try:
+            self.drain(self.settings.shutdown_timeout_s)
+            self._runtime.run_sync(self.store.remove_namespace, timeout_s=self.settings.open_timeout_s)
+            self._index = self._new_index()
+        finally:
+            self.shutdown()
+
+    def abandon(self) -> None:
+        """`shutdown`, after `BlockStore.undo_open` (up to ``open_timeout_s``; a failure is
+        logged): the engine failed to start, so nothing was stored. Does nothing after
+        shutdown."""
+        if self._closed:
+            return
+        try:
+            self._runtime.run_sync(self.store.undo_open, timeout_s=self.settings.open_timeout_s)
+        except Exception as exc:
+            logger.warning("tier %s: could not remove what opening it created: %s", self.name, describe(exc))
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Cancel jobs in flight (each is reported as failed), close the store, release the
+        runtime. Returns within ``shutdown_timeout_s`` seconds, also while a thread is stuck
+        in a system call (it is left behind, logged). Later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        timeout_s = self.settings.shutdown_timeout_s
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._runtime.flush()  # queued jobs reach the loop first, to be reported as failed
+            self._runtime.run_sync(self._worker.stop, timeout_s=timeout_s)
+        except TimeoutError:
+            logger.warning("tier %s: I/O still running %.1f s into shutdown", self.name, timeout_s)
+        except RuntimeClosedError:
+            logger.warning("tier %s: its runtime was shut down before the tier", self.name)
+        finally:
+            self._runtime.release(timeout_s=max(0.1, deadline - time.monotonic()))
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    def object_bytes(self, key: OffloadKey) -> int:
+        """Bytes the stored object of `key` takes (header and payload), counted in capacity."""
+        size = self._object_bytes.get(len(key))
+        if size is None:
+            size = self._object_bytes[len(key)] = object_size(len(key), self.row_bytes, self.store.header_align)
+        return size
+
+    @property
+    def num_blocks(self) -> int:
+        """Keys held or being stored."""
+        return len(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        """Object bytes held or being stored."""
+        return self._index.used_bytes
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The configured limit in bytes, or None."""
+        return self._index.capacity_bytes
+
+    @property
+    def room_bytes(self) -> int | None:
+        """While the device is full: the bytes it was found to hold; else None."""
+        return self._index.room_bytes
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _submit(self, start: Callable[..., None], *args: Any) -> None:
+        """Queue ``start(*args)`` for the loop thread; it runs at the next flush."""
+        self._outbox.task_started()
+        self._runtime.submit(partial(start, *args))
+
+    def _count_failures(self, outcome: outbox.Outcome) -> None:
+        for reason, error in outcome.failures:
+            count = self.failures[reason] = self.failures[reason] + 1
+            if reason == "load_forged":  # each names its block: once a minute, whatever the count
+                if self._forged_log.due():
+                    logger.warning("tier %s: not loaded, seal does not open (%d so far): %s", self.name, count, error)
+            elif worth_logging(count):
+                logger.warning("tier %s: %s failed (%d so far): %r", self.name, reason, count, error)
+
+    def _apply_store(self, done: StoreDone) -> None:
+        for key in done.keys:
+            if key not in done.ok:
+                self._index.remove(key)
+            elif (entry := self._index.mark_stored(key)) is not None:
+                self._counters["blocks_stored"] += 1
+                self._counters["bytes_stored"] += entry.size
+        if done.no_space and not self.store.evicts_itself:
+            self._index.device_full()
+        elif done.ok:
+            self._index.device_stored()
+
+    def _apply_load(self, done: LoadDone) -> None:
+        for key in done.keys:
+            entry = self._index.end_read(key)
+            if entry is None:
+                continue
+            if key in done.drop:
+                self._index.remove(key)
+                if key in done.forged and self.settings.probe_misses:
+                    self._remember_probe(key, self._clock() + self.settings.negative_ttl_s)
+            elif key in done.ok:
+                self._index.touch([key])
+                self._counters["blocks_loaded"] += 1
+                self._counters["bytes_loaded"] += entry.size
+
+    def _probe(self, key: OffloadKey) -> bool | None:
+        state = self._probes.get(key, 0.0)
+        if state is None:
+            return None
+        if state > self._clock():
+            return False
+        self._remember_probe(key, None)
+        self._probing.append(key)
+        return None
+
+    def _remember_probe(self, key: OffloadKey, state: float | None) -> None:
+        """Note `key`'s probe (None: in flight) or its absence until `state`, as the newest;
+        past `_MAX_PROBES` the oldest is forgotten, in O(1) (an absence expired by then, or
+        the earliest to expire: its key is probed again at its next miss; an answer for a
+        forgotten probe is dropped)."""
+        self._probes[key] = state
+        self._probes.move_to_end(key)
+        if len(self._probes) > _MAX_PROBES:
+            self._probes.popitem(last=False)
+
+    def _flush_probes(self) -> None:
+        """Send the step's existence checks, `batch_bytes` worth of blocks per call."""
+        probing, self._probing = self._probing, []
+        for start in range(0, len(probing), self._batch_blocks):
+            keys = probing[start : start + self._batch_blocks]
+            self._submit(self._worker.start_probe, outbox.ProbeDone(keys=keys))
+
+    def _apply_probe(self, done: outbox.ProbeDone) -> None:
+        absent_until = self._clock() + self.settings.negative_ttl_s
+        for key in done.keys:
+            if self._probes.get(key, 0.0) is not None:
+                continue  # stored meanwhile, or the answer is moot
+            if key not in done.found:
+                self._remember_probe(key, absent_until)
+                continue
+            del self._probes[key]
+            if key not in self._index:
+                self._add_stored(key, self.object_bytes(key))
+
+    def _add_stored(self, key: OffloadKey, size: int) -> None:
+        self._evicted.pop(key, None)  # found again (a probe): keep the object
+        self._evicted.update(dict.fromkeys(self._index.add_stored(key, size)))
+
+    def _flush_deletes(self) -> None:
+        """Send the step's deletes of evicted objects as one job."""
+        if self._evicted:
+            self._submit(self._worker.start_delete, list(self._evicted))
+            self._evicted.clear()

@@ -1,0 +1,405 @@
+"""`BlockWorker`: the loop-thread half of a block-store tier.
+
+Loop thread only: every method runs on the tier's event loop (the ``start_*`` methods as
+callbacks the scheduler thread queued with `AsyncRuntime.submit`). It runs the store calls
+in three lanes, each under `op_timeout_s`: loads and existence probes (what a request waits
+for) at most `max_concurrency` at once, stores at most `max_concurrency` at once, and deletes
+one call at a time, so a promotion never queues behind cascade writes or deletes. It fills
+in the job's outcome and puts it in the `Outbox`; it never touches the index.
+
+Rules kept here: an evicted key's delete finishes before a new put of the same key starts;
+a load's payload CRC or signature is checked above the store (a wrapping store is checked
+too), off the loop, unless the store checked it as it read (`BlockStore.verifies_payloads`),
+and an encrypted one is checked and decrypted there, once, whatever the store; an object
+found corrupt or unusable is deleted, one whose seal does not open is left alone; each
+loaded block's row is settled (`tiering.cpu.row_states`) once checked, before its outcome; a call
+that does not return at its timeout keeps its job's rows in use until it does; every task
+puts exactly one outcome.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import numpy as np
+
+from tiering.contract.keys import OffloadKey
+from tiering.cpu.row_states import RowStates
+from tiering.errors import (
+    CorruptObjectError,
+    ForgedObjectError,
+    HungCallError,
+    ObjectNotFoundError,
+    RuntimeClosedError,
+    UnusableObjectError,
+)
+from tiering.tiers.blockstore.outbox import (
+    DeletesDone,
+    JobDone,
+    LoadDone,
+    Outbox,
+    Outcome,
+    PingDone,
+    ProbeDone,
+    RowsReleased,
+    StoreDone,
+)
+from tiering.tiers.blockstore.store import BlockStore
+from tiering.tiers.object_format import ObjectHeader, open_payload
+from tiering.tiers.runtime import AsyncRuntime
+from tiering.tiers.seal import Seal
+
+T = TypeVar("T")
+Items = Sequence[tuple[OffloadKey, int]]  # (key, primary row)
+INLINE_CHECK_BYTES = 1 << 20  # a batch this small is checked on the loop (~50 us): a thread hop costs more
+LOAD_SPREAD = 4
+"""A promotion's blocks reach the store in up to this many concurrent calls (each at most
+``batch_bytes`` and, unless the whole job is smaller, at least `LOAD_SPREAD_MIN_BYTES`): a
+request waits on them, and a device reads faster at a queue depth above one (this VM's disk:
+16 MiB of 512 KiB files with O_DIRECT in 13 ms from one thread, 9 ms from four). A store that
+`reads_in_order` gets calls of about `LOAD_SPREAD_MIN_BYTES`, this many at a time: each
+call's rows land as it ends, and the worker copies them while the next calls read. Stores go
+in batches of ``batch_bytes``: their throughput is what counts."""
+LOAD_SPREAD_MIN_BYTES = 2 << 20
+"""Below this a call costs more in hops than its reads gain in parallel (64 KiB blocks from
+the page cache: a 16-block job read at 0.42 GB/s in four calls, see peer-bench's ab_file)."""
+
+
+class BlockWorker:
+    """Runs one store's calls for one tier.
+
+    Args:
+        name: the tier's name, for errors.
+        store: the block store (opened by `serve`, closed when it ends).
+        rows: the primary rows, a 2-D uint8 array ``(num_blocks, row_bytes)``.
+        outbox: where outcomes go.
+        max_concurrency: store calls in flight at once.
+        op_timeout_s: seconds a store call may take.
+        batch_blocks: blocks per `put_many`/`get_many` call.
+        runtime: the tier's runtime, told when each job starts and ends (so its loop
+            polls for work while jobs run, see `AsyncRuntime.job_started`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        store: BlockStore,
+        rows: np.ndarray,
+        outbox: Outbox,
+        max_concurrency: int,
+        op_timeout_s: float,
+        batch_blocks: int,
+        runtime: AsyncRuntime,
+    ):
+        self.name = name
+        self.store = store
+        self._rows = rows
+        self._outbox = outbox
+        self._store_lane = anyio.CapacityLimiter(max_concurrency)
+        self._load_lane = anyio.CapacityLimiter(max_concurrency)
+        self._delete_lane = anyio.CapacityLimiter(1)
+        self._op_timeout_s = op_timeout_s
+        self._batch_blocks = batch_blocks
+        self._runtime = runtime
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._deleting: dict[OffloadKey, anyio.Event] = {}
+        self._stop = anyio.Event()
+        self._stopped = anyio.Event()
+        self.row_states: RowStates | None = None  # set by the tier: promoted rows are settled as they land
+
+    async def open(self, runtime_group: anyio.abc.TaskGroup) -> list[tuple[OffloadKey, int]]:
+        """Open the store, read what it holds, and start serving in `runtime_group`.
+
+        Returns:
+            (key, object bytes) of every object found, oldest first.
+        Raises:
+            Exception: whatever opening or recovering the store raised (it is closed again,
+                and what its opening created is removed: `BlockStore.undo_open`).
+        """
+        await self.store.open()
+        try:
+            recovered = await self.store.recover()
+            await runtime_group.start(self._serve)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.store.undo_open()
+            raise
+        return recovered
+
+    async def stop(self) -> None:
+        """Cancel every task (each still puts its outcome, as failed) and close the store."""
+        self._stop.set()
+        await self._stopped.wait()
+
+    async def _serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with anyio.create_task_group() as task_group:
+                self._task_group = task_group
+                task_status.started()
+                await self._stop.wait()
+                task_group.cancel_scope.cancel()
+        finally:
+            self._task_group = None
+            with anyio.CancelScope(shield=True):
+                await self.store.close()
+                self._stopped.set()
+
+    # -- entry points, queued by the scheduler thread ---------------------------------------
+
+    def start_store(self, done: StoreDone, items: Items, after_deletes: bool = False) -> None:
+        """Store `items`, once the deletes of their keys started before it are over, or,
+        with `after_deletes` (a full device, whose room those deletes make), every delete
+        started before it."""
+        self._start(done, partial(self._store_job, done, items, after_deletes))
+
+    def start_load(self, done: LoadDone, items: Items) -> None:
+        self._start(done, lambda: partial(self._in_batches, self._load_batch, done, items, LOAD_SPREAD))
+
+    def start_probe(self, done: ProbeDone) -> None:
+        self._start(done, lambda: partial(self._probe, done))
+
+    def start_ping(self, done: PingDone) -> None:
+        self._start(done, lambda: partial(self._ping, done))
+
+    def start_delete(self, keys: list[OffloadKey]) -> None:
+        done = DeletesDone(keys=keys)
+        self._start(done, partial(self._delete_job, done, keys))
+
+    def _start(self, done: Outcome, prepare: Callable[[], Callable[[], Awaitable[None]]]) -> None:
+        """Run the job ``prepare()`` returns in the tier's task group. If the tier is
+        stopped, or anything raises while starting, the outcome is put at once, failed:
+        never lost."""
+        self._runtime.job_started()
+        try:
+            if self._task_group is None:
+                raise RuntimeClosedError(f"tier {self.name} is shut down")
+            self._task_group.start_soon(self._run, done, prepare())
+        except Exception as exc:
+            if self._task_group is not None:
+                done.failed("start", exc, sick=False)
+            self._finish(done, broken=True)
+
+    def _store_job(self, done: StoreDone, items: Items, after_deletes: bool) -> Callable[[], Awaitable[None]]:
+        """The store job, waiting first for the deletes started before it: of its keys, or all."""
+        if after_deletes:
+            events = list(self._deleting.values())
+        else:
+            events = [event for key, _ in items if (event := self._deleting.get(key)) is not None]
+        waits = list({id(event): event for event in events}.values())
+        return partial(self._store_blocks, done, items, waits)
+
+    def _delete_job(self, done: DeletesDone, keys: list[OffloadKey]) -> Callable[[], Awaitable[None]]:
+        """The delete job; stores of these keys started after it wait for it."""
+        deleted = anyio.Event()
+        self._deleting.update(dict.fromkeys(keys, deleted))
+        return partial(self._delete, done, keys, deleted)
+
+    async def _run(self, done: Outcome, job: Callable[[], Awaitable[None]]) -> None:
+        broken = False
+        try:
+            await job()
+        except Exception as exc:  # a bug here or in a store: this job fails, the tier goes on
+            done.failed("internal", exc, sick=False)
+            broken = True
+        finally:
+            self._finish(done, broken)
+
+    def _finish(self, done: Outcome, broken: bool) -> None:
+        if isinstance(done, JobDone):
+            done.complete = done.complete and not broken
+            done.rows_in_use, done.reported = done.hung > 0, True
+        self._runtime.job_finished()
+        self._outbox.put(done)
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    async def _store_blocks(self, done: StoreDone, items: Items, waits: list[anyio.Event]) -> None:
+        for deleted in waits:
+            await deleted.wait()
+        await self._in_batches(self._store_batch, done, items)
+
+    async def _in_batches(
+        self,
+        run_batch: Callable[[Any, Items], Coroutine[Any, Any, None]],
+        done: JobDone,
+        items: Items,
+        spread: int = 1,
+    ) -> None:
+        """`run_batch` over `items`, concurrently, in batches of at most ``batch_blocks``;
+        with `spread`, in up to `spread` batches of at least `LOAD_SPREAD_MIN_BYTES`, or, for
+        a store that `reads_in_order`, in batches of about that size, `spread` at a time in
+        the order of `items`."""
+        size, running = self._batch_blocks, anyio.CapacityLimiter(math.inf)
+        if spread > 1:
+            least = max(1, LOAD_SPREAD_MIN_BYTES // max(1, self._rows.shape[1]))
+            if self.store.reads_in_order:
+                size, running = min(size, least), anyio.CapacityLimiter(spread)
+            else:
+                size = min(size, max(least, -(-len(items) // spread)))
+        if len(items) <= size:
+            await run_batch(done, items)
+            return
+
+        async def run_when_its_turn_comes(batch: Items) -> None:
+            async with running:
+                await run_batch(done, batch)
+
+        async with anyio.create_task_group() as task_group:
+            for start in range(0, len(items), size):
+                task_group.start_soon(run_when_its_turn_comes, items[start : start + size])
+
+    async def _store_batch(self, done: StoreDone, batch: Items) -> None:
+        for (key, _), error in zip(batch, await self._io(done, self.store.put_many, batch), strict=True):
+            if error is None:
+                done.ok.add(key)
+            elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+                done.failed("store_no_space", error, sick=False)
+                done.no_space += 1
+            else:
+                done.failed("store", error)
+
+    async def _load_batch(self, done: LoadDone, batch: Items) -> None:
+        outcomes = await self._io(done, self.store.get_many, batch)
+        read = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, ObjectHeader)]
+        unchecked = [i for i in read if outcomes[i].encrypted] if self.store.verifies_payloads else read
+        opened: list[CorruptObjectError | None] = []
+        if unchecked:  # checked above every store layer; off the loop unless it is quick
+            checks = [(outcomes[i], memoryview(self._rows[batch[i][1]])) for i in unchecked]
+            if len(checks) * self._rows.shape[1] <= INLINE_CHECK_BYTES:
+                opened = _open_all(checks, self.store.seal)
+            else:
+                opened = await anyio.to_thread.run_sync(_open_all, checks, self.store.seal)
+        for i in read:
+            outcomes[i] = None
+        for i, error in zip(unchecked, opened, strict=True):
+            outcomes[i] = error
+        corrupt = []
+        if self.row_states is not None:  # before the outcome: a load may be waiting for these rows
+            for (_, row), error in zip(batch, outcomes, strict=True):
+                self.row_states.settle(row, ok=error is None)
+        for (key, _), error in zip(batch, outcomes, strict=True):
+            if error is None:
+                done.ok.add(key)
+            elif isinstance(error, ObjectNotFoundError):
+                done.failed("load_missing", error, sick=False)
+                done.drop.add(key)
+            elif isinstance(error, ForgedObjectError):  # a miss; the object may be another deployment's
+                done.failed("load_forged", error, sick=False)
+                done.drop.add(key)
+                done.forged.add(key)
+            elif isinstance(error, CorruptObjectError):  # or unusable: dropped, and no sign of a sick backend
+                done.failed("load_unusable" if isinstance(error, UnusableObjectError) else "load_corrupt", error, False)
+                done.drop.add(key)
+                corrupt.append(key)
+            else:
+                done.failed("load", error)
+                if isinstance(error, HungCallError):  # dropped: a retry would strand another thread
+                    done.drop.add(key)
+        if corrupt:
+            await self._delete(done, corrupt, None)
+
+    async def _io(self, done: JobDone, operation: Callable[..., Awaitable[list[T]]], batch: Items) -> list[Any]:
+        """One store call for a batch (see `_call`); if the call itself fails, every block of
+        the batch fails with its error."""
+        lane = self._load_lane if isinstance(done, LoadDone) else self._store_lane
+        outcome = await self._call(done, lane, operation, [(key, memoryview(self._rows[row])) for key, row in batch])
+        if isinstance(outcome, Exception):
+            return [outcome] * len(batch)
+        if len(outcome) != len(batch):
+            raise RuntimeError(f"{type(self.store).__name__}: {len(outcome)} outcomes for {len(batch)} blocks")
+        return outcome
+
+    async def _probe(self, done: ProbeDone) -> None:
+        outcome = await self._call(None, self._load_lane, self.store.exists_many, done.keys)
+        outcomes = [outcome] * len(done.keys) if isinstance(outcome, Exception) else outcome
+        for key, found in zip(done.keys, outcomes, strict=True):
+            if isinstance(found, Exception):
+                done.failed("probe", found)
+            elif found:
+                done.found.add(key)
+
+    async def _ping(self, done: PingDone) -> None:
+        outcome = await self._call(None, self._load_lane, self.store.ping)
+        if isinstance(outcome, Exception):
+            done.failed("ping", outcome)
+
+    async def _delete(self, done: Outcome, keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
+        try:
+            outcome = await self._call(None, self._delete_lane, self.store.delete_many, keys)
+            if isinstance(outcome, Exception):  # a failed delete is no sign of a sick backend; a hung one is
+                done.failed("delete", outcome, sick=isinstance(outcome, HungCallError))
+        finally:
+            if deleted is not None:
+                deleted.set()
+                for key in keys:
+                    if self._deleting.get(key) is deleted:
+                        del self._deleting[key]
+
+    async def _call(
+        self,
+        done: JobDone | None,
+        lane: anyio.CapacityLimiter,
+        operation: Callable[..., Awaitable[T]],
+        *args: Any,
+    ) -> T | Exception:
+        """``await operation(*args)`` within its `lane`'s limit, in a task of its own so
+        that the caller gets an answer within `op_timeout_s` whatever the store does: the
+        result, the exception it raised, or a `HungCallError`.
+
+        At the timeout the call is cancelled. A call that does not end at once (its thread
+        is stuck in a system call, and may still write into the rows it was given) counts
+        in ``done.hung`` until it returns: the job is reported with ``rows_in_use``, and a
+        `RowsReleased` follows when the last such call returns.
+        """
+        finished, scope = anyio.Event(), anyio.CancelScope()
+        result: list[T | Exception] = []
+        late = False
+
+        async def call() -> None:
+            try:
+                with scope:
+                    async with lane:
+                        result.append(await operation(*args))
+            except Exception as exc:
+                result.append(exc)
+            finally:
+                finished.set()
+                if late and done is not None:
+                    self._hung_call_returned(done)
+
+        assert self._task_group is not None, "store calls run only while the tier serves"
+        self._task_group.start_soon(call)
+        try:
+            with anyio.move_on_after(self._op_timeout_s):
+                await finished.wait()
+        finally:
+            if not finished.is_set():  # timed out, or this job was cancelled (shutdown)
+                scope.cancel()
+                late = True
+                if done is not None:
+                    done.hung += 1
+        return result[0] if result else HungCallError(f"no answer in {self._op_timeout_s} s")
+
+    def _hung_call_returned(self, done: JobDone) -> None:
+        done.hung -= 1
+        if done.hung == 0 and done.reported and done.rows_in_use:
+            self._outbox.put(RowsReleased(job_id=done.job_id), task_finished=False)
+
+
+def _open_all(checks: list[tuple[ObjectHeader, memoryview]], seal: Seal | None) -> list[CorruptObjectError | None]:
+    """`open_payload` of each (header, row read into): None, or the error it raised."""
+    outcomes: list[CorruptObjectError | None] = []
+    for header, row in checks:
+        try:
+            open_payload(header, row, seal)
+            outcomes.append(None)
+        except CorruptObjectError as exc:
+            outcomes.append(exc)
+    return outcomes

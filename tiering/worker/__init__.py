@@ -1,0 +1,10 @@
+"""The worker side: moving blocks between the paged GPU KV cache and the CPU tier's rows.
+
+- `cpu_gpu`: `CpuGpuOffloadingHandlers`, GPU<->CPU copies on CUDA streams or host threads;
+- `batch_copy`: a job as one batch of pointer copies (one driver call, or memmoves);
+- `copy_kernel`: a batch of small copies as one GPU kernel launch (Triton);
+- `canonical`: KV tensors as pages.
+
+Thread: the worker processes' (a copy thread or CUDA stream per direction). Needs torch.
+Imports: `tiering.contract`, `tiering.cpu.row_states`.
+"""
