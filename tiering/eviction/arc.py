@@ -1,0 +1,192 @@
+"""ARC: the adaptive replacement cache, request-scoped as vLLM's (``arc``).
+
+Thread: the scheduler thread only, through the CPU tier.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Container, Iterator, Sequence
+from itertools import islice
+
+from tiering.contract.keys import OffloadKey
+from tiering.eviction.base import BlockStatus, CachePolicy, evictable, register_cache_policy
+
+
+@register_cache_policy("arc")
+class ARCCachePolicy(CachePolicy):
+    """Adaptive replacement cache (Megiddo and Modha, FAST'03), request-scoped as vLLM's.
+
+    Resident blocks live in T1 (seen once) or T2 (used again). A block enters T1 when its
+    row is reserved; it moves to T2 when a request reuses it once ready (a touch, or a
+    finished request that loaded it or offered it again), so a block used twice survives a
+    scan of blocks used once. A block a request only stored keeps its list. Evicted keys
+    are remembered in the ghost lists B1 and B2 (at most `capacity` each); a request that
+    stores a key found there (once per request, `on_store_miss`) or touches it adapts the
+    target size of T1: towards recency after a B1 hit, towards frequency after a B2 hit.
+    Eviction takes T1's least recent idle block while T1 holds at least its target, else
+    T2's, else T1's.
+
+    All of that is vLLM's own ARC, with one deliberate difference: a block stored again
+    while its key is in a ghost list enters T2, as in the paper (it is that key's second
+    use), where vLLM's enters T1. Measured with `tiering-bench` (CPU tier of 5% of the
+    unique blocks, no GPU cache in front): 21.6% of prompt tokens against 18.7% on the
+    Mooncake conversation trace, 37.8% against 32.2% on the synthetic chat + RAG trace.
+    """
+
+    learns_from_store_misses = True
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self._t1: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self._t2: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.target_t1_size = 0.0
+
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        block = self._t1.get(key)
+        return block if block is not None else self._t2.get(key)
+
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        if key in self._b1 or key in self._b2:  # its second use
+            self._b1.pop(key, None)
+            self._b2.pop(key, None)
+            self._t2[key] = block
+        else:
+            self._t1[key] = block
+
+    def remove(self, key: OffloadKey) -> BlockStatus | None:
+        block = self._t1.pop(key, None)
+        return block if block is not None else self._t2.pop(key, None)
+
+    def _adapt_to_ghost_hit(self, key: OffloadKey) -> None:
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            self.target_t1_size = min(float(self.capacity), self.target_t1_size + max(1.0, len(b2) / len(b1)))
+            b1.move_to_end(key)
+        elif key in b2:
+            self.target_t1_size = max(0.0, self.target_t1_size - max(1.0, len(b1) / len(b2)))
+            b2.move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        b1, b2 = self._b1, self._b2
+        for key in reversed(keys):
+            if key in b1 or key in b2:
+                self._adapt_to_ghost_hit(key)
+
+    def touch(self, keys: Collection[OffloadKey]) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in reversed(list(keys)):
+            if key in t1:
+                block = t1.pop(key)
+                (t1 if block.ref_cnt < 0 else t2)[key] = block  # a write in flight is no reuse
+            elif key in t2:
+                t2.move_to_end(key)
+            else:
+                self._adapt_to_ghost_hit(key)
+
+    def on_request_finished(
+        self, keys: Sequence[OffloadKey], inserted: Collection[OffloadKey], reused: Collection[OffloadKey]
+    ) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in reversed(keys):
+            if key in reused:
+                if key in t1:
+                    t2[key] = t1.pop(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in inserted:  # a store is no reuse: keep the list, refresh recency
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        victims = self._evict_from_one_list(n, protected)
+        if victims is None:  # from both lists: `_victims` chooses block by block
+            return super().evict(n, protected)
+        self._trim_ghosts()
+        return victims
+
+    def candidates(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus, bool]]:
+        return list(islice(self._victims(protected), n))
+
+    def candidate(self, key: OffloadKey) -> tuple[OffloadKey, BlockStatus, bool] | None:
+        block = self._t1.get(key)
+        if block is not None:
+            return key, block, True
+        block = self._t2.get(key)
+        return None if block is None else (key, block, False)
+
+    def evict_candidates(
+        self, chosen: list[tuple[OffloadKey, BlockStatus, bool]]
+    ) -> list[tuple[OffloadKey, BlockStatus]]:
+        for key, _, in_t1 in chosen:
+            (self._b1 if in_t1 else self._b2)[key] = None
+            del (self._t1 if in_t1 else self._t2)[key]
+        self._trim_ghosts()
+        return [(key, block) for key, block, _ in chosen]
+
+    def _trim_ghosts(self) -> None:
+        for ghosts in (self._b1, self._b2):
+            for _ in range(len(ghosts) - self.capacity):
+                ghosts.popitem(last=False)
+
+    def _evict_from_one_list(
+        self, n: int, protected: Container[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        """Evict, as `_victims` orders them, `n` blocks that all come from one list (the
+        common case: T1 stays at or above its target for all `n`, or is below it while T2
+        has `n` idle blocks), without its per-block choice; None (nothing done) otherwise."""
+        t1_size, target = len(self._t1), int(self.target_t1_size)
+        if t1_size - n + 1 >= target:
+            blocks, ghosts = self._t1, self._b1
+        elif t1_size < target:
+            blocks, ghosts = self._t2, self._b2
+        else:
+            return None
+        victims = list(islice(evictable(blocks, protected), n))
+        if len(victims) < n:
+            return None
+        for key, _ in victims:
+            del blocks[key]
+            ghosts[key] = None
+        return victims
+
+    def coldest(self, n: int) -> list[OffloadKey]:
+        return [key for key, _, _ in islice(self._victims((), idle_only=False), n)]
+
+    def _scans(
+        self, protected: Container[OffloadKey], idle_only: bool
+    ) -> tuple[Iterator[tuple[OffloadKey, BlockStatus]], Iterator[tuple[OffloadKey, BlockStatus]]]:
+        """T1's and T2's entries, oldest first: the evictable ones, or all of them."""
+        if idle_only:
+            return evictable(self._t1, protected), evictable(self._t2, protected)
+        return iter(self._t1.items()), iter(self._t2.items())
+
+    def _victims(
+        self, protected: Container[OffloadKey], idle_only: bool = True
+    ) -> Iterator[tuple[OffloadKey, BlockStatus, bool]]:
+        """(key, block, from T1) in the order `evict` takes them: evictable ones, or with
+        `idle_only` False busy ones too. Each list is scanned once, oldest first."""
+        from_t1, from_t2 = self._scans(protected, idle_only)
+        t1_size, target = len(self._t1), int(self.target_t1_size)
+        while True:
+            picked = next(from_t1, None) if t1_size >= target else None
+            in_t1 = picked is not None
+            if picked is None:
+                picked = next(from_t2, None)
+            if picked is None:
+                picked = next(from_t1, None)
+                in_t1 = True
+            if picked is None:
+                return
+            t1_size -= in_t1
+            yield (*picked, in_t1)
+
+    def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+        return iter([*self._t1.items(), *self._t2.items()])
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)

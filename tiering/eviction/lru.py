@@ -1,0 +1,60 @@
+"""LRU: least recently used, request-scoped as vLLM's (``lru``).
+
+Thread: the scheduler thread only, through the CPU tier.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Container, Iterator
+from itertools import islice
+
+from tiering.contract.keys import OffloadKey
+from tiering.eviction.base import BlockStatus, CachePolicy, evictable, register_cache_policy
+
+
+@register_cache_policy("lru")
+class LRUCachePolicy(CachePolicy):
+    """Least recently used: a block is ranked most recent when its row is reserved, when
+    it is touched, and when a request that used it finishes (head last, so a prefix's
+    tail goes before its head)."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self._blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        return self._blocks.get(key)
+
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        self._blocks[key] = block
+
+    def remove(self, key: OffloadKey) -> BlockStatus | None:
+        return self._blocks.pop(key, None)
+
+    def touch(self, keys: Collection[OffloadKey]) -> None:
+        blocks = self._blocks
+        for key in reversed(keys if isinstance(keys, list | tuple) else list(keys)):
+            if key in blocks:
+                blocks.move_to_end(key)
+
+    def candidates(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]]:
+        return list(islice(evictable(self._blocks, protected), n))
+
+    def evict_candidates(self, chosen: list[tuple[OffloadKey, BlockStatus]]) -> list[tuple[OffloadKey, BlockStatus]]:
+        for key, _ in chosen:
+            del self._blocks[key]
+        return chosen
+
+    def candidate(self, key: OffloadKey) -> tuple[OffloadKey, BlockStatus] | None:
+        block = self._blocks.get(key)
+        return None if block is None else (key, block)
+
+    def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+        return iter(list(self._blocks.items()))
+
+    def coldest(self, n: int) -> list[OffloadKey]:
+        return list(islice(self._blocks, n))
+
+    def __len__(self) -> int:
+        return len(self._blocks)
