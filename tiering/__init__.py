@@ -28,7 +28,8 @@ from tiering.contract.mediums import (
     PrepareStoreOutput,
 )
 from tiering.contract.offloading import OffloadingManager
-from tiering.cpu.manager import CPUOffloadingManager, CPUPrimaryTierOffloadingManager
+from tiering.cpu.manager import CPUOffloadingManager
+from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.cpu.shared_region import SharedOffloadRegion
 from tiering.engine.manager import TieringOffloadingManager
 from tiering.errors import (

@@ -21,7 +21,7 @@ from typing import Any
 
 from tiering.config import TieringConfig
 from tiering.contract.mediums import CPULoadStoreSpec, GPULoadStoreSpec
-from tiering.cpu.manager import CPUPrimaryTierOffloadingManager
+from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.cpu.shared_region import SharedOffloadRegion
 from tiering.engine.manager import TieringOffloadingManager
 from tiering.errors import ConfigError, TierConfigError, describe, describe_bind_error

@@ -1,7 +1,9 @@
 """The CPU primary tier: the only tier that talks to the GPU, its rows in shared memory.
 
-- `manager`: `CPUOffloadingManager` and `CPUPrimaryTierOffloadingManager`: rows, ref counts,
-  stores and loads, eviction through a policy;
+- `manager`: `CPUOffloadingManager`: rows, ref counts, stores and loads, eviction through a
+  policy;
+- `primary`: `CPUPrimaryTierOffloadingManager`: the same over a shared region, serving the
+  secondary tiers' cascades (reads) and promotions (writes);
 - `tenants`: tenants' shares of the rows, per-tenant eviction and counters;
 - `request_access`: a request's blocks, ranked in prefix order when it finishes;
 - `shared_region`: `SharedOffloadRegion`, the rows in one ``/dev/shm`` file shared with the

@@ -1,4 +1,5 @@
-"""The CPU offloading manager and its primary-tier form with secondary-facing aliases.
+"""`CPUOffloadingManager`: the CPU tier's rows, ref counts, stores and loads (its primary-tier
+form, which also serves the secondary tiers, is `tiering.cpu.primary`).
 
 Thread: the scheduler thread only; no method blocks, nothing is locked.
 """
@@ -8,14 +9,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Collection, Container, Iterable
-from typing import Protocol
 
 from tiering.contract.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.contract.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.contract.offloading import OffloadingManager
 from tiering.cpu.request_access import RequestAccesses
-from tiering.cpu.row_states import FAILED, PENDING, READY, RowStates
-from tiering.cpu.tenants import TenantsConfig, TenantShares
+from tiering.cpu.row_states import FAILED, READY, RowStates
+from tiering.cpu.tenants import TenantShares
 from tiering.eviction.policies import BlockStatus, CachePolicy, make_cache_policy
 from tiering.eviction.retention import RETENTION_MAX_FRACTION, Either, Retention, hint_of
 from tiering.stats import TierStats, worth_logging
@@ -618,121 +618,3 @@ class CPUOffloadingManager(OffloadingManager):
     def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
         if keys and self._events is not None:
             self._events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed))
-
-
-class KVRegion(Protocol):
-    """What the primary tier needs of its memory (a `SharedOffloadRegion`, or a stand-in)."""
-
-    def create_kv_memoryview(self) -> memoryview:
-        """A 2-D memoryview of shape ``(num_blocks, row_bytes)``."""
-
-    def cleanup(self) -> None:
-        """Release the memory; called once, at shutdown."""
-
-
-class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
-    """The CPU manager as the primary tier of a `TieringOffloadingManager`.
-
-    Its rows live in `mmap_region`; secondary tiers read and write them through
-    `get_kv_memoryview()`. Besides the GPU's loads and stores, it serves the secondary tiers'
-    two roles, counted apart from the GPU's: `prepare_read`/`complete_read` pin rows for a
-    cascade (``blocks_read_by_tiers``), `prepare_write`/`complete_write` reserve rows for a
-    promotion (``blocks_promoted``, ``promotions_refused`` by reason).
-    """
-
-    counter_names = (
-        *CPUOffloadingManager.counter_names,
-        "blocks_read_by_tiers",
-        "blocks_promoted",
-    )
-    refusal_names = (*CPUOffloadingManager.refusal_names, "promotions_refused")
-
-    def __init__(
-        self,
-        num_blocks: int,
-        mmap_region: KVRegion,
-        cache_policy: str = "lru",
-        enable_events: bool = False,
-        tenants: TenantsConfig | None = None,
-        retention_max_fraction: float = RETENTION_MAX_FRACTION,
-    ):
-        """
-        Args:
-            tenants: the tenants' shares of the rows (`tiering.cpu.tenants`), or None.
-            retention_max_fraction: as `CPUOffloadingManager`.
-
-        Raises:
-            ValueError: as `CPUOffloadingManager`, or the region's view does not have
-                `num_blocks` rows.
-        """
-        kv_view = mmap_region.create_kv_memoryview()
-        if kv_view.ndim != 2 or kv_view.shape is None or kv_view.shape[0] != num_blocks:
-            raise ValueError(f"region view has shape {kv_view.shape}; expected ({num_blocks}, row_bytes)")
-        row_bytes = kv_view.nbytes // max(1, num_blocks)
-        shares = (
-            None
-            if tenants is None
-            else TenantShares(tenants, num_blocks, row_bytes, cache_policy, retention_max_fraction)
-        )
-        super().__init__(num_blocks, cache_policy, enable_events, shares, retention_max_fraction)
-        self._region: KVRegion | None = mmap_region
-        self._kv_view = kv_view
-        create_row_states = getattr(mmap_region, "create_row_states", None)
-        self.row_states = create_row_states() if create_row_states is not None else None
-
-    def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext, readers: int = 1) -> CPULoadStoreSpec:
-        """Pin rows for a cascade: as `prepare_load`, counted as read by tiers. `readers`:
-        how many tiers read the rows (each releases its own with `complete_read`), pinned in
-        one pass.
-
-        Raises:
-            KeyError: as `prepare_load`.
-        """
-        return self._pin(keys, "prepare_read", "blocks_read_by_tiers", readers)
-
-    complete_read = CPUOffloadingManager.complete_load
-
-    def prepare_write(
-        self,
-        keys: Collection[OffloadKey],
-        req_context: ReqContext,
-        protected: Container[OffloadKey] = (),
-        settled_by_tier: bool = False,
-    ) -> PrepareStoreOutput | None:
-        """Reserve rows for a promotion: as `prepare_store`, a refusal counted apart; the
-        blocks in `protected` (say, those the step's lookups found here) are not evicted for
-        it. With `settled_by_tier` (the tier settles each row's `row_states` as it lands), the
-        new rows are marked ``PENDING``, so that a load pinned early waits for them."""
-        reserved = self._reserve(keys, req_context, "promotions_refused", protected)
-        if settled_by_tier and reserved is not None and self.row_states is not None:
-            self.row_states.mark(reserved.store_spec.block_ids, PENDING)
-        return reserved
-
-    def complete_write(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> list[OffloadKey]:
-        """Finish a promotion: as `complete_store`, counted as promoted. Its rows' states
-        end ``READY`` (a row a load pinned early and that failed: ``FAILED``, until freed)."""
-        promoted = self._complete_writes(keys, success, "blocks_promoted")
-        if promoted and self.row_states is not None:  # in case the tier did not settle them
-            self.row_states.mark([self._resident[key].block_id for key in promoted], READY)
-        return promoted
-
-    def get_stats(self) -> TierStats:
-        """As `CPUOffloadingManager.get_stats`, plus the bytes of the GPU's stores and loads
-        (``bytes_stored``, ``bytes_loaded``: blocks times the row's bytes)."""
-        stats = super().get_stats()
-        counters, row_bytes = stats["counters"], self._kv_view.nbytes // self.num_blocks
-        counters["bytes_stored"] = counters["blocks_stored"] * row_bytes
-        counters["bytes_loaded"] = counters["blocks_loaded"] * row_bytes
-        return stats
-
-    def get_kv_memoryview(self) -> memoryview:
-        """The primary rows, a 2-D memoryview of shape ``(num_blocks, row_bytes)``."""
-        return self._kv_view
-
-    def shutdown(self) -> None:
-        """Release the region (once; later calls do nothing)."""
-        region, self._region = self._region, None
-        if region is not None:
-            region.cleanup()

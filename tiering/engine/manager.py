@@ -49,7 +49,7 @@ import numpy as np
 from tiering.contract.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.contract.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.contract.offloading import OffloadingManager
-from tiering.cpu.manager import CPUPrimaryTierOffloadingManager
+from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.engine.lookups import RequestLookups
 from tiering.engine.timeline import RequestTimeline
 from tiering.eviction.retention import RetentionHint, hint_of
