@@ -16,7 +16,7 @@ from tiering import (
     SharedOffloadRegion,
     canonicalize_kv_caches,
 )
-from tiering.worker import batch_copy, copy_kernel, cpu_gpu
+from tiering.worker import batch_copy, copy_kernel, cpu_gpu, direction, transfers
 
 DEVICES = [
     "cpu",
@@ -80,7 +80,7 @@ def host_copy(request, monkeypatch):
     """The CPU device copies large pages run by run and small ones by index: test both. Under
     CUDA the same two: runs of pages by the copy engines, and pages gathered by the threads of
     one kernel (where Triton is installed)."""
-    monkeypatch.setattr(cpu_gpu, "RUN_PAGE_BYTES", 0 if request.param == "runs" else 1 << 30)
+    monkeypatch.setattr(direction, "RUN_PAGE_BYTES", 0 if request.param == "runs" else 1 << 30)
     if request.param == "runs":
         monkeypatch.setattr(cpu_gpu, "cuda_copier", batch_copy.copy_engine_copier)
     elif has_triton():
@@ -169,7 +169,7 @@ def test_one_copier_call_per_job_and_direction_whatever_the_number_of_pages(work
 def test_plan_batch_coalesces_pages_consecutive_on_both_sides_only():
     gpu = batch_copy.PageLayouts.of([batch_copy.PageLayout(base=1000, stride=64, page_bytes=64)])
     cpu = batch_copy.PageLayouts.of([batch_copy.PageLayout(base=50_000, stride=4096, page_bytes=64)])
-    copy = cpu_gpu.PageCopy(0, np.array([3, 4, 5, 9]), np.array([1, 1, 2, 2]), np.array([0, 1, 0, 1]))
+    copy = transfers.PageCopy(0, np.array([3, 4, 5, 9]), np.array([1, 1, 2, 2]), np.array([0, 1, 0, 1]))
     batch = batch_copy.plan_batch([copy], gpu, cpu, to_cpu=True)
     assert batch.src.tolist() == [1000 + 3 * 64, 1000 + 5 * 64, 1000 + 9 * 64]
     assert batch.dst.tolist() == [50_000 + 4096, 50_000 + 2 * 4096, 50_000 + 2 * 4096 + 64]

@@ -23,7 +23,7 @@ from tiering import (
     canonicalize_kv_caches,
 )
 from tiering.cpu.row_states import FAILED, PENDING, READY, RowStates
-from tiering.worker import cpu_gpu
+from tiering.worker import direction
 
 NUM_ROWS = 4
 NUM_GPU_BLOCKS = 8
@@ -119,7 +119,7 @@ def test_a_hit_is_answered_in_the_step_its_promotion_starts_and_the_load_waits_f
 
 
 def test_a_load_copies_each_row_as_its_promotion_lands_not_after_the_last(engine_of, monkeypatch):
-    monkeypatch.setattr(cpu_gpu, "PROMOTION_WAIT_S", 600.0)  # the test settles the rows by hand
+    monkeypatch.setattr(direction, "PROMOTION_WAIT_S", 600.0)  # the test settles the rows by hand
     engine = engine_of({"type": "memory"})
     ctx = ReqContext("req-0")
     engine.fill(0, 1)
@@ -222,7 +222,7 @@ def test_only_the_failed_rows_of_a_load_are_left_out(engine_of):
 
 
 def test_a_late_promotion_stops_the_wait_at_its_bound(engine_of, monkeypatch):
-    monkeypatch.setattr(cpu_gpu, "PROMOTION_WAIT_S", 0.0)
+    monkeypatch.setattr(direction, "PROMOTION_WAIT_S", 0.0)
     engine = engine_of({"type": "memory"})
     ctx = ReqContext("req-0")
     out = engine.manager.prepare_store(keys(0), ctx)

@@ -8,7 +8,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from tests.helpers import ManualTier, RegionStandIn, key, keys
 from tests_vllm.conftest import offloading_config
 from tiering import ConfigError, CPUPrimaryTierOffloadingManager, TieringOffloadingManager
-from tiering.integrations import VLLM_CONNECTOR
+from tiering.integrations import VLLM_CONNECTOR, vllm_sizing
 from tiering.integrations import vllm as adapter
 from tiering.integrations.vllm_config import check_kv_transfer_config
 from tiering.integrations.vllm_stats import VllmStats, metric_definitions
@@ -112,13 +112,13 @@ def test_a_cpu_tier_too_small_for_two_steps_is_named_once_at_start(caplog):
     config = offloading_config({"cpu_bytes_to_use": "1MiB"}, engine_id=f"size-check-{id(caplog)}")
     spec = adapter.KVTieringOffloadingSpec(config)  # 16 rows of 64 tokens (64 KiB each)
     try:
-        assert adapter.rows_for_two_steps(512, 64) == 16
-        adapter.check_cpu_tier_size(spec.engine, 512)  # fits: said nothing
+        assert vllm_sizing.rows_for_two_steps(512, 64) == 16
+        vllm_sizing.check_cpu_tier_size(spec.engine, 512)  # fits: said nothing
         assert not caplog.records
         spec2 = adapter.KVTieringOffloadingSpec(offloading_config({"cpu_bytes_to_use": "1MiB"}, engine_id="other"))
         try:
-            adapter.check_cpu_tier_size(spec2.engine, 520)  # 9 rows a step
-            adapter.check_cpu_tier_size(spec2.engine, 520)
+            vllm_sizing.check_cpu_tier_size(spec2.engine, 520)  # 9 rows a step
+            vllm_sizing.check_cpu_tier_size(spec2.engine, 520)
         finally:
             spec2.shutdown()
         (line,) = [record.getMessage() for record in caplog.records]

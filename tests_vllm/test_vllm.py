@@ -229,7 +229,7 @@ def test_behind_the_engines_connector_a_failed_promotion_is_recomputed_with_the_
 
 
 def test_behind_the_engines_connector_a_copy_that_fails_is_recomputed_and_never_kept(model, baseline, monkeypatch):
-    from tiering.worker import cpu_gpu
+    from tiering.worker.direction import DirectionHandler
 
     llm = tiny.make_llm(model, {"cpu_bytes_to_use": 2 * CPU_BYTES}, connector="KVTieringConnector")
     try:
@@ -240,7 +240,7 @@ def test_behind_the_engines_connector_a_copy_that_fails_is_recomputed_and_never_
         def raising(self, copies):
             raise RuntimeError("a bug in the copy")
 
-        monkeypatch.setattr(cpu_gpu._DirectionHandler, "_copy_now", raising)  # every copy fails from here on
+        monkeypatch.setattr(DirectionHandler, "_copy_now", raising)  # every copy fails from here on
         # PROMPT's 6 blocks load and fail (recomputed); the 3 blocks LONGER computes after them store and fail
         tokens, logprobs, _ = tiny.generate(llm, [LONGER])[0]
         assert (tokens, logprobs) == baseline[tuple(LONGER)][:2]  # and vLLM's worker did not fail
