@@ -2,7 +2,7 @@
 block-store tier takes, and the adapter that turns any block store into a secondary tier.
 
 Modules by thread: `store` (the interface; its coroutines run on the loop), `settings`
-(construction), `index` and `tier` (scheduler thread), `worker` (loop thread), `outbox` (the
+(construction), `index`, `existence` and `tier` (scheduler thread), `worker` (loop thread), `outbox` (the
 one hand-off between the two).
 
 Imports: `tiering.contract`, `tiering.eviction.retention`, `tiering.cpu.row_states`, the rest

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any
@@ -35,6 +35,7 @@ from tiering.eviction.retention import Retention
 from tiering.stats import Every, JobTimer, TierStats, worth_logging
 from tiering.tiers.base import Doorbell, JobMetadata, JobResult, SecondaryTierManager
 from tiering.tiers.blockstore import outbox
+from tiering.tiers.blockstore.existence import ExistenceChecks
 from tiering.tiers.blockstore.index import BlockIndex
 from tiering.tiers.blockstore.outbox import LoadDone, Outbox, StoreDone
 from tiering.tiers.blockstore.settings import BlockStoreSettings
@@ -48,7 +49,6 @@ from tiering.tiers.seal import Seal
 logger = logging.getLogger(__name__)
 
 _COUNTERS = ("blocks_stored", "bytes_stored", "blocks_loaded", "bytes_loaded", "jobs_succeeded", "jobs_failed")
-_MAX_PROBES = 65536  # probe answers remembered (and probes in flight); past it the oldest is forgotten
 FORGED_LOG_INTERVAL_S = 60.0  # a block whose seal does not open is logged at most this often per tier
 
 
@@ -116,12 +116,10 @@ class BlockStoreTier(SecondaryTierManager):
         self._counters: Counter[str] = Counter()
         self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
         self._stores, self._loads = JobTimer(), JobTimer()
-        # None: in flight; else absent until then. Oldest first: every absence lasts negative_ttl_s
-        self._probes: OrderedDict[OffloadKey, float | None] = OrderedDict()
+        self._existence = ExistenceChecks(settings.negative_ttl_s, clock)
         self._object_bytes: dict[int, int] = {}  # by key length
         self._released: list[int] = []
         self._evicted: dict[OffloadKey, None] = {}  # objects to delete at the end of the step
-        self._probing: list[OffloadKey] = []  # keys to check for at the end of the step
         self._forged_log = Every(FORGED_LOG_INTERVAL_S, at_once=True)
         self._closed = False
         self._batch_blocks = batch_blocks = max(1, settings.batch_bytes // max(1, self.row_bytes))
@@ -179,7 +177,7 @@ class BlockStoreTier(SecondaryTierManager):
         elif entry is not None:
             answer = True if entry.stored else None
         else:
-            answer = self._probe(key) if self.settings.probe_misses else False
+            answer = self._existence.lookup(key) if self.settings.probe_misses else False
         self._lookups[answer] += 1
         return answer
 
@@ -215,10 +213,10 @@ class BlockStoreTier(SecondaryTierManager):
         else:
             items, done.complete = self._index.reserve_all(jobs_items, self.object_bytes, evicted)
         done.keys = [key for key, _ in items]
-        for pending in (self._probes, self._evicted):
-            if pending:  # a probe's answer, or a deferred delete, is moot once the key is stored
-                for key in done.keys:
-                    pending.pop(key, None)
+        self._existence.forget(done.keys)  # a check's answer is moot once the key is stored
+        if self._evicted:  # and so is a deferred delete
+            for key in done.keys:
+                self._evicted.pop(key, None)
         self._evicted.update(dict.fromkeys(evicted))
         if items:
             # a full device: its room is there once the evicted objects are gone, so they are
@@ -262,7 +260,9 @@ class BlockStoreTier(SecondaryTierManager):
                     self._index.deleted(outcome.keys)
                 case outbox.ProbeDone():
                     self.health.record(len(outcome.keys) - outcome.errors, outcome.errors)
-                    self._apply_probe(outcome)
+                    for key in self._existence.answered(outcome.keys, outcome.found):
+                        if key not in self._index:
+                            self._add_stored(key, self.object_bytes(key))
                 case StoreDone() | LoadDone():
                     self.health.record(len(outcome.ok), outcome.errors)
                     if isinstance(outcome, StoreDone):
@@ -319,7 +319,7 @@ class BlockStoreTier(SecondaryTierManager):
             "capacity_bytes": self.capacity_bytes,
             "room_bytes": self.room_bytes,
             "jobs_in_flight": len(self._stores) + len(self._loads),
-            "probe_answers": len(self._probes),
+            "probe_answers": len(self._existence),
             "healthy": self.health.healthy,
             "loop_alive": self._runtime.alive,
             "state": self.health.state.value,
@@ -341,7 +341,7 @@ class BlockStoreTier(SecondaryTierManager):
             return
         if not self.health.healthy and self.health.probe_due():
             self._submit(self._worker.start_ping, outbox.PingDone())
-        self._flush_probes()
+        self._flush_checks()
         self._flush_deletes()
         self._runtime.flush()
 
@@ -359,7 +359,7 @@ class BlockStoreTier(SecondaryTierManager):
         if not self._runtime.alive:  # shut down, or a dead loop: what is left never ends
             return self._outbox.idle()
         if not self._closed:  # after shutdown nothing new can start; only wait
-            self._flush_probes()
+            self._flush_checks()
             self._flush_deletes()
             self._runtime.flush()
         return self._outbox.wait_idle(timeout_s)
@@ -482,50 +482,18 @@ class BlockStoreTier(SecondaryTierManager):
             if key in done.drop:
                 self._index.remove(key)
                 if key in done.forged and self.settings.probe_misses:
-                    self._remember_probe(key, self._clock() + self.settings.negative_ttl_s)
+                    self._existence.absent(key)
             elif key in done.ok:
                 self._index.touch([key])
                 self._counters["blocks_loaded"] += 1
                 self._counters["bytes_loaded"] += entry.size
 
-    def _probe(self, key: OffloadKey) -> bool | None:
-        state = self._probes.get(key, 0.0)
-        if state is None:
-            return None
-        if state > self._clock():
-            return False
-        self._remember_probe(key, None)
-        self._probing.append(key)
-        return None
-
-    def _remember_probe(self, key: OffloadKey, state: float | None) -> None:
-        """Note `key`'s probe (None: in flight) or its absence until `state`, as the newest;
-        past `_MAX_PROBES` the oldest is forgotten, in O(1) (an absence expired by then, or
-        the earliest to expire: its key is probed again at its next miss; an answer for a
-        forgotten probe is dropped)."""
-        self._probes[key] = state
-        self._probes.move_to_end(key)
-        if len(self._probes) > _MAX_PROBES:
-            self._probes.popitem(last=False)
-
-    def _flush_probes(self) -> None:
+    def _flush_checks(self) -> None:
         """Send the step's existence checks, `batch_bytes` worth of blocks per call."""
-        probing, self._probing = self._probing, []
-        for start in range(0, len(probing), self._batch_blocks):
-            keys = probing[start : start + self._batch_blocks]
+        pending = self._existence.take_pending()
+        for start in range(0, len(pending), self._batch_blocks):
+            keys = pending[start : start + self._batch_blocks]
             self._submit(self._worker.start_probe, outbox.ProbeDone(keys=keys))
-
-    def _apply_probe(self, done: outbox.ProbeDone) -> None:
-        absent_until = self._clock() + self.settings.negative_ttl_s
-        for key in done.keys:
-            if self._probes.get(key, 0.0) is not None:
-                continue  # stored meanwhile, or the answer is moot
-            if key not in done.found:
-                self._remember_probe(key, absent_until)
-                continue
-            del self._probes[key]
-            if key not in self._index:
-                self._add_stored(key, self.object_bytes(key))
 
     def _add_stored(self, key: OffloadKey, size: int) -> None:
         self._evicted.pop(key, None)  # found again (a probe): keep the object
