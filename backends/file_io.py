@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from tiering.backends.buffers import advance
 from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ForgedObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.tiers.blockstore.store import RecoveryProgress
@@ -344,11 +345,7 @@ def write_object(
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:
     while buffers:
-        written = os.writev(fd, buffers)
-        while buffers and written >= buffers[0].nbytes:
-            written -= buffers.pop(0).nbytes
-        if buffers and written:
-            buffers[0] = buffers[0][written:]
+        advance(buffers, os.writev(fd, buffers))
 
 
 def read_object(
@@ -415,10 +412,7 @@ def _read_all(fd: int, buffers: list[memoryview]) -> int:
         total += got
         if got == 0 or total == expected:
             break
-        while buffers and got >= buffers[0].nbytes:
-            got -= buffers.pop(0).nbytes
-        if buffers and got:
-            buffers[0] = buffers[0][got:]
+        advance(buffers, got)
     return total
 
 

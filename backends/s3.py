@@ -32,6 +32,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, ParamValidationError
 from pydantic import BaseModel, field_validator
 
+from tiering.backends.buffers import spans
 from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.options import STRICT, Count, Seconds
@@ -72,17 +73,10 @@ class _PartsReader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        copied, skip = 0, self._position
-        for part in self._parts:
-            if skip >= part.nbytes:
-                skip -= part.nbytes
-                continue
-            count = min(part.nbytes - skip, out.nbytes - copied)
-            out[copied : copied + count] = part[skip : skip + count]
-            copied += count
-            skip = 0
-            if copied == out.nbytes:
-                break
+        copied = 0
+        for part, start, length in spans(self._parts, self._position, out.nbytes):
+            out[copied : copied + length] = part[start : start + length]
+            copied += length
         self._position += copied
         return copied
 
@@ -161,11 +155,9 @@ class S3BlockStore(BlockStore):
             ValueError: `connect_timeout_s` or `read_timeout_s` is not below `op_timeout_s`.
         """
         assert isinstance(options, S3Options)
-        connect, read, operation = options.connect_timeout_s, options.read_timeout_s, settings.op_timeout_s
-        if not max(connect, read) < operation:
-            raise ValueError(
-                f"connect_timeout_s ({connect}) and read_timeout_s ({read}) must be below op_timeout_s ({operation})"
-            )
+        settings.check_client_timeouts(
+            connect_timeout_s=options.connect_timeout_s, read_timeout_s=options.read_timeout_s
+        )
 
     @classmethod
     def location(cls, options: Mapping[str, Any]) -> str:
@@ -372,15 +364,8 @@ def _no_expect_continue(request: Any, **_: Any) -> None:
 def _scatter(chunk: bytes, offset: int, buffers: Sequence[memoryview]) -> int:
     """Copy `chunk`, which starts `offset` bytes into the stream, into the consecutive
     `buffers`; bytes past their end are dropped. Returns len(chunk)."""
-    data = memoryview(chunk)
-    for buffer in buffers:
-        if offset >= buffer.nbytes:
-            offset -= buffer.nbytes
-            continue
-        count = min(buffer.nbytes - offset, data.nbytes)
-        buffer[offset : offset + count] = data[:count]
-        data = data[count:]
-        offset = 0
-        if not data.nbytes:
-            break
+    data, done = memoryview(chunk), 0
+    for buffer, start, length in spans(buffers, offset, data.nbytes):
+        buffer[start : start + length] = data[done : done + length]
+        done += length
     return len(chunk)

@@ -228,12 +228,9 @@ class ValkeyBlockStore(BlockStore):
             raise ValueError(
                 "capacity_bytes is not taken: the server evicts (set its maxmemory and an LRU maxmemory-policy)"
             )
-        connect, request, operation = options.connect_timeout_s, options.request_timeout_s, settings.op_timeout_s
-        if not max(connect, request) < operation:
-            raise ValueError(
-                f"connect_timeout_s ({connect}) and request_timeout_s ({request}) must be below op_timeout_s "
-                f"({operation})"
-            )
+        settings.check_client_timeouts(
+            connect_timeout_s=options.connect_timeout_s, request_timeout_s=options.request_timeout_s
+        )
 
     @classmethod
     def location(cls, options: Mapping[str, Any]) -> str:

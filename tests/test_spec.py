@@ -132,12 +132,14 @@ def test_worker_handlers_fill_the_rows_the_scheduler_cascades(tmp_path):
     manager = spec.get_manager()
     try:
         gpu = [torch.randint(-128, 127, (8, 4 * 64), dtype=torch.int8) for _ in range(2)]  # 8 GPU blocks of 4 tokens
-        handlers = spec.create_handlers(canonicalize_kv_caches(gpu, 8))
+        # through the seeds' get_handlers (the vLLM adapter calls create_handlers, below)
+        (src, dst, store), (_, _, load) = spec.get_handlers(canonicalize_kv_caches(gpu, 8))
+        assert (src, dst) == (GPULoadStoreSpec, CPULoadStoreSpec) and load is not store
         ctx = ReqContext("r")
         out = manager.prepare_store(keys(0, 1), ctx)  # 2 offloaded blocks = 4 GPU blocks
         job = GPULoadStoreSpec([0, 1, 2, 3], [4], [0]), CPULoadStoreSpec(out.store_spec.block_ids)
-        assert handlers.gpu_to_cpu_handler.transfer_async(1, job)
-        handlers.gpu_to_cpu_handler.wait([1])
+        assert store.transfer_async(1, job)
+        store.wait([1])
         manager.complete_store(out.keys_to_store, ctx)
         rows = np.asarray(manager.primary_tier.get_kv_memoryview())
         row = rows[out.store_spec.block_ids[0]]

@@ -290,7 +290,13 @@ class TieringOffloadingSpec:
         return handlers
 
     def get_handlers(self, kv_caches: Any, rank: int = 0) -> Iterator[tuple[type, type, Any]]:
-        """(source spec type, destination spec type, handler) for both directions."""
+        """(source spec type, destination spec type, handler) for both directions: the
+        seeds' ``OffloadingSpec.get_handlers`` contract, for a scheduler that takes its
+        handlers so (the vLLM adapter calls `create_handlers` itself).
+
+        Raises:
+            ValueError: as `create_handlers`.
+        """
         handlers = self.create_handlers(kv_caches, rank)
         yield GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler

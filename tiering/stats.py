@@ -22,6 +22,27 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 TierStats = dict[str, Any]
 
 
+LookupCounts = dict[bool | None, int]
+"""A tier's lookups by answer (True, False, None: ask again), counted on the hot path as
+``counts[answer] += 1``."""
+
+
+def new_lookup_counts() -> LookupCounts:
+    """Lookup counts at zero."""
+    return {True: 0, False: 0, None: 0}
+
+
+def lookup_counters(counts: LookupCounts) -> dict[str, int]:
+    """A tier's lookup counters: ``lookups`` (calls), ``hits``, ``misses`` and
+    ``lookups_deferred`` (answered None)."""
+    return {
+        "lookups": sum(counts.values()),
+        "hits": counts[True],
+        "misses": counts[False],
+        "lookups_deferred": counts[None],
+    }
+
+
 def worth_logging(count: int) -> bool:
     """Whether the `count`-th occurrence of something (from 1) deserves a log line: the 1st,
     2nd, 4th, 8th, ...: a trace of every kind of event, never a flood."""

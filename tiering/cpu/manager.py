@@ -18,7 +18,7 @@ from tiering.cpu.row_states import FAILED, READY, RowStates
 from tiering.cpu.tenants import TenantShares
 from tiering.eviction.policies import BlockStatus, CachePolicy, make_cache_policy
 from tiering.eviction.retention import RETENTION_MAX_FRACTION, Either, Retention, hint_of
-from tiering.stats import TierStats, worth_logging
+from tiering.stats import TierStats, lookup_counters, new_lookup_counts, worth_logging
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._quarantined: Counter[int] = Counter()  # row -> holders: a late I/O may still use it
         self._num_ids_used = 0  # ids below this were handed out before
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
-        self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
+        self._lookups = new_lookup_counts()
         self._counters: Counter[str] = Counter()
         self._refusals = {name: dict.fromkeys(REFUSAL_REASONS, 0) for name in self.refusal_names}
         self._rows_reading = 0  # rows with a reader (ref count > 0)
@@ -514,10 +514,7 @@ class CPUOffloadingManager(OffloadingManager):
         blocks, rows pinned by readers and by writes in flight, rows quarantined). Cheap;
         scheduler thread."""
         counters = {
-            "lookups": sum(self._lookups.values()),
-            "hits": self._lookups[True],
-            "misses": self._lookups[False],
-            "lookups_deferred": self._lookups[None],
+            **lookup_counters(self._lookups),
             **{name: self._counters[name] for name in self.counter_names},
             **{name: dict(reasons) for name, reasons in self._refusals.items()},
             **(self.retention.counters if self.retention is not None else {}),

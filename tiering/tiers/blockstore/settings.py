@@ -66,6 +66,18 @@ class BlockStoreSettings(BaseModel):
     encryption: Literal["aes-256-gcm"] | None = None
     retention_max_fraction: float = Field(default=RETENTION_MAX_FRACTION, ge=0, le=1)
 
+    def check_client_timeouts(self, **timeouts: float) -> None:
+        """A store's client timeouts (seconds, by option name) must be below `op_timeout_s`,
+        so that a frozen endpoint fails requests, and trips the breaker, within seconds, not
+        when the call times out.
+
+        Raises:
+            ValueError: one of them is not below it (the message names them all).
+        """
+        if not max(timeouts.values()) < self.op_timeout_s:
+            named = " and ".join(f"{name} ({value})" for name, value in timeouts.items())
+            raise ValueError(f"{named} must be below op_timeout_s ({self.op_timeout_s})")
+
     @model_validator(mode="after")
     def _rules_between_keys(self) -> BlockStoreSettings:
         if self.max_backoff_s < self.backoff_s:

@@ -32,7 +32,7 @@ from tiering.contract.keys import OffloadKey, ReqContext
 from tiering.cpu.row_states import RowStates
 from tiering.errors import HungCallError, RuntimeClosedError, describe
 from tiering.eviction.retention import Retention
-from tiering.stats import Every, JobTimer, TierStats, worth_logging
+from tiering.stats import Every, JobTimer, TierStats, lookup_counters, new_lookup_counts, worth_logging
 from tiering.tiers.base import Doorbell, JobMetadata, JobResult, SecondaryTierManager
 from tiering.tiers.blockstore import outbox
 from tiering.tiers.blockstore.existence import ExistenceChecks
@@ -114,7 +114,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._index = self._new_index()
         self._outbox = Outbox()
         self._counters: Counter[str] = Counter()
-        self._lookups: dict[bool | None, int] = {True: 0, False: 0, None: 0}
+        self._lookups = new_lookup_counts()
         self._stores, self._loads = JobTimer(), JobTimer()
         self._existence = ExistenceChecks(settings.negative_ttl_s, clock)
         self._object_bytes: dict[int, int] = {}  # by key length
@@ -300,10 +300,7 @@ class BlockStoreTier(SecondaryTierManager):
         I/O).
         Cheap; scheduler thread."""
         counters = {
-            "lookups": sum(self._lookups.values()),
-            "hits": self._lookups[True],
-            "misses": self._lookups[False],
-            "lookups_deferred": self._lookups[None],
+            **lookup_counters(self._lookups),
             **{name: self._counters[name] for name in _COUNTERS},
             "store_busy_seconds": self._stores.busy_seconds(),
             "load_busy_seconds": self._loads.busy_seconds(),
