@@ -22,19 +22,19 @@ def test_trips_after_consecutive_failures_only():
 def test_probes_after_the_backoff_and_doubles_it_while_probes_fail(caplog):
     health, clock = breaker(failure_threshold=1, backoff_s=1.0, max_backoff_s=3.0)
     health.record(0, 1)
-    assert not health.probe_due()
+    assert not health.ping_due()
     clock.now += 1.0
-    assert health.probe_due() and health.state is HealthState.PROBING
-    assert not health.probe_due()  # one probe at a time
-    health.probe_result(False)
+    assert health.ping_due() and health.state is HealthState.PROBING
+    assert not health.ping_due()  # one probe at a time
+    health.ping_result(False)
     assert health.backoff_s == 2.0
     clock.now += 2.0
-    assert health.probe_due()
-    health.probe_result(False)
+    assert health.ping_due()
+    health.ping_result(False)
     assert health.backoff_s == 3.0  # capped
     clock.now += 3.0
-    assert health.probe_due()
-    health.probe_result(True)
+    assert health.ping_due()
+    health.ping_result(True)
     assert health.healthy and health.backoff_s == 1.0 and health.consecutive_failures == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [
@@ -49,15 +49,15 @@ def test_a_backend_back_after_a_long_outage_is_used_again_within_the_ceiling_and
     probes = 0
     for _ in range(int(300 / 0.5)):  # five minutes down
         clock.now += 0.5
-        if health.probe_due():
+        if health.ping_due():
             probes += 1
-            health.probe_result(False)
+            health.ping_result(False)
     clock.now += 0.5
     waited = 0.5
-    while not health.probe_due():  # the backend is back
+    while not health.ping_due():  # the backend is back
         clock.now += 0.5
         waited += 0.5
-    health.probe_result(True)
+    health.ping_result(True)
     assert health.healthy and waited <= 5.0 and probes >= 55
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 2 + 4 and all("still unhealthy after" in line for line in warnings[1:-1])

@@ -20,8 +20,8 @@ def test_without_a_prefill_rate_or_a_measurement_every_block_is_loaded():
     gate = RecomputeGate(1000.0, 32, clock=clock)  # a block recomputes in 32 ms
     assert gate.decide(1) == "load"  # no rate yet
     measure(gate, clock, 1, 10.0)  # then a very slow load
-    assert [gate.decide(1) for _ in range(3)] == ["probe", "decline", "decline"]
-    assert gate.declined == 3  # a probe's request recomputes too
+    assert [gate.decide(1) for _ in range(3)] == ["trial", "decline", "decline"]
+    assert gate.declined == 3  # a trial's request recomputes too
 
 
 def test_a_fast_tier_loads_a_slow_one_is_declined_and_counted():
@@ -30,7 +30,7 @@ def test_a_fast_tier_loads_a_slow_one_is_declined_and_counted():
     measure(fast, clock, 1, 0.01)  # a promotion in 10 ms
     measure(slow, clock, 1, 0.1)  # in 100 ms, slower than 32 ms of prefill
     assert fast.decide(1) == "load" and fast.declined == 0
-    assert [slow.decide(1) for _ in range(4)] == ["probe"] + ["decline"] * 3
+    assert [slow.decide(1) for _ in range(4)] == ["trial"] + ["decline"] * 3
     assert slow.declined == 4
     assert slow.decide(4) == "load"  # a run of 4 blocks recomputes in 128 ms: loading is faster
 
@@ -44,21 +44,21 @@ def test_a_fast_tier_with_a_deep_backlog_is_declined():
     gate.submitted(1)  # 1 block ahead: ready in about 10 + 10 ms, before 32 ms
     assert gate.decide(1) == "load"
     gate.queued(2)  # 3 ahead of a new request: about 40 ms
-    assert [gate.decide(1) for _ in range(2)] == ["probe", "decline"]
+    assert [gate.decide(1) for _ in range(2)] == ["trial", "decline"]
     assert gate.decide(3) == "load"  # the third block of a run: 1 block ahead of it, against 96 ms of prefill
 
 
 def test_a_tier_that_recovers_is_measured_again_by_a_probe_every_interval():
     clock = ManualClock(100.0)
-    gate = RecomputeGate(1000.0, 32, probe_interval_s=10.0, clock=clock)
+    gate = RecomputeGate(1000.0, 32, trial_interval_s=10.0, clock=clock)
     measure(gate, clock, 1, 1.0)
-    assert [gate.decide(1) for _ in range(2)] == ["probe", "decline"]
+    assert [gate.decide(1) for _ in range(2)] == ["trial", "decline"]
     clock.now += 10.0
-    assert gate.decide(1) == "probe"  # the tier is fast again:
+    assert gate.decide(1) == "trial"  # the tier is fast again:
     measure(gate, clock, 1, 0.001)
     assert gate.decide(1) == "decline"  # half-way there: 0.5 s
     clock.now += 10.0
-    assert gate.decide(1) == "probe"
+    assert gate.decide(1) == "trial"
     for _ in range(6):
         measure(gate, clock, 1, 0.001)
     assert gate.decide(1) == "load" and gate.decide(1) == "load"
@@ -77,7 +77,7 @@ def test_the_manager_answers_a_miss_for_a_declined_block_and_counts_it_per_tier(
     manager.on_schedule_end()
     assert manager.lookup(key(1), first) is True
     # the interval's probe: a miss for the request (fast has key 2 too, but is not asked), promoted meanwhile
-    assert manager.lookup(key(2), ReqContext("probe")) is False
+    assert manager.lookup(key(2), ReqContext("trial")) is False
     manager.on_schedule_end()
     assert [job.keys for job in slow.pending.values()] == [[key(2)]] and not fast.pending
     assert manager.lookup(key(3), ReqContext("x")) is False  # nobody has it

@@ -195,7 +195,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._sources: dict[OffloadKey, str] = {}  # recently promoted keys -> tier name, oldest first
         self._held: dict[tuple[int, JobId], _Job] = {}  # jobs whose late I/O still uses their rows
         self._promotions: dict[tuple[int, str], _QueuedPromotion] = {}
-        self._probes: list[tuple[int, OffloadKey, ReqContext]] = []  # (tier, key, request) of the step
+        self._trials: list[tuple[int, OffloadKey, ReqContext]] = []  # (tier, key, request) of the step
         self._polled_this_step = False
         self._shut_down = False
         self.tier_names = unique_names([getattr(tier, "name", tier.tier_type) for tier in self.secondary_tiers])
@@ -299,8 +299,8 @@ class TieringOffloadingManager(OffloadingManager):
                 decision = self.gates[tier_idx].decide(1 + (len(queued.keys) if queued else 0))
                 if decision == "load":
                     return self._queue_promotion(tier_idx, key, req_context)
-                if decision == "probe":  # promoted in the background at the step's end; the request recomputes
-                    self._probes.append((tier_idx, key, req_context))
+                if decision == "trial":  # promoted in the background at the step's end; the request recomputes
+                    self._trials.append((tier_idx, key, req_context))
                     return False
                 continue  # recomputing beats this tier; a later one may be faster
             if found is None:
@@ -447,11 +447,11 @@ class TieringOffloadingManager(OffloadingManager):
             self._process_finished()
         if self._jobs and self._deadlines.seconds is not None:
             self._expire_overdue()
-        if self._probes:  # their rows reserved only now: a reservation may evict, and the step's loads are pinned now
-            for tier_idx, key, req_context in self._probes:
+        if self._trials:  # their rows reserved only now: a reservation may evict, and the step's loads are pinned now
+            for tier_idx, key, req_context in self._trials:
                 if self.primary_tier.ref_count(key) is None:
                     self._queue_promotion(tier_idx, key, req_context)
-            self._probes.clear()
+            self._trials.clear()
         if self._promotions:
             for (tier_idx, _), queued in self._promotions.items():
                 self.gates[tier_idx].submitted(len(queued.keys))
@@ -661,7 +661,7 @@ class TieringOffloadingManager(OffloadingManager):
         return None
 
     def _drop_queued_promotions(self) -> None:
-        self._probes.clear()
+        self._trials.clear()
         for (tier_idx, _), queued in self._promotions.items():
             self.gates[tier_idx].queued(-len(queued.keys))
             self.promotion_rows.held -= len(queued.keys)

@@ -2,11 +2,11 @@
 
 Healthy: I/O flows. After `failure_threshold` consecutive failed operations the tier turns
 unhealthy for `backoff_s` seconds: no I/O is sent, lookups miss, jobs fail fast. When the
-backoff has passed, one probe (a ping: one small request) is sent; success makes the tier
+backoff has passed, one ping (one small request, `BlockStore.ping`) is sent; success makes the tier
 healthy again, failure doubles the backoff, up to `max_backoff_s`. That ceiling bounds how
 long a backend that came back stays unused, so it is seconds (5 by default), not tens: a
 ping every few seconds is no load for a backend, even from many engines. Log lines: one per
-state change, never one per block; probes that keep failing are summed up once a minute.
+state change, never one per block; pings that keep failing are summed up once a minute.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tiering.stats import Every
 logger = logging.getLogger(__name__)
 
 SUMMARY_INTERVAL_S = 60.0
-"""At most one WARNING line per tier and interval while its probes keep failing."""
+"""At most one WARNING line per tier and interval while its pings keep failing."""
 
 
 class HealthState(enum.Enum):
@@ -64,7 +64,7 @@ class TierHealth:
         self.backoff_s = backoff_s
         self._retry_at = 0.0
         self._unhealthy = Every(SUMMARY_INTERVAL_S, clock)  # since the tier turned unhealthy
-        self._failed_probes = 0
+        self._failed_pings = 0
 
     @property
     def healthy(self) -> bool:
@@ -90,15 +90,15 @@ class TierHealth:
             self.consecutive_failures = max(self.consecutive_failures, self.failure_threshold)
             self._pause(reason)
 
-    def probe_due(self) -> bool:
-        """True once per backoff period when a probe should be sent (the state becomes PROBING)."""
+    def ping_due(self) -> bool:
+        """True once per backoff period when a ping should be sent (the state becomes PROBING)."""
         if self.state is HealthState.UNHEALTHY and self._clock() >= self._retry_at:
             self.state = HealthState.PROBING
             return True
         return False
 
-    def probe_result(self, ok: bool) -> None:
-        """Apply the outcome of the probe sent after `probe_due`."""
+    def ping_result(self, ok: bool) -> None:
+        """Apply the outcome of the ping sent after `ping_due`."""
         if ok:
             logger.warning("tier %s recovered after %.1f s; resuming I/O", self.name, self._unhealthy.elapsed())
             self.state = HealthState.HEALTHY
@@ -106,15 +106,15 @@ class TierHealth:
             self.backoff_s = self.initial_backoff_s
             return
         self.backoff_s = min(self.backoff_s * 2, self.max_backoff_s)
-        self._failed_probes += 1
+        self._failed_pings += 1
         self.state = HealthState.UNHEALTHY
         self._retry_at = self._clock() + self.backoff_s
         logger.log(
             logging.WARNING if self._unhealthy.due() else logging.DEBUG,
-            "tier %s still unhealthy after %.0f s (%d probes failed); next probe in %.1f s",
+            "tier %s still unhealthy after %.0f s (%d pings failed); next ping in %.1f s",
             self.name,
             self._unhealthy.elapsed(),
-            self._failed_probes,
+            self._failed_pings,
             self.backoff_s,
         )
 
@@ -122,5 +122,5 @@ class TierHealth:
         logger.warning("tier %s unhealthy (%s); no I/O for %.1f s", self.name, reason, self.backoff_s)
         self.state = HealthState.UNHEALTHY
         self._unhealthy = Every(SUMMARY_INTERVAL_S, self._clock)
-        self._failed_probes = 0
+        self._failed_pings = 0
         self._retry_at = self._unhealthy.start + self.backoff_s

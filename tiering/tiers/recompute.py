@@ -12,7 +12,7 @@ where ``ahead`` counts the other requests' blocks in flight or queued there, and
 the block when ``load_s`` exceeds ``n * tokens_per_block / recompute_tokens_per_s``, the
 time to recompute the run. A declined block is a miss: the scheduler recomputes it (and
 the rest of the prefix). Before a tier's first promotion nothing is declined. While a tier
-is declining, one block every `probe_interval_s` is a probe: it is promoted in the
+is declining, one block every `trial_interval_s` is a trial: it is promoted in the
 background, so that a tier that recovered is measured again, while its request is answered
 a miss and recomputes, so that no request waits on a tier found slow.
 
@@ -29,8 +29,8 @@ from tiering.stats import ServiceRate
 
 _WEIGHT = 0.5  # of the latest promotion in the smoothed duration
 
-Decision = Literal["load", "probe", "decline"]
-"""``load``: promote the block for the request; ``probe``: promote it in the background and
+Decision = Literal["load", "trial", "decline"]
+"""``load``: promote the block for the request; ``trial``: promote it in the background and
 answer the request a miss; ``decline``: a miss, nothing promoted."""
 
 
@@ -41,7 +41,7 @@ class RecomputeGate:
         self,
         recompute_tokens_per_s: float | None,
         tokens_per_block: int | None,
-        probe_interval_s: float = 10.0,
+        trial_interval_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         """
@@ -49,7 +49,7 @@ class RecomputeGate:
             recompute_tokens_per_s: the model's prefill rate, prompt tokens per second;
                 None: never decline.
             tokens_per_block: tokens per block; None: never decline.
-            probe_interval_s: while declining, promote one block in the background this
+            trial_interval_s: while declining, promote one block in the background this
                 often, seconds.
             clock: seconds, monotonic (tests pass their own).
         """
@@ -59,14 +59,14 @@ class RecomputeGate:
         self._service = ServiceRate(clock)  # blocks promoted per busy second
         self._promotion_s: float | None = None  # smoothed duration of a promotion
         self._queued = 0  # blocks queued this step, not submitted yet
-        self._probe_interval_s = probe_interval_s
-        self._last_probe = -float("inf")
+        self._trial_interval_s = trial_interval_s
+        self._last_trial = -float("inf")
         self._clock = clock
         self.declined = 0
 
     def decide(self, run_blocks: int) -> Decision:
         """What to do with the next block of a request's run on this tier: `run_blocks`
-        blocks of that request are queued on it this step, this one included. A probe and
+        blocks of that request are queued on it this step, this one included. A trial and
         a decline are counted in `declined` (the request recomputes the block either way)."""
         if self._seconds_per_block is None or self._promotion_s is None:
             return "load"
@@ -76,9 +76,9 @@ class RecomputeGate:
             return "load"
         self.declined += 1
         now = self._clock()
-        if now - self._last_probe >= self._probe_interval_s:
-            self._last_probe = now
-            return "probe"
+        if now - self._last_trial >= self._trial_interval_s:
+            self._last_trial = now
+            return "trial"
         return "decline"
 
     def queued(self, blocks: int = 1) -> None:

@@ -253,7 +253,7 @@ class BlockStoreTier(SecondaryTierManager):
                 self.health.trip(f"a call gave no answer in {self.settings.op_timeout_s} s")
             match outcome:
                 case outbox.PingDone():
-                    self.health.probe_result(not outcome.errors)
+                    self.health.ping_result(not outcome.errors)
                 case outbox.RowsReleased():
                     self._released.append(outcome.job_id)
                 case outbox.DeletesDone():
@@ -336,7 +336,7 @@ class BlockStoreTier(SecondaryTierManager):
         once the loop thread is dead."""
         if self._closed or not self._runtime.alive:
             return
-        if not self.health.healthy and self.health.probe_due():
+        if not self.health.healthy and self.health.ping_due():
             self._submit(self._worker.start_ping, outbox.PingDone())
         self._flush_checks()
         self._flush_deletes()
