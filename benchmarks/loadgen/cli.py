@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -38,11 +37,19 @@ from tiering import (
     KVLayout,
     RegionInUseError,
     load_config,
-    make_offload_key,
     parse_config,
 )
 from tiering.backends import FileBlockStore
 from tiering.benchmarks.loadgen import BENCH_MODULES, runs
+from tiering.benchmarks.loadgen.args import (
+    check_output,
+    count_arg,
+    natural_arg,
+    port_arg,
+    positive_arg,
+    rate_arg,
+    size_arg,
+)
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
 from tiering.benchmarks.loadgen.run import SchedulerLoop
@@ -55,12 +62,11 @@ from tiering.benchmarks.loadgen.workload import (
     with_hints,
 )
 from tiering.errors import describe, describe_bind_error
-from tiering.options import parse_size
 from tiering.spec import MODEL_PRESETS
 from tiering.stats import Every
 
 if TYPE_CHECKING:
-    from tiering.benchmarks.loadgen.engine import SimulatedEngine
+    pass
 
 DEFAULT_CONFIG = """\
 cpu_bytes_to_use: ${TIERING_BENCH_CPU_BYTES}
@@ -117,55 +123,6 @@ class EngineFailure(Exception):
     """The engine raised while replaying (exit status 3)."""
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _natural(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return int(text)
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {text!r}")
-    return int(text)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tiering-bench",
@@ -186,15 +143,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", type=Path, help="Mooncake JSONL trace to replay")
     source.add_argument("--workload", choices=WORKLOADS, default="multi-turn", help="synthetic workload")
-    parser.add_argument("--max-requests", type=_positive, help="requests to replay (default: all; 300 synthetic)")
+    parser.add_argument("--max-requests", type=positive_arg, help="requests to replay (default: all; 300 synthetic)")
     sizing = parser.add_mutually_exclusive_group()
-    sizing.add_argument("--block-bytes", type=_size, default=64 << 10, help="bytes per block (default 64KiB)")
+    sizing.add_argument("--block-bytes", type=size_arg, default=64 << 10, help="bytes per block (default 64KiB)")
     sizing.add_argument("--model", choices=sorted(MODEL_PRESETS), help="size blocks as this model's KV")
     parser.add_argument(
         "--gpu-cache-blocks",
         "--gpu-blocks",
         dest="gpu_blocks",
-        type=_count,
+        type=count_arg,
         help="GPU prefix cache in front of the engine, blocks (default: max(64, longest prompt)); 0 switches it "
         "off, so the CPU tier sees every block, as offline simulations do",
     )
@@ -211,14 +168,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--time-scale",
-        type=_rate,
+        type=rate_arg,
         default=0.0,
         help="replay seconds per trace second: 1 replays at the trace's own pace, 2 at half its speed, 0.5 at twice; "
         "0 (default): flat out",
     )
     parser.add_argument(
         "--flood",
-        type=_positive,
+        type=positive_arg,
         metavar="FACTOR",
         help="a second tenant ('flood') sends FACTOR prompts of blocks nobody else has per replayed request, each "
         "as long as it; the replayed requests become tenant 'replay' (shares: the config's tenants section)",
@@ -234,29 +191,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verify", action="store_true", help="check every loaded byte")
     parser.add_argument("--output", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, help="write hit rates over the run as PNG")
-    parser.add_argument("--seed", type=_natural, default=0, help="seed of synthetic workloads and payloads (>= 0)")
-    parser.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
+    parser.add_argument("--seed", type=natural_arg, default=0, help="seed of synthetic workloads and payloads (>= 0)")
+    parser.add_argument(
+        "--metrics-port", type=port_arg, help="serve Prometheus metrics on 127.0.0.1:PORT while running"
+    )
     return parser.parse_args(argv)
-
-
-def check_output(path: Path | None, option: str) -> None:
-    """Fail before the run, not after it, if `path` cannot be written; remove what an
-    earlier run wrote there, so that a run that ends early never leaves an old file that
-    looks like its own.
-
-    Raises:
-        ValueError: `path` is a directory, or its directory is missing or not writable.
-    """
-    if path is None:
-        return
-    parent = path.parent
-    if path.is_dir():
-        raise ValueError(f"{option} {path} is a directory; expected a file name")
-    if not parent.is_dir():
-        raise ValueError(f"{option} {path}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {path}: the directory {parent} is not writable")
-    path.unlink(missing_ok=True)
 
 
 def layout_for(args: argparse.Namespace) -> KVLayout:
@@ -382,7 +321,7 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
             except Exception as exc:
                 raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
             replayed = requests[: stats.requests]  # all of them, unless interrupted
-            all_blocks = _all_tiers_blocks(engine, gpu_blocks if prefix_cache else 0)
+            all_blocks = engine.capacity_blocks(gpu_blocks if prefix_cache else 0)
             bounds = {
                 "unbounded": unbounded_hit_rate(replayed),
                 "prefix": prefix_hit_rate(replayed),
@@ -418,37 +357,13 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
                 exporter.close()
             try:
                 if not (args.keep or args.warm_start):
-                    _remove_namespaces(engine)
+                    engine.remove_namespaces()
                 claim.release()  # what --keep kept is never swept
             finally:
                 engine.shutdown()
     if args.plot:
         plot(stats, list(report["hit_rate"])[:-1], str(args.plot))
     return report
-
-
-def _all_tiers_blocks(engine: SimulatedEngine, gpu_blocks: int) -> int | None:
-    """Blocks the GPU prefix cache, the CPU tier and the secondary tiers hold together at most
-    (their sum: write-through tiers hold copies, so the hierarchy holds fewer distinct
-    blocks); None if a tier has no capacity limit or is not a block-store tier."""
-    total = gpu_blocks + engine.spec.num_blocks
-    key = make_offload_key(bytes(8), 0)  # the load generator's keys: 8-byte ids, group 0
-    for tier in engine.manager.secondary_tiers:
-        if not isinstance(tier, BlockStoreTier) or tier.capacity_bytes is None:
-            return None
-        total += tier.capacity_bytes // tier.object_bytes(key)
-    return total
-
-
-def _remove_namespaces(engine: SimulatedEngine) -> None:
-    """Delete what the run stored in its block-store tiers (file, s3, ...: the run's own
-    namespace only). A tier that cannot is logged, and its objects stay."""
-    for name, tier in zip(engine.manager.tier_names, engine.manager.secondary_tiers, strict=True):
-        if isinstance(tier, BlockStoreTier):
-            try:
-                tier.remove_namespace()
-            except Exception as exc:
-                logger.warning("tier %s: could not remove the run's objects: %s", name, describe(exc))
 
 
 def _print_error(console: Console, kind: str, exc: BaseException) -> None:

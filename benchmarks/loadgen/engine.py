@@ -14,12 +14,14 @@ key, or with any corrupted byte, fails it.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from tiering import (
+    BlockStoreTier,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
     KVLayout,
@@ -27,7 +29,11 @@ from tiering import (
     TieringOffloadingSpec,
     TransferResult,
     canonicalize_kv_caches,
+    make_offload_key,
 )
+from tiering.errors import describe
+
+logger = logging.getLogger("tiering.bench")
 
 _STAMP = 16
 
@@ -171,3 +177,26 @@ class SimulatedEngine:
 
     def shutdown(self) -> None:
         self.spec.shutdown()
+
+    def capacity_blocks(self, gpu_blocks: int) -> int | None:
+        """Blocks the GPU prefix cache (`gpu_blocks`), the CPU tier and the secondary tiers
+        hold together at most (their sum: write-through tiers hold copies, so the hierarchy
+        holds fewer distinct blocks); None if a tier has no capacity limit or is not a
+        block-store tier."""
+        total = gpu_blocks + self.spec.num_blocks
+        key = make_offload_key(bytes(8), 0)  # the load generator's keys: 8-byte ids, group 0
+        for tier in self.manager.secondary_tiers:
+            if not isinstance(tier, BlockStoreTier) or tier.capacity_bytes is None:
+                return None
+            total += tier.capacity_bytes // tier.object_bytes(key)
+        return total
+
+    def remove_namespaces(self) -> None:
+        """Delete what the run stored in its block-store tiers (file, s3, ...: the run's own
+        namespace only). A tier that cannot is logged, and its objects stay."""
+        for name, tier in zip(self.manager.tier_names, self.manager.secondary_tiers, strict=True):
+            if isinstance(tier, BlockStoreTier):
+                try:
+                    tier.remove_namespace()
+                except Exception as exc:
+                    logger.warning("tier %s: could not remove the run's objects: %s", name, describe(exc))

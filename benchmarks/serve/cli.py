@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tiering.benchmarks.loadgen.cli import _positive, _rate, _size, check_output
+from tiering.benchmarks.loadgen.args import check_output, positive_arg, rate_arg, size_arg
 from tiering.benchmarks.loadgen.workload import WORKLOADS, read_trace, synthetic, with_hints
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
 from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary, summarize
@@ -57,17 +57,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="Mooncake JSONL trace")
     source.add_argument("--workload", choices=WORKLOADS, help="a built-in synthetic workload instead (seed 0)")
-    parser.add_argument("--max-requests", type=_positive, default=100, help="requests to send (default 100)")
+    parser.add_argument("--max-requests", type=positive_arg, default=100, help="requests to send (default 100)")
     parser.add_argument(
         "--conversation-sample",
-        type=_positive,
+        type=positive_arg,
         default=1,
         metavar="N",
         help="keep one conversation in N, whole, before --max-requests (default 1: every request)",
     )
     parser.add_argument(
         "--time-scale",
-        type=_rate,
+        type=rate_arg,
         default=1.0,
         help="seconds per trace second (default 1: the trace's own pace; 2: half its speed; 0: all at once)",
     )
@@ -77,24 +77,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--model-shape", choices=sorted(SHAPES), default="bench", help="the local model (default bench)"
     )
-    parser.add_argument("--tokens-per-id", type=_positive, default=32, help="prompt tokens per trace block id")
-    parser.add_argument("--block-size", type=_positive, default=32, help="vLLM's block, tokens (a multiple of 32)")
-    parser.add_argument("--max-model-len", type=_positive, default=2048, help="prompt tokens are cut to fit it")
-    parser.add_argument("--max-tokens", type=_positive, default=4, help="output tokens per request (default 4)")
-    parser.add_argument("--max-concurrency", type=_positive, help="requests in flight at most (default: no limit)")
-    parser.add_argument("--gpu-blocks", type=_positive, default=80, help="vLLM's own KV cache, blocks (default 80)")
-    parser.add_argument("--cpu-bytes", type=_size, default=256 << 20, help="the CPU tier (default 256MiB)")
+    parser.add_argument("--tokens-per-id", type=positive_arg, default=32, help="prompt tokens per trace block id")
+    parser.add_argument("--block-size", type=positive_arg, default=32, help="vLLM's block, tokens (a multiple of 32)")
+    parser.add_argument("--max-model-len", type=positive_arg, default=2048, help="prompt tokens are cut to fit it")
+    parser.add_argument("--max-tokens", type=positive_arg, default=4, help="output tokens per request (default 4)")
+    parser.add_argument("--max-concurrency", type=positive_arg, help="requests in flight at most (default: no limit)")
+    parser.add_argument("--gpu-blocks", type=positive_arg, default=80, help="vLLM's own KV cache, blocks (default 80)")
+    parser.add_argument("--cpu-bytes", type=size_arg, default=256 << 20, help="the CPU tier (default 256MiB)")
     parser.add_argument(
         "--b-extra-bytes",
-        type=_size,
+        type=size_arg,
         help="the bytes b adds to vLLM's cache (default: --cpu-bytes, the memory of the engine's CPU tier)",
     )
     parser.add_argument(
-        "--slow-latency-s", type=_rate, default=0.5, help="the slow tier's latency per operation (f, g; default 0.5)"
+        "--slow-latency-s", type=rate_arg, default=0.5, help="the slow tier's latency per operation (f, g; default 0.5)"
     )
     parser.add_argument(
         "--recompute-tokens-per-s",
-        type=_rate,
+        type=rate_arg,
         help="the prefill rate g is configured with (default: the fastest prefill observed in a, which must run first)",
     )
     parser.add_argument(

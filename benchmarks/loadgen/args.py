@@ -1,0 +1,90 @@
+"""What the benchmark CLIs (``tiering-bench``, ``serve``, ``overload``) share on their command
+lines: argument types that reject bad values with one clear line, and the check that an
+output path can be written before a run starts.
+
+Thread: the CLI's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+from tiering.options import parse_size
+
+
+def size_arg(text: str) -> int:
+    """A size such as ``8GiB`` (`tiering.options.parse_size`), bytes."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def natural_arg(text: str) -> int:
+    """An integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_arg(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def count_arg(text: str) -> int:
+    """An integer >= 0, digits only."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def rate_arg(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def port_arg(text: str) -> int:
+    """A TCP port, 0..65535."""
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {text!r}")
+    return int(text)
+
+
+def check_output(path: Path | None, option: str) -> None:
+    """Fail before the run, not after it, if `path` cannot be written; remove what an
+    earlier run wrote there, so that a run that ends early never leaves an old file that
+    looks like its own.
+
+    Raises:
+        ValueError: `path` is a directory, or its directory is missing or not writable.
+    """
+    if path is None:
+        return
+    parent = path.parent
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a directory; expected a file name")
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: the directory {parent} is not writable")
+    path.unlink(missing_ok=True)
