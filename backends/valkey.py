@@ -18,26 +18,35 @@ unless `recover_index`.
 
 Loop thread: every coroutine of `ValkeyBlockStore`; `ValkeyOptions` and the class methods run
 where the config is loaded. One glide client per tier, created and closed on the runtime's
-loop; glide's core keeps one connection per node, follows slot moves and reconnects. The
-password comes from an environment variable or a file, read when the tier is built; it is
-never logged, printed or kept in a repr.
+loop; glide's core keeps one connection per node, follows slot moves and reconnects.
+Connecting, the config keys and the password are `tiering.backends.valkey_client`'s.
 """
 
 from __future__ import annotations
 
 import errno
-import os
-import sys
-import warnings
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 import anyio
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel
 
+from tiering.backends.valkey_client import (
+    Batch,
+    ClusterBatch,
+    ClusterScanCursor,
+    ExpiryGetEx,
+    ExpirySet,
+    ExpiryType,
+    ExpiryTypeGetEx,
+    RequestError,
+    ValkeyConnection,
+    ValkeyOptions,
+    parse_address,
+    read_password,
+)
 from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
-from tiering.options import STRICT, Lifetime, Seconds, Size
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
 from tiering.tiers.blockstore.store import RecoveryProgress
 from tiering.tiers.object_format import (
@@ -48,47 +57,6 @@ from tiering.tiers.object_format import (
     parse_header,
     verify_payload,
 )
-
-try:
-    from glide import (
-        AdvancedGlideClientConfiguration,
-        AdvancedGlideClusterClientConfiguration,
-        Batch,
-        ClusterBatch,
-        ClusterScanCursor,
-        ExpiryGetEx,
-        ExpirySet,
-        ExpiryType,
-        ExpiryTypeGetEx,
-        GlideClient,
-        GlideClientConfiguration,
-        GlideClusterClient,
-        GlideClusterClientConfiguration,
-        GlideError,
-        Logger,
-        LogLevel,
-        NodeAddress,
-        RequestError,
-        ServerCredentials,
-    )
-    from glide_shared.config import TlsAdvancedConfiguration
-except ImportError as exc:
-    raise ImportError(f"the valkey tier needs valkey-glide: pip install 'kv-tiering[valkey]' ({exc})") from exc
-
-
-def _quiet_legacy_glide_modules() -> None:
-    """glide puts stand-ins for its old module names (``glide.exceptions``, ...) in
-    `sys.modules` that warn on the first access of any attribute, and scans of every module
-    (`inspect.getmodule`, run by torch and pytest) touch them all: a DeprecationWarning about
-    imports nobody made, an error under ``-W error``. Touch each once, warnings off."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for name, module in list(sys.modules.items()):
-            if name.startswith("glide.") and module is not None:
-                hasattr(module, "__file__")
-
-
-_quiet_legacy_glide_modules()
 
 _DELETE_BATCH = 512  # keys per DEL (glide splits a cluster's batch by slot)
 _SCAN_COUNT = 1000  # keys per SCAN step when recovering
@@ -101,61 +69,6 @@ def _per_key(exc: Exception) -> Exception:
     if str(exc).startswith("WRONGTYPE"):
         return UnusableObjectError(str(exc))
     return exc
-
-
-class ValkeyOptions(BaseModel):
-    """Config keys of the ``valkey`` tier, besides every block-store tier's (see
-    `ValkeyBlockStore`)."""
-
-    model_config = STRICT
-
-    addresses: list[str] = Field(min_length=1)
-    cluster_mode: bool = False
-    key_prefix: str = Field("kvt", min_length=1)
-    tls: bool = False
-    tls_ca_file: str | None = None
-    username: str | None = None
-    password_env: str | None = None
-    password_file: str | None = None
-    connect_timeout_s: Seconds = 2.0
-    request_timeout_s: Seconds = 5.0
-    ttl_s: Lifetime | None = None
-    max_value_bytes: Size = 512 << 20
-    recover_index: bool = False
-
-    @field_validator("addresses")
-    @classmethod
-    def _host_port(cls, addresses: list[str]) -> list[str]:
-        for address in addresses:
-            parse_address(address)
-        return addresses
-
-    @field_validator("key_prefix")
-    @classmethod
-    def _no_hash_tag(cls, prefix: str) -> str:
-        if "{" in prefix or "}" in prefix:
-            raise ValueError(f"key_prefix {prefix!r} holds '{{' or '}}': a hash tag would put every block in one slot")
-        return prefix
-
-    @model_validator(mode="after")
-    def _one_password_source(self) -> ValkeyOptions:
-        if self.password_env and self.password_file:
-            raise ValueError("set password_env or password_file, not both")
-        if self.tls_ca_file and not self.tls:
-            raise ValueError("tls_ca_file needs tls: true")
-        return self
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """(host, port) from ``"host:port"``.
-
-    Raises:
-        ValueError: not ``host:port`` with a port in 1..65535.
-    """
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port, such as 10.0.0.5:6379; got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 class ValkeyBlockStore(BlockStore):
@@ -212,7 +125,7 @@ class ValkeyBlockStore(BlockStore):
         """
         assert isinstance(options, ValkeyOptions)
         values = options.model_dump(exclude={"password_env", "password_file"})
-        return cls(fingerprint, **values, password=_read_password(options), max_inflight=4 * settings.max_concurrency)
+        return cls(fingerprint, **values, password=read_password(options), max_inflight=4 * settings.max_concurrency)
 
     @classmethod
     def check_config(cls, options: BaseModel, settings: BlockStoreSettings) -> None:
@@ -256,20 +169,22 @@ class ValkeyBlockStore(BlockStore):
         max_inflight: int = 1000,
     ):
         super().__init__(fingerprint)
-        self.addresses = [parse_address(address) for address in addresses]
+        self._connection = ValkeyConnection(
+            [parse_address(address) for address in addresses],
+            cluster_mode,
+            tls,
+            tls_ca_file,
+            username,
+            password,
+            connect_timeout_s,
+            request_timeout_s,
+            max_inflight,
+        )
         self.cluster_mode = cluster_mode
         self.key_prefix = key_prefix
-        self.tls = tls
-        self.tls_ca_file = tls_ca_file
-        self.username = username
-        # The password lives only inside glide's credentials object, whose repr shows nothing.
-        self._credentials = None if password is None else ServerCredentials(password, username)
-        self.connect_timeout_s = connect_timeout_s
-        self.request_timeout_s = request_timeout_s
         self.ttl_s = ttl_s
         self.max_value_bytes = max_value_bytes
         self.recover_index = recover_index
-        self._max_inflight = max_inflight
         self._namespace = f"{key_prefix}:{fingerprint.hex()}:".encode()
         ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._set_expiry = None if ttl_ms is None else ExpirySet(ExpiryType.MILLSEC, ttl_ms)
@@ -277,9 +192,7 @@ class ValkeyBlockStore(BlockStore):
         self._client: Any = None
 
     def __repr__(self) -> str:
-        nodes = ",".join(f"{host}:{port}" for host, port in self.addresses)
-        mode = "cluster" if self.cluster_mode else "standalone"
-        return f"ValkeyBlockStore({mode} {nodes}, key_prefix={self.key_prefix!r}, tls={self.tls})"
+        return f"ValkeyBlockStore({self._connection!r}, key_prefix={self.key_prefix!r})"
 
     def value_name(self, key: OffloadKey) -> bytes:
         """The server's key of the value of `key`: ``<key_prefix>:<fingerprint hex>:<key hex>``,
@@ -294,79 +207,8 @@ class ValkeyBlockStore(BlockStore):
             ConnectionError: no server answered in time.
             OSError: the server is a cluster node and `cluster_mode` is off, or the reverse.
         """
-        # glide's core prints every request timeout to the console at WARN; the tier logs
-        # failures itself (rate-limited). init() keeps a logger the application set first.
-        Logger.init(LogLevel.ERROR)
-        try:
-            if self.cluster_mode:
-                self._client = await GlideClusterClient.create(self._client_config())
-            else:
-                self._client = await GlideClient.create(self._client_config())
-                info = await self._client.custom_command(["INFO", "cluster"])
-                if b"cluster_enabled:1" in info:
-                    raise OSError(errno.EINVAL, f"{self._where()} is a cluster node: set cluster_mode: true")
-        except GlideError as exc:
-            await self._close_client()
-            if self.cluster_mode and await self._standalone_answers():
-                raise OSError(errno.EINVAL, f"{self._where()} is not a cluster: set cluster_mode: false") from None
-            raise self._open_error(exc) from None
-        except BaseException:
-            await self._close_client()
-            raise
+        self._client = await self._connection.connect()
         await super().open()
-
-    def _client_config(self) -> Any:
-        tls_config = None
-        if self.tls_ca_file:
-            with open(self.tls_ca_file, "rb") as file:
-                tls_config = TlsAdvancedConfiguration(root_pem_cacerts=file.read())
-        advanced = (AdvancedGlideClusterClientConfiguration if self.cluster_mode else AdvancedGlideClientConfiguration)(
-            connection_timeout=int(self.connect_timeout_s * 1000), tls_config=tls_config
-        )
-        config = GlideClusterClientConfiguration if self.cluster_mode else GlideClientConfiguration
-        return config(
-            [NodeAddress(host, port) for host, port in self.addresses],
-            use_tls=self.tls,
-            credentials=self._credentials,
-            request_timeout=int(self.request_timeout_s * 1000),
-            client_name="kv-tiering",
-            inflight_requests_limit=self._max_inflight,
-            advanced_config=advanced,
-        )
-
-    async def _standalone_answers(self) -> bool:
-        """Whether the first address answers as a server without cluster support (the usual
-        reason a cluster client cannot connect: glide then reports only a timeout)."""
-        host, port = self.addresses[0]
-        config = GlideClientConfiguration(
-            [NodeAddress(host, port)],
-            use_tls=self.tls,
-            credentials=self._credentials,
-            request_timeout=int(self.request_timeout_s * 1000),
-        )
-        try:
-            client = await GlideClient.create(config)
-        except GlideError:
-            return False
-        try:
-            return b"cluster_enabled:0" in await client.custom_command(["INFO", "cluster"])
-        except GlideError:
-            return False
-        finally:
-            await client.close()
-
-    def _where(self) -> str:
-        nodes = ", ".join(f"{host}:{port}" for host, port in self.addresses)
-        return f"valkey tier: {'cluster' if self.cluster_mode else 'server'} {nodes}"
-
-    def _open_error(self, exc: Exception) -> OSError:
-        message = str(exc)
-        if any(word in message for word in ("WRONGPASS", "NOAUTH", "NOPERM", "invalid username-password")):
-            user = self.username or "default"
-            return PermissionError(errno.EACCES, f"{self._where()}: authentication refused for user {user!r}")
-        hint = "; with tls, also check tls_ca_file and the server's certificate" if self.tls else ""
-        reason = f"{type(exc).__name__}: {message.strip()}"
-        return ConnectionError(errno.ECONNREFUSED, f"{self._where()}: cannot connect ({reason}){hint}")
 
     async def _close_client(self) -> None:
         client, self._client = self._client, None
@@ -424,7 +266,7 @@ class ValkeyBlockStore(BlockStore):
     def _store_error(self, exc: RequestError) -> Exception:
         """A SET's error: a full server (maxmemory reached, noeviction) is ENOSPC."""
         if str(exc).lstrip().startswith("OOM"):  # "OOM command not allowed ...", or "OOM: ..." in a pipeline
-            return OSError(errno.ENOSPC, f"{self._where()}: out of memory (maxmemory reached, noeviction)")
+            return OSError(errno.ENOSPC, f"{self._connection.where()}: out of memory (maxmemory reached, noeviction)")
         return exc
 
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
@@ -570,18 +412,3 @@ class ValkeyBlockStore(BlockStore):
     async def ping(self) -> None:
         self.check_open()
         await self._client.ping()
-
-
-def _read_password(options: ValkeyOptions) -> str | None:
-    if options.password_env:
-        password = os.environ.get(options.password_env)
-        if password is None:
-            raise ValueError(f"password_env: the environment variable {options.password_env} is not set")
-        return password
-    if options.password_file:
-        try:
-            with open(options.password_file, encoding="utf-8") as file:
-                return file.read().strip()
-        except OSError as exc:
-            raise ValueError(f"password_file: cannot read {options.password_file} ({exc.strerror})") from None
-    return None
