@@ -51,7 +51,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import anyio
 from pydantic import AfterValidator, BaseModel
 
-from tiering.backends import file_io
+from tiering.backends import file_dirs, file_io
 from tiering.contract.keys import OffloadKey
 from tiering.options import STRICT, Count
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
@@ -91,7 +91,7 @@ def check_root_dir(value: str) -> str:
     if not stat.S_ISDIR(info.st_mode):
         raise ValueError(f"{path} is not a directory")
     try:
-        file_io.check_root(info, path)
+        file_dirs.check_root(info, path)
     except PermissionError as exc:
         raise ValueError(exc.strerror) from None
     return value
@@ -173,17 +173,17 @@ class FileBlockStore(BlockStore):
         self._io_threads = io_threads
         self._pool: DaemonThreadPool | None = None  # writes, deletes, the scan
         self._read_pool: DaemonThreadPool | None = None  # reads: a promotion never queues behind writes
-        self._ns: file_io.Namespace | None = None  # open from `open` to `close`
+        self._ns: file_dirs.Namespace | None = None  # open from `open` to `close`
 
     def __repr__(self) -> str:
         return f"FileBlockStore({str(self.directory)!r})"
 
     def path(self, key: OffloadKey) -> Path:
         """The file of `key` (for operators and tests: the store itself never uses paths)."""
-        return self.directory / file_io.shard(key) / file_io.object_name(key)
+        return self.directory / file_dirs.shard(key) / file_dirs.object_name(key)
 
     @property
-    def _open_ns(self) -> file_io.Namespace:
+    def _open_ns(self) -> file_dirs.Namespace:
         self.check_open()
         assert self._ns is not None
         return self._ns
@@ -212,9 +212,9 @@ class FileBlockStore(BlockStore):
         self._pool = DaemonThreadPool(self._io_threads, "tiering-file")
         self._read_pool = DaemonThreadPool(self._io_threads, "tiering-file-read")
         try:
-            self._ns = await self._hop(self._pool, file_io.open_namespace, self.root_dir, self.directory.name)
+            self._ns = await self._hop(self._pool, file_dirs.open_namespace, self.root_dir, self.directory.name)
             await super().open()
-            if self.direct_io and not await self._run(file_io.supports_direct_io, self._open_ns):
+            if self.direct_io and not await self._run(file_dirs.supports_direct_io, self._open_ns):
                 logger.warning("file tier %s: O_DIRECT is not supported here; using buffered I/O", self.directory)
                 self.direct_io = False
         except OSError as exc:
@@ -237,7 +237,7 @@ class FileBlockStore(BlockStore):
         ns, self._ns = self._ns, None
         await self.close()
         if ns is not None:
-            await self._hop(None, file_io.remove_created, ns)
+            await self._hop(None, file_dirs.remove_created, ns)
 
     async def remove_namespace(self) -> None:
         """Remove the namespace directory with everything in it (symbolic links are removed,

@@ -1,8 +1,10 @@
-"""The file tier's blocking half: every system call on its directories and files.
+"""The file tier's blocking half for objects: every system call on the blocks' files (writes,
+reads, existence, deletes, the scan that recovers them); the directories they live in are
+`tiering.backends.file_dirs`'.
 
 Worker threads of the tier's pool only (each function runs whole in one thread, one hop per
-block or batch); `open_namespace` also at open. See `tiering.backends.file` for the layout,
-the safety rules and the I/O modes these functions implement.
+block or batch). See `tiering.backends.file` for the layout, the safety rules and the I/O
+modes these functions implement.
 
 A block costs three system calls to read (open, one vectored read, close) and four to write
 (open, vectored write, close, rename; a fifth, fsync, when asked): the namespace keeps its shard
@@ -14,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import hashlib
 import logging
 import mmap
 import os
@@ -28,6 +29,13 @@ from typing import Any
 import numpy as np
 
 from tiering.backends.buffers import advance
+from tiering.backends.file_dirs import (
+    OPEN_FLAGS,
+    QUARANTINE,
+    TMP_SUFFIX,
+    Namespace,
+    object_name,
+)
 from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ForgedObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.tiers.blockstore.store import RecoveryProgress
@@ -44,36 +52,15 @@ from tiering.tiers.seal import Seal
 
 logger = logging.getLogger(__name__)
 
-_TMP_SUFFIX = ".tmp"
 TEMPORARY_GRACE_S = 300.0
 """A temporary file younger than this may be a write in flight of another engine sharing the
 namespace (a write is abandoned after ``op_timeout_s``, 30 s by default): recovery leaves it,
 and removes it at a later start once it is older."""
-_SHARDS = [f"{i:02x}" for i in range(256)]
-_QUARANTINE = "quarantine"
 ALIGN = 4096  # O_DIRECT alignment of buffers, lengths and offsets
-_MAX_HEX_NAME = 200  # longer hex names (keys over 100 bytes) become hashes: names stay under 255
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link; a FIFO never blocks the open
 # Errors that say one object is unusable, not that the backend is sick.
 _OBJECT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EISDIR, errno.ESPIPE, errno.ELOOP, errno.ENXIO, errno.EIO})
 _NOT_A_FILE_ERRNOS = frozenset({errno.EISDIR, errno.ESPIPE})  # a read of a directory, of a FIFO
 _thread_local = threading.local()
-
-
-def object_name(key: OffloadKey) -> str:
-    """The file name of `key`'s object: its hex, or ``h`` and a 256-bit hash of it for keys
-    whose hex would not fit a file name."""
-    hexed = key.hex()
-    return hexed if len(hexed) <= _MAX_HEX_NAME else "h" + hashlib.blake2b(key, digest_size=32).hexdigest()
-
-
-def shard(key: OffloadKey) -> str:
-    return _SHARDS[_shard_index(key)]
-
-
-def _shard_index(key: OffloadKey) -> int:
-    return hashlib.blake2b(key, digest_size=1).digest()[0]
 
 
 def each(func: Callable[..., Any], calls: list[tuple]) -> list[Any]:
@@ -85,200 +72,6 @@ def each(func: Callable[..., Any], calls: list[tuple]) -> list[Any]:
         except Exception as exc:
             outcomes.append(exc)
     return outcomes
-
-
-# -- directories ----------------------------------------------------------------------------
-
-
-class Namespace:
-    """A namespace directory, open with its 256 shard directories and its quarantine (258
-    descriptors) from `open_namespace` to `close`: an operation on a block opens nothing but
-    the block's file. A directory replaced while open is not followed: the tier keeps using
-    the one it opened (another of this user's processes would have to do it). A shard
-    directory removed while open (or the whole namespace) is made again by the first store
-    into it (`reopen_shard`); the blocks it held are gone, each a miss when loaded."""
-
-    def __init__(self, fd: int, shards: list[int], quarantine: int, path: Path | None = None):
-        self.fd = fd
-        self.shards = shards
-        self.quarantine = quarantine
-        self.path = path  # the namespace directory, to make again if it is removed
-        self.created: list[Path] = []  # made by `open_namespace`, outermost first; [] if it existed
-        self._lock = threading.Lock()
-        self._retired: list[int] = []  # descriptors replaced by `reopen_shard`: other threads may use them
-
-    def shard_fd(self, key: OffloadKey) -> int:
-        """The open descriptor of `key`'s shard directory (valid until `close`)."""
-        return self.shards[_shard_index(key)]
-
-    def reopen_shard(self, key: OffloadKey, stale_fd: int) -> int:
-        """The descriptor of `key`'s shard directory, made and opened again after a store
-        found the one it used (`stale_fd`) removed: the namespace directory too, if it went
-        with it. Any thread; one at a time.
-
-        Raises:
-            OSError: the directories cannot be made again (the message names them).
-        """
-        index = _shard_index(key)
-        with self._lock:
-            if self.shards[index] != stale_fd:
-                return self.shards[index]  # another thread made it again
-            assert self.path is not None
-            if os.fstat(self.fd).st_nlink == 0:  # the namespace itself was removed
-                fd = _private_subdir_at(self.path.parent, self.path.name)
-                self._retired.append(self.fd)
-                self.fd = fd
-            fd = _private_subdir(self.fd, _SHARDS[index], self.path / _SHARDS[index])
-            self._retired.append(stale_fd)
-            self.shards[index] = fd
-        logger.warning(
-            "file tier: %s was removed while in use; made it again (the blocks it held are gone: each is a miss)",
-            self.path / _SHARDS[index],
-        )
-        return fd
-
-    def close(self) -> None:
-        """Close every descriptor; idempotent."""
-        fds = [*self.shards, self.quarantine, self.fd, *self._retired]
-        self.shards, self.quarantine, self.fd, self._retired = [], -1, -1, []
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
-
-
-def open_namespace(root: Path, name: str) -> Namespace:
-    """Make `root` (missing parents too, 0700), check it is private, and open its private
-    subdirectory `name` with the shard and quarantine directories (creating what is missing).
-    The caller closes the result (`Namespace.close`).
-
-    Raises:
-        PermissionError: `root` or a directory under it belongs to another user or is
-            writable by group or others, or `root` cannot be written.
-        OSError: a directory cannot be created or opened.
-    """
-    created = _make_private_parents(root)
-    existed = os.path.lexists(root / name)
-    namespace = Namespace(_private_subdir_at(root, name), [], -1, root / name)
-    namespace.created = created if existed else [*created, root / name]
-    try:
-        for shard in _SHARDS:
-            namespace.shards.append(_private_subdir(namespace.fd, shard, root / name / shard))
-        namespace.quarantine = _private_subdir(namespace.fd, _QUARANTINE, root / name / _QUARANTINE)
-    except BaseException:
-        namespace.close()
-        raise
-    return namespace
-
-
-def _make_private_parents(root: Path) -> list[Path]:
-    """Create `root` and its missing parents (0700); returns those it created, outermost first."""
-    missing = []
-    path = root.absolute()
-    while not os.path.lexists(path):
-        missing.append(path)
-        path = path.parent
-    created = []
-    for path in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-            os.chmod(path, 0o700)  # whatever the umask
-            created.append(path)
-    return created
-
-
-def remove_created(namespace: Namespace) -> None:
-    """Remove the directories `open_namespace` created, innermost first, if the namespace
-    holds nothing: its shard and quarantine directories, the namespace, then the parents it
-    made; a parent that is not empty stops the removal there. A namespace where anything was
-    stored since (by another engine of the same layout sharing it) stays whole; one that
-    engine opened but has not stored into yet is removed (a window of its start-up, which
-    it survives as a removed shard: `tiering.backends.file`). Closes `namespace` first."""
-    namespace.close()
-    if not namespace.created:
-        return
-    inner = namespace.created[-1]
-    try:
-        subdirs = [inner / name for name in (*_SHARDS, _QUARANTINE) if os.path.lexists(inner / name)]
-        if any(os.listdir(path) for path in subdirs):
-            return
-        for path in [*subdirs, *reversed(namespace.created)]:
-            os.rmdir(path)
-    except OSError as exc:
-        logger.debug("file tier: left %s in place: %s", exc.filename, exc.strerror)
-
-
-def _private_subdir_at(root: Path, name: str) -> int:
-    """`_private_subdir` `name` of the operator's `root` (a path that may hold links), once
-    `root` is checked (`check_root`)."""
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        check_root(os.fstat(root_fd), root)
-        return _private_subdir(root_fd, name, root / name)
-    finally:
-        os.close(root_fd)
-
-
-def _private_subdir(parent_fd: int, name: str, path: Path) -> int:
-    """Open (creating it 0700) the directory `name` under `parent_fd`, never through a link:
-    a link there is replaced by a directory, its target left alone."""
-    while True:
-        try:
-            os.mkdir(name, 0o700, dir_fd=parent_fd)
-            created = True
-        except FileExistsError:
-            created = False
-        try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-        except OSError as exc:
-            mode = os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(mode):
-                logger.warning("file tier: %s was a symbolic link; replaced by a directory (target untouched)", path)
-                os.unlink(name, dir_fd=parent_fd)
-                continue
-            raise
-        try:
-            if created:
-                os.fchmod(fd, 0o700)
-            _check_private(os.fstat(fd), path)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-
-def check_root(info: os.stat_result, path: Path) -> None:
-    _check_private(info, path)
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, f"{path} is not writable")
-
-
-def _check_private(info: os.stat_result, path: Path) -> None:
-    if info.st_uid != os.geteuid():
-        raise PermissionError(
-            errno.EACCES,
-            f"{path} belongs to uid {info.st_uid}, not to this engine's user (uid {os.geteuid()}): another user "
-            "could plant blocks the engine would load as cache hits; use a directory the engine's user owns",
-        )
-    if info.st_mode & 0o022:
-        # a sticky directory (/tmp) is shared by design: never advise changing its mode
-        chmod = "" if info.st_mode & stat.S_ISVTX else ", or chmod 700 it if it is the engine's alone"
-        raise PermissionError(
-            errno.EACCES,
-            f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}): another user could "
-            f"plant blocks the engine would load as cache hits; use a directory of its own below it (the tier "
-            f"creates it 0700){chmod}",
-        )
-
-
-def supports_direct_io(ns: Namespace) -> bool:
-    probe = f".direct-probe-{os.urandom(4).hex()}{_TMP_SUFFIX}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | _OPEN_FLAGS, 0o600, dir_fd=ns.fd)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(probe, dir_fd=ns.fd)
-    return True
 
 
 # -- objects --------------------------------------------------------------------------------
@@ -313,8 +106,8 @@ def write_object(
 ) -> None:
     header, payload = encode_object(key, payload.cast("B"), fingerprint, ALIGN, seal)
     direct = direct and _is_aligned(payload)
-    tmp = f"{os.urandom(8).hex()}{_TMP_SUFFIX}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS | (os.O_DIRECT if direct else 0)
+    tmp = f"{os.urandom(8).hex()}{TMP_SUFFIX}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS | (os.O_DIRECT if direct else 0)
     dir_fd = ns.shard_fd(key)
     header_page = _scratch()[0]
     header_page[: len(header)] = header
@@ -370,7 +163,7 @@ def read_object(
     dir_fd = ns.shard_fd(key)
     name = object_name(key)
     try:
-        fd = os.open(name, os.O_RDONLY | _OPEN_FLAGS | (os.O_DIRECT if direct else 0), dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | OPEN_FLAGS | (os.O_DIRECT if direct else 0), dir_fd=dir_fd)
     except FileNotFoundError:
         raise ObjectNotFoundError(key) from None
     except OSError as exc:
@@ -437,7 +230,7 @@ def delete_all(ns: Namespace, keys: list[OffloadKey]) -> None:
 def _quarantine(ns: Namespace, dir_fd: int, name: str) -> None:
     """Move what sits at `name` (a directory, say) out of the way, into the quarantine."""
     os.rename(name, f"{name}.{os.urandom(4).hex()}", src_dir_fd=dir_fd, dst_dir_fd=ns.quarantine)
-    logger.warning("file tier: moved an unusable %s to %s/ for inspection", name, _QUARANTINE)
+    logger.warning("file tier: moved an unusable %s to %s/ for inspection", name, QUARANTINE)
 
 
 def scan(ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None) -> list[tuple[OffloadKey, int]]:
@@ -455,7 +248,7 @@ def scan(ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None) 
                 if not entry.is_file(follow_symlinks=False):
                     continue  # a link, directory or FIFO: never loaded; a load or put sets it aside
                 try:
-                    temporary = entry.name.endswith(_TMP_SUFFIX)
+                    temporary = entry.name.endswith(TMP_SUFFIX)
                     if temporary and _written_since(entry, now - TEMPORARY_GRACE_S):
                         continue  # perhaps another engine's write in flight (or renamed by now)
                     recovered = None if temporary else _check_header(dir_fd, entry.name, fingerprint, seal)
@@ -494,7 +287,7 @@ def _check_header(
         ForgedObjectError: a whole object whose seal `seal` does not open.
     """
     try:
-        fd = os.open(name, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | OPEN_FLAGS, dir_fd=dir_fd)
     except OSError:
         return None
     try:

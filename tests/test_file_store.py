@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers import key
 from tiering import ObjectNotFoundError
-from tiering.backends import FileBlockStore, file_io
+from tiering.backends import FileBlockStore, file_dirs, file_io
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, buffer, opened, payload
 
@@ -142,14 +142,13 @@ async def test_unusable_root_dir_is_a_clear_error(tmp_path):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("removed", ["shard", "shard replaced by a link", "namespace"])
 async def test_a_directory_removed_while_open_is_made_again_and_the_rest_keeps_serving(tmp_path, removed, caplog):
-    from tiering.backends import file_io
 
     store = FileBlockStore(tmp_path / "kv", FINGERPRINT, io_threads=2, direct_io=False)
     await store.open()
     try:
         lost = key(1)
-        same_shard = next(key(i) for i in range(2, 10_000) if file_io.shard(key(i)) == file_io.shard(lost))
-        elsewhere = next(key(i) for i in range(2, 10_000) if file_io.shard(key(i)) != file_io.shard(lost))
+        same_shard = next(key(i) for i in range(2, 10_000) if file_dirs.shard(key(i)) == file_dirs.shard(lost))
+        elsewhere = next(key(i) for i in range(2, 10_000) if file_dirs.shard(key(i)) != file_dirs.shard(lost))
         data = {k: payload(4096) for k in (lost, same_shard, elsewhere)}
         for k in (lost, elsewhere):
             await store.put(k, data[k])
@@ -202,7 +201,7 @@ async def test_undoing_an_open_removes_only_empty_directories_it_created(tmp_pat
 def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monkeypatch):
     from tiering.backends import file_io
 
-    namespace = file_io.open_namespace(tmp_path, FINGERPRINT.hex())
+    namespace = file_dirs.open_namespace(tmp_path, FINGERPRINT.hex())
     opened_flags = []
     real_open = os.open
 

@@ -1,0 +1,242 @@
+"""The file tier's directories: a namespace of 256 shard directories and a quarantine, kept
+open from `open_namespace` to `Namespace.close`, made private (mode 0700) where created, and
+the file name of each block's object.
+
+Worker threads of the tier's pool (and the thread that opens the tier). See
+`tiering.backends.file` for the layout and the safety rules; `tiering.backends.file_io` does
+the objects' reads and writes inside these directories.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import stat
+import threading
+from pathlib import Path
+
+from tiering.contract.keys import OffloadKey
+
+logger = logging.getLogger(__name__)
+
+TMP_SUFFIX = ".tmp"
+"""The suffix of an object's file while it is written (renamed into place when complete)."""
+SHARDS = [f"{i:02x}" for i in range(256)]
+QUARANTINE = "quarantine"
+MAX_HEX_NAME = 200  # longer hex names (keys over 100 bytes) become hashes: names stay under 255
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link; a FIFO never blocks the open
+
+
+def object_name(key: OffloadKey) -> str:
+    """The file name of `key`'s object: its hex, or ``h`` and a 256-bit hash of it for keys
+    whose hex would not fit a file name."""
+    hexed = key.hex()
+    return hexed if len(hexed) <= MAX_HEX_NAME else "h" + hashlib.blake2b(key, digest_size=32).hexdigest()
+
+
+def shard(key: OffloadKey) -> str:
+    """The name of the shard directory of `key`'s object."""
+    return SHARDS[shard_index(key)]
+
+
+def shard_index(key: OffloadKey) -> int:
+    """The index (0..255) of the shard directory of `key`'s object."""
+    return hashlib.blake2b(key, digest_size=1).digest()[0]
+
+
+# -- directories ----------------------------------------------------------------------------
+
+
+class Namespace:
+    """A namespace directory, open with its 256 shard directories and its quarantine (258
+    descriptors) from `open_namespace` to `close`: an operation on a block opens nothing but
+    the block's file. A directory replaced while open is not followed: the tier keeps using
+    the one it opened (another of this user's processes would have to do it). A shard
+    directory removed while open (or the whole namespace) is made again by the first store
+    into it (`reopen_shard`); the blocks it held are gone, each a miss when loaded."""
+
+    def __init__(self, fd: int, shards: list[int], quarantine: int, path: Path | None = None):
+        self.fd = fd
+        self.shards = shards
+        self.quarantine = quarantine
+        self.path = path  # the namespace directory, to make again if it is removed
+        self.created: list[Path] = []  # made by `open_namespace`, outermost first; [] if it existed
+        self._lock = threading.Lock()
+        self._retired: list[int] = []  # descriptors replaced by `reopen_shard`: other threads may use them
+
+    def shard_fd(self, key: OffloadKey) -> int:
+        """The open descriptor of `key`'s shard directory (valid until `close`)."""
+        return self.shards[shard_index(key)]
+
+    def reopen_shard(self, key: OffloadKey, stale_fd: int) -> int:
+        """The descriptor of `key`'s shard directory, made and opened again after a store
+        found the one it used (`stale_fd`) removed: the namespace directory too, if it went
+        with it. Any thread; one at a time.
+
+        Raises:
+            OSError: the directories cannot be made again (the message names them).
+        """
+        index = shard_index(key)
+        with self._lock:
+            if self.shards[index] != stale_fd:
+                return self.shards[index]  # another thread made it again
+            assert self.path is not None
+            if os.fstat(self.fd).st_nlink == 0:  # the namespace itself was removed
+                fd = _private_subdir_at(self.path.parent, self.path.name)
+                self._retired.append(self.fd)
+                self.fd = fd
+            fd = _private_subdir(self.fd, SHARDS[index], self.path / SHARDS[index])
+            self._retired.append(stale_fd)
+            self.shards[index] = fd
+        logger.warning(
+            "file tier: %s was removed while in use; made it again (the blocks it held are gone: each is a miss)",
+            self.path / SHARDS[index],
+        )
+        return fd
+
+    def close(self) -> None:
+        """Close every descriptor; idempotent."""
+        fds = [*self.shards, self.quarantine, self.fd, *self._retired]
+        self.shards, self.quarantine, self.fd, self._retired = [], -1, -1, []
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+
+def open_namespace(root: Path, name: str) -> Namespace:
+    """Make `root` (missing parents too, 0700), check it is private, and open its private
+    subdirectory `name` with the shard and quarantine directories (creating what is missing).
+    The caller closes the result (`Namespace.close`).
+
+    Raises:
+        PermissionError: `root` or a directory under it belongs to another user or is
+            writable by group or others, or `root` cannot be written.
+        OSError: a directory cannot be created or opened.
+    """
+    created = _make_private_parents(root)
+    existed = os.path.lexists(root / name)
+    namespace = Namespace(_private_subdir_at(root, name), [], -1, root / name)
+    namespace.created = created if existed else [*created, root / name]
+    try:
+        for shard in SHARDS:
+            namespace.shards.append(_private_subdir(namespace.fd, shard, root / name / shard))
+        namespace.quarantine = _private_subdir(namespace.fd, QUARANTINE, root / name / QUARANTINE)
+    except BaseException:
+        namespace.close()
+        raise
+    return namespace
+
+
+def _make_private_parents(root: Path) -> list[Path]:
+    """Create `root` and its missing parents (0700); returns those it created, outermost first."""
+    missing = []
+    path = root.absolute()
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = path.parent
+    created = []
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # whatever the umask
+            created.append(path)
+    return created
+
+
+def remove_created(namespace: Namespace) -> None:
+    """Remove the directories `open_namespace` created, innermost first, if the namespace
+    holds nothing: its shard and quarantine directories, the namespace, then the parents it
+    made; a parent that is not empty stops the removal there. A namespace where anything was
+    stored since (by another engine of the same layout sharing it) stays whole; one that
+    engine opened but has not stored into yet is removed (a window of its start-up, which
+    it survives as a removed shard: `tiering.backends.file`). Closes `namespace` first."""
+    namespace.close()
+    if not namespace.created:
+        return
+    inner = namespace.created[-1]
+    try:
+        subdirs = [inner / name for name in (*SHARDS, QUARANTINE) if os.path.lexists(inner / name)]
+        if any(os.listdir(path) for path in subdirs):
+            return
+        for path in [*subdirs, *reversed(namespace.created)]:
+            os.rmdir(path)
+    except OSError as exc:
+        logger.debug("file tier: left %s in place: %s", exc.filename, exc.strerror)
+
+
+def _private_subdir_at(root: Path, name: str) -> int:
+    """`_private_subdir` `name` of the operator's `root` (a path that may hold links), once
+    `root` is checked (`check_root`)."""
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        check_root(os.fstat(root_fd), root)
+        return _private_subdir(root_fd, name, root / name)
+    finally:
+        os.close(root_fd)
+
+
+def _private_subdir(parent_fd: int, name: str, path: Path) -> int:
+    """Open (creating it 0700) the directory `name` under `parent_fd`, never through a link:
+    a link there is replaced by a directory, its target left alone."""
+    while True:
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+            created = True
+        except FileExistsError:
+            created = False
+        try:
+            fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as exc:
+            mode = os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(mode):
+                logger.warning("file tier: %s was a symbolic link; replaced by a directory (target untouched)", path)
+                os.unlink(name, dir_fd=parent_fd)
+                continue
+            raise
+        try:
+            if created:
+                os.fchmod(fd, 0o700)
+            _check_private(os.fstat(fd), path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+def check_root(info: os.stat_result, path: Path) -> None:
+    _check_private(info, path)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{path} is not writable")
+
+
+def _check_private(info: os.stat_result, path: Path) -> None:
+    if info.st_uid != os.geteuid():
+        raise PermissionError(
+            errno.EACCES,
+            f"{path} belongs to uid {info.st_uid}, not to this engine's user (uid {os.geteuid()}): another user "
+            "could plant blocks the engine would load as cache hits; use a directory the engine's user owns",
+        )
+    if info.st_mode & 0o022:
+        # a sticky directory (/tmp) is shared by design: never advise changing its mode
+        chmod = "" if info.st_mode & stat.S_ISVTX else ", or chmod 700 it if it is the engine's alone"
+        raise PermissionError(
+            errno.EACCES,
+            f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}): another user could "
+            f"plant blocks the engine would load as cache hits; use a directory of its own below it (the tier "
+            f"creates it 0700){chmod}",
+        )
+
+
+def supports_direct_io(ns: Namespace) -> bool:
+    probe = f".direct-probe-{os.urandom(4).hex()}{TMP_SUFFIX}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | OPEN_FLAGS, 0o600, dir_fd=ns.fd)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe, dir_fd=ns.fd)
+    return True
