@@ -182,15 +182,7 @@ class TieringOffloadingSpec:
         region = primary = None
         tiers: list[SecondaryTierManager] = []
         try:
-            SharedOffloadRegion.remove_stale()  # regions of engines killed while starting
-            try:
-                region = SharedOffloadRegion(
-                    self.instance_id, self.num_blocks, self.cpu_page_size_per_worker, self.layout.world_size
-                )
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                raise ConfigError(self.config.source, [("cpu_bytes_to_use", str(exc.strerror))]) from exc
+            region = self._create_region()
             primary = CPUPrimaryTierOffloadingManager(
                 self.num_blocks,
                 region,
@@ -199,14 +191,7 @@ class TieringOffloadingSpec:
                 self.config.tenants,
                 self.config.retention_max_fraction,
             )
-            view = primary.get_kv_memoryview()
-            for index, tier_config in enumerate(self.config.secondary_tiers):
-                try:
-                    tiers.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
-                except TierConfigError as exc:
-                    raise ConfigError(self.config.source, exc.located(f"secondary_tiers[{index}]")) from exc
-                except Exception as exc:
-                    raise ConfigError(self.config.source, [(f"secondary_tiers[{index}]", describe(exc))]) from exc
+            self._create_tiers(primary.get_kv_memoryview(), tiers)
             admission = [AdmissionConfig(**tier.get("admission", {})) for tier in self.config.secondary_tiers]
             try:
                 self._manager = TieringOffloadingManager(
@@ -243,6 +228,40 @@ class TieringOffloadingSpec:
             len(tiers),
         )
         return self._manager
+
+    def _create_region(self) -> SharedOffloadRegion:
+        """The shared region of the CPU tier's rows (regions of engines killed while starting
+        are removed first).
+
+        Raises:
+            ConfigError: ``cpu_bytes_to_use`` is more than the free shared memory.
+            OSError, RegionInUseError: as `SharedOffloadRegion`.
+        """
+        SharedOffloadRegion.remove_stale()
+        try:
+            return SharedOffloadRegion(
+                self.instance_id, self.num_blocks, self.cpu_page_size_per_worker, self.layout.world_size
+            )
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise ConfigError(self.config.source, [("cpu_bytes_to_use", str(exc.strerror))]) from exc
+
+    def _create_tiers(self, view: memoryview, tiers: list[SecondaryTierManager]) -> None:
+        """Build the secondary tiers over the CPU tier's rows `view`, in config order,
+        appending each to `tiers` as it opens (the caller abandons them if one fails).
+
+        Raises:
+            ConfigError: a tier cannot be built; names the file and the tier, and chains the
+                tier's own error.
+        """
+        for index, tier_config in enumerate(self.config.secondary_tiers):
+            try:
+                tiers.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
+            except TierConfigError as exc:
+                raise ConfigError(self.config.source, exc.located(f"secondary_tiers[{index}]")) from exc
+            except Exception as exc:
+                raise ConfigError(self.config.source, [(f"secondary_tiers[{index}]", describe(exc))]) from exc
 
     def _start_exporter(self) -> None:
         metrics = self.config.metrics

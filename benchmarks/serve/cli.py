@@ -124,6 +124,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _setup(args: argparse.Namespace, model: Path, kv_bytes_per_token: int, work_dir: Path) -> Setup:
+    """What every configuration's server is started with, from the command line."""
+    return Setup(
+        model,
+        kv_bytes_per_token,
+        args.block_size,
+        args.max_model_len,
+        args.gpu_blocks,
+        args.cpu_bytes,
+        work_dir,
+        args.slow_latency_s,
+        args.recompute_tokens_per_s,
+        args.connector,
+        args.b_extra_bytes,
+    )
+
+
+def _log_summary(name: str, summary: dict) -> None:
+    """One line per configuration as it ends: its TTFT and the prompt tokens it computed."""
+    logger.info(
+        "configuration %s: TTFT p50 %.0f ms, of requests with a reusable prefix %.0f ms; "
+        "%d of %d prompt tokens computed",
+        name,
+        (summary["ttft_s"]["p50"] or 0) * 1000,
+        (summary["ttft_reusable_s"]["p50"] or 0) * 1000,
+        summary["computed_tokens"],
+        summary["prompt_tokens"],
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None:
@@ -150,19 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         first = requests[0].timestamp_ms if requests else 0.0
         arrivals = [(r.timestamp_ms - first) / 1000 * args.time_scale for r in requests]
         reusable = reusable_prefix_tokens(token_prompts, args.block_size)
-        setup = Setup(
-            model,
-            shape.kv_bytes_per_token,
-            args.block_size,
-            args.max_model_len,
-            args.gpu_blocks,
-            args.cpu_bytes,
-            work_dir,
-            args.slow_latency_s,
-            args.recompute_tokens_per_s,
-            args.connector,
-            args.b_extra_bytes,
-        )
+        setup = _setup(args, model, shape.kv_bytes_per_token, work_dir)
+        hints = [request.hint for request in requests]
         runs: list[dict] = []
 
         def report() -> dict:
@@ -179,21 +198,11 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "g" and not setup.recompute_tokens_per_s:
                     observed = observed_prefill_rate(next(run for run in runs if run["name"] == "a"))
                     setup = dataclasses.replace(setup, recompute_tokens_per_s=observed)
-                hints = [request.hint for request in requests]
                 run = run_configuration(
                     name, setup, token_prompts, arrivals, args.max_tokens, args.max_concurrency, endpoint, hints
                 )
                 runs.append(run)
-                summary = summarize(run, reusable)
-                logger.info(
-                    "configuration %s: TTFT p50 %.0f ms, of requests with a reusable prefix %.0f ms; "
-                    "%d of %d prompt tokens computed",
-                    name,
-                    (summary["ttft_s"]["p50"] or 0) * 1000,
-                    (summary["ttft_reusable_s"]["p50"] or 0) * 1000,
-                    summary["computed_tokens"],
-                    summary["prompt_tokens"],
-                )
+                _log_summary(name, summarize(run, reusable))
                 if args.output:  # after each configuration: a long run stopped keeps what it measured
                     args.output.write_text(json.dumps(report(), indent=1))
     except RuntimeError as exc:

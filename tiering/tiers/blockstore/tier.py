@@ -95,17 +95,7 @@ class BlockStoreTier(SecondaryTierManager):
         self.settings = settings = settings or BlockStoreSettings()
         rows = np.asarray(self.context.primary_rows).view(np.uint8)
         self.row_bytes = rows.shape[1]
-        self.store = store_factory(self.context.layout_fingerprint)
-        if settings.integrity is not None:
-            if not self.store.supports_integrity:
-                raise ValueError(f"tier {self.name}: {type(self.store).__name__} cannot seal its objects")
-            self.store.seal = Seal.from_config(settings.integrity, settings.encryption)
-        smallest = object_size(0, self.row_bytes, self.store.header_align)
-        if settings.capacity_bytes is not None and settings.capacity_bytes < smallest:
-            raise ValueError(
-                f"capacity_bytes ({settings.capacity_bytes}) cannot hold one block: a block takes at least "
-                f"{smallest} bytes (a row of {self.row_bytes} and its header)"
-            )
+        self.store = self._make_store(store_factory)
         self.failures: Counter[str] = Counter()
         self._clock = clock
         self.health = TierHealth(
@@ -135,17 +125,45 @@ class BlockStoreTier(SecondaryTierManager):
             batch_blocks,
             self._runtime,
         )
+        self._open_and_recover()
+
+    def _make_store(self, store_factory: Callable[[bytes], BlockStore]) -> BlockStore:
+        """The tier's store, sealing its objects where `integrity` is set.
+
+        Raises:
+            ValueError: as `__init__`.
+        """
+        settings = self.settings
+        store = store_factory(self.context.layout_fingerprint)
+        if settings.integrity is not None:
+            if not store.supports_integrity:
+                raise ValueError(f"tier {self.name}: {type(store).__name__} cannot seal its objects")
+            store.seal = Seal.from_config(settings.integrity, settings.encryption)
+        smallest = object_size(0, self.row_bytes, store.header_align)
+        if settings.capacity_bytes is not None and settings.capacity_bytes < smallest:
+            raise ValueError(
+                f"capacity_bytes ({settings.capacity_bytes}) cannot hold one block: a block takes at least "
+                f"{smallest} bytes (a row of {self.row_bytes} and its header)"
+            )
+        return store
+
+    def _open_and_recover(self) -> None:
+        """Open the store on the loop and index what it holds; on failure the runtime is
+        released and the tier closed.
+
+        Raises:
+            OSError, TimeoutError, TieringError: as `__init__`.
+        """
+        timeout_s = self.settings.open_timeout_s
         sealed = f", sealing objects ({self.store.seal!r})" if self.store.seal else ""
         logger.info("tier %s: opening %r%s and recovering the blocks it holds", self.name, self.store, sealed)
         try:
-            recovered = self._runtime.run_sync(self._open, timeout_s=settings.open_timeout_s)
+            recovered = self._runtime.run_sync(self._open, timeout_s=timeout_s)
         except BaseException as exc:
             self._closed = True
             self._runtime.release()
             if isinstance(exc, TimeoutError):
-                raise TimeoutError(
-                    f"tier {self.name}: {self.store!r} did not open in {settings.open_timeout_s} s"
-                ) from None
+                raise TimeoutError(f"tier {self.name}: {self.store!r} did not open in {timeout_s} s") from None
             raise
         for key, size in recovered:
             self._add_stored(key, size)
