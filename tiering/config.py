@@ -42,7 +42,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from tiering.cpu.tenants import TenantsConfig
-from tiering.engine.manager import JOB_DEADLINE_S
+from tiering.engine.jobs import JOB_DEADLINE_S
 from tiering.errors import ConfigError, TierConfigError
 from tiering.eviction.policies import cache_policy_names
 from tiering.eviction.retention import RETENTION_MAX_FRACTION

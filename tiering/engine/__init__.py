@@ -2,6 +2,8 @@
 `OffloadingManager`.
 
 - `manager`: `TieringOffloadingManager`: lookups, promotions, cascades, write-back, jobs;
+- `jobs`: the records of its work (jobs in flight, deadlines, promotions queued);
+- `tier_calls`: calling a tier's optional hooks, its exceptions logged, never raised;
 - `lookups`: `RequestLookups`, blocks counted once per request, hits by the tier that served them;
 - `timeline`: `RequestTimeline`, the request log (a line per request);
 - `metrics`: the Prometheus exporter of the engine's stats.

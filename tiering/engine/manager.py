@@ -40,7 +40,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,18 @@ from tiering.contract.keys import OffloadKey, ReqContext, RequestOffloadingConte
 from tiering.contract.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.contract.offloading import OffloadingManager
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
+from tiering.engine.jobs import (
+    JOB_DEADLINE_S,
+    Deadlines,
+    Job,
+    PendingLoads,
+    Polled,
+    Polling,
+    PromotionRows,
+    QueuedPromotion,
+)
 from tiering.engine.lookups import RequestLookups
+from tiering.engine.tier_calls import attached, guarded, overrides
 from tiering.engine.timeline import RequestTimeline
 from tiering.eviction.retention import RetentionHint, hint_of
 from tiering.stats import Histogram
@@ -62,80 +72,6 @@ from tiering.tiers.recompute import RecomputeGate
 logger = logging.getLogger(__name__)
 
 _BACKGROUND = ReqContext("background")  # the request of cascades no request waits on: write-backs, deferred ones
-
-
-@dataclass
-class _Job:
-    keys: list[OffloadKey]
-    rows: list[int]  # the primary rows its I/O reads (a cascade) or writes (a promotion)
-    is_promotion: bool
-    req_context: ReqContext
-    tier_idx: int
-    queued_at: float = 0.0  # a promotion's first lookup, perf_counter seconds (unused for cascades)
-    due: float = float("inf")  # the job fails here after this (`_Deadlines.clock` seconds)
-    voided: bool = False  # by reset_cache: its keys are gone and its rows held until it ends
-
-
-_Polled = tuple[int, SecondaryTierManager, bool]  # (tier index, tier, has `take_released_jobs`)
-
-
-@dataclass
-class _Polling:
-    """How the manager hears of finished jobs: the tiers that ring `doorbell` are polled
-    after a ring (`ringing`), the others every step (`every_step`)."""
-
-    doorbell: Doorbell
-    ringing: list[_Polled]
-    every_step: list[_Polled]
-
-
-JOB_DEADLINE_S = 120.0
-"""Seconds a secondary tier has to report a job before the manager fails it (four of a block
-store's ``op_timeout_s``: a tier whose calls time out reports long before)."""
-
-
-@dataclass
-class _Deadlines:
-    """When unreported jobs fail: `seconds` after submission on `clock`; `unresponsive`: the
-    tiers with a job failed so, not promoted from until they report again."""
-
-    seconds: float | None
-    clock: Callable[[], float]
-    unresponsive: set[int] = field(default_factory=set)
-
-
-@dataclass
-class PromotionRows:
-    """The CPU rows promotions may hold: `held` now (queued or in flight), at most
-    `max_rows`, and only while more than `store_reserve` rows stay available to the GPU's
-    stores; one promotion is always let through when none holds a row."""
-
-    max_rows: int
-    store_reserve: int
-    held: int = 0
-
-    def allow(self, available: int) -> bool:
-        """Whether one more promotion may take a row, `available` rows being free or idle."""
-        return not self.held or (self.held < self.max_rows and available > self.store_reserve)
-
-
-@dataclass
-class _PendingLoads:
-    """Promotions a load may pin before they land: those of the tiers that settle their
-    rows' states (`settling_tiers`), by key (`keys`: key -> tier index), queued or in
-    flight; `answer_hits`: lookups answer True for them."""
-
-    settling_tiers: set[int]
-    answer_hits: bool = False
-    keys: dict[OffloadKey, int] = field(default_factory=dict)
-
-
-@dataclass
-class _QueuedPromotion:
-    req_context: ReqContext
-    keys: list[OffloadKey] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    queued_at: float = field(default_factory=time.perf_counter)
 
 
 class TieringOffloadingManager(OffloadingManager):
@@ -191,10 +127,10 @@ class TieringOffloadingManager(OffloadingManager):
         self.secondary_tiers = list(secondary_tiers or ())
         self._enable_events = enable_events
         self._job_ids = itertools.count()
-        self._jobs: dict[JobId, _Job] = {}
+        self._jobs: dict[JobId, Job] = {}
         self._sources: dict[OffloadKey, str] = {}  # recently promoted keys -> tier name, oldest first
-        self._held: dict[tuple[int, JobId], _Job] = {}  # jobs whose late I/O still uses their rows
-        self._promotions: dict[tuple[int, str], _QueuedPromotion] = {}
+        self._held: dict[tuple[int, JobId], Job] = {}  # jobs whose late I/O still uses their rows
+        self._promotions: dict[tuple[int, str], QueuedPromotion] = {}
         self._trials: list[tuple[int, OffloadKey, ReqContext]] = []  # (tier, key, request) of the step
         self._polled_this_step = False
         self._shut_down = False
@@ -209,7 +145,7 @@ class TieringOffloadingManager(OffloadingManager):
         self.block_tokens = block_tokens
         counted = ("promotions_submitted", "promotions_deferred", "cascades_submitted", "jobs_expired")
         self._counters = dict.fromkeys(counted, 0)
-        self._deadlines = _Deadlines(job_deadline_s, clock)
+        self._deadlines = Deadlines(job_deadline_s, clock)
         # (few attributes: past 30, CPython stops sharing instance dict keys and every attribute read slows)
         self.promotion_rows = PromotionRows(max_promotion_rows or primary_tier.num_blocks, store_reserve_rows)
         self._step_hits: set[OffloadKey] = set()  # found in the primary tier by this step's lookups
@@ -219,7 +155,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._timeline = RequestTimeline(request_log) if request_log is not None else None
         # Per hook, the tiers that implement it: a default (no-op) hook is not called each step.
         self._hooks = {
-            name: [(idx, tier) for idx, tier in enumerate(self.secondary_tiers) if _overrides(tier, name)]
+            name: [(idx, tier) for idx, tier in enumerate(self.secondary_tiers) if overrides(tier, name)]
             for name in (
                 "touch",
                 "take_events",
@@ -236,11 +172,11 @@ class TieringOffloadingManager(OffloadingManager):
         ringing = {
             idx
             for idx, tier in self._hooks["attach_doorbell"]
-            if _attached(tier, "attach_doorbell", doorbell, "it is polled every step")
+            if attached(tier, "attach_doorbell", doorbell, "it is polled every step")
         }
         releasing = {idx for idx, _ in self._hooks["take_released_jobs"]}
         polled = [(idx, tier, idx in releasing) for idx, tier in enumerate(self.secondary_tiers)]
-        self._polling = _Polling(
+        self._polling = Polling(
             doorbell,
             [entry for entry in polled if entry[0] in ringing],
             [entry for entry in polled if entry[0] not in ringing],
@@ -251,11 +187,11 @@ class TieringOffloadingManager(OffloadingManager):
         self._primary_changed = True
         states = primary_tier.row_states
         settling = [] if states is None else self._hooks["attach_row_states"]
-        self._pending = _PendingLoads(
+        self._pending = PendingLoads(
             {
                 idx
                 for idx, tier in settling
-                if _attached(tier, "attach_row_states", states, "its hits wait for their promotions to land")
+                if attached(tier, "attach_row_states", states, "its hits wait for their promotions to land")
             }
         )
         self._waiting_tiers: set[int] = set()  # tiers with cascades waiting for room
@@ -352,7 +288,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._primary_changed = True
         self.primary_tier.touch(keys, req_context)
         for _, tier in self._hooks["touch"]:
-            _guarded(tier, "touch", None, keys, req_context)
+            guarded(tier, "touch", None, keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Unpin rows pinned by `prepare_load`.
@@ -417,18 +353,18 @@ class TieringOffloadingManager(OffloadingManager):
         if hint.release:
             own = [key for key, found in blocks.items() if not found]
             for _, tier in self._hooks["release"]:
-                _guarded(tier, "release", None, own)
+                guarded(tier, "release", None, own)
         if hint.retain_s is None:
             return
         keys = list(blocks)
         for tier_idx, tier in self._hooks["retain"]:
-            missing = _guarded(tier, "retain", (), keys, hint.retain_s)
+            missing = guarded(tier, "retain", (), keys, hint.retain_s)
             if missing:
                 readable = [key for key in missing if self._readable(key)]
                 written = self.admission[tier_idx].admit_retained(readable, hint.retain_s)
                 self._cascade([tier_idx], written, req_context)
                 if written:
-                    _guarded(tier, "retain", (), written, hint.retain_s)
+                    guarded(tier, "retain", (), written, hint.retain_s)
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events of the primary tier, then of each secondary tier, since the last call;
@@ -437,7 +373,7 @@ class TieringOffloadingManager(OffloadingManager):
         if self._hooks["take_events"]:
             events = list(events)
             for _, tier in self._hooks["take_events"]:
-                events.extend(_guarded(tier, "take_events", []))
+                events.extend(guarded(tier, "take_events", []))
         return events if self._enable_events else []
 
     def on_schedule_end(self) -> None:
@@ -470,7 +406,7 @@ class TieringOffloadingManager(OffloadingManager):
                 if not admission.waiting:
                     self._waiting_tiers.discard(tier_idx)
         for _, tier in self._hooks["on_schedule_end"]:
-            _guarded(tier, "on_schedule_end", None)
+            guarded(tier, "on_schedule_end", None)
         if self._listeners:
             self._publish_stats()
         if self._timeline is not None:
@@ -527,7 +463,7 @@ class TieringOffloadingManager(OffloadingManager):
         for name, tier, admission, gate in zip(
             self.tier_names, self.secondary_tiers, self.admission, self.gates, strict=True
         ):
-            stats = dict(_guarded(tier, "get_stats", {}))
+            stats = dict(guarded(tier, "get_stats", {}))
             stats["counters"] = {
                 **stats.get("counters", {}),
                 **admission.counters,
@@ -630,7 +566,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._shut_down = True
         self._drop_queued_promotions()
         for tier in self.secondary_tiers:
-            _guarded(tier, "shutdown", None)
+            guarded(tier, "shutdown", None)
         self._process_finished()
         if self._jobs:
             logger.warning("%d jobs were never reported by their tiers", len(self._jobs))
@@ -654,7 +590,7 @@ class TieringOffloadingManager(OffloadingManager):
         self.promotion_rows.held += 1
         queued = self._promotions.get((tier_idx, req_context.req_id))
         if queued is None:
-            queued = self._promotions[(tier_idx, req_context.req_id)] = _QueuedPromotion(req_context)
+            queued = self._promotions[(tier_idx, req_context.req_id)] = QueuedPromotion(req_context)
         queued.keys.append(key)
         queued.block_ids.append(int(reserved.store_spec.block_ids[0]))
         self.gates[tier_idx].queued(1)
@@ -682,7 +618,7 @@ class TieringOffloadingManager(OffloadingManager):
         job_id = next(self._job_ids)
         seconds = self._deadlines.seconds
         due = self._deadlines.clock() + seconds if seconds is not None else float("inf")
-        self._jobs[job_id] = _Job(keys, block_ids.tolist(), is_promotion, req_context, tier_idx, queued_at, due)
+        self._jobs[job_id] = Job(keys, block_ids.tolist(), is_promotion, req_context, tier_idx, queued_at, due)
         tier = self.secondary_tiers[tier_idx]
         job = JobMetadata(job_id, keys, block_ids, is_promotion, req_context)
         try:
@@ -703,10 +639,10 @@ class TieringOffloadingManager(OffloadingManager):
         if polling.every_step:
             self._poll(polling.every_step)
 
-    def _poll(self, tiers: list[_Polled]) -> None:
+    def _poll(self, tiers: list[Polled]) -> None:
         """Apply what each (index, tier, has `take_released_jobs`) reports."""
         for tier_idx, tier, releases in tiers:
-            try:  # `_guarded`'s work, inline: this runs every step, and an empty answer is the rule
+            try:  # `guarded`'s work, inline: this runs every step, and an empty answer is the rule
                 results = tier.get_finished()
                 results = list(results) if results else []
             except Exception:
@@ -721,7 +657,7 @@ class TieringOffloadingManager(OffloadingManager):
                     continue
                 self._finish(result.job_id, result.success, tier_idx if result.rows_in_use else None)
             if releases:
-                for job_id in _guarded(tier, "take_released_jobs", []):
+                for job_id in guarded(tier, "take_released_jobs", []):
                     job = self._held.pop((tier_idx, job_id), None)
                     if job is not None:
                         self._release(job)
@@ -777,7 +713,7 @@ class TieringOffloadingManager(OffloadingManager):
             )
             self._finish(job_id, success=False, held_by=job.tier_idx)
 
-    def _release(self, job: _Job) -> None:
+    def _release(self, job: Job) -> None:
         """End a job whose rows were held past its report: free its rows (a promotion, or
         any job voided by `reset_cache`), or unpin them (a failed cascade)."""
         self._primary_changed = True
@@ -820,35 +756,6 @@ class TieringOffloadingManager(OffloadingManager):
                 self._submit(tier_idx, keys, spec.block_ids, False, req_context)
             self._counters["cascades_submitted"] += len(tier_idxs)
 
-    def _end_cascade(self, job: _Job, success: bool) -> None:
+    def _end_cascade(self, job: Job, success: bool) -> None:
         self.primary_tier.complete_read(job.keys, job.req_context)
         self.admission[job.tier_idx].finished(job.keys, success)
-
-
-def _overrides(tier: SecondaryTierManager, hook: str) -> bool:
-    """Whether `tier` implements `hook` (a tier that does not subclass `SecondaryTierManager`
-    is taken to implement every hook)."""
-    return getattr(type(tier), hook, None) is not getattr(SecondaryTierManager, hook)
-
-
-def _attached(tier: SecondaryTierManager, hook: str, value: Any, otherwise: str) -> bool:
-    """Whether `tier` took `value` through its `hook` (``attach_doorbell``,
-    ``attach_row_states``); a hook that raises is logged with what follows (`otherwise`)."""
-    try:
-        getattr(tier, hook)(value)
-    except Exception:
-        logger.exception("tier %s: %s failed; %s", tier.tier_type, hook, otherwise)
-        return False
-    return True
-
-
-def _guarded(tier: SecondaryTierManager, method: str, default: Any, *args: Any) -> Any:
-    """``tier.<method>(*args)`` (as a list when `default` is a list), or `default` if it
-    raises: a tier's exception is logged, never passed on to the scheduler. (`lookup` keeps
-    its own try, being the hottest call.)"""
-    try:
-        result = getattr(tier, method)(*args)
-        return list(result) if isinstance(default, list) else result
-    except Exception:
-        logger.exception("tier %s: %s failed", tier.tier_type, method)
-        return default

@@ -1,0 +1,43 @@
+"""Calling a secondary tier from the engine: which optional hooks it implements, and calls
+whose exceptions are logged, never passed on to the scheduler.
+
+Thread: the scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tiering.tiers.base import SecondaryTierManager
+
+logger = logging.getLogger(__name__)
+
+
+def overrides(tier: SecondaryTierManager, hook: str) -> bool:
+    """Whether `tier` implements `hook` (a tier that does not subclass `SecondaryTierManager`
+    is taken to implement every hook)."""
+    return getattr(type(tier), hook, None) is not getattr(SecondaryTierManager, hook)
+
+
+def attached(tier: SecondaryTierManager, hook: str, value: Any, otherwise: str) -> bool:
+    """Whether `tier` took `value` through its `hook` (``attach_doorbell``,
+    ``attach_row_states``); a hook that raises is logged with what follows (`otherwise`)."""
+    try:
+        getattr(tier, hook)(value)
+    except Exception:
+        logger.exception("tier %s: %s failed; %s", tier.tier_type, hook, otherwise)
+        return False
+    return True
+
+
+def guarded(tier: SecondaryTierManager, method: str, default: Any, *args: Any) -> Any:
+    """``tier.<method>(*args)`` (as a list when `default` is a list), or `default` if it
+    raises: a tier's exception is logged, never passed on to the scheduler. (`lookup` keeps
+    its own try, being the hottest call.)"""
+    try:
+        result = getattr(tier, method)(*args)
+        return list(result) if isinstance(default, list) else result
+    except Exception:
+        logger.exception("tier %s: %s failed", tier.tier_type, method)
+        return default
