@@ -65,6 +65,8 @@ def test_the_architecture_page_lists_every_folder_and_module_and_no_other():
 def test_few_modules_sit_at_the_top_and_every_folder_says_what_it_holds():
     assert len(list(PACKAGE.glob("*.py"))) <= 8
     for init in PACKAGE.glob("*/__init__.py"):
+        if init.parent.is_symlink():
+            continue  # backends/ or benchmarks/ linked in by a checkout's tooling: not the package's folders
         docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert "Thread" in docstring and "Imports:" in docstring, f"{init}: say its threads and what it may import"
 
