@@ -102,7 +102,7 @@ class Rig:
                     self.call(manager.complete_store, out.keys_to_store, context)
             self._promote(waiting, promotions, context)
             self.call(manager.on_schedule_end)
-            pinned = max(pinned, manager.admission[0].rows_in_flight)
+            pinned = max(pinned, manager.cascades.admission[0].rows_in_flight)
             delay = args.step_s * step - (time.perf_counter() - start)
             if delay > 0:
                 time.sleep(delay)

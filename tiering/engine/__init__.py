@@ -1,8 +1,10 @@
 """The scheduler-facing engine: the CPU tier and the secondary tiers behind one
 `OffloadingManager`.
 
-- `manager`: `TieringOffloadingManager`: lookups, promotions, cascades, write-back, jobs;
-- `jobs`: the records of its work (jobs in flight, deadlines, promotions queued);
+- `manager`: `TieringOffloadingManager`: the contract's methods, composing the three below;
+- `promotions`: `Promotions`, blocks a lookup found in a secondary tier, loaded into the CPU tier;
+- `cascades`: `Cascades`, stored blocks copied to the secondary tiers (write-back, retained writes);
+- `jobs`: `JobTable`, the jobs in flight, how their ends are heard of, their deadlines;
 - `tier_calls`: calling a tier's optional hooks, its exceptions logged, never raised;
 - `lookups`: `RequestLookups`, blocks counted once per request, hits by the tier that served them;
 - `timeline`: `RequestTimeline`, the request log (a line per request);

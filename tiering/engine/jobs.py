@@ -1,17 +1,38 @@
-"""The engine's records of its work: jobs in flight and their deadlines, how finished ones
-are heard of, promotions queued in the step and the rows they may hold.
+"""`JobTable`: the jobs the engine submitted to its secondary tiers, until each ends.
 
-Thread: the scheduler thread only (plain data, owned by `TieringOffloadingManager`).
+A job is one tier's store (a cascade) or load (a promotion) of a request's blocks. The
+table submits it, hears of it ending (a tier that rings the `Doorbell` is polled only after
+a ring, so an idle step asks no tier anything) and passes each end to its owner. A tier
+that raises is logged and its job counted as failed; no backend exception reaches the
+scheduler.
+
+A job its tier has not reported ``job_deadline_s`` after its submission fails here
+(``jobs_expired``) and is held, its rows out of use, until the tier reports it after all
+(its I/O may still use them). Until the tier reports any job again, it is `unresponsive`:
+the engine promotes nothing from it, so a tier with a bug, or whose event loop died,
+strands no request.
+
+Thread: the scheduler thread only (owned by `TieringOffloadingManager`).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from tiering.contract.keys import OffloadKey, ReqContext
-from tiering.tiers.base import Doorbell, SecondaryTierManager
+from tiering.engine.tier_calls import Hooks, attached, guarded
+from tiering.tiers.base import Doorbell, JobId, JobMetadata, SecondaryTierManager
+
+logger = logging.getLogger(__name__)
+
+JOB_DEADLINE_S = 120.0
+"""Seconds a secondary tier has to report a job before the manager fails it (four of a block
+store's ``op_timeout_s``: a tier whose calls time out reports long before)."""
 
 
 @dataclass
@@ -24,69 +45,149 @@ class Job:
     req_context: ReqContext
     tier_idx: int
     queued_at: float = 0.0  # a promotion's first lookup, perf_counter seconds (unused for cascades)
-    due: float = float("inf")  # the job fails here after this (`Deadlines.clock` seconds)
+    due: float = float("inf")  # the job fails here after this (`JobTable.clock` seconds)
     voided: bool = False  # by reset_cache: its keys are gone and its rows held until it ends
 
+
+Submit = Callable[[int, list[OffloadKey], np.ndarray, bool, ReqContext, float], None]
+"""`JobTable.submit`'s signature: (tier index, keys, rows, is_promotion, request, queued_at)."""
 
 Polled = tuple[int, SecondaryTierManager, bool]  # (tier index, tier, has `take_released_jobs`)
 
 
-@dataclass
-class Polling:
-    """How the manager hears of finished jobs: the tiers that ring `doorbell` are polled
-    after a ring (`ringing`), the others every step (`every_step`)."""
+class JobTable:
+    """Jobs in flight (`jobs`, in submission order) and held past their report (`held`).
 
-    doorbell: Doorbell
-    ringing: list[Polled]
-    every_step: list[Polled]
+    Each job's end is passed to `ended(job, success, held)`; `held` is True when the tier
+    reported it failed while its I/O may still use the rows (or it failed at its deadline),
+    and `released(job)` follows once that I/O is over.
+    """
 
+    def __init__(
+        self,
+        tiers: Sequence[SecondaryTierManager],
+        tier_names: list[str],
+        hooks: Hooks,
+        deadline_s: float | None,
+        clock: Callable[[], float],
+        ended: Callable[[Job, bool, bool], None],
+        released: Callable[[Job], None],
+    ):
+        self._tiers = tiers
+        self._tier_names = tier_names
+        self._ended = ended
+        self._released = released
+        self.deadline_s = deadline_s
+        self.clock = clock
+        self._ids = itertools.count()
+        self.jobs: dict[JobId, Job] = {}
+        self.held: dict[tuple[int, JobId], Job] = {}  # jobs whose late I/O still uses their rows
+        self.unresponsive: set[int] = set()  # tiers with an expired job, until they report again
+        self.expired = 0
+        self.doorbell = Doorbell()
+        ringing = {
+            idx
+            for idx, tier in hooks["attach_doorbell"]
+            if attached(tier, "attach_doorbell", self.doorbell, "it is polled every step")
+        }
+        releasing = {idx for idx, _ in hooks["take_released_jobs"]}
+        polled = [(idx, tier, idx in releasing) for idx, tier in enumerate(tiers)]
+        self._ringing = [entry for entry in polled if entry[0] in ringing]
+        self.every_step = [entry for entry in polled if entry[0] not in ringing]
 
-JOB_DEADLINE_S = 120.0
-"""Seconds a secondary tier has to report a job before the manager fails it (four of a block
-store's ``op_timeout_s``: a tier whose calls time out reports long before)."""
+    def submit(
+        self,
+        tier_idx: int,
+        keys: list[OffloadKey],
+        block_ids: np.ndarray,
+        is_promotion: bool,
+        req_context: ReqContext,
+        queued_at: float = 0.0,
+    ) -> None:
+        """Send a job to its tier; one the tier rejects (raises) ends failed at once."""
+        job_id = next(self._ids)
+        due = self.clock() + self.deadline_s if self.deadline_s is not None else float("inf")
+        self.jobs[job_id] = Job(keys, block_ids.tolist(), is_promotion, req_context, tier_idx, queued_at, due)
+        tier = self._tiers[tier_idx]
+        job = JobMetadata(job_id, keys, block_ids, is_promotion, req_context)
+        try:
+            if is_promotion:
+                tier.submit_load(job)
+            else:
+                tier.submit_store(job)
+        except Exception:
+            logger.exception("tier %s: job %d rejected; counted as failed", tier.tier_type, job_id)
+            self._finish(job_id, success=False)
 
+    def poll(self) -> None:
+        """Hear of the jobs that ended: the ringing tiers after a ring, the others always."""
+        if self.doorbell.rung:
+            self.doorbell.rung = False  # before polling: a ring from now on is seen next time
+            self._poll(self._ringing)
+        if self.every_step:
+            self._poll(self.every_step)
 
-@dataclass
-class Deadlines:
-    """When unreported jobs fail: `seconds` after submission on `clock`; `unresponsive`: the
-    tiers with a job failed so, not promoted from until they report again."""
+    def _poll(self, tiers: list[Polled]) -> None:
+        """Apply what each (index, tier, has `take_released_jobs`) reports."""
+        for tier_idx, tier, releases in tiers:
+            try:  # `guarded`'s work, inline: this runs every step, and an empty answer is the rule
+                results = tier.get_finished()
+                results = list(results) if results else []
+            except Exception:
+                logger.exception("tier %s: get_finished failed", tier.tier_type)
+                results = []
+            if results and self.unresponsive:
+                self.unresponsive.discard(tier_idx)
+            for result in results:
+                if result.job_id not in self.jobs and (tier_idx, result.job_id) in self.held:
+                    if not result.rows_in_use:  # failed at its deadline; now its I/O is over
+                        self._released(self.held.pop((tier_idx, result.job_id)))
+                    continue
+                self._finish(result.job_id, result.success, tier_idx if result.rows_in_use else None)
+            if releases:
+                for job_id in guarded(tier, "take_released_jobs", []):
+                    job = self.held.pop((tier_idx, job_id), None)
+                    if job is not None:
+                        self._released(job)
 
-    seconds: float | None
-    clock: Callable[[], float]
-    unresponsive: set[int] = field(default_factory=set)
+    def _finish(self, job_id: JobId, success: bool, held_by: int | None = None) -> None:
+        """End a job. `held_by`: the index of the tier whose late I/O may still use the
+        job's rows; a failed job's are held until it releases them."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            logger.warning("job %d reported again or never submitted; ignored", job_id)
+            return
+        if held_by is not None and not success:
+            self.held[(held_by, job_id)] = job
+            self._ended(job, success, True)
+        else:
+            self._ended(job, success, False)
 
+    def expire_overdue(self) -> None:
+        """Fail the jobs past their deadline (see the module docstring), oldest first: jobs
+        are kept in submission order, so the scan stops at the first one not due."""
+        now = self.clock()
+        while self.jobs:
+            job_id, job = next(iter(self.jobs.items()))
+            if job.due > now:
+                return
+            self.expired += 1
+            self.unresponsive.add(job.tier_idx)
+            logger.error(
+                "tier %s: %s job %d not reported %.0f s after its submission; failed here, its rows held until "
+                "the tier reports it, and nothing promoted from the tier until it reports again",
+                self._tier_names[job.tier_idx],
+                "load" if job.is_promotion else "store",
+                job_id,
+                self.deadline_s,
+            )
+            self._finish(job_id, success=False, held_by=job.tier_idx)
 
-@dataclass
-class PromotionRows:
-    """The CPU rows promotions may hold: `held` now (queued or in flight), at most
-    `max_rows`, and only while more than `store_reserve` rows stay available to the GPU's
-    stores; one promotion is always let through when none holds a row."""
-
-    max_rows: int
-    store_reserve: int
-    held: int = 0
-
-    def allow(self, available: int) -> bool:
-        """Whether one more promotion may take a row, `available` rows being free or idle."""
-        return not self.held or (self.held < self.max_rows and available > self.store_reserve)
-
-
-@dataclass
-class PendingLoads:
-    """Promotions a load may pin before they land: those of the tiers that settle their
-    rows' states (`settling_tiers`), by key (`keys`: key -> tier index), queued or in
-    flight; `answer_hits`: lookups answer True for them."""
-
-    settling_tiers: set[int]
-    answer_hits: bool = False
-    keys: dict[OffloadKey, int] = field(default_factory=dict)
-
-
-@dataclass
-class QueuedPromotion:
-    """A request's blocks queued for promotion from one tier in this step, and their rows."""
-
-    req_context: ReqContext
-    keys: list[OffloadKey] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    queued_at: float = field(default_factory=time.perf_counter)
+    def void(self) -> list[Job]:
+        """Void every job whose rows are not quarantined already (`reset_cache`): in flight,
+        or a held cascade. Returns those newly voided."""
+        in_flight = [*self.jobs.values(), *(job for job in self.held.values() if not job.is_promotion)]
+        voided = [job for job in in_flight if not job.voided]
+        for job in voided:
+            job.voided = True
+        return voided

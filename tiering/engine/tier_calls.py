@@ -7,11 +7,33 @@ Thread: the scheduler thread only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from tiering.tiers.base import SecondaryTierManager
 
 logger = logging.getLogger(__name__)
+
+HOOKS = (
+    "touch",
+    "take_events",
+    "on_schedule_end",
+    "take_released_jobs",
+    "attach_doorbell",
+    "attach_row_states",
+    "retain",
+    "release",
+)
+"""The optional `SecondaryTierManager` hooks the engine calls only on the tiers that have them."""
+
+Hooks = dict[str, list[tuple[int, SecondaryTierManager]]]
+"""Per hook of `HOOKS`, the (index, tier) of each tier that implements it."""
+
+
+def hooks_of(tiers: Sequence[SecondaryTierManager]) -> Hooks:
+    """Which tiers implement each hook of `HOOKS`: a default (no-op) hook is not called
+    each step."""
+    return {name: [(idx, tier) for idx, tier in enumerate(tiers) if overrides(tier, name)] for name in HOOKS}
 
 
 def overrides(tier: SecondaryTierManager, hook: str) -> bool:

@@ -1,0 +1,149 @@
+"""`Cascades`: the primary tier's blocks copied to the secondary tiers.
+
+A block stored from the GPU is cascaded at once, as one store job per tier holding one
+read reference on each block's row until the tier reports it. Each tier's `TierAdmission`
+decides which blocks it gets (a bound on the rows it pins, shedding while it is behind, a
+reuse filter); the others stay in the primary tier only, or wait for room and go at a
+step's end. A write-back tier gets the primary tier's coldest blocks instead, at the end of
+a step that changed the primary tier. A request's retention hint writes its blocks to a
+tier that lacks them where the retention is long enough (`AdmissionConfig.retained_write_s`).
+
+Thread: the scheduler thread only (owned by `TieringOffloadingManager`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tiering.contract.keys import OffloadKey, ReqContext
+from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
+from tiering.engine.jobs import Job, Submit
+from tiering.engine.tier_calls import Hooks, guarded
+from tiering.eviction.retention import RetentionHint
+from tiering.tiers.admission import AdmissionConfig, TierAdmission
+
+_BACKGROUND = ReqContext("background")  # the request of cascades no request waits on: write-backs, deferred ones
+
+
+class Cascades:
+    """The cascades of one engine: per secondary tier, its admission and the store jobs."""
+
+    def __init__(
+        self,
+        primary: CPUPrimaryTierOffloadingManager,
+        num_tiers: int,
+        admission: Sequence[AdmissionConfig | None] | None,
+        hooks: Hooks,
+        submit: Submit,
+    ):
+        """`admission`: per tier, in order, its config (None, or a shorter list: the
+        defaults); `submit` sends a store job to a tier (`JobTable.submit`).
+
+        Raises:
+            ValueError: more admission configs than tiers.
+        """
+        configs = list(admission or ())
+        if len(configs) > num_tiers:
+            raise ValueError(f"{len(configs)} admission configs for {num_tiers} secondary tiers")
+        configs += [None] * (num_tiers - len(configs))
+        rows, tiers = primary.num_blocks, max(1, num_tiers)
+        self.admission = [TierAdmission(config or AdmissionConfig(), rows, tiers) for config in configs]
+        self._primary = primary
+        self._submit = submit
+        self._retaining = hooks["retain"]
+        self._releasing = hooks["release"]
+        self.write_back_tiers = [idx for idx, admission in enumerate(self.admission) if admission.write_back]
+        self.waiting_tiers: set[int] = set()  # tiers with cascades waiting for room
+        self.submitted = 0
+
+    @property
+    def hinted_tiers(self) -> bool:
+        """Whether a tier takes retention hints (has a ``retain`` or ``release`` hook)."""
+        return bool(self._retaining or self._releasing)
+
+    def stored(self, keys: list[OffloadKey], req_context: ReqContext) -> None:
+        """Cascade blocks just stored from the GPU (resident, readable) to every tier that
+        admits them; write-back tiers only count them."""
+        cascades = []
+        for tier_idx, admission in enumerate(self.admission):
+            admission.stored(keys)
+            if not admission.write_back:
+                cascades.append((tier_idx, admission.admit(keys)))
+                if admission.waiting:
+                    self.waiting_tiers.add(tier_idx)
+        if len(cascades) > 1 and all(admitted == cascades[0][1] for _, admitted in cascades):
+            self._cascade([tier_idx for tier_idx, _ in cascades], cascades[0][1], req_context)  # rows pinned once
+        else:
+            for tier_idx, admitted in cascades:
+                self._cascade([tier_idx], admitted, req_context)
+
+    def on_schedule_end(self, primary_changed: bool) -> None:
+        """Write back (if the primary tier's blocks, their order or their readers may have
+        changed since the last scan: one that found nothing finds nothing again), then send
+        the cascades that waited for room."""
+        if primary_changed:
+            for tier_idx in self.write_back_tiers:
+                self._write_back(tier_idx, self.admission[tier_idx])
+        if self.waiting_tiers:
+            for tier_idx in list(self.waiting_tiers):
+                admission = self.admission[tier_idx]
+                self._cascade([tier_idx], admission.admit_waiting(self._readable), _BACKGROUND)
+                if not admission.waiting:
+                    self.waiting_tiers.discard(tier_idx)
+
+    def hinted(self, hint: RetentionHint, blocks: dict[OffloadKey, bool], req_context: ReqContext) -> None:
+        """Pass a finished request's hint on: release the blocks it did not find (it stored
+        them: its own) and retain all of them, in every tier with those hooks; blocks a tier
+        lacks are written to it where its admission says the retention is long enough, and
+        retained there too. `blocks`: the request's keys -> whether its lookup found them."""
+        if hint.release:
+            own = [key for key, found in blocks.items() if not found]
+            for _, tier in self._releasing:
+                guarded(tier, "release", None, own)
+        if hint.retain_s is None:
+            return
+        keys = list(blocks)
+        for tier_idx, tier in self._retaining:
+            missing = guarded(tier, "retain", (), keys, hint.retain_s)
+            if missing:
+                readable = [key for key in missing if self._readable(key)]
+                written = self.admission[tier_idx].admit_retained(readable, hint.retain_s)
+                self._cascade([tier_idx], written, req_context)
+                if written:
+                    guarded(tier, "retain", (), written, hint.retain_s)
+
+    def ended(self, job: Job, success: bool) -> None:
+        """A store job ended (its I/O is over): unpin its rows; a voided one's rows were
+        emptied by `reset_cache` and are freed by the caller."""
+        if not job.voided:
+            self._primary.complete_read(job.keys, job.req_context)
+        self.admission[job.tier_idx].finished(job.keys, success and not job.voided)
+
+    def tier_stats(self, tier_idx: int) -> tuple[dict[str, int], dict[str, int]]:
+        """The tier's admission counters and its ``rows_in_flight`` and ``cascades_waiting``
+        gauges, for `get_stats`."""
+        admission = self.admission[tier_idx]
+        gauges = {"rows_in_flight": admission.rows_in_flight, "cascades_waiting": len(admission.waiting)}
+        return admission.counters, gauges
+
+    def _write_back(self, tier_idx: int, admission: TierAdmission) -> None:
+        """Copy the primary tier's coldest blocks that the write-back tier lacks."""
+        ref_count = self._primary.ref_count
+        coldest = self._primary.coldest(admission.writeback_window)
+        candidates = admission.writeback_candidates(coldest, lambda key: ref_count(key) == 0)
+        self._cascade([tier_idx], admission.admit(candidates), _BACKGROUND)
+        admission.forget(lambda key: ref_count(key) is not None)
+
+    def _readable(self, key: OffloadKey) -> bool:
+        """Whether `key` is resident in the primary tier and not being written."""
+        ref_count = self._primary.ref_count(key)
+        return ref_count is not None and ref_count >= 0
+
+    def _cascade(self, tier_idxs: list[int], keys: list[OffloadKey], req_context: ReqContext) -> None:
+        """Copy `keys` (resident, admitted) to each tier of `tier_idxs`: their rows are pinned
+        once, one reader per tier, and stay pinned until every tier reports."""
+        if keys:
+            spec = self._primary.prepare_read(keys, req_context, readers=len(tier_idxs))
+            for tier_idx in tier_idxs:
+                self._submit(tier_idx, keys, spec.block_ids, False, req_context, 0.0)
+            self.submitted += len(tier_idxs)
