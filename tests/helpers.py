@@ -173,9 +173,9 @@ CTX = ReqContext("req-0")
 class Engine:
     """A manager over `num_blocks` primary rows and one tier built from `config`."""
 
-    def __init__(self, config, num_blocks=4, spec=None, admission=None):
+    def __init__(self, config, num_blocks=4, spec=None, admission=None, tenants=None):
         region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", num_blocks, ROW)  # page-aligned rows
-        self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region)
+        self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region, tenants=tenants)
         self.rows = np.asarray(self.primary.get_kv_memoryview())
         try:
             self.tier = SecondaryTierFactory.create_secondary_tier(config, self.primary.get_kv_memoryview(), spec)

@@ -107,7 +107,10 @@ def test_refusals_are_counted_by_reason_and_traced_in_the_log(manager, ctx, capl
 def test_prepare_load_pins_until_complete_load(manager, ctx):
     store(manager, ctx, 0, 1, 2, 3)
     spec = manager.prepare_load(keys(1, 0), ctx)
-    assert spec.block_ids.tolist() == [manager._policy.get(key(1)).block_id, manager._policy.get(key(0)).block_id]
+    assert spec.block_ids.tolist() == [
+        manager._order.policy("").get(key(1)).block_id,
+        manager._order.policy("").get(key(0)).block_id,
+    ]
     manager.prepare_load(keys(0), ctx)
     assert manager.ref_count(key(0)) == 2
     assert manager.prepare_store(keys(4, 5, 6), ctx) is None  # only 2 and 3 are evictable
@@ -283,6 +286,6 @@ def test_the_resident_index_follows_the_policy_through_any_calls(policy, ctx):
             manager.touch([k for k in keys(*ids) if manager.lookup(k, ctx) is not False], ctx)
         elif step % 7 == 0:
             manager.reset_cache()
-        ranked = dict(manager._policy.items())
+        ranked = dict(manager._order.policy("").items())
         assert {k: b.ref_cnt for k, b in manager._resident.items()} == {k: b.ref_cnt for k, b in ranked.items()}
         assert all(manager.lookup(key(i), ctx) == (key(i) in ranked) for i in range(12))

@@ -276,7 +276,7 @@ def test_a_request_offers_every_block_as_vllm_does_and_its_reuse_counts_when_it_
     engine = SimulatedEngine(config, KVLayout("t", 1, 4, 512), 3, "test-touch")
     try:
         loop = SchedulerLoop(engine)
-        arc = engine.manager.primary_tier._policy
+        arc = engine.manager.primary_tier._order.policy("")
         key = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(3)]
         loop.run([Request(0, 1024, 1, (0, 1))])
         assert set(arc._t1) == {key[0], key[1]} and not arc._t2  # stored once: recency list

@@ -17,9 +17,11 @@ def policy(request):
 
 def tier(policy, rows=8, fraction=0.5):
     """A CPU tier of `rows` rows whose retention runs on a manual clock."""
-    primary = CPUPrimaryTierOffloadingManager(rows, RegionStandIn(rows), cache_policy=policy)
+    primary = CPUPrimaryTierOffloadingManager(
+        rows, RegionStandIn(rows), cache_policy=policy, retention_max_fraction=fraction
+    )
     clock = ManualClock()
-    primary.retention = Retention(int(fraction * rows), clock)
+    primary.retention.clock = clock
     return primary, clock
 
 

@@ -151,10 +151,8 @@ def test_a_failed_store_and_a_reset_give_the_rows_back_to_no_one():
 def test_tenant_metrics_carry_a_tenant_label(tmp_path):
     from tests.helpers import Engine
 
-    engine = Engine({"type": "memory"})
+    engine = Engine({"type": "memory"}, tenants=TenantsConfig())
     try:
-        shares = TenantShares(TenantsConfig(), 4, ROW)
-        engine.primary.tenants = shares
         engine.manager.prepare_store(keys(1), ctx("acme"))
         engine.manager.lookup(keys(2)[0], ctx("acme"))
         text = metrics_text(engine.manager)

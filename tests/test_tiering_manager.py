@@ -140,7 +140,7 @@ def test_promotions_are_batched_per_tier_and_request_at_step_end(policy, ctx):
     assert [list(job.keys) for job in tier_b.submitted] == [keys(3)]
     job = tier_a.submitted[0]
     assert job.is_promotion
-    assert job.block_ids.tolist() == [manager.primary_tier._policy.get(k).block_id for k in keys(0, 1)]
+    assert job.block_ids.tolist() == [manager.primary_tier._order.policy("").get(k).block_id for k in keys(0, 1)]
     assert len({j.job_id for j in tier_a.submitted + tier_b.submitted}) == 3
 
 

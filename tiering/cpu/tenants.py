@@ -40,8 +40,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, Field
 
 from tiering.contract.keys import OffloadKey, ReqContext
+from tiering.eviction.base import lists_candidates
 from tiering.eviction.policies import BlockStatus, CachePolicy, make_cache_policy
-from tiering.eviction.retention import Either, Retention, new_counters
+from tiering.eviction.retention import Retention, new_counters, retained_candidates
 from tiering.options import STRICT, Count, parse_size
 
 OTHER = "other"  # the label of the tenants beyond the `metric_tenants` most active
@@ -116,7 +117,7 @@ class TenantShares:
         self.row_bytes = row_bytes
         self.num_blocks = num_blocks
         self._cache_policy = cache_policy
-        if type(make_cache_policy(cache_policy, 1)).candidates is CachePolicy.candidates:
+        if not lists_candidates(type(make_cache_policy(cache_policy, 1))):
             raise ValueError(f"eviction policy {cache_policy!r} cannot serve tenants: it lists no eviction candidates")
         self._default_rows = self._rows(config.default_share)
         self._rows_by_tenant = {name: self._rows(share) for name, share in config.quotas.items()}
@@ -291,25 +292,7 @@ class TenantShares:
         """Up to `n` of `name`'s idle blocks not in `protected`, as its policy's tokens: its
         released blocks first, then those without a live deadline, then (giving up the
         earliest deadlines) retained ones."""
-        policy, retention = self._policies[name], self._retentions.get(name)
-        if retention is None or not retention.active:
-            return policy.candidates(n, protected)
-        chosen: list[Any] = []
-        if retention.has_released:
-
-            def idle(key: OffloadKey) -> bool:
-                token = policy.candidate(key)
-                return token is not None and token[1].ref_cnt == 0 and key not in protected
-
-            chosen = [policy.candidate(key) for key in retention.released(n, idle)]
-        guard = Either(protected, {token[0] for token in chosen}) if chosen else protected
-        live = retention.live()
-        rest = policy.candidates(n - len(chosen), guard if live is None else Either(guard, live))
-        short = n - len(chosen) - len(rest)
-        if short and live is not None and retention.give_up(short, protected):
-            live = retention.live()
-            rest = policy.candidates(n - len(chosen), guard if live is None else Either(guard, live))
-        return chosen + rest
+        return retained_candidates(self._policies[name], self._retentions.get(name), n, protected)
 
     def _fullest(self) -> list[str]:
         """Tenants with blocks, the fullest for their share first."""

@@ -160,6 +160,12 @@ def cache_policy_names() -> list[str]:
     return sorted(_POLICIES)
 
 
+def lists_candidates(policy: type[CachePolicy]) -> bool:
+    """Whether `policy` implements `candidates` (and `candidate`, `evict_candidates`): what
+    tenants and retention hints need of it."""
+    return policy.candidates is not CachePolicy.candidates
+
+
 def make_cache_policy(name: str, capacity: int) -> CachePolicy:
     """Build the policy registered under `name` for `capacity` blocks.
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiering.contract.keys import OffloadKey
+from tiering.eviction.base import CachePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -240,3 +241,34 @@ class Either:
 
     def __contains__(self, key: object) -> bool:
         return key in self.first or key in self.second
+
+
+def retained_candidates(
+    policy: CachePolicy, retention: Retention | None, n: int, protected: Container[OffloadKey]
+) -> list[Any]:
+    """Up to `n` of `policy`'s idle blocks not in `protected`, as its tokens
+    (`CachePolicy.candidates`), by the rules of the module docstring: released blocks first,
+    then those without a live deadline in the policy's order, then, giving up the earliest
+    deadlines, retained ones. Fewer than `n` if there are too few.
+
+    Raises:
+        NotImplementedError: the policy cannot list candidates.
+    """
+    if retention is None or not retention.active:
+        return policy.candidates(n, protected)
+    chosen: list[Any] = []
+    if retention.has_released:
+
+        def idle(key: OffloadKey) -> bool:
+            token = policy.candidate(key)
+            return token is not None and token[1].ref_cnt == 0 and key not in protected
+
+        chosen = [policy.candidate(key) for key in retention.released(n, idle)]
+    guard = Either(protected, {token[0] for token in chosen}) if chosen else protected
+    live = retention.live()
+    rest = policy.candidates(n - len(chosen), guard if live is None else Either(guard, live))
+    short = n - len(chosen) - len(rest)
+    if short and live is not None and retention.give_up(short, protected):
+        live = retention.live()
+        rest = policy.candidates(n - len(chosen), guard if live is None else Either(guard, live))
+    return chosen + rest
