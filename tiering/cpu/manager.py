@@ -6,7 +6,6 @@ Thread: the scheduler thread only; no method blocks, nothing is locked.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Collection, Container, Iterable
 
@@ -16,14 +15,12 @@ from tiering.contract.offloading import OffloadingManager
 from tiering.cpu.order import EvictionOrder
 from tiering.cpu.refusals import Refusals
 from tiering.cpu.request_access import RequestAccesses
-from tiering.cpu.row_states import FAILED, RowStates
+from tiering.cpu.row_states import RowStates
 from tiering.cpu.rows import Rows
 from tiering.cpu.tenants import TenantShares
 from tiering.eviction.policies import BlockStatus, CachePolicy
 from tiering.eviction.retention import RETENTION_MAX_FRACTION, Either, hint_of
 from tiering.stats import TierStats, lookup_counters, new_lookup_counts
-
-logger = logging.getLogger(__name__)
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -273,35 +270,13 @@ class CPUOffloadingManager(OffloadingManager):
         On success each row becomes idle (its rank is the one `prepare_store` gave it, so
         the order of `keys` does not matter); on failure it is freed.
 
-        A row its worker marked ``FAILED`` (the GPU copy into it failed: `tiering.worker.cpu_gpu`)
-        fails its key whatever `success` says.
-
         Returns:
             The keys that became loadable by this call (empty on failure).
         """
-        if success and self.row_states is not None and keys and self.row_states.store_failures_pending():
-            keys = self._without_failed_copies(keys)
         stored = self._complete_writes(keys, success, "blocks_stored")
         if self.tenants is not None and stored:
             self.tenants.count(self.tenants.tenant_of(req_context), "blocks_stored", len(stored))
         return stored
-
-    def _without_failed_copies(self, keys: Collection[OffloadKey]) -> Collection[OffloadKey]:
-        """`keys` less those whose row is ``FAILED``, whose writes are failed here."""
-        assert self.row_states is not None
-        resident = self._resident
-        rows = {key: block.block_id for key in keys if (block := resident.get(key)) is not None and block.ref_cnt == -1}
-        states = self.row_states.states
-        failed = [key for key, row in rows.items() if states[row] == FAILED]
-        if not failed:  # another store's rows failed: its completion is still to come, unless
-            if not (states == FAILED).any():  # its caller failed it itself (rows freed since)
-                self.row_states.handle_store_failures(None)
-            return keys
-        self.row_states.handle_store_failures(len(failed))
-        logger.error("%d blocks stored from the GPU failed in the worker's copy: not kept", len(failed))
-        self._complete_writes(failed, False, "blocks_stored")
-        lost = set(failed)
-        return [key for key in keys if key not in lost]
 
     def _complete_writes(self, keys: Collection[OffloadKey], success: bool, counter: str) -> list[OffloadKey]:
         if not success:

@@ -6,16 +6,19 @@ Thread: the scheduler thread only; no method blocks, nothing is locked.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Container
 from typing import Protocol
 
 from tiering.contract.keys import OffloadKey, ReqContext
 from tiering.contract.mediums import CPULoadStoreSpec, PrepareStoreOutput
 from tiering.cpu.manager import CPUOffloadingManager
-from tiering.cpu.row_states import PENDING, READY
+from tiering.cpu.row_states import FAILED, PENDING, READY, RowStates
 from tiering.cpu.tenants import TenantsConfig, TenantShares
 from tiering.eviction.retention import RETENTION_MAX_FRACTION
 from tiering.stats import TierStats
+
+logger = logging.getLogger(__name__)
 
 
 class KVRegion(Protocol):
@@ -115,6 +118,32 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         if promoted and self.row_states is not None:  # in case the tier did not settle them
             self.row_states.mark([self._resident[key].block_id for key in promoted], READY)
         return promoted
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> list[OffloadKey]:
+        """As `CPUOffloadingManager.complete_store`; a row its worker marked ``FAILED`` (the
+        GPU copy into it failed: `tiering.worker.cpu_gpu`) fails its key whatever `success`
+        says."""
+        if success and self.row_states is not None and keys and self.row_states.store_failures_pending():
+            keys = self._without_failed_copies(keys, self.row_states)
+        return super().complete_store(keys, req_context, success)
+
+    def _without_failed_copies(self, keys: Collection[OffloadKey], row_states: RowStates) -> Collection[OffloadKey]:
+        """`keys` less those whose row is ``FAILED``, whose writes are failed here."""
+        resident = self._resident
+        rows = {key: block.block_id for key in keys if (block := resident.get(key)) is not None and block.ref_cnt == -1}
+        states = row_states.states
+        failed = [key for key, row in rows.items() if states[row] == FAILED]
+        if not failed:  # another store's rows failed: its completion is still to come, unless
+            if not (states == FAILED).any():  # its caller failed it itself (rows freed since)
+                row_states.handle_store_failures(None)
+            return keys
+        row_states.handle_store_failures(len(failed))
+        logger.error("%d blocks stored from the GPU failed in the worker's copy: not kept", len(failed))
+        self._complete_writes(failed, False, "blocks_stored")
+        lost = set(failed)
+        return [key for key in keys if key not in lost]
 
     def get_stats(self) -> TierStats:
         """As `CPUOffloadingManager.get_stats`, plus the bytes of the GPU's stores and loads
