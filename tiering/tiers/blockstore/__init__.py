@@ -1,9 +1,9 @@
 """Block-store tiers: the `BlockStore` interface a backend implements, the settings every
 block-store tier takes, and the adapter that turns any block store into a secondary tier.
 
-Modules by thread: `store` (the interface; its coroutines run on the loop), `settings`
-(construction), `index`, `existence` and `tier` (scheduler thread), `worker` (loop thread), `outbox` (the
-one hand-off between the two).
+Modules by thread: `store` (the interface; its coroutines run on the loop), `settings` and
+`opening` (construction), `index`, `existence`, `counters` and `tier` (scheduler thread),
+`worker` (loop thread), `outbox` (the one hand-off between the two).
 
 Imports: `tiering.contract`, `tiering.eviction.retention`, `tiering.cpu.row_states`, the rest
 of `tiering.tiers` below it (`base`, `health`, `runtime`, `object_format`, `seal`), `tiering.errors`,

@@ -174,6 +174,19 @@ class BlockIndex:
         if self.retention is not None:
             self.retention.used(keys)
 
+    def retain(self, keys: Collection[OffloadKey], seconds: float) -> list[OffloadKey]:
+        """The held `keys` get a deadline `seconds` from now, or keep a later one; returns
+        the keys not held (nor being stored)."""
+        entries = self._entries
+        if self.retention is not None:
+            self.retention.retain([key for key in keys if key in entries], seconds)
+        return [key for key in keys if key not in entries]
+
+    def release(self, keys: Collection[OffloadKey]) -> None:
+        """The held `keys` lose their deadlines and are evicted first."""
+        if self.retention is not None:
+            self.retention.release(key for key in keys if key in self._entries)
+
     def start_reads(self, keys: Collection[OffloadKey]) -> bool:
         """Count a load of all `keys` (they cannot be evicted until `end_read`); False, with
         nothing counted, unless every key is held and stored."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any
@@ -31,12 +30,13 @@ import numpy as np
 from tiering.contract.keys import OffloadKey, ReqContext
 from tiering.cpu.row_states import RowStates
 from tiering.errors import HungCallError, RuntimeClosedError, describe
-from tiering.eviction.retention import Retention
-from tiering.stats import Every, JobTimer, TierStats, lookup_counters, new_lookup_counts, worth_logging
+from tiering.stats import TierStats
 from tiering.tiers.base import Doorbell, JobMetadata, JobResult, SecondaryTierManager
 from tiering.tiers.blockstore import outbox
+from tiering.tiers.blockstore.counters import TierCounters
 from tiering.tiers.blockstore.existence import ExistenceChecks
 from tiering.tiers.blockstore.index import BlockIndex
+from tiering.tiers.blockstore.opening import make_store, new_index
 from tiering.tiers.blockstore.outbox import LoadDone, Outbox, StoreDone
 from tiering.tiers.blockstore.settings import BlockStoreSettings
 from tiering.tiers.blockstore.store import BlockStore
@@ -44,12 +44,8 @@ from tiering.tiers.blockstore.worker import BlockWorker
 from tiering.tiers.health import TierHealth
 from tiering.tiers.object_format import object_size
 from tiering.tiers.runtime import AsyncRuntime
-from tiering.tiers.seal import Seal
 
 logger = logging.getLogger(__name__)
-
-_COUNTERS = ("blocks_stored", "bytes_stored", "blocks_loaded", "bytes_loaded", "jobs_succeeded", "jobs_failed")
-FORGED_LOG_INTERVAL_S = 60.0  # a block whose seal does not open is logged at most this often per tier
 
 
 class BlockStoreTier(SecondaryTierManager):
@@ -95,22 +91,19 @@ class BlockStoreTier(SecondaryTierManager):
         self.settings = settings = settings or BlockStoreSettings()
         rows = np.asarray(self.context.primary_rows).view(np.uint8)
         self.row_bytes = rows.shape[1]
-        self.store = self._make_store(store_factory)
-        self.failures: Counter[str] = Counter()
+        self.store = make_store(self.name, store_factory, self.context.layout_fingerprint, settings, self.row_bytes)
+        self._counters = TierCounters(self.name)
+        self.failures = self._counters.failures
         self._clock = clock
         self.health = TierHealth(
             self.name, settings.failure_threshold, settings.backoff_s, settings.max_backoff_s, clock=clock
         )
         self._index = self._new_index()
         self._outbox = Outbox()
-        self._counters: Counter[str] = Counter()
-        self._lookups = new_lookup_counts()
-        self._stores, self._loads = JobTimer(), JobTimer()
         self._existence = ExistenceChecks(settings.negative_ttl_s, clock)
         self._object_bytes: dict[int, int] = {}  # by key length
         self._released: list[int] = []
         self._evicted: dict[OffloadKey, None] = {}  # objects to delete at the end of the step
-        self._forged_log = Every(FORGED_LOG_INTERVAL_S, at_once=True)
         self._closed = False
         self._batch_blocks = batch_blocks = max(1, settings.batch_bytes // max(1, self.row_bytes))
         runtime = self.context.runtime or AsyncRuntime(f"tiering-{self.name}")
@@ -127,26 +120,6 @@ class BlockStoreTier(SecondaryTierManager):
         )
         self._open_and_recover()
 
-    def _make_store(self, store_factory: Callable[[bytes], BlockStore]) -> BlockStore:
-        """The tier's store, sealing its objects where `integrity` is set.
-
-        Raises:
-            ValueError: as `__init__`.
-        """
-        settings = self.settings
-        store = store_factory(self.context.layout_fingerprint)
-        if settings.integrity is not None:
-            if not store.supports_integrity:
-                raise ValueError(f"tier {self.name}: {type(store).__name__} cannot seal its objects")
-            store.seal = Seal.from_config(settings.integrity, settings.encryption)
-        smallest = object_size(0, self.row_bytes, store.header_align)
-        if settings.capacity_bytes is not None and settings.capacity_bytes < smallest:
-            raise ValueError(
-                f"capacity_bytes ({settings.capacity_bytes}) cannot hold one block: a block takes at least "
-                f"{smallest} bytes (a row of {self.row_bytes} and its header)"
-            )
-        return store
-
     def _open_and_recover(self) -> None:
         """Open the store on the loop and index what it holds; on failure the runtime is
         released and the tier closed.
@@ -158,7 +131,7 @@ class BlockStoreTier(SecondaryTierManager):
         sealed = f", sealing objects ({self.store.seal!r})" if self.store.seal else ""
         logger.info("tier %s: opening %r%s and recovering the blocks it holds", self.name, self.store, sealed)
         try:
-            recovered = self._runtime.run_sync(self._open, timeout_s=timeout_s)
+            recovered = self._runtime.run_sync(self._worker.open, timeout_s=timeout_s)
         except BaseException as exc:
             self._closed = True
             self._runtime.release()
@@ -172,16 +145,7 @@ class BlockStoreTier(SecondaryTierManager):
         logger.info("tier %s: recovered %d blocks (%d bytes)", self.name, len(self._index), self.used_bytes)
 
     def _new_index(self) -> BlockIndex:
-        settings, retention = self.settings, None
-        if settings.capacity_bytes is not None and settings.retention_max_fraction:
-            blocks = settings.capacity_bytes // object_size(0, self.row_bytes, self.store.header_align)
-            if max_retained := int(settings.retention_max_fraction * blocks):
-                retention = Retention(max_retained, self._clock)
-        max_keys = settings.index_max_blocks
-        return BlockIndex(self.name, settings.capacity_bytes, clock=self._clock, max_keys=max_keys, retention=retention)
-
-    async def _open(self) -> list[tuple[OffloadKey, int]]:
-        return await self._worker.open(self._runtime.task_group)
+        return new_index(self.name, self.settings, self.row_bytes, self.store.header_align, self._clock)
 
     # -- SecondaryTierManager ---------------------------------------------------------------
 
@@ -196,7 +160,7 @@ class BlockStoreTier(SecondaryTierManager):
             answer = True if entry.stored else None
         else:
             answer = self._existence.lookup(key) if self.settings.probe_misses else False
-        self._lookups[answer] += 1
+        self._counters.lookups[answer] += 1
         return answer
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -207,21 +171,17 @@ class BlockStoreTier(SecondaryTierManager):
         """A request's hint: the held `keys` get a deadline `seconds` from now, or keep a
         later one (`tiering.eviction.retention`); returns the keys this tier does not hold (nor is
         storing). Scheduler thread."""
-        held = [key for key in keys if key in self._index]
-        if held and self._index.retention is not None:
-            self._index.retention.retain(held, seconds)
-        return [key for key in keys if key not in self._index]
+        return self._index.retain(keys, seconds)
 
     def release(self, keys: Collection[OffloadKey]) -> None:
         """A request's hint: the held `keys` lose their deadlines and are evicted first
         (`tiering.eviction.retention`). Scheduler thread."""
-        if self._index.retention is not None:
-            self._index.retention.release(key for key in keys if key in self._index)
+        self._index.release(keys)
 
     def submit_store(self, job_metadata: JobMetadata) -> None:
         """Reserve room for the blocks not held yet (evicting idle LRU blocks) and start
         writing them. A block that finds no room fails the job, the others still go."""
-        self._stores.start(job_metadata.job_id)
+        self._counters.stores.start(job_metadata.job_id)
         done = StoreDone(job_id=job_metadata.job_id)
         evicted: list[OffloadKey] = []
         items: list[tuple[OffloadKey, int]]
@@ -249,7 +209,7 @@ class BlockStoreTier(SecondaryTierManager):
     def submit_load(self, job_metadata: JobMetadata) -> None:
         """Start reading the job's blocks into its primary rows; fails at once if a key is
         not stored here."""
-        self._loads.start(job_metadata.job_id)
+        self._counters.loads.start(job_metadata.job_id)
         items = list(zip(job_metadata.keys, (int(b) for b in job_metadata.block_ids), strict=True))
         keys = [key for key, _ in items]
         if self._closed or not self._serving or not self._index.start_reads(keys):
@@ -265,7 +225,7 @@ class BlockStoreTier(SecondaryTierManager):
         index. Never blocks."""
         results = []
         for outcome in self._outbox.take():
-            self._count_failures(outcome)
+            self._counters.failed(outcome)
             if self.health.healthy and any(isinstance(error, HungCallError) for _, error in outcome.failures):
                 # calls stop returning: no more work for the tier (each would strand a thread)
                 self.health.trip(f"a call gave no answer in {self.settings.op_timeout_s} s")
@@ -285,12 +245,12 @@ class BlockStoreTier(SecondaryTierManager):
                     self.health.record(len(outcome.ok), outcome.errors)
                     if isinstance(outcome, StoreDone):
                         self._apply_store(outcome)
-                        self._stores.finish(outcome.job_id, outcome.at)
+                        self._counters.stores.finish(outcome.job_id, outcome.at)
                     else:
                         self._apply_load(outcome)
-                        self._loads.finish(outcome.job_id, outcome.at)
+                        self._counters.loads.finish(outcome.job_id, outcome.at)
                     results.append(JobResult(outcome.job_id, outcome.success, rows_in_use=outcome.rows_in_use))
-                    self._counters["jobs_succeeded" if outcome.success else "jobs_failed"] += 1
+                    self._counters.counts["jobs_succeeded" if outcome.success else "jobs_failed"] += 1
         return results
 
     def attach_doorbell(self, doorbell: Doorbell) -> None:
@@ -317,30 +277,7 @@ class BlockStoreTier(SecondaryTierManager):
         load job durations (``store_seconds``, ``load_seconds``: submission to the end of the
         I/O).
         Cheap; scheduler thread."""
-        counters = {
-            **lookup_counters(self._lookups),
-            **{name: self._counters[name] for name in _COUNTERS},
-            "store_busy_seconds": self._stores.busy_seconds(),
-            "load_busy_seconds": self._loads.busy_seconds(),
-            "evictions": self._index.evictions,
-            "index_forgotten": self._index.forgotten,
-            "failures": dict(self.failures),
-            **(retention.counters if (retention := self._index.retention) is not None else {}),
-        }
-        gauges = {
-            "blocks": len(self._index),
-            "retained_blocks": len(self._index.retention) if self._index.retention is not None else 0,
-            "bytes": self.used_bytes,
-            "capacity_bytes": self.capacity_bytes,
-            "room_bytes": self.room_bytes,
-            "jobs_in_flight": len(self._stores) + len(self._loads),
-            "probe_answers": len(self._existence),
-            "healthy": self.health.healthy,
-            "loop_alive": self._runtime.alive,
-            "state": self.health.state.value,
-        }
-        histograms = {"store_seconds": self._stores.seconds.snapshot(), "load_seconds": self._loads.seconds.snapshot()}
-        return {"counters": counters, "gauges": gauges, "histograms": histograms}
+        return self._counters.snapshot(self._index, len(self._existence), self.health, self._runtime.alive)
 
     @property
     def _serving(self) -> bool:
@@ -468,22 +405,13 @@ class BlockStoreTier(SecondaryTierManager):
         self._outbox.task_started()
         self._runtime.submit(partial(start, *args))
 
-    def _count_failures(self, outcome: outbox.Outcome) -> None:
-        for reason, error in outcome.failures:
-            count = self.failures[reason] = self.failures[reason] + 1
-            if reason == "load_forged":  # each names its block: once a minute, whatever the count
-                if self._forged_log.due():
-                    logger.warning("tier %s: not loaded, seal does not open (%d so far): %s", self.name, count, error)
-            elif worth_logging(count):
-                logger.warning("tier %s: %s failed (%d so far): %r", self.name, reason, count, error)
-
     def _apply_store(self, done: StoreDone) -> None:
         for key in done.keys:
             if key not in done.ok:
                 self._index.remove(key)
             elif (entry := self._index.mark_stored(key)) is not None:
-                self._counters["blocks_stored"] += 1
-                self._counters["bytes_stored"] += entry.size
+                self._counters.counts["blocks_stored"] += 1
+                self._counters.counts["bytes_stored"] += entry.size
         if done.no_space and not self.store.evicts_itself:
             self._index.device_full()
         elif done.ok:
@@ -500,8 +428,8 @@ class BlockStoreTier(SecondaryTierManager):
                     self._existence.absent(key)
             elif key in done.ok:
                 self._index.touch([key])
-                self._counters["blocks_loaded"] += 1
-                self._counters["bytes_loaded"] += entry.size
+                self._counters.counts["blocks_loaded"] += 1
+                self._counters.counts["bytes_loaded"] += entry.size
 
     def _flush_checks(self) -> None:
         """Send the step's existence checks, `batch_bytes` worth of blocks per call."""

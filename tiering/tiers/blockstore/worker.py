@@ -114,8 +114,8 @@ class BlockWorker:
         self._stopped = anyio.Event()
         self.row_states: RowStates | None = None  # set by the tier: promoted rows are settled as they land
 
-    async def open(self, runtime_group: anyio.abc.TaskGroup) -> list[tuple[OffloadKey, int]]:
-        """Open the store, read what it holds, and start serving in `runtime_group`.
+    async def open(self) -> list[tuple[OffloadKey, int]]:
+        """Open the store, read what it holds, and start serving in the runtime's task group.
 
         Returns:
             (key, object bytes) of every object found, oldest first.
@@ -126,7 +126,7 @@ class BlockWorker:
         await self.store.open()
         try:
             recovered = await self.store.recover()
-            await runtime_group.start(self._serve)
+            await self._runtime.task_group.start(self._serve)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.store.undo_open()

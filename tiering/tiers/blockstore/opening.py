@@ -1,0 +1,59 @@
+"""What a block-store tier is built from: its store, sealed where the settings ask, and the
+index sized for it.
+
+Thread: the thread that builds the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tiering.eviction.retention import Retention
+from tiering.tiers.blockstore.index import BlockIndex
+from tiering.tiers.blockstore.settings import BlockStoreSettings
+from tiering.tiers.blockstore.store import BlockStore
+from tiering.tiers.object_format import object_size
+from tiering.tiers.seal import Seal
+
+
+def make_store(
+    name: str,
+    store_factory: Callable[[bytes], BlockStore],
+    layout_fingerprint: bytes,
+    settings: BlockStoreSettings,
+    row_bytes: int,
+) -> BlockStore:
+    """Tier `name`'s store (not opened yet), sealing its objects where `integrity` is set.
+
+    Raises:
+        ValueError: `capacity_bytes` cannot hold one block of `row_bytes`; `integrity` is set
+            and the store does not support it, or its keys cannot be read (see
+            `tiering.tiers.seal.read_keys`).
+    """
+    store = store_factory(layout_fingerprint)
+    if settings.integrity is not None:
+        if not store.supports_integrity:
+            raise ValueError(f"tier {name}: {type(store).__name__} cannot seal its objects")
+        store.seal = Seal.from_config(settings.integrity, settings.encryption)
+    smallest = object_size(0, row_bytes, store.header_align)
+    if settings.capacity_bytes is not None and settings.capacity_bytes < smallest:
+        raise ValueError(
+            f"capacity_bytes ({settings.capacity_bytes}) cannot hold one block: a block takes at least "
+            f"{smallest} bytes (a row of {row_bytes} and its header)"
+        )
+    return store
+
+
+def new_index(
+    name: str, settings: BlockStoreSettings, row_bytes: int, header_align: int, clock: Callable[[], float]
+) -> BlockIndex:
+    """An empty index for tier `name`, with retention deadlines for up to
+    `retention_max_fraction` of the blocks `capacity_bytes` holds (none without a capacity)."""
+    retention = None
+    if settings.capacity_bytes is not None and settings.retention_max_fraction:
+        blocks = settings.capacity_bytes // object_size(0, row_bytes, header_align)
+        if max_retained := int(settings.retention_max_fraction * blocks):
+            retention = Retention(max_retained, clock)
+    return BlockIndex(
+        name, settings.capacity_bytes, clock=clock, max_keys=settings.index_max_blocks, retention=retention
+    )
