@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tiering import ConfigError, RegionInUseError
-from tiering.benchmarks.loadgen import cli, runs
+from tiering.benchmarks.loadgen import cli, replay, runs
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.workload import CONTINUATION_TTL_S, Request, read_trace, synthetic, with_hints
 
@@ -349,7 +349,7 @@ def test_an_interrupt_inside_code_run_from_source_text_keeps_the_exit_status(tmp
 
     (tmp_path / "interrupted_run.py").write_text(
         "import os, signal, sys\n"
-        "from tiering.benchmarks.loadgen.cli import Interrupts\n"
+        "from tiering.benchmarks.loadgen.replay import Interrupts\n"
         "interrupts = Interrupts()\n"
         "signal.signal(signal.SIGTERM, interrupts)\n"
         "try:\n"
@@ -505,7 +505,7 @@ MARKUP = "[bold]x[/] [/] ^[a-zA-Z0-9._-]{1,255}$ [link=file:///etc]"  # rich mar
         (PermissionError(errno.EACCES, MARKUP), 2),
         (RegionInUseError(MARKUP), 2),
         (ImportError(MARKUP, name="aiobotocore"), 2),  # a tier's extra, not the bench's
-        (cli.EngineFailure(MARKUP), 3),
+        (replay.EngineFailure(MARKUP), 3),
         (RuntimeError(MARKUP), 3),
         (KeyError(MARKUP), 3),
     ],
@@ -527,7 +527,7 @@ def test_an_engine_failure_mid_replay_is_one_line_and_exit_status_3(monkeypatch,
     def broken(*args, **kwargs):
         raise KeyError("prepare_load: key 00ff is not resident")
 
-    monkeypatch.setattr(cli.SchedulerLoop, "run", broken)
+    monkeypatch.setattr(replay.SchedulerLoop, "run", broken)
     assert cli.main(["--max-requests", "5"]) == 3
     err = capsys.readouterr().err
     assert "engine failure: KeyError" in err and "Traceback" not in err
@@ -642,7 +642,7 @@ def test_a_run_stopped_while_starting_leaves_no_earlier_output_looking_like_its_
 
 
 def test_without_a_terminal_the_replay_logs_its_progress(monkeypatch, caplog):
-    monkeypatch.setattr(cli, "PROGRESS_INTERVAL_S", 0.0)  # a line per request
+    monkeypatch.setattr(replay, "PROGRESS_INTERVAL_S", 0.0)  # a line per request
     with caplog.at_level(logging.INFO, logger="tiering.bench"):
         assert cli.main(["--max-requests", "3"]) == 0  # pytest's stderr is no terminal
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("replayed ")]

@@ -5,6 +5,7 @@ import pytest
 
 from tests.helpers import ROW, ManualClock, RegionStandIn, key, keys
 from tiering import CPUPrimaryTierOffloadingManager, ReqContext
+from tiering.cpu.tenants import TenantsConfig
 from tiering.eviction.retention import MAX_RETAIN_S, Retention, hint_of, parse_duration
 from tiering.tiers.admission import AdmissionConfig
 from tiering.tiers.object_format import object_size
@@ -213,3 +214,23 @@ def test_a_long_retention_writes_blocks_admission_would_skip(engine_factory, ret
     stats = engine.manager.get_stats()["tiers"]["memory"]
     assert stats["counters"]["cascades_retained"] == (2 if written else 0)
     assert stats["gauges"]["retained_blocks"] == (2 if written else 0)
+
+
+@pytest.mark.parametrize("tenants", [None, TenantsConfig()], ids=["one-order", "tenants"])
+def test_a_released_block_leaves_arc_as_dropped_so_its_return_does_not_adapt_arc(tenants):
+    """A release is the client's call, not ARC's: no ghost entry, so no adaptation when it
+    comes back (an evicted block's return does adapt ARC)."""
+    primary = CPUPrimaryTierOffloadingManager(
+        8, RegionStandIn(8), cache_policy="arc", tenants=tenants, retention_max_fraction=0.5
+    )
+    serve(primary, "session", [1, 2], {"release": True})
+    serve(primary, "plain", [3])
+    for i in range(8):  # the released blocks go first, then the plain one
+        serve(primary, f"fill-{i}", [10 + i])
+    assert resident(primary, 1, 2, 3) == [False, False, False]
+    policy = primary._order.policy(primary._order.tenant_of(ReqContext("again")))
+    target = policy.target_t1_size
+    serve(primary, "again", [1, 2])
+    assert policy.target_t1_size == target
+    serve(primary, "plain-again", [3])  # an ordinary eviction's ghost
+    assert policy.target_t1_size > target

@@ -14,33 +14,18 @@ config, trace, option or storage that cannot be used: one line says what and whe
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
-import os
 import signal
 import sys
-import tempfile
-import threading
-import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import tiering
-from tiering import (
-    BlockStoreTier,
-    ConfigError,
-    KVLayout,
-    RegionInUseError,
-    load_config,
-    parse_config,
-)
-from tiering.backends import FileBlockStore
-from tiering.benchmarks.loadgen import BENCH_MODULES, runs
+from tiering import ConfigError, RegionInUseError
+from tiering.benchmarks.loadgen import BENCH_MODULES
 from tiering.benchmarks.loadgen.args import (
     check_output,
     count_arg,
@@ -50,38 +35,12 @@ from tiering.benchmarks.loadgen.args import (
     rate_arg,
     size_arg,
 )
-from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
-from tiering.benchmarks.loadgen.report import build_report, plot, print_summary
-from tiering.benchmarks.loadgen.run import SchedulerLoop
-from tiering.benchmarks.loadgen.workload import (
-    BLOCK_TOKENS,
-    WORKLOADS,
-    read_trace,
-    synthetic,
-    with_flood,
-    with_hints,
-)
-from tiering.errors import describe, describe_bind_error
+from tiering.benchmarks.loadgen.replay import Interrupts, run
+from tiering.benchmarks.loadgen.report import print_summary
+from tiering.benchmarks.loadgen.workload import WORKLOADS
+from tiering.errors import describe
 from tiering.spec import MODEL_PRESETS
-from tiering.stats import Every
 
-if TYPE_CHECKING:
-    pass
-
-DEFAULT_CONFIG = """\
-cpu_bytes_to_use: ${TIERING_BENCH_CPU_BYTES}
-eviction_policy: lru
-secondary_tiers:
-  - type: file
-    root_dir: ${TIERING_BENCH_DIR}
-    capacity_bytes: ${TIERING_BENCH_TIER_BYTES}
-"""
-DEFAULT_SIZES = {
-    "TIERING_BENCH_CPU_BYTES": (4 << 20, 8),
-    "TIERING_BENCH_TIER_BYTES": (48 << 20, 24),
-}  # bytes, or blocks
-LAYERS = 4  # KV tensors of the simulated model when sizing by --block-bytes
-PROGRESS_INTERVAL_S = 10.0  # seconds between two progress lines where no progress bar shows
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_ENGINE_FAILED = 0, 1, 2, 3  # a signal: 128 + its number
 EXIT_STATUS = """\
 other commands:
@@ -96,31 +55,6 @@ exit status:
   130  interrupted by Ctrl-C (143: by SIGTERM): the partial results were still written
 """
 logger = logging.getLogger("tiering.bench")
-
-
-class ProgressLines:
-    """Where no progress bar shows (stderr is not a terminal: a CI log, a pipe), a log line
-    every `PROGRESS_INTERVAL_S` seconds of the replay instead."""
-
-    def __init__(self, total: int):
-        self.total, self.done = total, 0
-        self._every = Every(PROGRESS_INTERVAL_S)
-
-    def __call__(self) -> None:
-        """One more request replayed."""
-        self.done += 1
-        if self._every.due():
-            logger.info(
-                "replayed %d of %d requests (%.0f%%) in %.0f s",
-                self.done,
-                self.total,
-                100 * self.done / self.total,
-                self._every.elapsed(),
-            )
-
-
-class EngineFailure(Exception):
-    """The engine raised while replaying (exit status 3)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -196,174 +130,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--metrics-port", type=port_arg, help="serve Prometheus metrics on 127.0.0.1:PORT while running"
     )
     return parser.parse_args(argv)
-
-
-def layout_for(args: argparse.Namespace) -> KVLayout:
-    """The simulated model: a preset, or `LAYERS` tensors adding up to --block-bytes. A
-    hybrid preset's KV-cache groups are simulated as one, of all its layers: a block is one
-    key here (the bound on its bytes; a sliding-window group stores only its window's tail)."""
-    if args.model:
-        layout = KVLayout.from_preset(args.model, gpu_block_size=BLOCK_TOKENS)
-        return dataclasses.replace(layout, num_layers=layout.num_layers * layout.kv_groups, kv_groups=1)
-    per_token_layer, remainder = divmod(args.block_bytes, LAYERS * BLOCK_TOKENS)
-    if remainder or not per_token_layer:
-        raise ValueError(
-            f"--block-bytes: read {args.block_bytes:,} bytes, not a multiple of {LAYERS * BLOCK_TOKENS:,} "
-            f"({LAYERS} layers of {BLOCK_TOKENS} tokens); for example 64KiB or 2MiB"
-        )
-    return KVLayout("loadgen", LAYERS, per_token_layer, gpu_block_size=BLOCK_TOKENS)
-
-
-class Interrupted(KeyboardInterrupt):
-    """What `Interrupts` raises. A subclass on purpose: when an exception of exactly
-    KeyboardInterrupt leaves code that CPython runs from source text (``exec``/``eval`` of a
-    string, as ``dataclasses`` does while a lazy import defines a class), CPython 3.11 marks
-    the process and, at exit, kills it with SIGINT, even if the exception was caught and the
-    run exited 143. A subclass passes every ``except KeyboardInterrupt`` but not that check."""
-
-
-class Interrupts:
-    """The handler of SIGINT (Ctrl-C) and SIGTERM, run on the main thread: during the replay
-    the first one asks it to stop before the next request (no engine call is cut in half, so
-    the shutdown finds the engine whole); otherwise, or the second time, it raises
-    `Interrupted`, a KeyboardInterrupt."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.stop = threading.Event()
-        self.replaying = False
-
-    def __call__(self, signum: int, _frame: object) -> None:
-        self.received.append(signum)
-        if not self.replaying or self.stop.is_set():
-            raise Interrupted
-        self.stop.set()
-
-    def exit_status(self) -> int:
-        """128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM)."""
-        return 128 + (self.received[0] if self.received else signal.SIGINT)
-
-
-def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> dict:
-    """Load inputs, build the engine, replay, and return the report.
-
-    Raises:
-        ConfigError, ValueError, OSError, RegionInUseError: unusable input or storage.
-        EngineFailure: the engine raised while replaying.
-    """
-    with tempfile.TemporaryDirectory(prefix="tiering-bench-", ignore_cleanup_errors=True) as scratch:
-        layout = layout_for(args)
-        if not args.warm_start:  # a namespace of its own: nothing an earlier run left is a hit
-            layout = dataclasses.replace(layout, model=f"{layout.model}/run-{uuid.uuid4().hex[:12]}")
-        block_bytes = layout.kv_bytes_per_token * BLOCK_TOKENS
-        sizes = {name: str(max(floor, blocks * block_bytes)) for name, (floor, blocks) in DEFAULT_SIZES.items()}
-        environ = {**sizes, **os.environ, "TIERING_BENCH_DIR": scratch}
-        if args.config:
-            config = load_config(args.config, environ)
-        else:
-            config = parse_config(DEFAULT_CONFIG, "<built-in default>", environ)
-        if config.block_size not in (None, BLOCK_TOKENS):
-            raise ValueError(f"the load generator replays {BLOCK_TOKENS}-token blocks: block_size must be omitted")
-        if args.trace:
-            requests = read_trace(args.trace, args.max_requests)
-        else:
-            requests = synthetic(args.workload, args.max_requests or 300, args.seed)
-        if not requests:
-            raise ValueError("no requests to replay")
-        if args.flood:
-            requests = with_flood(requests, args.flood)
-        requests = with_hints(requests, args.hints)
-        longest = max(len(request.hash_ids) for request in requests)
-        prefix_cache = args.gpu_blocks != 0
-        gpu_blocks = args.gpu_blocks or max(64 if prefix_cache else 1, longest)
-        if gpu_blocks < longest:
-            raise ValueError(f"--gpu-cache-blocks {gpu_blocks} cannot hold the longest prompt ({longest} blocks)")
-        from tiering.benchmarks.loadgen.engine import SimulatedEngine
-
-        for tier in config.secondary_tiers:  # what runs killed before their end left
-            if tier["type"] == "file":
-                runs.sweep(Path(tier["root_dir"]))
-        engine = SimulatedEngine(config, layout, gpu_blocks, f"bench-{os.getpid()}", args.seed, prefix_cache)
-        exporter, claim = None, runs.RunClaim()
-        try:
-            if not args.warm_start:
-                for tier in engine.manager.secondary_tiers:
-                    if isinstance(tier, BlockStoreTier) and isinstance(tier.store, FileBlockStore):
-                        claim.claim(tier.store.directory)
-            if args.metrics_port is not None:
-                from tiering.engine.metrics import PrometheusExporter
-
-                try:
-                    exporter = PrometheusExporter(args.metrics_port)
-                except OSError as exc:
-                    raise ValueError(
-                        f"--metrics-port: {describe_bind_error(exc, '127.0.0.1', args.metrics_port)}"
-                    ) from None
-                exporter.attach(engine.manager)
-                console.print(f"metrics on http://127.0.0.1:{exporter.port}/metrics", highlight=False)
-            loop = SchedulerLoop(engine, verify=args.verify)
-            columns = (TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-            try:
-                with Progress(*columns, console=console, transient=True, disable=args.quiet) as progress:
-                    task = progress.add_task("replay", total=len(requests))
-                    interrupts.replaying = True
-                    try:
-                        tick = ProgressLines(len(requests)) if not (console.is_terminal or args.quiet) else None
-
-                        def advance() -> None:
-                            progress.advance(task)
-                            if tick is not None:
-                                tick()
-
-                        stats = loop.run(requests, args.time_scale, advance, interrupts.stop)
-                    finally:
-                        interrupts.replaying = False
-            except Exception as exc:
-                raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
-            replayed = requests[: stats.requests]  # all of them, unless interrupted
-            all_blocks = engine.capacity_blocks(gpu_blocks if prefix_cache else 0)
-            bounds = {
-                "unbounded": unbounded_hit_rate(replayed),
-                "prefix": prefix_hit_rate(replayed),
-                "belady": belady_hit_rate(replayed, engine.spec.num_blocks),
-                "belady_all_tiers": None if all_blocks is None else belady_hit_rate(replayed, all_blocks),
-                "all_tiers_blocks": all_blocks,
-            }
-            inputs = {
-                "config": config.model_dump(),
-                "trace": str(args.trace) if args.trace else None,
-                "workload": None if args.trace else args.workload,
-                "max_requests": args.max_requests,
-                "bytes_per_block": engine.spec.bytes_per_block,
-                "model": args.model,
-                "gpu_blocks": gpu_blocks,
-                "gpu_prefix_cache": prefix_cache,
-                "warm_start": args.warm_start,
-                "namespace": layout.model,
-                "time_scale": args.time_scale,
-                "flood": args.flood,
-                "hints": args.hints,
-                "seed": args.seed,
-                "device": str(engine.device),
-                "trace_span_s": (replayed[-1].timestamp_ms - replayed[0].timestamp_ms) / 1000.0 if replayed else 0.0,
-            }
-            report = build_report(stats, engine, bounds, inputs)
-            if not args.warm_start and report["hit_rate"]["total"] > bounds["prefix"] + 1e-9:
-                raise EngineFailure(
-                    f"hit rate {report['hit_rate']['total']:.4f} above its bound {bounds['prefix']:.4f}"
-                )
-        finally:
-            if exporter is not None:
-                exporter.close()
-            try:
-                if not (args.keep or args.warm_start):
-                    engine.remove_namespaces()
-                claim.release()  # what --keep kept is never swept
-            finally:
-                engine.shutdown()
-    if args.plot:
-        plot(stats, list(report["hit_rate"])[:-1], str(args.plot))
-    return report
 
 
 def _print_error(console: Console, kind: str, exc: BaseException) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from tiering.contract.keys import OffloadKey, ReqContext
 from tiering.eviction.base import lists_candidates
 from tiering.eviction.policies import BlockStatus, CachePolicy, make_cache_policy
-from tiering.eviction.retention import Retention, new_counters, retained_candidates
+from tiering.eviction.retention import Retention, evict_retained, new_counters, retained_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +80,7 @@ class EvictionOrder:
         chosen: list[Any] = retained_candidates(self._policy, retention, n, protected)
         if len(chosen) < n:
             return None
-        evicted = self._policy.evict_candidates(chosen)
-        retention.forget(key for key, _ in evicted)
-        return evicted
+        return evict_retained(self._policy, retention, chosen)
 
     def coldest(self, n: int) -> list[OffloadKey]:
         """Up to `n` blocks in the order the policy would evict them, busy ones included."""

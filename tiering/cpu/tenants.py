@@ -42,7 +42,7 @@ from pydantic import BaseModel, BeforeValidator, Field
 from tiering.contract.keys import OffloadKey, ReqContext
 from tiering.eviction.base import lists_candidates
 from tiering.eviction.policies import BlockStatus, CachePolicy, make_cache_policy
-from tiering.eviction.retention import Retention, new_counters, retained_candidates
+from tiering.eviction.retention import Retention, evict_retained, new_counters, retained_candidates
 from tiering.options import STRICT, Count, parse_size
 
 OTHER = "other"  # the label of the tenants beyond the `metric_tenants` most active
@@ -279,11 +279,9 @@ class TenantShares:
             return None
         victims = []
         for name, chosen in plan.items():
-            evicted = self._policies[name].evict_candidates(chosen)
+            evicted = evict_retained(self._policies[name], self._retentions.get(name), chosen)
             for key, _ in evicted:
                 del self.owner[key]
-            if (retention := self._retentions.get(name)) is not None:
-                retention.forget(key for key, _ in evicted)
             self._released(name, len(evicted))
             victims += evicted
         return victims

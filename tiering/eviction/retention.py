@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiering.contract.keys import OffloadKey
-from tiering.eviction.base import CachePolicy
+from tiering.eviction.base import BlockStatus, CachePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +176,10 @@ class Retention:
         either is the policy's alone."""
         return bool(self._deadlines or self._released)
 
+    def is_released(self, key: OffloadKey) -> bool:
+        """Whether `key` waits to be evicted first."""
+        return key in self._released
+
     @property
     def has_released(self) -> bool:
         """Whether some key waits to be evicted first."""
@@ -272,3 +276,25 @@ def retained_candidates(
         live = retention.live()
         rest = policy.candidates(n - len(chosen), guard if live is None else Either(guard, live))
     return chosen + rest
+
+
+def evict_retained(
+    policy: CachePolicy, retention: Retention | None, chosen: list[Any]
+) -> list[tuple[OffloadKey, BlockStatus]]:
+    """Evict the tokens `retained_candidates` chose, and forget their deadlines and releases.
+    A released block leaves the policy as dropped (`CachePolicy.remove`: no ARC ghost entry),
+    the others as the policy evicts them: a release was the client's call, not the policy's,
+    so its block coming back says nothing of the policy's balance.
+
+    Returns:
+        (key, block) of each, the released ones first.
+    """
+    if retention is None:
+        return policy.evict_candidates(chosen)
+    released = {token[0] for token in chosen if retention.is_released(token[0])} if retention.has_released else ()
+    evicted = [(token[0], token[1]) for token in chosen if token[0] in released]
+    for key, _ in evicted:
+        policy.remove(key)
+    evicted += policy.evict_candidates([token for token in chosen if token[0] not in released] if released else chosen)
+    retention.forget(key for key, _ in evicted)
+    return evicted
