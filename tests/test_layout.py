@@ -1,6 +1,6 @@
 """The package's layout is its architecture: docs/architecture.md's tree lists exactly its
-folders and modules, few modules sit at the top, and every folder imports only folders
-below it (the order of the tree)."""
+folders and modules, few modules sit at the top, every folder imports only folders below it
+(the order of the tree), no two modules import each other, and no module is too long to read."""
 
 import ast
 import re
@@ -94,3 +94,59 @@ def test_every_part_imports_only_parts_below_it():
                 if target != part and FLOORS[target] >= FLOORS[part]:
                     upward.append(f"{module} imports {name}")
     assert upward == []
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_runs_past_450_lines():
+    long = []
+    for folder in ("tiering", "backends", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            relative = path.relative_to(ROOT)
+            if relative.parts[:2] in (("tiering", "backends"), ("tiering", "benchmarks")):
+                continue  # links a checkout may have (see package_tree)
+            lines = len(path.read_text().splitlines())
+            if lines > MAX_MODULE_LINES:
+                long.append(f"{relative}: {lines} lines")
+    assert long == [], "split these along their seams"
+
+
+def module_imports(path: Path) -> set[str]:
+    """The tiering modules `path` imports when it is imported: its top-level imports,
+    those under ``if TYPE_CHECKING:`` left out (a name imported from a package is its
+    submodule when there is one)."""
+    imported = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in imported if name.startswith("tiering.")}
+
+
+def test_no_two_modules_import_each_other_directly_or_through_others():
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE).with_suffix("")
+        if relative.parts[0] in ("backends", "benchmarks") or "__pycache__" in relative.parts:
+            continue
+        if relative.name != "__init__":  # a package's re-exports are not its modules' dependencies
+            modules[".".join(("tiering", *relative.parts))] = path
+    graph = {name: module_imports(path) & modules.keys() for name, path in modules.items()}
+    cycles, state = [], dict.fromkeys(graph, 0)  # 0 unseen, 1 on the path, 2 done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if state[target] == 1:
+                cycles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif state[target] == 0:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if state[name] == 0:
+            visit(name, [name])
+    assert cycles == []

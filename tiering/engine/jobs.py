@@ -73,6 +73,14 @@ class JobTable:
         ended: Callable[[Job, bool, bool], None],
         released: Callable[[Job], None],
     ):
+        """
+        Args:
+            tiers, tier_names: the secondary tiers, in order, and their names (for logs).
+            hooks: which tiers implement the optional hooks (`tier_calls.hooks_of`).
+            deadline_s: seconds a tier has to report a job; None: no deadline.
+            clock: seconds, monotonic: when jobs are due.
+            ended, released: the owner's callbacks (see the class).
+        """
         self._tiers = tiers
         self._tier_names = tier_names
         self._ended = ended
