@@ -126,3 +126,34 @@ def test_a_cpu_tier_too_small_for_two_steps_is_named_once_at_start(caplog):
         assert "max_num_batched_tokens=520 (18 rows" in line and "cpu_bytes_to_use=1179648 or more fits" in line
     finally:
         spec.shutdown()
+
+
+def test_a_promoted_blocks_source_follows_its_tiers_type_not_its_name():
+    """vLLM's ``cache hit source``: a file tier named 'nvme' is disk, an S3 tier named
+    'file-cold' is unspecified, a block stored from the GPU is host."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    file_tier, s3_tier = ManualTier("file"), ManualTier("s3")
+    file_tier.name, s3_tier.name = "nvme", "file-cold"
+    file_tier.present[key(1)] = True
+    s3_tier.present[key(2)] = True
+    primary = CPUPrimaryTierOffloadingManager(4, RegionStandIn(4))
+    manager = adapter._Manager(TieringOffloadingManager(primary, [file_tier, s3_tier]), spec=None)
+    context = ReqContext("r")
+    out = manager.prepare_store([key(0)], context)
+    manager.complete_store(out.keys_to_store, context)
+    assert [manager.lookup(k, context) for k in keys(1, 2)] == [LookupResult.HIT_PENDING] * 2  # promotions queued
+    manager.manager.on_schedule_end()
+    file_tier.finish_all()
+    s3_tier.finish_all()
+    manager.manager.on_schedule_end()
+    sources = [manager.get_load_source(k, context) for k in keys(0, 1, 2)]
+    assert sources == [CacheHitSource.HOST, CacheHitSource.DISK, CacheHitSource.EXTERNAL_UNSPECIFIED]
+
+
+def test_the_refusal_metrics_name_every_reason_the_engine_counts():
+    from tiering.cpu.refusals import REFUSAL_REASONS
+
+    definitions = metric_definitions()
+    for name in ("vllm:kv_tiering_stores_refused", "vllm:kv_tiering_promotions_refused"):
+        assert all(reason in definitions[name].documentation for reason in REFUSAL_REASONS), name

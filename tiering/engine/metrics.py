@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from tiering.cpu.refusals import REFUSAL_REASONS
 from tiering.tiers.context import PRIMARY_NAME
 
 
@@ -96,8 +97,8 @@ HELP = {
     "load_busy_seconds": "Seconds during which at least one load job of this tier was in flight.",
     "blocks_read_by_tiers": "CPU-tier blocks read by secondary tiers (cascades).",
     "blocks_promoted": "Blocks promoted into the CPU tier from a secondary tier.",
-    "promotions_refused": "Promotions the CPU tier refused, by reason (rows_in_flight, larger_than_tier).",
-    "stores_refused": "GPU stores the CPU tier refused, by reason (rows_in_flight, larger_than_tier).",
+    "promotions_refused": f"Promotions the CPU tier refused, by reason ({', '.join(REFUSAL_REASONS)}).",
+    "stores_refused": f"GPU stores the CPU tier refused, by reason ({', '.join(REFUSAL_REASONS)}).",
     "blocks_store_failed": "Writes into CPU-tier rows (GPU stores, promotions) that failed.",
     "evictions": "Blocks evicted to make room.",
     "index_forgotten": "Keys a tier whose store evicts by itself forgot beyond index_max_blocks (objects kept).",

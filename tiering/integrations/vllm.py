@@ -28,7 +28,8 @@ What it translates between vLLM's API (0.32.x and 0.33.x) and the engine's (the 
   promotion the worker's load can wait for is a ``HIT`` at once
   (`TieringOffloadingManager.answer_pending_hits`); a promotion that then fails becomes
   vLLM load errors, which it recomputes. `get_load_source` says ``HOST`` for blocks
-  stored from the GPU, ``DISK`` for blocks promoted from a file tier;
+  stored from the GPU, ``DISK`` for blocks promoted from a tier of type ``file`` (whatever
+  its name), ``EXTERNAL_UNSPECIFIED`` from any other;
 - vLLM's spec classes (int32 ids) both ways, ``ScheduleEndContext``, ``CHUNK_LEVEL``
   requests, events with vLLM's ``Medium``;
 - stats: the engine's per-tier counts (hits, stores, loads, cascades dropped, failed jobs,
@@ -268,6 +269,10 @@ class _Manager(OffloadingManager):
 
     def __init__(self, manager: TieringOffloadingManager, spec: KVTieringOffloadingSpec):
         self.manager, self.spec = manager, spec
+        self._sources = {  # by tier name: the source of a block promoted from it, by the tier's type
+            name: _SOURCES.get(tier.tier_type, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            for name, tier in zip(manager.tier_names, manager.secondary_tiers, strict=True)
+        }
         self._stats = VllmStats(manager)
         self._salts: dict[str, str] = {}  # request id -> cache_salt, from `KVTieringConnector`
 
@@ -292,7 +297,7 @@ class _Manager(OffloadingManager):
         tier = self.manager.promotion_source(_ours(key))
         if tier is None:
             return CacheHitSource.HOST
-        return _SOURCES.get(tier.split("-")[0], CacheHitSource.EXTERNAL_UNSPECIFIED)
+        return self._sources[tier]
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: Any) -> VllmCPUSpec:
         return VllmCPUSpec(self.manager.prepare_load(_all_ours(keys), req_context).block_ids.tolist())

@@ -50,12 +50,12 @@ COUNTERS = {  # the engine's counter -> (vLLM's metric, what it counts)
     "stores_refused": (
         "vllm:kv_tiering_stores_refused",
         "GPU stores the CPU tier refused, by reason: rows_in_flight (every row it could free was held by a "
-        "transfer) or larger_than_tier.",
+        "transfer), larger_than_tier or tenant_share (a tenant beyond its share found no row).",
     ),
     "promotions_refused": (
         "vllm:kv_tiering_promotions_refused",
         "Promotions the CPU tier refused, by reason: rows_in_flight (every row it could free was held by a "
-        "transfer) or larger_than_tier.",
+        "transfer), larger_than_tier or tenant_share (a tenant beyond its share found no row).",
     ),
 }
 BY_REASON = frozenset({"stores_refused", "promotions_refused"})
