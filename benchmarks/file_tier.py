@@ -261,6 +261,12 @@ def main(argv: list[str] | None = None) -> None:
         "--seals", default="", help="comma-separated: signed, encrypted: also run the engine with integrity keys"
     )
     args = parser.parse_args(argv)
+    if args.dir is not None and not args.dir.is_dir():
+        parser.error(f"--dir: {args.dir} is not a directory (give one on the disk to measure)")
+    try:
+        sizes = [parse_size(size_name) for size_name in args.block_sizes.split(",")]
+    except ValueError as exc:
+        parser.error(f"--block-sizes: {exc}")
     seals = [seal for seal in args.seals.split(",") if seal]
     for seal in seals:
         if seal not in SEALS:
@@ -273,10 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     for column in columns:
         table.add_column(column, justify="left" if column in ("block", "mode", "op") else "right")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tiering-bench-") as base:
-        for size_name in args.block_sizes.split(","):
+        for size_name, size in zip(args.block_sizes.split(","), sizes, strict=True):
             for mode in args.modes.split(","):
                 best = measure(
-                    parse_size(size_name),
+                    size,
                     args.total_mib << 20,
                     Path(base),
                     args.concurrency,

@@ -23,6 +23,17 @@ def test_file_tier(capsys, tmp_path, monkeypatch):
         assert word in out
 
 
+def test_file_tier_refuses_a_missing_directory_or_size_in_one_line(capsys, tmp_path):
+    for bad, message in (
+        (["--dir", str(tmp_path / "missing")], "--dir: " + str(tmp_path / "missing") + " is not a directory"),
+        (["--block-sizes", "lots"], "--block-sizes: expected a size such as 65536"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            file_tier.main(bad)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and message in err and "Traceback" not in err
+
+
 def test_s3_tier(capsys, s3_server, s3_bucket):
     args = ["--endpoint-url", s3_server.endpoint_url, "--bucket", s3_bucket, "--total-mib", "1", "--repeats", "1"]
     s3_tier.main([*args, "--block-sizes", "256KiB"])
@@ -66,7 +77,7 @@ def test_the_serving_benchmark_says_it_needs_vllm_and_checks_its_options(capsys,
     trace = tmp_path / "trace.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 64, "output_length": 1, "hash_ids": [1, 2]}\n')
     assert loadgen.main(["serve", "--trace", str(trace)]) == 2
-    assert "tiering-bench serve needs vLLM: run it in the environment of README's third" in capsys.readouterr().out
+    assert "tiering-bench serve needs vLLM: run it in the environment of README's third" in capsys.readouterr().err
     for bad in (["--configurations", "a,z"], ["--configurations", "g"]):
         with pytest.raises(SystemExit) as exited:
             loadgen.main(["serve", "--trace", str(trace), *bad])

@@ -26,7 +26,12 @@ def test_check_prints_the_resolved_engine_without_building_it(tmp_path, capsys):
     assert "block: 256 tokens of llama-3.1-8b = 33,554,432 bytes; cpu tier rows: 256" in out
     assert "tier file: type file, root_dir=" in out and "capacity_bytes=214748364800" in out
     assert "tier memory: type memory, default options" in out and "min_reuse=2" in out
+    assert "max_rows_in_flight=64" in out and "writeback_window=32" in out and "None" not in out  # 256 rows, 2 tiers
     assert not (tmp_path / "kv").exists()  # nothing was built
+    assert config_main(["check", str(config)]) == 0  # no model: the rows are not known
+    out = capsys.readouterr().out
+    assert "max_rows_in_flight and writeback_window sized by the CPU tier's rows (--model prints them)" in out
+    assert "None" not in out
 
 
 def test_check_with_a_model_refuses_what_the_engine_would_refuse(tmp_path, capsys):

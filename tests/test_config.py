@@ -38,6 +38,23 @@ def test_a_full_config_loads_with_sizes_and_variables_resolved():
     assert s3_tier["endpoint_url"] == "http://127.0.0.1:9000" and s3_tier["capacity_bytes"] == 2 << 40
 
 
+def test_a_duplicate_key_is_reported_with_every_other_problem():
+    text = "cpu_bytes_to_use: lots\neviction_policy: lru\neviction_policy: fifo\nsecondary_tiers: [{type: nvme}]"
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "engine.yaml")
+    assert caught.value.lines[0] == (
+        "engine.yaml: line 3, column 1: not valid YAML: duplicate key 'eviction_policy' (first given on line 2)"
+    )
+    text = " ".join(caught.value.lines)
+    assert "cpu_bytes_to_use: expected a size" in text and "secondary_tiers[0].type: unknown tier type" in text
+
+
+@pytest.mark.parametrize("written", ["LRU", "Arc-S", "arc"])
+def test_a_policy_name_is_not_case_sensitive(written):
+    config = parse_config(f"cpu_bytes_to_use: 1000000\neviction_policy: {written}")
+    assert config.eviction_policy == written.lower()
+
+
 def test_defaults():
     config = parse_config("cpu_bytes_to_use: 1000000")
     assert (config.block_size, config.eviction_policy, config.secondary_tiers) == (None, "lru", [])

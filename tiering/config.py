@@ -97,9 +97,9 @@ class TieringConfig(BaseModel):
     @field_validator("eviction_policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        if value not in cache_policy_names():
+        if value.lower() not in cache_policy_names():  # LRU, Arc-S: names are not case-sensitive
             raise ValueError(f"expected one of {', '.join(cache_policy_names())}")
-        return value
+        return value.lower()
 
 
 def load_config(path: str | os.PathLike, environ: Mapping[str, str] | None = None) -> TieringConfig:
@@ -133,14 +133,23 @@ def parse_config(text: str, source: str = "<string>", environ: Mapping[str, str]
     Raises:
         ConfigError: as `load_config`.
     """
+    loader = _Loader(text)
     try:
-        data = yaml.load(text, Loader=_Loader)  # a SafeLoader that also rejects duplicate keys
+        data = loader.get_single_data()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(source, [(where, f"not valid YAML: {getattr(exc, 'problem', None) or exc}")]) from None
     except RecursionError:
         raise ConfigError(source, [("", f"nested too deeply (at most {MAX_DEPTH} levels)")]) from None
+    finally:
+        loader.dispose()
+    if loader.duplicates:  # reported with every other problem the document has
+        try:
+            config_from_dict(data, source, environ)
+        except ConfigError as exc:
+            raise ConfigError(source, loader.duplicates + exc.problems) from None
+        raise ConfigError(source, loader.duplicates)
     if data is None:
         raise ConfigError(source, [("", "the file is empty; expected settings such as 'cpu_bytes_to_use: 8GiB'")])
     return config_from_dict(data, source, environ)
@@ -236,7 +245,12 @@ def _name_tiers(tiers: list[dict[str, Any]], problems: list[tuple[str, str]]) ->
 
 
 class _Loader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that rejects a key given twice in one mapping."""
+    """`yaml.SafeLoader` that notes each key given twice in one mapping (`duplicates`: where,
+    what) instead of letting the last one win silently."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self.duplicates: list[tuple[str, str]] = []
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
@@ -249,11 +263,12 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any
             first = seen.get(key)
         except TypeError:
             continue  # an unhashable key: the constructor reports it
+        mark = key_node.start_mark
         if first is not None:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first given on line {first})", key_node.start_mark
-            )
-        seen[key] = key_node.start_mark.line + 1
+            where = f"line {mark.line + 1}, column {mark.column + 1}"
+            loader.duplicates.append((where, f"not valid YAML: duplicate key {key!r} (first given on line {first})"))
+            continue
+        seen[key] = mark.line + 1
     return loader.construct_mapping(node)
 
 

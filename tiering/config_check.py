@@ -25,7 +25,7 @@ from tiering.contract.keys import make_offload_key
 from tiering.errors import ConfigError
 from tiering.integrations.vllm_config import check_kv_transfer_config
 from tiering.spec import MODEL_PRESETS, KVLayout
-from tiering.tiers.admission import AdmissionConfig
+from tiering.tiers.admission import AdmissionConfig, TierAdmission
 from tiering.tiers.blockstore import BlockStore
 from tiering.tiers.factory import SecondaryTierFactory
 from tiering.tiers.object_format import object_size
@@ -42,7 +42,7 @@ def describe(config: TieringConfig, layout: KVLayout | None) -> tuple[list[str],
         f"cpu tier: {config.cpu_bytes_to_use:,} bytes, eviction policy {config.eviction_policy}",
     ]
     problems = []
-    block_bytes = None
+    block_bytes = rows = None
     if layout is not None and block_size is not None:
         block_bytes = layout.kv_bytes_per_token * block_size
         rows = config.cpu_bytes_to_use // block_bytes
@@ -57,7 +57,7 @@ def describe(config: TieringConfig, layout: KVLayout | None) -> tuple[list[str],
         options = {k: v for k, v in tier.items() if k not in ("type", "name", "admission")}
         admission = AdmissionConfig(**tier.get("admission", {}))
         lines.append(f"tier {tier['name']}: type {tier['type']}, {_options(options)}")
-        lines.append(f"  admission: {_options(admission.model_dump())}")
+        lines.append(f"  admission: {_admission(admission, rows, len(config.secondary_tiers))}")
         capacity = tier.get("capacity_bytes")
         _, tier_cls, _ = SecondaryTierFactory.resolve(tier)
         if block_bytes is not None and capacity is not None and issubclass(tier_cls, BlockStore):
@@ -72,6 +72,20 @@ def describe(config: TieringConfig, layout: KVLayout | None) -> tuple[list[str],
     if config.metrics is not None:
         lines.append(f"metrics: http://{config.metrics.address}:{config.metrics.port}/metrics")
     return lines, problems
+
+
+def _admission(config: AdmissionConfig, rows: int | None, tiers: int) -> str:
+    """`config`'s settings, those sized by the CPU tier's rows resolved when `rows` is known."""
+    settings = config.model_dump()
+    if rows is not None and rows > 0:
+        resolved = TierAdmission(config, rows, tiers)
+        settings["max_rows_in_flight"], settings["writeback_window"] = resolved.max_rows, resolved.writeback_window
+        return _options(settings)
+    unresolved = [key for key in ("max_rows_in_flight", "writeback_window") if settings[key] is None]
+    for key in unresolved:
+        del settings[key]
+    auto = f"; {' and '.join(unresolved)} sized by the CPU tier's rows (--model prints them)" if unresolved else ""
+    return _options(settings) + auto
 
 
 def _options(options: dict[str, Any]) -> str:

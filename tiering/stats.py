@@ -4,7 +4,7 @@
 are current values, and each histogram (seconds) is a `Histogram.snapshot()`: cumulative
 counts per upper bound, Prometheus style. Everything is plain ints, floats, bools and
 strings, so a snapshot can be handed to another thread or dumped as JSON. The shape of each
-part is documented in README.md ("Observability").
+part is documented in docs/observability.md.
 
 Thread: the scheduler thread only (the classes here are not locked).
 """

@@ -124,7 +124,7 @@ def synthetic(name: str, num_requests: int, seed: int = 0) -> list[Request]:
     - ``long-doc``: questions about long documents, documents picked by a Zipf law.
     - ``zipf``: prompts whose prefixes are drawn from a Zipf-distributed pool.
     - ``shared-prefix``: 8 prefixes of 32 blocks, each request one of them (uniformly) and
-      a block of its own (the serving benchmark's hit-cost workload, issue 30).
+      a block of its own (the serving benchmark's hit-cost workload).
 
     Raises:
         ValueError: unknown workload name.

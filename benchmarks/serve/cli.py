@@ -23,6 +23,7 @@ import importlib.util
 import json
 import logging
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -157,7 +158,10 @@ def _log_summary(name: str, summary: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None:
-        print("tiering-bench serve needs vLLM: run it in the environment of README's third set-up command (.venv-vllm)")
+        print(
+            "tiering-bench serve needs vLLM: run it in the environment of README's third set-up command (.venv-vllm)",
+            file=sys.stderr,
+        )
         return 2
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         source = read_trace(args.trace) if args.trace else synthetic(args.workload, args.max_requests)
         requests = with_hints(sample_conversations(source, args.conversation_sample)[: args.max_requests], args.hints)
     except (ValueError, OSError) as exc:
-        print(f"tiering-bench serve: {exc}")
+        print(f"tiering-bench serve: {exc}", file=sys.stderr)
         return 2
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="tiering-serve-"))
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.output:  # after each configuration: a long run stopped keeps what it measured
                     args.output.write_text(json.dumps(report(), indent=1))
     except RuntimeError as exc:
-        print(f"tiering-bench serve: {exc}")
+        print(f"tiering-bench serve: {exc}", file=sys.stderr)
         return 3
     finally:
         if not args.keep and args.work_dir is None:

@@ -42,14 +42,15 @@ class Refusals:
         if reason == "tenant_share":
             logger.info(
                 "CPU tier: %s (tenant_share, %d so far): a tenant beyond its share found no idle row of its own "
-                "or of a tenant over its share (README: tenants)",
+                "or of a tenant over its share (docs/sharing.md: tenants)",
                 name.replace("_", " "),
                 count,
             )
         else:
             logger.warning(
                 "CPU tier: %s (%s, %d so far): %d blocks asked, %d rows of %d held by transfers in flight "
-                "(%d being written, %d being read); a larger cpu_bytes_to_use avoids it (README: sizing the CPU tier)",
+                "(%d being written, %d being read); a larger cpu_bytes_to_use avoids it "
+                "(docs/vllm.md: sizing the CPU tier)",
                 name.replace("_", " "),
                 reason,
                 count,

@@ -288,7 +288,7 @@ class TieringOffloadingManager(OffloadingManager):
         return self.promotions.source(key)
 
     def get_stats(self) -> dict[str, Any]:
-        """A snapshot of every counter, gauge and histogram; README.md ("Observability")
+        """A snapshot of every counter, gauge and histogram; docs/observability.md
         documents each name. Scheduler thread; cheap (no I/O, nothing scanned).
 
         Returns:

@@ -9,7 +9,7 @@ tier, else the tier's name), the manager's become ``tiering_manager_<name>``: co
 ``..._total`` (a counter of counts by reason, ``failures``, gets a ``reason`` label), gauges
 as they are, histograms (seconds) as Prometheus histograms. Every metric also carries the
 exporter's constant labels (the engine's ``instance`` and ``model`` when the spec starts it),
-and every HELP text says what is counted (`HELP`; README.md lists them all).
+and every HELP text says what is counted (`HELP`; docs/observability.md lists them all).
 """
 
 from __future__ import annotations

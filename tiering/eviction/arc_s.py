@@ -39,7 +39,7 @@ class ARCSCachePolicy(ARCCachePolicy):
     - **Eviction** takes the least recent idle block of the list furthest over its target
       (T2's target is the capacity minus T1's), then of the other.
 
-    Measured with `tiering-bench` (README, "Eviction policies"): it beats ARC where the CPU
+    Measured with `tiering-bench` (docs/configuration.md, "Eviction policies"): it beats ARC where the CPU
     tier is small against the working set, as it keeps blocks that many requests share
     even when each stay in the tier is too short for a reuse to happen there.
     """

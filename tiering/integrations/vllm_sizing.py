@@ -45,7 +45,7 @@ def check_cpu_tier_size(engine: EngineSpec, max_num_batched_tokens: int, kv_grou
             "the CPU tier (cpu_bytes_to_use=%d: %d rows of %d tokens) is smaller than two scheduler steps of "
             "max_num_batched_tokens=%d (%d rows: one step's stores in flight while the next step's requests load "
             "and promote theirs); under load it will refuse stores and promotions (stores_refused, "
-            "promotions_refused). cpu_bytes_to_use=%d or more fits them; see README, Sizing the CPU tier",
+            "promotions_refused). cpu_bytes_to_use=%d or more fits them; see docs/vllm.md, sizing the CPU tier",
             engine.config.cpu_bytes_to_use,
             engine.num_blocks,
             engine.block_size,

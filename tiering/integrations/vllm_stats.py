@@ -4,7 +4,7 @@
 Each count is a vLLM counter labelled with the tier (``cpu`` and each secondary tier by
 name); the CPU tier's refusals are labelled with their reason too
 (`tiering.cpu.refusals.REFUSAL_REASONS`). The engine's own exporter (the ``metrics`` key)
-remains the detailed view: every counter, gauge and histogram of README's "Observability".
+remains the detailed view: every counter, gauge and histogram of docs/observability.md.
 
 Thread: vLLM's scheduler thread.
 """

@@ -23,7 +23,7 @@ Each direction is a FIFO of transfers, finished in order and polled without bloc
   from 4.0 to 3.3 GB/s, fighting the model's threads for the same cores. A ``torch`` copy
   would fork its OpenMP threads for every run, next to the model's own (bound to the same
   cores, and spinning between steps), and pay torch's dispatch per run: with 32 KiB pages
-  that ran at 0.7-1.0 GB/s under ``vllm serve`` where this runs at 4 GB/s (issue 30). Same
+  that ran at 0.7-1.0 GB/s under ``vllm serve`` where this runs at 4 GB/s. Same
   API, same ordering, real bytes; tests and the load generator use it on machines without
   a GPU.
 
