@@ -116,11 +116,11 @@ class Rig:
             "cascaded_blocks": after["cascades_admitted"] - before["cascades_admitted"],
             "gpu_stores_refused_pct": 100.0 * refused / max(1, offered),
             "pinned_rows_peak": pinned,
-            "promotion_p50_ms": _percentile(promotions, 50) * 1e3,
-            "promotion_p99_ms": _percentile(promotions, 99) * 1e3,
+            "promotion_p50_ms": _percentile(promotions, 50, 1e3),
+            "promotion_p99_ms": _percentile(promotions, 99, 1e3),
             "promotions": len(promotions),
-            "scheduler_call_p99_us": _percentile([s for calls in self.call_s.values() for s in calls], 99) * 1e6,
-            "call_p99_us": {name: _percentile(calls, 99) * 1e6 for name, calls in self.call_s.items()},
+            "scheduler_call_p99_us": _percentile([s for calls in self.call_s.values() for s in calls], 99, 1e6),
+            "call_p99_us": {name: _percentile(calls, 99, 1e6) for name, calls in self.call_s.items()},
         }
 
     def _promote(self, waiting: dict[bytes, float], promotions: list[float], context: ReqContext) -> None:
@@ -147,8 +147,10 @@ def _counters(manager: TieringOffloadingManager) -> dict[str, int]:
     return {name: counters.get(name, 0) for name in ("bytes_stored", "cascades_dropped", "cascades_admitted")}
 
 
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
+def _percentile(values: list[float], q: float, scale: float) -> float | None:
+    """The `q`th percentile of `values` (seconds) times `scale`; None (no such event in the
+    phase: printed as '-', a gap in the plot) if there are none."""
+    return float(np.percentile(values, q)) * scale if values else None
 
 
 def ramp(args: argparse.Namespace, admission: dict[str, Any], directory: str, absorbed: float) -> list[dict]:
@@ -211,7 +213,12 @@ def _print(results: dict[str, Any]) -> None:
     for mode in ("admission", "no_admission"):
         print(f"\n{mode}\n{header}")
         for row in results[mode]:
-            print(" ".join(fmt.format(row[name]) for name, fmt in columns))
+            print(" ".join(_cell(fmt, row[name]) for name, fmt in columns))
+
+
+def _cell(fmt: str, value: float | None) -> str:
+    """`value` in `fmt`, or '-' as wide for a value that was not measured."""
+    return fmt.format(value) if value is not None else "-".rjust(len(fmt.format(0)))
 
 
 def _plot(results: dict[str, Any], path: str) -> None:

@@ -72,6 +72,16 @@ def test_overload_ramp_through_tiering_bench(capsys, tmp_path):
     assert "tier absorbs" in capsys.readouterr().out
 
 
+def test_an_overload_phase_without_promotions_prints_a_dash_not_nan(capsys):
+    from tiering.benchmarks import overload
+
+    row = dict.fromkeys(("x", "offered_gbps", "absorbed_gbps", "gpu_stores_refused_pct", "scheduler_call_p99_us"), 1.0)
+    row |= {"cascades_dropped": 0, "pinned_rows_peak": 3, "promotion_p50_ms": None, "promotion_p99_ms": None}
+    overload._print({"absorbed_gbps": 1.0, "admission": [row], "no_admission": [row]})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].split() == ["1.00", "1.00", "1.00", "0", "1.0", "3", "-", "-", "1.0"]
+
+
 def test_the_serving_benchmark_says_it_needs_vllm_and_checks_its_options(capsys, tmp_path):
     """It runs in the vLLM stage (tests_vllm/test_serve_bench.py); here vLLM is not installed."""
     trace = tmp_path / "trace.jsonl"
