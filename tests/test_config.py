@@ -317,3 +317,18 @@ def test_tiers_get_distinct_names_and_a_given_name_is_checked():
         parse_config(clash)
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].name: expected 1-64 letters"):
         parse_config("cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, name: 'a/b'}]")
+
+
+def test_a_shared_tier_under_per_process_block_hashes_is_warned_about(caplog):
+    """vLLM seeds xxhash per process unless PYTHONHASHSEED is set: a file, S3 or Valkey tier
+    would then never hit across engines, nor after a restart."""
+    from tiering.integrations.vllm_config import warn_unshared_hashes
+
+    shared = parse_config("cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{type: file, root_dir: /tmp/kv, name: nvme}]")
+    private = parse_config("cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{type: memory}]")
+    assert warn_unshared_hashes(shared, "xxhash", environ={})
+    assert "vLLM hashes blocks with xxhash and a seed of its own in each process" in caplog.text
+    assert "tiers nvme will hold blocks that no other engine" in caplog.text
+    assert not warn_unshared_hashes(shared, "xxhash", environ={"PYTHONHASHSEED": "0"})
+    assert not warn_unshared_hashes(shared, "sha256", environ={})
+    assert not warn_unshared_hashes(private, "xxhash_cbor", environ={})

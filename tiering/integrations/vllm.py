@@ -107,7 +107,7 @@ from tiering.contract.keys import OffloadKey as Key
 from tiering.contract.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.engine.manager import TieringOffloadingManager
 from tiering.errors import ConfigError
-from tiering.integrations.vllm_config import engine_config
+from tiering.integrations.vllm_config import engine_config, warn_unshared_hashes
 from tiering.integrations.vllm_sizing import check_cpu_tier_size, rows_for_one_step
 from tiering.integrations.vllm_stats import VllmStats, metric_definitions
 from tiering.spec import KVLayout
@@ -210,6 +210,8 @@ class KVTieringOffloadingSpec(OffloadingSpec):
             self.engine.store_reserve_rows = min(step_rows, self.engine.num_blocks // 2)
         if budget is not None and config.parallel.rank == 0:
             check_cpu_tier_size(self.engine, budget, len(config.groups))
+        if vllm_config is not None and config.parallel.rank == 0:
+            warn_unshared_hashes(tiering_config, str(vllm_config.cache_config.prefix_caching_hash_algo))
         self._closed = False
         _LIVE.add(self)
         atexit.register(self.shutdown)  # a forgotten shutdown still releases shared memory and threads

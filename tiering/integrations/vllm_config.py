@@ -14,6 +14,8 @@ Thread: any.
 from __future__ import annotations
 
 import json
+import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,13 @@ VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "offload_prompt_only", "
 """Extra-config keys that are vLLM's own, not the engine's."""
 TIER_ALIASES = {"fs": "file", "obj": "s3"}
 """vLLM's tier type names, accepted for ours."""
+PER_PROCESS_HASHES = frozenset({"xxhash", "xxhash_cbor"})
+"""vLLM's ``--prefix-caching-hash-algo`` values it seeds with random bytes per process
+unless ``PYTHONHASHSEED`` is set (vLLM 0.32, 0.33: ``resolve_none_hash_seed``)."""
+PRIVATE_TIER_TYPES = frozenset({"memory"})
+"""Tier types whose blocks no other process reads and that do not outlive the engine."""
+
+logger = logging.getLogger(__name__)
 
 
 def engine_config(extra_config: Mapping[str, Any], tokens_per_row: int | None) -> TieringConfig:
@@ -120,3 +129,22 @@ def _connector_problems(transfer: Mapping[str, Any], extra: Mapping[str, Any]) -
     if transfer.get("kv_role") is None:
         problems.append(("kv_role", f"required with kv_connector; use {VLLM_CONNECTOR['kv_role']!r}"))
     return problems
+
+
+def warn_unshared_hashes(config: TieringConfig, hash_algo: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Warn, once at start, where vLLM's block hashes differ from one process to the next
+    (`hash_algo` in `PER_PROCESS_HASHES` without ``PYTHONHASHSEED``) while a secondary tier
+    is shared or outlives the process (any type but `PRIVATE_TIER_TYPES`): no other engine,
+    nor this one after a restart, would ever find its blocks there. Returns whether it
+    warned."""
+    lasting = [tier["name"] for tier in config.secondary_tiers if tier["type"] not in PRIVATE_TIER_TYPES]
+    if hash_algo not in PER_PROCESS_HASHES or "PYTHONHASHSEED" in environ or not lasting:
+        return False
+    logger.warning(
+        "vLLM hashes blocks with %s and a seed of its own in each process (PYTHONHASHSEED is not set): tiers %s "
+        "will hold blocks that no other engine, nor this one after a restart, ever finds. Set PYTHONHASHSEED to one "
+        "value for every engine that shares them, or use --prefix-caching-hash-algo sha256 (vLLM's default)",
+        hash_algo,
+        ", ".join(lasting),
+    )
+    return True

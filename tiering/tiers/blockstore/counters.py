@@ -27,7 +27,7 @@ class TierCounters:
         self.name = name
         self.lookups = new_lookup_counts()
         self.counts: Counter[str] = Counter()
-        self.failures: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter(dict.fromkeys(outbox.FAILURE_REASONS, 0))  # served at zero
         self.stores, self.loads = JobTimer(), JobTimer()
         self._forged_log = Every(FORGED_LOG_INTERVAL_S, at_once=True)
 

@@ -16,6 +16,23 @@ from dataclasses import dataclass, field
 from tiering.contract.keys import OffloadKey
 from tiering.tiers.base import Doorbell
 
+FAILURE_REASONS = (
+    "store",
+    "store_no_space",
+    "load",
+    "load_missing",
+    "load_corrupt",
+    "load_unusable",
+    "load_forged",
+    "probe",
+    "ping",
+    "delete",
+    "start",
+    "internal",
+)
+"""Why a store call failed, as `Outcome.failed` records it and the tier counts it
+(``failures`` by reason, every reason from the start at zero)."""
+
 
 @dataclass(kw_only=True)
 class Outcome:
@@ -29,7 +46,7 @@ class Outcome:
     at: float = 0.0
 
     def failed(self, reason: str, error: BaseException, sick: bool = True) -> None:
-        """Record a failed call (loop thread)."""
+        """Record a failed call (loop thread); `reason` is one of `FAILURE_REASONS`."""
         self.failures.append((reason, error))
         self.errors += sick
 
