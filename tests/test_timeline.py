@@ -43,8 +43,9 @@ def test_a_promoted_prefix_shows_its_deferred_steps_promotion_and_load(tmp_path)
     assert manager.lookup(key(9), other) is False  # nothing anywhere: no load
     manager.on_request_finished(other)
     manager.lookup(key(1), ReqContext("never-finished"))
+    manager.on_request_finished(ReqContext("cached-whole"))  # vLLM's GPU cache held it all: no lookup
     manager.shutdown()
-    promoted, missed = lines(log)  # the unfinished request wrote nothing
+    promoted, missed, cached = lines(log)  # the unfinished request wrote nothing
     assert promoted == {
         "req_id": "req-1",
         "first_lookup": 10.0,
@@ -59,6 +60,7 @@ def test_a_promoted_prefix_shows_its_deferred_steps_promotion_and_load(tmp_path)
         "finished": pytest.approx(10.31),
     }
     assert missed["req_id"] == "req-2" and missed["load_prepared"] is None and missed["blocks_loaded"] == 0
+    assert cached["req_id"] == "cached-whole" and cached["first_lookup"] is None and cached["finished"] == 10.31
 
 
 class SettlingTier(ManualTier):

@@ -17,8 +17,9 @@ of scheduler steps (`on_schedule_end` calls):
 - ``promotions``: per secondary tier, the seconds from the request's first lookup of a
   block of that tier to the promotion job's report (the last one, if several).
 
-A field is null when its event did not happen (nothing hit: no load). A request with
-neither a lookup nor a load (a scheduler that only stores) writes no line.
+A field is null when its event did not happen (nothing hit: no load; no lookup: a request
+the GPU prefix cache served whole, which vLLM never asks the engine about). Every finished
+request writes its line.
 
 Thread: the scheduler thread only. A finished request costs one short write to the file; a
 write that fails is logged once and the log is switched off.
@@ -120,10 +121,10 @@ class RequestTimeline:
         self._step += 1
 
     def finished(self, req_id: str) -> None:
-        """Write `req_id`'s line and forget it (nothing for an unknown request, or once the
-        log is off). Never raises: a failed write is logged once and turns the log off."""
-        request = self._requests.pop(req_id, None)
-        if request is None or self._file.closed:
+        """Write `req_id`'s line and forget it (nothing once the log is off). Never raises: a
+        failed write is logged once and turns the log off."""
+        request = self._requests.pop(req_id, None) or _Request(req_id)  # unknown: no lookup, no load
+        if self._file.closed:
             return
         request.finished = self._clock()
         line = asdict(request)
