@@ -42,6 +42,7 @@ import logging
 import os
 import shutil
 import stat
+import tempfile
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from functools import partial
@@ -140,6 +141,25 @@ class FileBlockStore(BlockStore):
     reads_in_order = True  # `get_many` reads one file after another, in one pool thread
     supports_integrity = True
     header_align = file_io.ALIGN
+
+    @classmethod
+    def preflight(cls, options: BaseModel, settings: BlockStoreSettings, connect: bool) -> list[str]:
+        """Create and remove a file where `root_dir` is, or would be created (its nearest
+        existing parent): a path that passes every permission check, under ``/proc`` or
+        ``/sys`` or on a read-only mount, fails here rather than at start. `connect` adds
+        nothing (the disk is local)."""
+        assert isinstance(options, FileOptions)
+        root = Path(os.path.expanduser(options.root_dir))
+        where = root
+        while not os.path.lexists(where) and where != where.parent:
+            where = where.parent
+        try:
+            fd, name = tempfile.mkstemp(prefix=".tiering-check-", dir=where)
+            os.close(fd)
+            os.unlink(name)
+        except OSError as exc:
+            return [f"root_dir: {root}: cannot create a file in {where}: {exc.strerror or exc}"]
+        return []
 
     @classmethod
     def location(cls, options: Mapping[str, Any]) -> str:

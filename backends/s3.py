@@ -27,6 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, ClassVar
 
+import botocore.session
 from aiobotocore.session import get_session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, ParamValidationError
@@ -158,6 +159,19 @@ class S3BlockStore(BlockStore):
         settings.check_client_timeouts(
             connect_timeout_s=options.connect_timeout_s, read_timeout_s=options.read_timeout_s
         )
+
+    @classmethod
+    def preflight(cls, options: BaseModel, settings: BlockStoreSettings, connect: bool) -> list[str]:
+        """Resolve the AWS credentials as the client will (environment, shared files, an
+        instance role: no request to S3); with `connect`, also open the bucket (see
+        `BlockStore.preflight`)."""
+        try:
+            credentials = botocore.session.get_session().get_credentials()
+        except BotoCoreError as exc:
+            return [f"the AWS credentials cannot be read: {exc}"]
+        if credentials is None:
+            return ["no AWS credentials in the chain (environment, shared files, instance role)"]
+        return super().preflight(options, settings, connect)
 
     @classmethod
     def location(cls, options: Mapping[str, Any]) -> str:

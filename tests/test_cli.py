@@ -137,3 +137,39 @@ def test_an_s3_endpoint_from_the_environment_is_named_as_such(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:1")
     store = S3BlockStore(b"\0" * 16, "bucket")
     assert "bucket 'bucket' at http://127.0.0.1:1 (from AWS_ENDPOINT_URL_S3)" in str(store._open_error(OSError("x")))
+
+
+def test_check_tries_what_it_cheaply_can_and_with_connect_reaches_the_servers(
+    tmp_path, capsys, monkeypatch, s3_server, s3_bucket, valkey_server
+):
+    """A path every permission check passes for root (containers run as root) but that
+    cannot hold a file, an S3 tier without credentials, a server that does not answer: each
+    is found before the engine starts, and nothing is left behind."""
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        "cpu_bytes_to_use: 1MiB\nsecondary_tiers:\n"
+        "  - {type: file, root_dir: /proc/kv-cache}\n"
+        f"  - {{type: file, root_dir: {tmp_path / 'kv'}, name: fine}}\n"
+        f"  - {{type: s3, bucket: {s3_bucket}, prefix: p/, endpoint_url: '{s3_server.endpoint_url}'}}\n"
+        f"  - {{type: valkey, addresses: ['{valkey_server.address}'], connect_timeout_s: 1}}\n"
+    )
+    assert config_main(["check", str(config)]) == 2
+    out, err = capsys.readouterr()
+    assert "secondary_tiers[0]: root_dir: /proc/kv-cache: cannot create a file in /proc" in err
+    assert "secondary_tiers[1]" not in err and "secondary_tiers[2]" not in err and "secondary_tiers[3]" not in err
+    assert "servers not reached: --connect opens each tier's store" in out
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["engine.yaml"]  # the try left nothing
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    assert config_main(["check", str(config)]) == 2
+    assert "secondary_tiers[2]: no AWS credentials in the chain" in capsys.readouterr().err
+    monkeypatch.undo()
+    config.write_text(
+        "cpu_bytes_to_use: 1MiB\nsecondary_tiers:\n"
+        f"  - {{type: s3, bucket: {s3_bucket}, prefix: p/, endpoint_url: '{s3_server.endpoint_url}'}}\n"
+        f"  - {{type: valkey, addresses: ['{valkey_server.address}'], connect_timeout_s: 1}}\n"
+        f"  - {{type: s3, bucket: missing-{s3_bucket}, prefix: p/, endpoint_url: '{s3_server.endpoint_url}'}}\n"
+    )
+    assert config_main(["check", str(config), "--connect"]) == 2
+    err = capsys.readouterr().err
+    assert "secondary_tiers[2]: cannot be reached: " in err and "does not exist" in err
+    assert "secondary_tiers[0]" not in err and "secondary_tiers[1]" not in err

@@ -1,5 +1,7 @@
 """``tiering-config check FILE``: validate a configuration and print the engine it resolves
-to, without building anything (no shared memory, no tier opened, no file written).
+to, without building anything (no shared memory, no tier opened). What is cheap and local
+is tried (a file tier creates and removes a file where its objects go; an S3 tier resolves
+its credentials); ``--connect`` also opens each tier's store, reaching its server.
 
 Thread: a command-line tool, the main thread.
 
@@ -10,8 +12,9 @@ The second form takes ``vllm serve``'s ``--kv-transfer-config`` as it is, so its
 before vLLM spends minutes loading a model (vLLM builds the engine only after that).
 
 Exit status: 0 the configuration is valid; 2 it is not (every problem is printed with the
-file and the key path), or, with ``--model``, the engine would not start with it (a CPU tier
-or a tier capacity that holds no whole block of that model).
+file and the key path), or the engine would not start with it (with ``--model``, a CPU tier
+or a tier capacity that holds no whole block of that model; a tier whose storage a try
+found unusable).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from tiering.integrations.vllm_config import check_kv_transfer_config
 from tiering.spec import MODEL_PRESETS, KVLayout
 from tiering.tiers.admission import AdmissionConfig, TierAdmission
 from tiering.tiers.blockstore import BlockStore
-from tiering.tiers.factory import SecondaryTierFactory
+from tiering.tiers.factory import SecondaryTierFactory, block_store_parts
 from tiering.tiers.object_format import object_size
 
 _KEY_BYTES = len(make_offload_key(bytes(32), 0))  # vLLM's keys: a 32-byte hash and a group index
@@ -88,6 +91,22 @@ def _admission(config: AdmissionConfig, rows: int | None, tiers: int) -> str:
     return _options(settings) + auto
 
 
+def preflight(config: TieringConfig, connect: bool) -> tuple[list[str], list[str]]:
+    """Try what can be tried of each tier before the engine starts (`BlockStore.preflight`):
+    returns what was not tried, and the problems found, one line each."""
+    notes, problems = [], []
+    for index, tier in enumerate(config.secondary_tiers):
+        parts = block_store_parts(tier)
+        if parts is None:
+            notes.append(f"tier {tier['name']}: a tier class of its own: not tried (it checks itself when built)")
+            continue
+        store_cls, options, settings = parts
+        problems += [f"secondary_tiers[{index}]: {line}" for line in store_cls.preflight(options, settings, connect)]
+    if config.secondary_tiers and not connect:
+        notes.append("servers not reached: --connect opens each tier's store (S3, Valkey, ...) as the engine would")
+    return notes, problems
+
+
 def _options(options: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value!r}" for key, value in options.items()) or "default options"
 
@@ -103,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of a file, vLLM's --kv-transfer-config (the same JSON), checked as vLLM would build the engine",
     )
     check.add_argument("--model", choices=sorted(MODEL_PRESETS), help="size blocks and rows for this model's KV")
+    check.add_argument(
+        "--connect", action="store_true", help="also open each tier's store, reaching its server, as the engine would"
+    )
     args = parser.parse_args(argv)
     if (args.file is None) == (args.kv_transfer_config is None):
         check.error("give a YAML file or --kv-transfer-config, one of the two")
@@ -113,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     layout = KVLayout.from_preset(args.model) if args.model else None
     lines, problems = describe(config, layout)
-    print("\n".join(lines))
+    notes, found = preflight(config, args.connect)
+    problems += found
+    print("\n".join(lines + notes))
     for problem in problems:
         print(f"{config.source}: {problem}: the engine would not start", file=sys.stderr)
     return 2 if problems else 0

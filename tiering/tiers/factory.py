@@ -142,6 +142,19 @@ class SecondaryTierFactory:
         return tier_cls
 
 
+def block_store_parts(tier_config: Mapping[str, Any]) -> tuple[type[BlockStore], BaseModel, BlockStoreSettings] | None:
+    """(store class, its options, the tier's settings) of a block-store tier's config, as the
+    tier would be built; None for a tier class written from scratch.
+
+    Raises:
+        TierConfigError: as `SecondaryTierFactory.create_secondary_tier`, for the config.
+    """
+    tier_type, tier_cls, options = SecondaryTierFactory.resolve(tier_config)
+    if not issubclass(tier_cls, BlockStore):
+        return None
+    return (tier_cls, *_split(tier_cls, check_tier_options(tier_type, tier_cls, options)))
+
+
 def check_tier_options(tier_type: str, tier_cls: TierClass, options: Mapping[str, Any]) -> BaseModel:
     """`options` of a tier of `tier_cls` checked and converted (sizes to ints).
 

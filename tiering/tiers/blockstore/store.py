@@ -30,6 +30,7 @@ a transient failure of that operation.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -39,7 +40,7 @@ import anyio
 from pydantic import BaseModel
 
 from tiering.contract.keys import OffloadKey
-from tiering.errors import StoreClosedError
+from tiering.errors import StoreClosedError, describe
 from tiering.options import NoOptions
 from tiering.stats import Every
 from tiering.tiers.object_format import HEADER_ALIGN, ObjectHeader
@@ -111,6 +112,34 @@ class BlockStore(ABC):
         Raises:
             ValueError: a rule is broken (the message says which keys and why).
         """
+
+    @classmethod
+    def preflight(cls, options: BaseModel, settings: BlockStoreSettings, connect: bool) -> list[str]:
+        """What would keep a tier of this store from starting, found by ``tiering-config
+        check`` before the engine is built: one line per problem (empty: none found). Without
+        `connect`, only what is cheap and local (a store overrides it: the file store creates
+        and removes a file where its objects go, the S3 store resolves its credentials); with
+        `connect`, the store is also opened, pinged and closed as the engine would, within
+        ``open_timeout_s`` (a store that creates what it lacks, an S3 bucket with
+        ``create_bucket``, creates it). Never raises."""
+        if not connect:
+            return []
+        store = cls.from_config(bytes(16), options, settings)
+
+        async def reach() -> None:
+            await store.open()
+            try:
+                await store.ping()
+            finally:
+                await store.close()
+
+        try:
+            asyncio.run(asyncio.wait_for(reach(), settings.open_timeout_s))
+        except TimeoutError:
+            return [f"no answer in {settings.open_timeout_s} s (open_timeout_s)"]
+        except Exception as exc:
+            return [f"cannot be reached: {describe(exc)}"]
+        return []
 
     @classmethod
     def location(cls, options: Mapping[str, Any]) -> str | None:
