@@ -17,7 +17,7 @@ from tiering.benchmarks.loadgen import cli, replay, runs
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.workload import CONTINUATION_TTL_S, Request, read_trace, synthetic, with_hints
 
-TRACE = Path(__file__).parent / "data" / "conversation_trace_head2000.jsonl"  # shipped: see data/README.md
+TRACE = Path(__file__).parents[1] / "traces" / "conversation_trace.jsonl.gz"  # shipped: see traces/README.md
 REAL_LINES = """\
 {"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]}
 {"timestamp": 0, "input_length": 7322, "output_length": 490, "hash_ids": [0, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]}
@@ -671,8 +671,24 @@ def test_continuation_hints_lift_the_hit_rate_and_retaining_everything_costs_lit
     rates = {}
     for hints in ("none", "continuation", "ttl:86400"):
         output = tmp_path / f"{hints.replace(':', '-')}.json"
-        argv = ["--config", str(config), "--trace", str(TRACE), "--block-bytes", "4KiB", "--gpu-cache-blocks", "0"]
+        argv = ["--config", str(config), "--trace", str(TRACE), "--max-requests", "2000", "--block-bytes", "4KiB"]
+        argv += ["--gpu-cache-blocks", "0"]
         assert cli.main([*argv, "--hints", hints, "--quiet", "--output", str(output)]) == 0
         rates[hints] = json.loads(output.read_text())["hit_rate"]["cpu"]
     assert rates["continuation"] > rates["none"] + 0.02, rates
     assert rates["ttl:86400"] >= rates["none"] - 0.02, rates
+
+
+def test_a_gzip_trace_reads_as_its_text_and_a_cut_one_is_refused_in_one_line(tmp_path):
+    import gzip
+
+    from tiering.benchmarks.loadgen.workload import read_trace
+
+    text = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}\n' * 3
+    plain, packed = tmp_path / "t.jsonl", tmp_path / "t.jsonl.gz"
+    plain.write_text(text)
+    packed.write_bytes(gzip.compress(text.encode()))
+    assert read_trace(packed) == read_trace(plain) and len(read_trace(packed)) == 3
+    packed.write_bytes(gzip.compress(text.encode())[:-10])
+    with pytest.raises(ValueError, match=r"t\.jsonl\.gz: not a whole gzip file"):
+        read_trace(packed)

@@ -52,9 +52,11 @@ def test_every_configuration_serves_the_trace_and_the_report_adds_up(tmp_path):
     # repeats come from b's bigger cache, or from the secondary tiers
     device = {name: run["summary"]["cached_tokens_by_source"]["device"] for name, run in runs.items()}
     assert device["a"] < device["b"]
-    assert runs["d"]["summary"]["cached_tokens_by_source"]["disk"] >= 2 * 256
+    # at least two repeated prompts served from the secondary tier, each but its last token (vLLM computes a
+    # prompt's last token whatever is cached: 255 of 256; which repeats the tier serves depends on the timing)
+    assert runs["d"]["summary"]["cached_tokens_by_source"]["disk"] >= 2 * 255
     assert runs["c"]["vllm"]["engine"]["retentions"]["cpu"] > 0  # the hints reached the engine
-    assert runs["e"]["summary"]["cached_tokens_by_source"]["external_unspecified"] >= 2 * 256
+    assert runs["e"]["summary"]["cached_tokens_by_source"]["external_unspecified"] >= 2 * 255
     assert runs["e"]["vllm"]["engine"]["blocks_stored"]["s3"] >= 32
     # the slow tier is promoted from in f; in g, after one probe, its blocks are recomputed
     declined = {name: runs[name]["vllm"]["engine"].get("promotions_declined", {}).get("faulty", 0) for name in "fg"}

@@ -4,7 +4,7 @@ With no arguments it runs a built-in default: a CPU tier and a file tier (in a t
 directory) under a synthetic multi-turn chat workload, in well under a minute.
 
     tiering-bench                                       # the built-in default
-    tiering-bench --config engine.yaml --trace conversation_trace.jsonl --verify --output run.json
+    tiering-bench --config engine.yaml --trace traces/conversation_trace.jsonl.gz --verify --output run.json
 
 Exit status: 0 ok; 1 a loaded block failed verification (a wrong byte); 2 bad input (a
 config, trace, option or storage that cannot be used: one line says what and where);

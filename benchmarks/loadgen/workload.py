@@ -8,6 +8,7 @@ see `Request.full_blocks`), and the tenant it is for (None: the engine's default
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import itertools
 import json
 import math
@@ -16,7 +17,7 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -58,7 +59,7 @@ TRACE_FORMAT = (
 
 def read_trace(path: str | Path, max_requests: int | None = None) -> list[Request]:
     """Requests of a Mooncake JSONL trace (`TRACE_FORMAT`), in file order; blank lines are
-    skipped.
+    skipped. A path ending in ``.gz`` is read through gzip (the traces shipped in ``traces/``).
 
     Raises:
         ValueError: the file is not a regular UTF-8 file, or a line is not a request of that
@@ -68,7 +69,7 @@ def read_trace(path: str | Path, max_requests: int | None = None) -> list[Reques
     if not stat.S_ISREG(os.stat(path).st_mode):
         raise ValueError(f"{path}: not a regular file (a directory or FIFO?); expected {TRACE_FORMAT}")
     requests: list[Request] = []
-    with open(path, encoding="utf-8") as lines:
+    with _open_text(path) as lines:
         try:
             for number, line in enumerate(lines, start=1):
                 if len(requests) == max_requests:
@@ -77,7 +78,16 @@ def read_trace(path: str | Path, max_requests: int | None = None) -> list[Reques
                     requests.append(_request(line, f"{path}:{number}"))
         except UnicodeDecodeError:
             raise ValueError(f"{path}: not UTF-8 text; expected {TRACE_FORMAT}") from None
+        except (gzip.BadGzipFile, EOFError) as exc:
+            raise ValueError(f"{path}: not a whole gzip file ({exc}); expected {TRACE_FORMAT}, compressed") from None
     return requests
+
+
+def _open_text(path: str | Path) -> TextIO:
+    """`path` as UTF-8 text, through gzip when its name ends in ``.gz``."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
 
 
 def _request(line: str, where: str) -> Request:

@@ -1,7 +1,7 @@
 """``tiering-bench serve``: time to first token and throughput of a real vLLM server, with
 and without this engine, on a request trace or a built-in synthetic workload.
 
-    tiering-bench serve --trace conversation_trace.jsonl --max-requests 200 --output serve.json --plot ttft.png
+    tiering-bench serve --trace traces/conversation_trace.jsonl.gz --max-requests 200 --output serve.json
 
 Runs in the environment of the third set-up command (vLLM installed). It makes a local
 Llama (seeded random weights, no download), builds token prompts from the trace's block ids
