@@ -112,7 +112,10 @@ class JobTable:
         req_context: ReqContext,
         queued_at: float = 0.0,
     ) -> None:
-        """Send a job to its tier; one the tier rejects (raises) ends failed at once."""
+        """Send a job to tier `tier_idx`: a load (`is_promotion`) or a store of `keys`, whose
+        primary rows are `block_ids` (1-D int64, one per key, in order). `queued_at`: a
+        promotion's first lookup, `time.perf_counter` seconds. Scheduler thread; never
+        raises: a job the tier rejects (raises) ends failed at once."""
         job_id = next(self._ids)
         due = self.clock() + self.deadline_s if self.deadline_s is not None else float("inf")
         self.jobs[job_id] = Job(keys, block_ids.tolist(), is_promotion, req_context, tier_idx, queued_at, due)
