@@ -14,6 +14,7 @@ from tiering import (
     BlockStoreSettings,
     BlockStoreTier,
     JobMetadata,
+    ReqContext,
     SecondaryTierFactory,
     TierContext,
 )
@@ -109,6 +110,27 @@ def test_a_store_that_reads_in_order_gets_a_promotion_in_small_calls_a_few_at_a_
     assert engine.tier.store.gets == [2] * 8  # calls of LOAD_SPREAD_MIN_BYTES, not four of 4 blocks
     assert engine.tier.store.firsts == keys(*range(0, 16, 2))  # in the promotion's order
     assert engine.tier.store.most_running == worker.LOAD_SPREAD
+    assert engine.loaded_bytes(*range(16)) == [block_bytes(k, ROW) for k in keys(*range(16))]
+
+
+def test_promotions_started_together_go_in_batch_bytes_calls_one_each(engine_factory, monkeypatch):
+    """Loads already in flight keep the device busy: spreading each over small calls would only
+    cost the loop a hop per call."""
+    tier = {"type": "in_order", "module_path": __name__, "class_name": "InOrderStore", "batch_bytes": "1GiB"}
+    engine = engine_factory(tier, num_blocks=16)
+    monkeypatch.setattr(worker, "LOAD_SPREAD_MIN_BYTES", 2 * ROW)
+    engine.store(*range(16))
+    engine.rows[:] = 0
+    engine.manager.reset_cache()
+    other = ReqContext("req-1")
+    for _ in range(5):  # two requests' promotions, submitted in the same step
+        answers = [engine.manager.lookup(k, CTX) for k in keys(*range(8))]
+        answers += [engine.manager.lookup(k, other) for k in keys(*range(8, 16))]
+        engine.settle()
+        if None not in answers:
+            break
+    assert answers == [True] * 16
+    assert sorted(engine.tier.store.gets) == [8, 8]
     assert engine.loaded_bytes(*range(16)) == [block_bytes(k, ROW) for k in keys(*range(16))]
 
 

@@ -72,10 +72,11 @@ class BlockStore(ABC):
             check, which would read every byte once more on the loop thread. A store that
             wraps another (and may change bytes the inner one checked) leaves it False.
         reads_in_order: True when `get_many` reads its items one after another (the file
-            store: one pool thread per call). The adapter then hands a promotion over in
-            calls of about `LOAD_SPREAD_MIN_BYTES`, a few at a time, so that its rows land
-            (and are copied to the GPU) call after call instead of all at the end; a store
-            that reads a call's items concurrently gets fewer, larger calls.
+            store: one pool thread per call). The adapter then hands a promotion that is the
+            tier's only load in flight over in calls of about `LOAD_SPREAD_MIN_BYTES`, a few
+            at a time, so that its rows land (and are copied to the GPU) call after call
+            instead of all at the end; a store that reads a call's items concurrently gets
+            fewer, larger calls.
         supports_integrity: True when the store passes `seal` to `encode_object`,
             `parse_header` and `verify_payload`, and leaves alone (never deletes) objects
             whose seal does not open (`ForgedObjectError`) when it recovers; only then may
