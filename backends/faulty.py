@@ -133,6 +133,14 @@ class FaultyBlockStore(BlockStore):
     def seal(self, seal: Seal | None) -> None:
         self.inner.seal = seal
 
+    @property  # type: ignore[override]  # the inner store lays blocks out by their size
+    def block_bytes(self) -> int | None:
+        return self.inner.block_bytes
+
+    @block_bytes.setter
+    def block_bytes(self, block_bytes: int | None) -> None:
+        self.inner.block_bytes = block_bytes
+
     async def _fault(self) -> None:
         self.check_open()
         if self.latency_s:

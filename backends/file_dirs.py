@@ -26,6 +26,7 @@ TMP_SUFFIX = ".tmp"
 """The suffix of an object's file while it is written (renamed into place when complete)."""
 SHARDS = [f"{i:02x}" for i in range(256)]
 QUARANTINE = "quarantine"
+SEGMENTS = "segments"  # the segment layout's directory (`tiering.backends.file_segments`)
 MAX_HEX_NAME = 200  # longer hex names (keys over 100 bytes) become hashes: names stay under 255
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link; a FIFO never blocks the open
@@ -89,7 +90,7 @@ class Namespace:
                 fd = _private_subdir_at(self.path.parent, self.path.name)
                 self._retired.append(self.fd)
                 self.fd = fd
-            fd = _private_subdir(self.fd, SHARDS[index], self.path / SHARDS[index])
+            fd = private_subdir(self.fd, SHARDS[index], self.path / SHARDS[index])
             self._retired.append(stale_fd)
             self.shards[index] = fd
         logger.warning(
@@ -123,8 +124,8 @@ def open_namespace(root: Path, name: str) -> Namespace:
     namespace.created = created if existed else [*created, root / name]
     try:
         for shard in SHARDS:
-            namespace.shards.append(_private_subdir(namespace.fd, shard, root / name / shard))
-        namespace.quarantine = _private_subdir(namespace.fd, QUARANTINE, root / name / QUARANTINE)
+            namespace.shards.append(private_subdir(namespace.fd, shard, root / name / shard))
+        namespace.quarantine = private_subdir(namespace.fd, QUARANTINE, root / name / QUARANTINE)
     except BaseException:
         namespace.close()
         raise
@@ -147,19 +148,25 @@ def _make_private_parents(root: Path) -> list[Path]:
     return created
 
 
-def remove_created(namespace: Namespace) -> None:
+def remove_created(namespace: Namespace, segments: bool = False) -> None:
     """Remove the directories `open_namespace` created, innermost first, if the namespace
     holds nothing: its shard and quarantine directories, the namespace, then the parents it
     made; a parent that is not empty stops the removal there. A namespace where anything was
     stored since (by another engine of the same layout sharing it) stays whole; one that
     engine opened but has not stored into yet is removed (a window of its start-up, which
-    it survives as a removed shard: `tiering.backends.file`). Closes `namespace` first."""
+    it survives as a removed shard: `tiering.backends.file`). With `segments`, the segments
+    directory is removed while empty, even where the namespace existed (this start made it).
+    Closes `namespace` first."""
+    path = namespace.path
     namespace.close()
+    if segments and path is not None:  # made by this start, in a namespace that may have existed
+        with contextlib.suppress(OSError):
+            os.rmdir(path / SEGMENTS)
     if not namespace.created:
         return
     inner = namespace.created[-1]
     try:
-        subdirs = [inner / name for name in (*SHARDS, QUARANTINE) if os.path.lexists(inner / name)]
+        subdirs = [inner / name for name in (*SHARDS, QUARANTINE, SEGMENTS) if os.path.lexists(inner / name)]
         if any(os.listdir(path) for path in subdirs):
             return
         for path in [*subdirs, *reversed(namespace.created)]:
@@ -174,12 +181,12 @@ def _private_subdir_at(root: Path, name: str) -> int:
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         check_root(os.fstat(root_fd), root)
-        return _private_subdir(root_fd, name, root / name)
+        return private_subdir(root_fd, name, root / name)
     finally:
         os.close(root_fd)
 
 
-def _private_subdir(parent_fd: int, name: str, path: Path) -> int:
+def private_subdir(parent_fd: int, name: str, path: Path) -> int:
     """Open (creating it 0700) the directory `name` under `parent_fd`, never through a link:
     a link there is replaced by a directory, its target left alone."""
     while True:

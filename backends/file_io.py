@@ -77,7 +77,8 @@ def each(func: Callable[..., Any], calls: list[tuple]) -> list[Any]:
 # -- objects --------------------------------------------------------------------------------
 
 
-def _is_aligned(buffer: memoryview) -> bool:
+def is_aligned(buffer: memoryview) -> bool:
+    """Whether O_DIRECT can move `buffer`: its address and length are multiples of `ALIGN`."""
     if buffer.nbytes % ALIGN:
         return False
     if buffer.readonly:  # ctypes maps writable buffers only
@@ -105,7 +106,7 @@ def write_object(
     direct: bool,
 ) -> None:
     header, payload = encode_object(key, payload.cast("B"), fingerprint, ALIGN, seal)
-    direct = direct and _is_aligned(payload)
+    direct = direct and is_aligned(payload)
     tmp = f"{os.urandom(8).hex()}{TMP_SUFFIX}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS | (os.O_DIRECT if direct else 0)
     dir_fd = ns.shard_fd(key)
@@ -158,7 +159,7 @@ def read_object(
         OSError: the directory or the device fails.
     """
     into = into.cast("B")
-    direct = direct and _is_aligned(into)
+    direct = direct and is_aligned(into)
     header_page, past_end = _scratch()
     dir_fd = ns.shard_fd(key)
     name = object_name(key)

@@ -321,7 +321,7 @@ def test_a_load_never_waits_behind_stores():
 
 
 def test_a_corrupted_file_is_never_promoted(engine_factory, tmp_path):
-    engine = engine_factory({"type": "file", "root_dir": str(tmp_path)})
+    engine = engine_factory({"type": "file", "root_dir": str(tmp_path), "layout": "files"})
     engine.store(0, 1, 2, 3)
     engine.store(4, 5, 6, 7)  # 0..3 only in the file tier now
     path = engine.tier.store.path(key(1))
@@ -349,12 +349,13 @@ def test_file_tier_restart_finds_every_block(engine_factory, tmp_path):
 
 
 def test_restart_with_a_smaller_capacity_evicts_the_oldest(engine_factory, tmp_path):
-    first = engine_factory({"type": "file", "root_dir": str(tmp_path)}, num_blocks=8)
+    first = engine_factory({"type": "file", "root_dir": str(tmp_path), "layout": "files"}, num_blocks=8)
     first.store(0, 1, 2, 3)
     for i in range(4):  # blocks written over time (file timestamps are too coarse to tell a burst apart)
         os.utime(first.tier.store.path(key(i)), (1_000_000 + i, 1_000_000 + i))
     first.close()
-    second = engine_factory({"type": "file", "root_dir": str(tmp_path), "capacity_bytes": 2 * FILE_OBJECT})
+    config = {"type": "file", "root_dir": str(tmp_path), "layout": "files", "capacity_bytes": 2 * FILE_OBJECT}
+    second = engine_factory(config)
     assert second.tier.drain(10)
     assert [second.tier.lookup(k, CTX) for k in keys(0, 1, 2, 3)] == [False, False, True, True]
     assert not second.tier.store.path(key(0)).exists()

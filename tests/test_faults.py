@@ -71,7 +71,7 @@ def test_shutdown_returns_while_the_backend_hangs_and_reports_the_jobs_failed():
 
 
 def test_a_full_disk_fails_stores_cleanly_holds_what_fits_and_keeps_serving_loads(tmp_path, monkeypatch, caplog):
-    tier, rows = make_tier({"type": "file", "root_dir": str(tmp_path), "direct_io": False})
+    tier, rows = make_tier({"type": "file", "root_dir": str(tmp_path), "direct_io": False, "layout": "files"})
     try:
         rows[:4] = np.frombuffer(b"".join(block_bytes(k, ROW) for k in keys(0, 1, 2, 3)), np.uint8).reshape(4, ROW)
         tier.submit_store(job(1, [0, 1, 2, 3], [0, 1, 2, 3], False))

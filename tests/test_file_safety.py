@@ -150,7 +150,7 @@ async def test_a_directory_squatting_a_name_does_not_fail_the_put(tmp_path):
 
 
 def test_unreadable_objects_are_dropped_without_opening_the_breaker(engine_factory, tmp_path):
-    engine = engine_factory({"type": "file", "root_dir": str(tmp_path)}, num_blocks=8)
+    engine = engine_factory({"type": "file", "root_dir": str(tmp_path), "layout": "files"}, num_blocks=8)
     engine.store(*range(8))
     engine.store(*range(8, 16))  # 0..7 now only in the file tier
     store = engine.tier.store

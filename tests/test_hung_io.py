@@ -224,7 +224,8 @@ from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_
 from tiering.backends import file_io
 
 rows = memoryview(bytearray(4 * 4096)).cast("B", (4, 4096))
-config = {{"type": "file", "root_dir": {str(tmp_path)!r}, "op_timeout_s": 0.2, "shutdown_timeout_s": 0.2}}
+config = {{"type": "file", "root_dir": {str(tmp_path)!r}, "layout": "files", "op_timeout_s": 0.2,
+          "shutdown_timeout_s": 0.2}}
 tier = SecondaryTierFactory.create_secondary_tier(config, rows, None)
 file_io.read_object = lambda *args: threading.Event().wait()  # a read in a hung mount
 key, context = make_offload_key(bytes(8), 0), ReqContext("r")

@@ -35,7 +35,8 @@ def planted(engine, ids, fill: int):
 
 
 def file_config(root, **extra):
-    return {"type": "file", "root_dir": str(root), "probe_misses": True, "negative_ttl_s": 60, **extra}
+    shared = {"layout": "files", "probe_misses": True, "negative_ttl_s": 60}  # engines share the directory
+    return {"type": "file", "root_dir": str(root), **shared, **extra}
 
 
 def s3_config(server, bucket, **extra):

@@ -181,7 +181,7 @@ def tier_config(kind, request, tmp_path):
     if kind == "memory":
         return {"type": "memory"}
     if kind == "file":
-        return {"type": "file", "root_dir": str(tmp_path / "shared"), "probe_misses": True}
+        return {"type": "file", "root_dir": str(tmp_path / "shared"), "layout": "files", "probe_misses": True}
     if kind == "s3":
         server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
         return {"type": "s3", "bucket": bucket, "endpoint_url": server.endpoint_url}

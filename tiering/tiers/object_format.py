@@ -151,6 +151,15 @@ def parse_header(
     return ObjectHeader(stored_key, length, crc, size, Sealed(SealMode(mode), key_id, nonce, tag, covered))
 
 
+def announced(buf: bytes | bytearray | memoryview) -> tuple[OffloadKey, int]:
+    """(key, payload bytes) a header announces, once `parse_header` parsed it or found it
+    forged: a store that lists objects it keeps but cannot open (another deployment's) needs
+    their extent."""
+    _, version, key_len, _, _, length, _ = _FIXED.unpack_from(buf)
+    fixed = _FIXED.size if version == PLAIN else _SEALED.size
+    return OffloadKey(bytes(buf[fixed : fixed + key_len])), length
+
+
 def check_length(header: ObjectHeader, received: int, expected: int) -> None:
     """A store's check that it read the whole payload the header announces, and that it fits
     the buffer of `expected` bytes.

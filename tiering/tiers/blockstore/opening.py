@@ -31,6 +31,7 @@ def make_store(
             `tiering.tiers.seal.read_keys`).
     """
     store = store_factory(layout_fingerprint)
+    store.block_bytes = row_bytes
     if settings.integrity is not None:
         if not store.supports_integrity:
             raise ValueError(f"tier {name}: {type(store).__name__} cannot seal its objects")

@@ -83,6 +83,8 @@ class BlockStore(ABC):
             its tiers take the ``integrity`` key.
         seal: the tier's `tiering.tiers.seal.Seal`, set by the adapter before `open`, or None for
             a tier without integrity keys.
+        block_bytes: the bytes of the tier's blocks (a primary row), set by the adapter before
+            `open`, or None where the store is used without a tier (tests, tools).
     """
 
     Options: ClassVar[type[BaseModel]] = NoOptions
@@ -156,6 +158,7 @@ class BlockStore(ABC):
         object (see `tiering.tiers.object_format.layout_fingerprint`)."""
         self.fingerprint = fingerprint
         self.seal: Seal | None = None
+        self.block_bytes: int | None = None
         self._open = False
 
     async def open(self) -> None:

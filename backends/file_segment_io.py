@@ -1,0 +1,185 @@
+"""The segment layout's files (`tiering.backends.file_segments`): opening, punching holes, the
+vectored reads and writes at an offset, and the walk that lists a segment's entries.
+
+Worker threads of the file tier's pools (plain functions; `Segment`'s counts are guarded by
+the `SegmentLog` lock).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from tiering.backends.buffers import advance
+from tiering.backends.file_dirs import OPEN_FLAGS
+from tiering.backends.file_io import ALIGN
+from tiering.contract.keys import OffloadKey
+from tiering.errors import CorruptObjectError, ForgedObjectError
+from tiering.tiers.object_format import announced, parse_header
+from tiering.tiers.seal import Seal
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".seg"
+MAX_IOV = 1024  # buffers one vectored call takes (IOV_MAX on Linux)
+_PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_thread_local = threading.local()
+
+
+def padded(nbytes: int) -> int:
+    """`nbytes` rounded up to a whole page."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def punch(fd: int, offset: int, length: int) -> None:
+    """Free the disk space of ``[offset, offset + length)`` of `fd`; it reads as zeros after.
+
+    Raises:
+        OSError: the filesystem cannot punch holes (EOPNOTSUPP), or the call fails.
+    """
+    if _libc.fallocate(fd, _PUNCH, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+@dataclass(eq=False)
+class Segment:
+    """One segment file, open for reads and appends (and with O_DIRECT, `direct_fd`)."""
+
+    sequence: int
+    fd: int
+    direct_fd: int
+    tail: int = 0  # bytes reserved by appends
+    live: int = 0  # entries the map points at
+    users: int = 0  # calls reading or writing it now: its descriptors stay open until they end
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = f"{self.sequence:016x}{SUFFIX}"
+
+    def fd_for(self, direct: bool) -> int:
+        return self.direct_fd if direct and self.direct_fd >= 0 else self.fd
+
+
+class Entry(NamedTuple):
+    segment: Segment
+    offset: int  # of the entry's header page in its segment
+    payload_len: int
+
+    @property
+    def size(self) -> int:
+        return ALIGN + padded(self.payload_len)
+
+
+def scratch_pages(count: int) -> memoryview:
+    """This thread's page-aligned scratch of at least `count` pages (headers, padding)."""
+    view: memoryview | None = getattr(_thread_local, "pages", None)
+    if view is None or view.nbytes < count * ALIGN:
+        view = _thread_local.pages = memoryview(mmap.mmap(-1, max(count, 32) * ALIGN))
+    return view
+
+
+def sequence_of(name: str) -> int | None:
+    """The sequence number a segment's file name holds, or None for any other name."""
+    if len(name) != 16 + len(SUFFIX) or not name.endswith(SUFFIX):
+        return None
+    try:
+        return int(name[:16], 16)
+    except ValueError:
+        return None
+
+
+def walk(segment: Segment, fingerprint: bytes, seal: Seal | None) -> Iterator[tuple[OffloadKey, Entry, bool]]:
+    """(key, entry, whether `seal` opens it) of each whole entry of `segment`, in file order,
+    skipping holes (punched entries, ranges never written) and pages that are not an entry's
+    header of this layout."""
+    fd = segment.fd
+    end = os.fstat(fd).st_size
+    offset = 0
+    while offset < end:
+        try:
+            offset = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # nothing but a hole past `offset`
+                return
+            raise
+        offset -= offset % ALIGN
+        page = os.pread(fd, ALIGN, offset)
+        try:
+            opens = parse_header(page, fingerprint, seal=seal).size == ALIGN or None
+        except ForgedObjectError:
+            opens = False
+        except CorruptObjectError:
+            opens = None
+        if opens is None:  # a torn or punched header, a page of a payload, not one of ours
+            offset += ALIGN
+            continue
+        key, payload_len = announced(page)
+        entry = Entry(segment, offset, payload_len)
+        if offset + entry.size > end:
+            offset += ALIGN  # cut short by the end of the file
+            continue
+        yield key, entry, opens
+        offset += entry.size
+
+
+def close_segment(segment: Segment) -> None:
+    for fd in {segment.fd, segment.direct_fd} - {-1}:
+        os.close(fd)
+    segment.fd = segment.direct_fd = -1
+
+
+def open_segment(dir_fd: int, sequence: int, direct: bool, create: bool) -> Segment:
+    name = f"{sequence:016x}{SUFFIX}"
+    flags = os.O_RDWR | OPEN_FLAGS
+    fd = os.open(name, flags | (os.O_CREAT | os.O_EXCL if create else 0), 0o600, dir_fd=dir_fd)
+    direct_fd = -1
+    if direct:
+        try:
+            direct_fd = os.open(name, flags | os.O_DIRECT, dir_fd=dir_fd)
+        except OSError:
+            os.close(fd)
+            raise
+    return Segment(sequence, fd, direct_fd)
+
+
+def pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+    while buffers:
+        written = os.pwritev(fd, buffers[:MAX_IOV], offset)
+        offset += written
+        advance(buffers, written)
+
+
+def pread_all(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """Fill `buffers` from `fd` at `offset`, up to the end of the file; the bytes read."""
+    total = 0
+    while buffers:
+        got = os.preadv(fd, buffers[:MAX_IOV], offset + total)
+        if got == 0:
+            break
+        total += got
+        advance(buffers, got)
+    return total
+
+
+def probe_punch(dir_fd: int, path: Path) -> None:
+    name = f".punch-probe-{os.urandom(4).hex()}.tmp"
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+    try:
+        os.pwrite(fd, bytes(2 * ALIGN), 0)
+        punch(fd, 0, ALIGN)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{path}: the filesystem cannot punch holes ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+        os.unlink(name, dir_fd=dir_fd)

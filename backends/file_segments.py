@@ -1,0 +1,385 @@
+"""The file tier's segment layout: many small blocks per file, a job's blocks in one system
+call.
+
+Worker threads of the tier's pools: every method of `SegmentLog` may run in any of them at
+once (one lock guards the map and the segments' counts; no system call on a block's bytes
+runs under it).
+
+Layout: ``<namespace>/segments/<sequence, 16 hex>.seg``. A segment is a sequence of entries,
+each one object exactly as a one-file-per-block object is (`tiering.tiers.object_format`: a
+header padded to a page, then the payload), padded with zeros to a page so that every entry
+starts page-aligned (O_DIRECT). A `put_many` appends its blocks together, in one vectored
+write at a range it reserved at the tail of the active segment; a `get_many` reads each run
+of blocks that lie side by side in one vectored read, and checks every block's header,
+length and CRC (or seal) in the thread that read it. Entries are never rewritten: a deleted
+block's range is punched out of its file (``fallocate(PUNCH_HOLE)``, its disk space freed at
+once) and a segment whose blocks are all deleted is removed.
+
+Recovery walks each segment's data ranges (``SEEK_DATA``): a page that is not a whole entry's
+header (a torn write, zeros) is skipped, an entry that runs past the end of its file is not
+listed, and an entry whose payload was torn is found by its CRC when loaded (never loaded:
+dropped as corrupt). A key found twice is the later entry's. The map of keys to entries lives
+in memory only, so a namespace's segments are one engine's: `open_log` takes an exclusive
+lock on the segments directory, and a second engine fails to open it, naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from tiering.backends.file_dirs import private_subdir
+from tiering.backends.file_io import ALIGN, is_aligned
+from tiering.backends.file_segment_io import (
+    Entry,
+    Segment,
+    close_segment,
+    open_segment,
+    padded,
+    pread_all,
+    probe_punch,
+    punch,
+    pwrite_all,
+    scratch_pages,
+    sequence_of,
+    walk,
+)
+from tiering.contract.keys import OffloadKey
+from tiering.errors import CorruptObjectError, ForgedObjectError, ObjectNotFoundError
+from tiering.tiers.blockstore.store import RecoveryProgress
+from tiering.tiers.object_format import ObjectHeader, check_length, encode_object, parse_header, verify_payload
+from tiering.tiers.seal import Seal
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_BYTES = 64 << 20
+"""An active segment takes appends until it holds this many bytes (a batch never splits)."""
+_ZEROS = memoryview(bytes(ALIGN))  # what pads an entry to its next page
+
+
+class SegmentLog:
+    """The segments of one namespace and the map of their entries (see the module's doc).
+
+    Args:
+        dir_fd: the open segments directory, locked (see `open_log`; closed by `close`).
+        fingerprint, seal: the tier's layout fingerprint and seal, as objects carry them.
+        direct: use O_DIRECT for payloads that are page-aligned in memory and length.
+        fsync: `fdatasync` a segment after each append, before its blocks are listed.
+    """
+
+    def __init__(
+        self,
+        dir_fd: int,
+        fingerprint: bytes,
+        seal: Seal | None,
+        direct: bool,
+        fsync: bool,
+    ):
+        self.dir_fd = dir_fd
+        self.fingerprint = fingerprint
+        self.seal = seal
+        self.direct = direct
+        self.fsync = fsync
+        self.segment_bytes = SEGMENT_BYTES
+        self._lock = threading.Lock()
+        self._map: dict[OffloadKey, Entry] = {}
+        self._segments: dict[int, Segment] = {}
+        self._active: Segment | None = None
+        self.recovered: list[tuple[OffloadKey, int]] = []  # what `open_log` found (`BlockStore.recover`)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
+        """Append `items` as entries of the active segment, in one vectored write (or a few,
+        past 1,024 buffers); their keys are listed once all are written, and the entries they
+        replace punched out. The same error for every item if the write fails (its range is
+        punched out)."""
+        headers, payloads = [], []
+        for key, payload in items:
+            header, body = encode_object(key, payload.cast("B"), self.fingerprint, ALIGN, self.seal)
+            headers.append(header)
+            payloads.append(body)
+        total = sum(ALIGN + padded(payload.nbytes) for payload in payloads)
+        direct = self.direct and all(is_aligned(payload) for payload in payloads)
+        pages = scratch_pages(len(items))
+        buffers: list[memoryview] = []
+        for i, (header, payload) in enumerate(zip(headers, payloads, strict=True)):
+            page = pages[i * ALIGN : (i + 1) * ALIGN]
+            page[:] = header  # `encode_object` pads it to the page
+            buffers += [page, payload]
+            if payload.nbytes % ALIGN:  # buffered only (`direct` is off): zeros to the next page
+                buffers.append(_ZEROS[: -payload.nbytes % ALIGN])
+        with self._lock:
+            segment, offset = self._reserve(total)
+            segment.users += 1
+        try:
+            pwrite_all(segment.fd_for(direct), buffers, offset)
+            if self.fsync:
+                os.fdatasync(segment.fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # else the range stays as garbage that recovery skips
+                punch(segment.fd, offset, total)
+            with self._lock:
+                self._release(segment)
+            return [exc] * len(items)
+        replaced = []
+        with self._lock:
+            at = offset
+            for (key, _), payload in zip(items, payloads, strict=True):
+                if (old := self._map.get(key)) is not None:
+                    old.segment.users += 1
+                    replaced.append(old)
+                    self._forget(old)
+                self._map[key] = Entry(segment, at, payload.nbytes)
+                segment.live += 1
+                at += ALIGN + padded(payload.nbytes)
+            self._release(segment)
+        self._punch(replaced)
+        return [None] * len(items)
+
+    def _reserve(self, nbytes: int) -> tuple[Segment, int]:
+        """A range of `nbytes` at the active segment's tail, starting the next segment when the
+        active one is full. Under the lock."""
+        segment = self._active
+        if segment is None or (segment.tail and segment.tail + nbytes > self.segment_bytes):
+            segment = self._start_segment()
+        offset = segment.tail
+        segment.tail += nbytes
+        return segment, offset
+
+    def _start_segment(self) -> Segment:
+        sequence = max(self._segments, default=0) + 1
+        segment = open_segment(self.dir_fd, sequence, self.direct, create=True)
+        self._segments[sequence] = segment
+        previous, self._active = self._active, segment
+        if previous is not None:
+            self._remove_if_done(previous)
+        return segment
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
+        """Read each item's entry into its buffer and check it: its header (key, layout),
+        length and CRC or seal. Entries that lie side by side go in one vectored read."""
+        outcomes: list[ObjectHeader | Exception | None] = [None] * len(items)
+        with self._lock:
+            entries = [self._map.get(key) for key, _ in items]
+            for entry in entries:
+                if entry is not None:
+                    entry.segment.users += 1
+        try:
+            readable: list[Entry | None] = []
+            for i, ((key, into), entry) in enumerate(zip(items, entries, strict=True)):
+                if entry is None:
+                    outcomes[i] = ObjectNotFoundError(key)
+                elif entry.payload_len != into.nbytes:
+                    outcomes[i] = CorruptObjectError(
+                        f"block {key.hex()}: {entry.payload_len} bytes, the row {into.nbytes}"
+                    )
+                readable.append(None if outcomes[i] else entry)
+            for start, stop in _runs(readable):
+                outcomes[start:stop] = self._read_run(items[start:stop], readable[start:stop])
+        finally:
+            with self._lock:
+                for entry in entries:
+                    if entry is not None:
+                        self._release(entry.segment)
+        return outcomes  # type: ignore[return-value]
+
+    def _read_run(self, items: Sequence[tuple[OffloadKey, memoryview]], run: list) -> list[ObjectHeader | Exception]:
+        """Read the entries `run` (side by side in one segment, each the length of its item's
+        buffer) into `items`' buffers in one vectored read, and check each."""
+        intos = [into.cast("B") for _, into in items]
+        direct = self.direct and all(is_aligned(into) for into in intos)
+        pages = scratch_pages(len(run) + 1)
+        sink = pages[len(run) * ALIGN :][:ALIGN]  # the padding after a payload that is not whole pages
+        buffers: list[memoryview] = []
+        for i, into in enumerate(intos):
+            buffers += [pages[i * ALIGN : (i + 1) * ALIGN], into]
+            if into.nbytes % ALIGN:
+                buffers.append(sink[: -into.nbytes % ALIGN])
+        first = run[0]
+        try:
+            received = pread_all(first.segment.fd_for(direct), buffers, first.offset)
+        except OSError as exc:
+            return [exc] * len(run)
+        outcomes: list[ObjectHeader | Exception] = []
+        for i, ((key, _), entry, into) in enumerate(zip(items, run, intos, strict=True)):
+            try:
+                if received < entry.offset - first.offset + entry.size:
+                    raise CorruptObjectError(f"block {key.hex()}: its segment ends inside it")
+                header = parse_header(pages[i * ALIGN : (i + 1) * ALIGN], self.fingerprint, key, self.seal)
+                check_length(header, entry.payload_len, into.nbytes)
+                verify_payload(header, into, self.seal)
+                outcomes.append(header)
+            except (CorruptObjectError, ForgedObjectError) as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    def exists(self, key: OffloadKey) -> bool:
+        with self._lock:
+            return key in self._map
+
+    # -- deletes ----------------------------------------------------------------------------
+
+    def delete_many(self, keys: Sequence[OffloadKey]) -> None:
+        """Forget `keys` and punch their entries out of their segments (a segment left with
+        none is removed once no call uses it). Keys not held are ignored.
+
+        Raises:
+            OSError: a punch failed (the keys are forgotten all the same).
+        """
+        deleted = []
+        with self._lock:
+            for key in keys:
+                if (entry := self._map.pop(key, None)) is not None:
+                    entry.segment.users += 1
+                    deleted.append(entry)
+                    self._forget(entry)
+        self._punch(deleted, raise_error=True)
+
+    def _punch(self, entries: list[Entry], raise_error: bool = False) -> None:
+        """Punch `entries` (forgotten, their segments' `users` counted for this call) out of
+        their segments, then release the segments. With `raise_error`, the last error."""
+        error: OSError | None = None
+        for entry in entries:
+            try:
+                punch(entry.segment.fd, entry.offset, entry.size)
+            except OSError as exc:
+                error = exc
+        with self._lock:
+            for entry in entries:
+                self._release(entry.segment)
+        if error is not None and raise_error:
+            raise error
+
+    def _forget(self, entry: Entry | None) -> None:
+        """`entry` is no longer listed: its segment holds one entry fewer. Under the lock."""
+        if entry is not None:
+            entry.segment.live -= 1
+            self._remove_if_done(entry.segment)
+
+    def _release(self, segment: Segment) -> None:
+        """A call that used `segment` ended. Under the lock."""
+        segment.users -= 1
+        self._remove_if_done(segment)
+
+    def _remove_if_done(self, segment: Segment) -> None:
+        """Unlink and close `segment` if it is not the active one, holds no entry and no call
+        uses it. Under the lock (two system calls, as rare as a segment's end)."""
+        if segment is self._active or segment.live or segment.users:
+            return
+        self._segments.pop(segment.sequence, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment.name, dir_fd=self.dir_fd)
+        close_segment(segment)
+
+    # -- recovery and closing ---------------------------------------------------------------
+
+    def _recover(self, progress: RecoveryProgress) -> list[tuple[OffloadKey, int]]:
+        """Map every whole entry of the segments on disk; list those whose seal opens, oldest
+        first: (key, bytes of its object). Entries whose seal does not open are kept (a load
+        of one is forged), an entry whose key a later one holds is punched out, segments left
+        with no entry are removed, and appends go to a new segment. Files that are not
+        segments are left alone."""
+        found: dict[OffloadKey, Entry] = {}
+        foreign: set[OffloadKey] = set()
+        stale: list[Entry] = []
+        for name in sorted(os.listdir(self.dir_fd)):
+            sequence = sequence_of(name)
+            if sequence is None:
+                continue
+            segment = open_segment(self.dir_fd, sequence, self.direct, create=False)
+            self._segments[sequence] = segment
+            for key, entry, opens in walk(segment, self.fingerprint, self.seal):
+                progress.add()
+                previous = found.pop(key, None)  # re-inserted: the order stays oldest first
+                if previous is not None:
+                    previous.segment.live -= 1
+                    stale.append(previous)
+                found[key] = entry
+                segment.live += 1
+                segment.tail = entry.offset + entry.size
+                (foreign.discard if opens else foreign.add)(key)
+        for entry in stale:
+            with contextlib.suppress(OSError):  # else its space comes back with its segment
+                punch(entry.segment.fd, entry.offset, entry.size)
+        if foreign:
+            logger.warning("file tier: kept %d segment entries whose seal does not open (not loaded)", len(foreign))
+        with self._lock:
+            self._map = found
+            for segment in list(self._segments.values()):
+                self._remove_if_done(segment)
+        return [(key, ALIGN + entry.payload_len) for key, entry in found.items() if key not in foreign]
+
+    def close(self) -> None:
+        """Close every segment and the directory; idempotent."""
+        with self._lock:
+            for segment in self._segments.values():
+                close_segment(segment)
+            self._segments.clear()
+            self._map.clear()
+            self._active = None
+            if self.dir_fd >= 0:
+                os.close(self.dir_fd)  # releases the lock
+                self.dir_fd = -1
+
+
+def _runs(entries: list[Entry | None]) -> list[tuple[int, int]]:
+    """[start, stop) of each run of consecutive entries that lie side by side in one
+    segment (an absent entry is a run of its own, read by no one)."""
+    runs = []
+    start = 0
+    for i in range(1, len(entries) + 1):
+        if i < len(entries):
+            previous, entry = entries[i - 1], entries[i]
+            if (
+                previous is not None
+                and entry is not None
+                and entry.segment is previous.segment
+                and entry.offset == previous.offset + previous.size
+            ):
+                continue
+        if entries[start] is not None:
+            runs.append((start, i))
+        start = i
+    return runs
+
+
+def open_log(ns_fd: int, path: Path, fingerprint: bytes, seal: Seal | None, direct: bool, fsync: bool) -> SegmentLog:
+    """Open (creating it 0700) the segments directory `path` under the namespace `ns_fd`, take
+    its lock, check that its filesystem punches holes, and map the entries its segments hold
+    (`SegmentLog.recovered` lists them).
+
+    Raises:
+        BlockingIOError: another engine (or another tier of this one) uses these segments.
+        OSError: the directory cannot be made or opened, or its filesystem cannot punch holes
+            (EOPNOTSUPP; the message says so).
+    """
+    dir_fd = private_subdir(ns_fd, path.name, path)
+    try:
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BlockingIOError(
+                errno.EWOULDBLOCK,
+                f"{path} is in use by another engine: a namespace's segments are one engine's (use layout: files "
+                "for a directory engines share)",
+            ) from None
+        probe_punch(dir_fd, path)
+        log = SegmentLog(dir_fd, fingerprint, seal, direct, fsync)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    try:
+        log.recovered = log._recover(RecoveryProgress(f"file tier {path}"))
+    except BaseException:
+        log.close()
+        raise
+    return log

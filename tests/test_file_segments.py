@@ -1,0 +1,253 @@
+"""The file tier's segment layout: the block-store conformance suite, and what many blocks per
+file must keep of the one-file layout (recovery of every whole block, nothing torn or foreign
+loaded, deleted space given back, one engine per namespace, a full disk)."""
+
+import errno
+import os
+
+import pytest
+
+from tests.helpers import key
+from tiering import CorruptObjectError, ObjectNotFoundError
+from tiering.backends import FileBlockStore, file_segment_io, file_segments
+from tiering.backends.file_io import ALIGN
+from tiering.testing import BlockStoreSuite, StoreKit
+from tiering.testing.block_store import FINGERPRINT, buffer, opened, payload
+
+BLOCK = 64 << 10
+
+
+def segment_path(store, entry) -> str:
+    return str(store.directory / "segments" / entry.segment.name)
+
+
+def read_raw(store, k) -> bytes:
+    """The entry of `k` as its segment holds it: header page and payload, no padding."""
+    entry = store._log._map[k]
+    with open(segment_path(store, entry), "rb") as f:
+        f.seek(entry.offset)
+        return f.read(ALIGN + entry.payload_len)
+
+
+def write_raw(store, k, raw: bytes) -> None:
+    """Make `raw` the entry of `k`, in place (an entry of its size first if `k` has none), as
+    recovery would find it: the map takes the length it announces."""
+    log = store._log
+    size = max(len(raw) - ALIGN, 1)
+    if k not in log._map:
+        assert log.put_many([(k, memoryview(bytearray(size)))]) == [None]
+    entry = log._map[k]
+    with open(segment_path(store, entry), "r+b") as f:
+        f.seek(entry.offset)
+        f.write(raw)
+    log._map[k] = entry._replace(payload_len=size)
+
+
+@pytest.fixture(params=["direct", "buffered"])
+def store_kit(tmp_path, request):
+    direct = request.param == "direct"
+    return StoreKit(
+        make=lambda fingerprint: FileBlockStore(tmp_path, fingerprint, 4, direct_io=direct, layout="segments"),
+        read_raw=read_raw,
+        write_raw=write_raw,
+    )
+
+
+class TestBlockStoreConformance(BlockStoreSuite):
+    """Every test of `tiering.testing.BlockStoreSuite`, on segments."""
+
+
+async def restarted(store_kit):
+    store = await opened(store_kit)
+    return store, dict(await store.recover())
+
+
+@pytest.mark.asyncio
+async def test_a_batch_is_one_write_and_reads_back_in_one_read(store_kit, monkeypatch):
+    calls = {"pwritev": 0, "preadv": 0}
+    for name in calls:
+        real = getattr(os, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(file_segment_io.os, name, counted)
+    store = await opened(store_kit)
+    try:
+        blocks = [(key(i), payload(BLOCK)) for i in range(16)]
+        assert await store.put_many(blocks) == [None] * 16
+        reads = [(key(i), buffer(BLOCK)) for i in range(16)]
+        assert all(not isinstance(o, Exception) for o in await store.get_many(reads))
+        assert [into for _, into in reads] == [data for _, data in blocks]
+        assert calls == {"pwritev": 1, "preadv": 1}
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_restart_finds_every_whole_block_over_many_segments_and_the_latest_of_a_key(store_kit, monkeypatch):
+    monkeypatch.setattr(file_segments, "SEGMENT_BYTES", 4 * (ALIGN + BLOCK))
+    store = await opened(store_kit)
+    try:
+        for start in range(0, 20, 2):
+            assert (
+                await store.put_many([(key(i), payload(BLOCK, seed=i + 1)) for i in (start, start + 1)]) == [None] * 2
+            )
+        await store.put(key(3), payload(BLOCK, seed=99))  # stored again: the older entry is punched out
+    finally:
+        await store.close()
+    assert len(os.listdir(store.directory / "segments")) == 6
+    store, found = await restarted(store_kit)
+    try:
+        assert list(found) == [key(i) for i in range(20) if i != 3] + [key(3)]
+        into = buffer(BLOCK)
+        await store.get(key(3), into)
+        assert into == payload(BLOCK, seed=99)
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_a_torn_tail_is_not_listed_and_a_torn_payload_never_loads(store_kit):
+    store = await opened(store_kit)
+    try:
+        assert await store.put_many([(key(i), payload(BLOCK)) for i in range(4)]) == [None] * 4
+        torn = store._log._map[key(1)]
+        path = segment_path(store, torn)
+    finally:
+        await store.close()
+    with open(path, "r+b") as f:
+        f.seek(torn.offset + ALIGN + 100)
+        f.write(b"torn")  # a write cut short inside the payload
+        f.truncate(3 * (ALIGN + BLOCK) + ALIGN + 10)  # the last entry cut by the end of the file
+    store, found = await restarted(store_kit)
+    try:
+        assert list(found) == [key(0), key(1), key(2)]
+        with pytest.raises(CorruptObjectError):
+            await store.get(key(1), buffer(BLOCK))
+        with pytest.raises(ObjectNotFoundError):
+            await store.get(key(3), buffer(BLOCK))
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_garbage_and_foreign_layout_pages_are_skipped_and_what_follows_found(store_kit, tmp_path):
+    store = await opened(store_kit)
+    try:
+        assert await store.put_many([(key(i), payload(BLOCK)) for i in range(3)]) == [None] * 3
+        first = store._log._map[key(0)]
+        path = segment_path(store, first)
+    finally:
+        await store.close()
+    other = FileBlockStore(tmp_path / "other", bytes(range(16)), 2, layout="segments")
+    await other.open()
+    try:
+        await other.put(key(9), payload(BLOCK))
+        foreign = read_raw(other, key(9))
+    finally:
+        await other.close()
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * ALIGN)  # the first entry's header: garbage
+        f.seek(first.offset + ALIGN + BLOCK)
+        f.write(foreign)  # the second: another layout's entry
+    store, found = await restarted(store_kit)
+    try:
+        assert list(found) == [key(2)]
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_deletes_give_the_space_back_and_remove_segments_left_empty(store_kit, monkeypatch):
+    monkeypatch.setattr(file_segments, "SEGMENT_BYTES", 4 * (ALIGN + BLOCK))
+    store = await opened(store_kit)
+    try:
+        for start in (0, 4):
+            assert await store.put_many([(key(i), payload(BLOCK)) for i in range(start, start + 4)]) == [None] * 4
+        first = store._log._map[key(0)]
+        allocated = os.stat(segment_path(store, first)).st_blocks
+        await store.delete_many([key(0), key(1)])
+        assert os.stat(segment_path(store, first)).st_blocks <= allocated - 2 * BLOCK // 512
+        await store.delete_many([key(2), key(3)])
+        assert not os.path.exists(segment_path(store, first))  # not the active one: removed
+        assert await store.exists(key(4)) and not await store.exists(key(0))
+    finally:
+        await store.close()
+    store, found = await restarted(store_kit)
+    try:
+        assert list(found) == [key(i) for i in range(4, 8)]
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_a_second_engine_on_the_same_segments_fails_naming_them(tmp_path):
+    first = FileBlockStore(tmp_path, FINGERPRINT, 2, layout="segments")
+    await first.open()
+    try:
+        second = FileBlockStore(tmp_path, FINGERPRINT, 2, layout="segments")
+        with pytest.raises(BlockingIOError, match=r"segments is in use by another engine.*layout: files"):
+            await second.open()
+    finally:
+        await first.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("layout", "block_bytes", "segments"),
+    [("auto", 64 << 10, True), ("auto", 1 << 20, False), ("auto", None, False), ("files", 64 << 10, False)],
+)
+async def test_auto_keeps_small_blocks_in_segments(tmp_path, layout, block_bytes, segments):
+    store = FileBlockStore(tmp_path, FINGERPRINT, 2, layout=layout)
+    store.block_bytes = block_bytes
+    await store.open()
+    try:
+        assert (store._log is not None) is segments
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_a_full_disk_fails_the_write_and_a_delete_makes_room(small_disk):
+    store = FileBlockStore(small_disk / "tier", FINGERPRINT, 2, direct_io=False, layout="segments")
+    await store.open()
+    try:
+        stored = []
+        for i in range(64):  # 1 MiB of disk: 16 blocks of 64 KiB at most
+            outcome = await store.put_many([(key(i), payload(BLOCK))])
+            if outcome != [None]:
+                assert isinstance(outcome[0], OSError) and outcome[0].errno == errno.ENOSPC
+                break
+            stored.append(key(i))
+        else:
+            pytest.fail("the disk never filled")
+        assert not await store.exists(key(i))
+        await store.delete_many(stored[:4])
+        assert await store.put_many([(key(100), payload(BLOCK))]) == [None]
+        into = buffer(BLOCK)
+        await store.get(stored[-1], into)
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_undoing_an_open_removes_the_segments_directory_it_made_and_nothing_else(tmp_path):
+    earlier = FileBlockStore(tmp_path, FINGERPRINT, 2)  # one file per block: no segments directory
+    await earlier.open()
+    await earlier.close()
+    store = FileBlockStore(tmp_path, FINGERPRINT, 2, layout="segments")
+    await store.open()
+    assert (store.directory / "segments").is_dir()
+    await store.undo_open()  # an engine whose start failed after this tier opened
+    assert not (store.directory / "segments").exists()
+    assert (store.directory / "00").is_dir()  # the earlier engine's tree stays
+
+
+def test_a_faulty_wrapper_passes_the_block_size_to_the_store_it_wraps(tmp_path):
+    from tiering.backends import FaultyBlockStore
+
+    store = FaultyBlockStore(FileBlockStore(tmp_path, FINGERPRINT, 2, layout="auto"))
+    store.block_bytes = BLOCK  # as the adapter does before opening it
+    assert store.inner.block_bytes == BLOCK
