@@ -68,16 +68,22 @@ class Segment:
         self.name = f"{self.sequence:016x}{SUFFIX}"
 
     def fd_for(self, direct: bool) -> int:
+        """The descriptor to move page-aligned buffers with: the O_DIRECT one if `direct` and
+        the segment has one, else the buffered one."""
         return self.direct_fd if direct and self.direct_fd >= 0 else self.fd
 
 
 class Entry(NamedTuple):
+    """Where one block's object lies: its segment, the offset of its header page (bytes), and
+    its payload's length (bytes)."""
+
     segment: Segment
     offset: int  # of the entry's header page in its segment
     payload_len: int
 
     @property
     def size(self) -> int:
+        """Bytes the entry takes in its segment: the header page and the payload padded to a page."""
         return ALIGN + padded(self.payload_len)
 
 
@@ -134,12 +140,20 @@ def walk(segment: Segment, fingerprint: bytes, seal: Seal | None) -> Iterator[tu
 
 
 def close_segment(segment: Segment) -> None:
+    """Close `segment`'s descriptors (its file stays); they read -1 after."""
     for fd in {segment.fd, segment.direct_fd} - {-1}:
         os.close(fd)
     segment.fd = segment.direct_fd = -1
 
 
 def open_segment(dir_fd: int, sequence: int, direct: bool, create: bool) -> Segment:
+    """Open segment `sequence` of the directory `dir_fd` for reads and writes (and, with
+    `direct`, a second descriptor with O_DIRECT); with `create`, a new file (0600).
+
+    Raises:
+        FileExistsError: `create` and the file exists.
+        OSError: it cannot be opened (a link in its place fails with ELOOP).
+    """
     name = f"{sequence:016x}{SUFFIX}"
     flags = os.O_RDWR | OPEN_FLAGS
     fd = os.open(name, flags | (os.O_CREAT | os.O_EXCL if create else 0), 0o600, dir_fd=dir_fd)
@@ -154,6 +168,12 @@ def open_segment(dir_fd: int, sequence: int, direct: bool, create: bool) -> Segm
 
 
 def pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+    """Write `buffers` (consumed) to `fd` at byte `offset`, at most 1,024 a call, until all is
+    written.
+
+    Raises:
+        OSError: a write failed (ENOSPC among them); part of the range may be written.
+    """
     while buffers:
         written = os.pwritev(fd, buffers[:MAX_IOV], offset)
         offset += written
@@ -161,7 +181,11 @@ def pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> None:
 
 
 def pread_all(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """Fill `buffers` from `fd` at `offset`, up to the end of the file; the bytes read."""
+    """Fill `buffers` (consumed) from `fd` at byte `offset`, up to the end of the file; the
+    bytes read.
+
+    Raises:
+        OSError: a read failed."""
     total = 0
     while buffers:
         got = os.preadv(fd, buffers[:MAX_IOV], offset + total)
@@ -173,6 +197,12 @@ def pread_all(fd: int, buffers: list[memoryview], offset: int) -> int:
 
 
 def probe_punch(dir_fd: int, path: Path) -> None:
+    """Create, punch and remove a small file in the directory `dir_fd` (named `path` in errors).
+
+    Raises:
+        OSError: the filesystem cannot punch holes (the message says so), or the file cannot
+            be made.
+    """
     name = f".punch-probe-{os.urandom(4).hex()}.tmp"
     fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
     try:

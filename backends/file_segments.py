@@ -223,6 +223,8 @@ class SegmentLog:
         return outcomes
 
     def exists(self, key: OffloadKey) -> bool:
+        """Whether `key` has an entry (the map, no I/O). Any thread, the loop's among them: the
+        lock is held for dict work and, rarely, a segment's open or unlink."""
         with self._lock:
             return key in self._map
 

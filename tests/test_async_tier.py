@@ -99,13 +99,19 @@ class InOrderStore(BatchRecordingStore):
         return await super().get_many(items)
 
 
-def test_a_store_that_reads_in_order_gets_a_promotion_in_small_calls_a_few_at_a_time(engine_factory, monkeypatch):
+def in_order_engine(engine_factory, monkeypatch):
+    """An engine over an `InOrderStore` holding blocks 0..15 in its tier only, rows zeroed."""
     tier = {"type": "in_order", "module_path": __name__, "class_name": "InOrderStore", "batch_bytes": "1GiB"}
     engine = engine_factory(tier, num_blocks=16)
     monkeypatch.setattr(worker, "LOAD_SPREAD_MIN_BYTES", 2 * ROW)
     engine.store(*range(16))
     engine.rows[:] = 0
     engine.manager.reset_cache()
+    return engine
+
+
+def test_a_store_that_reads_in_order_gets_a_promotion_in_small_calls_a_few_at_a_time(engine_factory, monkeypatch):
+    engine = in_order_engine(engine_factory, monkeypatch)
     assert engine.lookup_until_done(*range(16)) == [True] * 16
     assert engine.tier.store.gets == [2] * 8  # calls of LOAD_SPREAD_MIN_BYTES, not four of 4 blocks
     assert engine.tier.store.firsts == keys(*range(0, 16, 2))  # in the promotion's order
@@ -116,12 +122,7 @@ def test_a_store_that_reads_in_order_gets_a_promotion_in_small_calls_a_few_at_a_
 def test_promotions_started_together_go_in_batch_bytes_calls_one_each(engine_factory, monkeypatch):
     """Loads already in flight keep the device busy: spreading each over small calls would only
     cost the loop a hop per call."""
-    tier = {"type": "in_order", "module_path": __name__, "class_name": "InOrderStore", "batch_bytes": "1GiB"}
-    engine = engine_factory(tier, num_blocks=16)
-    monkeypatch.setattr(worker, "LOAD_SPREAD_MIN_BYTES", 2 * ROW)
-    engine.store(*range(16))
-    engine.rows[:] = 0
-    engine.manager.reset_cache()
+    engine = in_order_engine(engine_factory, monkeypatch)
     other = ReqContext("req-1")
     for _ in range(5):  # two requests' promotions, submitted in the same step
         answers = [engine.manager.lookup(k, CTX) for k in keys(*range(8))]
