@@ -54,12 +54,24 @@ _FIXED = struct.Struct("<4sHHI16sQI")  # version 1: the fixed part, then the key
 _SEALED = struct.Struct("<4sHHI16sQIB3x4s12s16s")  # version 2: the fixed part, the seal, then the key
 _TAG_AT = _SEALED.size - TAG_BYTES
 _NO_TAG = bytes(TAG_BYTES)
+CRC_RELEASES_GIL_FROM = 256 << 10
+"""A payload of this many bytes or more has its CRC32C computed with the GIL released (the
+`crc32c` package's own default releases it from 32 KiB). Below it the CRC takes a few
+microseconds, less than handing the GIL to another thread and waiting to get it back: 16
+reading threads checking 64 KiB blocks read 1.25-1.5 GB/s from the page cache with the GIL
+released, 1.8-1.9 holding it; 2 MiB blocks read faster releasing it (6.1-6.4 GB/s against
+5.2-5.7), 256 KiB blocks the same either way."""
 
 
 def layout_fingerprint(description: str) -> bytes:
     """16 bytes naming a KV layout (model, block size, bytes per block, dtype, world size):
     objects are only ever read back by an engine of the same layout."""
     return hashlib.blake2b(description.encode(), digest_size=FINGERPRINT_BYTES).digest()
+
+
+def payload_crc(payload: memoryview) -> int:
+    """The CRC32C of `payload` (any thread; see `CRC_RELEASES_GIL_FROM`)."""
+    return crc32c.crc32c(payload, 0, 1 if payload.nbytes >= CRC_RELEASES_GIL_FROM else 0)
 
 
 def header_size(key_len: int, align: int = HEADER_ALIGN) -> int:
@@ -88,7 +100,7 @@ def encode_object(
         raise ValueError(f"key of {len(key)} bytes (max {MAX_KEY_BYTES}) or fingerprint of {len(fingerprint)} bytes")
     size = header_size(len(key), align)
     if seal is None:
-        fixed = _FIXED.pack(MAGIC, PLAIN, len(key), size, fingerprint, payload.nbytes, crc32c.crc32c(payload))
+        fixed = _FIXED.pack(MAGIC, PLAIN, len(key), size, fingerprint, payload.nbytes, payload_crc(payload))
         return (fixed + key).ljust(size, b"\0"), payload
     nonce = seal.next_nonce()
     sealing = (seal.mode, seal.key_id, nonce, _NO_TAG)
@@ -188,7 +200,7 @@ def verify_payload(header: ObjectHeader, payload: memoryview, seal: Seal | None 
     if sealed is None:
         if seal is not None:
             raise ForgedObjectError(f"block {header.key.hex()}: not sealed; this tier loads only sealed objects")
-        if crc32c.crc32c(payload) != header.crc:
+        if payload_crc(payload) != header.crc:
             raise CorruptObjectError("payload CRC32C mismatch")
     elif sealed.mode is SealMode.SIGNED:
         _open(header, sealed, payload, seal)

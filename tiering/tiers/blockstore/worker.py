@@ -19,6 +19,7 @@ puts exactly one outcome.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -105,13 +106,15 @@ class BlockWorker:
         self.store = store
         self._rows = rows
         self._outbox = outbox
-        self._store_lane = anyio.CapacityLimiter(max_concurrency)
-        self._load_lane = anyio.CapacityLimiter(max_concurrency)
-        self._delete_lane = anyio.CapacityLimiter(1)
+        self._store_lane = asyncio.Semaphore(max_concurrency)
+        self._load_lane = asyncio.Semaphore(max_concurrency)
+        self._delete_lane = asyncio.Semaphore(1)
         self._op_timeout_s = op_timeout_s
         self._batch_blocks = batch_blocks
         self._runtime = runtime
-        self._task_group: anyio.abc.TaskGroup | None = None
+        self._serving = False  # jobs start only while the worker serves
+        self._jobs: set[asyncio.Task[None]] = set()  # a task per job, until it ends
+        self._calls: set[asyncio.Task[None]] = set()  # a task per store call, until it returns
         self._deleting: dict[OffloadKey, anyio.Event] = {}
         self._loads_in_flight = 0  # load jobs started and not finished
         self._stop = anyio.Event()
@@ -143,17 +146,29 @@ class BlockWorker:
         await self._stopped.wait()
 
     async def _serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until `stop` (or the runtime's end): then cancel every job, wait for every
+        store call to return (a call is cancelled through its own scope, which a store's
+        shield respects: a thread may still write into its rows) and close the store."""
+        self._serving = True
+        task_status.started()
         try:
-            async with anyio.create_task_group() as task_group:
-                self._task_group = task_group
-                task_status.started()
-                await self._stop.wait()
-                task_group.cancel_scope.cancel()
+            await self._stop.wait()
         finally:
-            self._task_group = None
+            self._serving = False
             with anyio.CancelScope(shield=True):
+                for job in self._jobs:
+                    job.cancel()
+                while self._jobs or self._calls:
+                    await asyncio.wait(self._jobs | self._calls)
                 await self.store.close()
                 self._stopped.set()
+
+    def _spawn(self, tasks: set[asyncio.Task[None]], coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run `coroutine` as a plain asyncio task kept in `tasks` until it ends (a tenth of
+        an anyio task group's cost per task: two tasks per job)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     # -- entry points, queued by the scheduler thread ---------------------------------------
 
@@ -183,11 +198,11 @@ class BlockWorker:
         never lost."""
         self._runtime.job_started()
         try:
-            if self._task_group is None:
+            if not self._serving:
                 raise RuntimeClosedError(f"tier {self.name} is shut down")
-            self._task_group.start_soon(self._run, done, prepare())
+            self._spawn(self._jobs, self._run(done, prepare()))
         except Exception as exc:
-            if self._task_group is not None:
+            if self._serving:
                 done.failed("start", exc, sick=False)
             self._finish(done, broken=True)
 
@@ -356,7 +371,7 @@ class BlockWorker:
     async def _call(
         self,
         done: JobDone | None,
-        lane: anyio.CapacityLimiter,
+        lane: asyncio.Semaphore,
         operation: Callable[..., Awaitable[T]],
         *args: Any,
     ) -> T | Exception:
@@ -369,7 +384,9 @@ class BlockWorker:
         in ``done.hung`` until it returns: the job is reported with ``rows_in_use``, and a
         `RowsReleased` follows when the last such call returns.
         """
-        finished, scope = anyio.Event(), anyio.CancelScope()
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future[bool] = loop.create_future()  # True: the call returned
+        scope = anyio.CancelScope()
         result: list[T | Exception] = []
         late = False
 
@@ -381,17 +398,18 @@ class BlockWorker:
             except Exception as exc:
                 result.append(exc)
             finally:
-                finished.set()
+                _answer(answered, True)
                 if late and done is not None:
                     self._hung_call_returned(done)
 
-        assert self._task_group is not None, "store calls run only while the tier serves"
-        self._task_group.start_soon(call)
+        self._spawn(self._calls, call())
+        timer = loop.call_later(self._op_timeout_s, _answer, answered, False)
         try:
-            with anyio.move_on_after(self._op_timeout_s):
-                await finished.wait()
+            await answered
         finally:
-            if not finished.is_set():  # timed out, or this job was cancelled (shutdown)
+            timer.cancel()
+            if not (answered.done() and not answered.cancelled() and answered.result()):
+                # timed out, or this job was cancelled (shutdown)
                 scope.cancel()
                 late = True
                 if done is not None:
@@ -402,6 +420,12 @@ class BlockWorker:
         done.hung -= 1
         if done.hung == 0 and done.reported and done.rows_in_use:
             self._outbox.put(RowsReleased(job_id=done.job_id), task_finished=False)
+
+
+def _answer(answered: asyncio.Future[bool], returned: bool) -> None:
+    """Settle `answered` unless it is settled (or cancelled with the task awaiting it)."""
+    if not answered.done():
+        answered.set_result(returned)
 
 
 def _open_all(checks: list[tuple[ObjectHeader, memoryview]], seal: Seal | None) -> list[CorruptObjectError | None]:
