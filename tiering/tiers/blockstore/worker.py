@@ -156,6 +156,7 @@ class BlockWorker:
         finally:
             self._serving = False
             with anyio.CancelScope(shield=True):
+                await asyncio.sleep(0)  # every job takes its first step: cancelled before it, it skips its `finally`
                 for job in self._jobs:
                     job.cancel()
                 while self._jobs or self._calls:
