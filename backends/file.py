@@ -1,4 +1,6 @@
-"""The ``file`` tier: one file per block under a directory, written atomically.
+"""The ``file`` tier: blocks under a directory, one file per block written atomically (what
+follows describes that layout) or, for small blocks, many per segment file (``layout``, see
+`FileOptions` and `tiering.backends.file_segments`).
 
 Loop thread: `FileBlockStore`'s coroutines; its pool's threads run `file_io`. `check_root_dir`
 and `FileOptions` run where the config is loaded.
@@ -117,10 +119,13 @@ class FileOptions(BaseModel):
             for reads (default: the tier's `max_concurrency`).
         fsync: `fsync` every file before it becomes visible (durable across power loss).
         direct_io: bypass the page cache with O_DIRECT where the filesystem allows.
-        layout: ``files`` (default: one file per block; engines may share the directory),
-            ``segments`` (many blocks per file, one engine's: `tiering.backends.file_segments`),
-            or ``auto``: segments for blocks under `SEGMENT_BLOCKS_UNDER` where the filesystem
-            punches holes, else files.
+        layout: ``auto`` (default), ``files`` (one file per block; engines may share the
+            directory) or ``segments`` (many blocks per file, one engine's:
+            `tiering.backends.file_segments`). ``auto`` keeps blocks under
+            `SEGMENT_BLOCKS_UNDER` in segments, except where the filesystem cannot punch
+            holes, where the namespace already holds one-file objects (an older cache, or
+            engines sharing the directory) and where another engine holds its segments: there,
+            and for larger blocks, one file per block (the log says which and why).
     """
 
     model_config = STRICT
@@ -129,7 +134,7 @@ class FileOptions(BaseModel):
     io_threads: Count | None = None
     fsync: bool = False
     direct_io: bool = True
-    layout: Literal["auto", "files", "segments"] = "files"
+    layout: Literal["auto", "files", "segments"] = "auto"
 
 
 class FileBlockStore(BlockStore):
@@ -194,7 +199,7 @@ class FileBlockStore(BlockStore):
         io_threads: int = 16,
         fsync: bool = False,
         direct_io: bool = True,
-        layout: str = "files",
+        layout: str = "auto",
     ):
         super().__init__(fingerprint)
         if io_threads < 1:
@@ -256,25 +261,30 @@ class FileBlockStore(BlockStore):
                 logger.warning("file tier %s: O_DIRECT is not supported here; using buffered I/O", self.directory)
                 self.direct_io = False
             await self._open_segments()
+            self.layout = "files" if self._log is None else "segments"
         except OSError as exc:
             await self.undo_open()
             raise type(exc)(exc.errno, f"file tier: cannot use {self.directory}: {exc.strerror}") from exc
 
     async def _open_segments(self) -> None:
         """For ``segments``, or ``auto`` with blocks under `SEGMENT_BLOCKS_UNDER`, open the
-        segment log (`file_segments.open_log`); ``auto`` falls back to one file per block, in
-        one log line, where the filesystem cannot punch holes."""
+        segment log (`file_segments.open_log`). ``auto`` keeps one file per block, in one log
+        line, where the namespace holds one-file objects already, the filesystem cannot punch
+        holes or another engine holds the segments."""
         small = self.block_bytes is not None and self.block_bytes < SEGMENT_BLOCKS_UNDER
         if self.layout == "files" or (self.layout == "auto" and not small):
             return
         ns = self._open_ns
         path = self.directory / file_dirs.SEGMENTS
+        if self.layout == "auto" and await self._run(file_dirs.holds_objects, ns):
+            logger.info("file tier %s: holds one file per block already; keeping that layout", self.directory)
+            return
         self._segments_made = not os.path.lexists(path)
         args = (ns.fd, path, self.fingerprint, self.seal, self.direct_io, self.fsync)
         try:
             self._log = await self._run(file_segments.open_log, *args)
         except OSError as exc:
-            if exc.errno != errno.EOPNOTSUPP or self.layout == "segments":
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EWOULDBLOCK) or self.layout == "segments":
                 raise
             logger.warning("file tier %s: %s; one file per block instead", self.directory, exc.strerror)
 

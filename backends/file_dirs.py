@@ -132,6 +132,16 @@ def open_namespace(root: Path, name: str) -> Namespace:
     return namespace
 
 
+def holds_objects(ns: Namespace) -> bool:
+    """Whether any shard directory of `ns` holds an entry (one file per block's objects, or
+    their temporaries): 256 directory reads, at most."""
+    for dir_fd in ns.shards:
+        with os.scandir(dir_fd) as entries:
+            if next(entries, None) is not None:
+                return True
+    return False
+
+
 def _make_private_parents(root: Path) -> list[Path]:
     """Create `root` and its missing parents (0700); returns those it created, outermost first."""
     missing = []

@@ -3,6 +3,7 @@ file must keep of the one-file layout (recovery of every whole block, nothing to
 loaded, deleted space given back, one engine per namespace, a full disk)."""
 
 import errno
+import logging
 import os
 
 import pytest
@@ -205,8 +206,51 @@ async def test_auto_keeps_small_blocks_in_segments(tmp_path, layout, block_bytes
     await store.open()
     try:
         assert (store._log is not None) is segments
+        assert store.layout == ("segments" if segments else "files")
     finally:
         await store.close()
+
+
+def small_store(tmp_path, layout="auto") -> FileBlockStore:
+    store = FileBlockStore(tmp_path, FINGERPRINT, 2, direct_io=False, layout=layout)
+    store.block_bytes = BLOCK
+    return store
+
+
+@pytest.mark.asyncio
+async def test_auto_keeps_one_file_per_block_where_the_namespace_holds_such_objects(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "tiering.backends.file")
+    older = small_store(tmp_path, "files")  # an older engine's cache, or engines sharing the directory
+    await older.open()
+    await older.put(key(1), payload(BLOCK, 1))
+    await older.close()
+    store = small_store(tmp_path)
+    await store.open()
+    try:
+        assert store.layout == "files" and dict(await store.recover()) == {key(1): ALIGN + BLOCK}
+        into = buffer(BLOCK)
+        await store.get(key(1), into)
+        assert bytes(into) == payload(BLOCK, 1)
+        assert "holds one file per block already" in caplog.text
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_auto_gives_a_second_engine_one_file_per_block_where_the_first_holds_the_segments(tmp_path, caplog):
+    first, second = small_store(tmp_path), small_store(tmp_path)
+    await first.open()
+    try:
+        await second.open()
+        try:
+            assert (first.layout, second.layout) == ("segments", "files")
+            assert "in use by another engine" in caplog.text
+            await second.put(key(2), payload(BLOCK, 2))
+            assert await second.exists(key(2)) and not await first.exists(key(2))
+        finally:
+            await second.close()
+    finally:
+        await first.close()
 
 
 @pytest.mark.asyncio
