@@ -212,10 +212,7 @@ def test_behind_the_engines_connector_a_failed_promotion_is_recomputed_with_the_
     try:
         tiny.generate(llm, [PROMPT])
         tiny.settle(llm, lambda: manager_stats()["tiers"]["file"]["counters"]["blocks_stored"] == 6)
-        for path in (path for path in root.rglob("*") if path.is_file()):  # every payload corrupted
-            data = bytearray(path.read_bytes())
-            data[-100] ^= 0xFF
-            path.write_bytes(data)
+        tiny.corrupt_payloads(root)  # every payload
         tokens, logprobs, _ = evict_and_reload(llm, baseline)  # answered "hit", then failed in the worker
         assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2]
         stats = manager_stats()
@@ -378,12 +375,8 @@ def test_a_corrupted_object_is_never_loaded_and_the_block_is_recomputed(model, b
     try:
         tiny.generate(llm, [PROMPT])
         tiny.settle(llm, lambda: manager_stats()["tiers"]["file"]["counters"]["blocks_stored"] == 6)
-        objects = [path for path in root.rglob("*") if path.is_file()]
-        assert len(objects) == FULL_BLOCKS // tiny.BLOCK
-        for path in objects:  # flip a payload byte of every object: the header stays valid
-            data = bytearray(path.read_bytes())
-            data[-100] ^= 0xFF
-            path.write_bytes(data)
+        assert len(tiny.object_pages(root)) == FULL_BLOCKS // tiny.BLOCK
+        tiny.corrupt_payloads(root)  # every payload changed, every header valid
         tokens, logprobs, cached = evict_and_reload(llm, baseline)
         assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2]
         assert cached < FULL_BLOCKS  # recomputed, not loaded
@@ -420,7 +413,7 @@ if __name__ == "__main__":
     first = tiny.generate(llm, [PROMPT])[0]
     assert llm.reset_prefix_cache()
     second = tiny.generate(llm, [PROMPT])[0]
-    tiny.settle(llm, lambda: sum(path.is_file() for path in root.rglob("*")) == 6)  # the cascade landed
+    tiny.settle(llm, lambda: len(tiny.object_pages(root)) == 6)  # the cascade landed
     print("RESULT", json.dumps([first, second]))
     del llm  # no shutdown: what is left must go at exit
 """
@@ -451,7 +444,8 @@ def test_a_process_leaves_no_shared_memory_temp_files_or_stuck_exit(model, basel
     assert first[2] == 0 and second[2] == FULL_BLOCKS
     assert regions_left_behind(regions_before) == []
     files = [path for path in (tmp_path / "kv").rglob("*") if path.is_file()]
-    assert len(files) == FULL_BLOCKS // tiny.BLOCK and not any(path.name.endswith(".tmp") for path in files)
+    assert len(tiny.object_pages(tmp_path / "kv")) == FULL_BLOCKS // tiny.BLOCK
+    assert not any(path.name.endswith(".tmp") for path in files)
 
 
 KILLED_SCRIPT = """

@@ -77,3 +77,30 @@ def settle(llm, done, tries: int = 300) -> None:
             return
         generate(llm, [[7] * 8], max_tokens=1)
     raise AssertionError("the engine did not settle")
+
+
+def object_pages(root: Path) -> list[tuple[Path, int]]:
+    """(file, offset) of every stored object's header under a file tier's `root`, in either
+    layout: a header fills a page of its own and starts with the object format's magic."""
+    from tiering.backends.file_io import ALIGN
+    from tiering.tiers.object_format import MAGIC
+
+    found = []
+    for path in sorted(path for path in root.rglob("*") if path.is_file()):
+        data = path.read_bytes()
+        found += [(path, at) for at in range(0, len(data), ALIGN) if data[at : at + len(MAGIC)] == MAGIC]
+    return found
+
+
+def corrupt_payloads(root: Path) -> None:
+    """Flip the first byte of every page under a file tier's `root` that is not an object's
+    header: every payload changes, every header stays valid (either layout)."""
+    from tiering.backends.file_io import ALIGN
+
+    headers = set(object_pages(root))
+    for path in sorted(path for path in root.rglob("*") if path.is_file()):
+        data = bytearray(path.read_bytes())
+        for at in range(0, len(data), ALIGN):
+            if (path, at) not in headers:
+                data[at] ^= 0xFF
+        path.write_bytes(data)
