@@ -14,6 +14,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tiering.contract.keys import OffloadKey
+from tiering.errors import (
+    CorruptObjectError,
+    ForgedObjectError,
+    HungCallError,
+    ObjectNotFoundError,
+    UnusableObjectError,
+)
 from tiering.tiers.base import Doorbell
 
 FAILURE_REASONS = (
@@ -88,6 +95,26 @@ class LoadDone(JobDone):
 
     drop: set[OffloadKey] = field(default_factory=set)
     forged: set[OffloadKey] = field(default_factory=set)
+
+    def block_failed(self, key: OffloadKey, error: Exception) -> bool:
+        """Record why `key` did not load (loop thread): a missing or forged object is a miss,
+        a corrupt or unusable one is dropped, neither a sign of a sick backend; any other
+        error is one, and a hung call's block is dropped too. Returns whether the object is
+        corrupt or unusable (to be deleted)."""
+        if isinstance(error, ObjectNotFoundError | ForgedObjectError):  # a forged one may be another deployment's
+            self.failed("load_missing" if isinstance(error, ObjectNotFoundError) else "load_forged", error, sick=False)
+            self.drop.add(key)
+            if isinstance(error, ForgedObjectError):
+                self.forged.add(key)
+            return False
+        if isinstance(error, CorruptObjectError):
+            self.failed("load_unusable" if isinstance(error, UnusableObjectError) else "load_corrupt", error, False)
+            self.drop.add(key)
+            return True
+        self.failed("load", error)
+        if isinstance(error, HungCallError):  # dropped: a retry would strand another thread
+            self.drop.add(key)
+        return False
 
 
 @dataclass(kw_only=True)

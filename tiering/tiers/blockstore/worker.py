@@ -35,11 +35,8 @@ from tiering.contract.keys import OffloadKey
 from tiering.cpu.row_states import RowStates
 from tiering.errors import (
     CorruptObjectError,
-    ForgedObjectError,
     HungCallError,
-    ObjectNotFoundError,
     RuntimeClosedError,
-    UnusableObjectError,
 )
 from tiering.tiers.blockstore.outbox import (
     DeletesDone,
@@ -105,6 +102,8 @@ class BlockWorker:
         self.name = name
         self.store = store
         self._rows = rows
+        self._row_bytes = rows.shape[1]
+        self._flat_rows = rows.data.cast("B") if rows.flags.c_contiguous else None  # rows as slices, cheaply
         self._outbox = outbox
         self._store_lane = asyncio.Semaphore(max_concurrency)
         self._load_lane = asyncio.Semaphore(max_concurrency)
@@ -263,16 +262,17 @@ class BlockWorker:
         with `spread`, in up to `spread` batches of at least `LOAD_SPREAD_MIN_BYTES`, or, for
         a store that `reads_in_order`, in batches of about that size, `spread` at a time in
         the order of `items`."""
-        size, running = self._batch_blocks, anyio.CapacityLimiter(math.inf)
+        size, at_once = self._batch_blocks, math.inf
         if spread > 1:
-            least = max(1, LOAD_SPREAD_MIN_BYTES // max(1, self._rows.shape[1]))
+            least = max(1, LOAD_SPREAD_MIN_BYTES // max(1, self._row_bytes))
             if self.store.reads_in_order:
-                size, running = min(size, least), anyio.CapacityLimiter(spread)
+                size, at_once = min(size, least), spread
             else:
                 size = min(size, max(least, -(-len(items) // spread)))
         if len(items) <= size:
             await run_batch(done, items)
             return
+        running = anyio.CapacityLimiter(at_once)
 
         async def run_when_its_turn_comes(batch: Items) -> None:
             async with running:
@@ -294,41 +294,26 @@ class BlockWorker:
 
     async def _load_batch(self, done: LoadDone, batch: Items) -> None:
         outcomes = await self._io(done, self.store.get_many, batch)
-        read = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, ObjectHeader)]
-        unchecked = [i for i in read if outcomes[i].encrypted] if self.store.verifies_payloads else read
-        opened: list[CorruptObjectError | None] = []
+        errors: list[Exception | None] = [None if isinstance(o, ObjectHeader) else o for o in outcomes]
+        verified = self.store.verifies_payloads
+        unchecked = [i for i, o in enumerate(outcomes) if isinstance(o, ObjectHeader) and (o.encrypted or not verified)]
         if unchecked:  # checked above every store layer; off the loop unless it is quick
-            checks = [(outcomes[i], memoryview(self._rows[batch[i][1]])) for i in unchecked]
-            if len(checks) * self._rows.shape[1] <= INLINE_CHECK_BYTES:
+            checks = [(outcomes[i], self._row(batch[i][1])) for i in unchecked]
+            if len(checks) * self._row_bytes <= INLINE_CHECK_BYTES:
                 opened = _open_all(checks, self.store.seal)
             else:
                 opened = await anyio.to_thread.run_sync(_open_all, checks, self.store.seal)
-        for i in read:
-            outcomes[i] = None
-        for i, error in zip(unchecked, opened, strict=True):
-            outcomes[i] = error
-        corrupt = []
-        if self.row_states is not None:  # before the outcome: a load may be waiting for these rows
-            for (_, row), error in zip(batch, outcomes, strict=True):
-                self.row_states.settle(row, ok=error is None)
-        for (key, _), error in zip(batch, outcomes, strict=True):
+            for i, check in zip(unchecked, opened, strict=True):
+                errors[i] = check
+        settle = self.row_states.settle if self.row_states is not None else None
+        corrupt: list[OffloadKey] = []
+        for (key, row), error in zip(batch, errors, strict=True):
+            if settle is not None:  # before the outcome: a load may be waiting for this row
+                settle(row, ok=error is None)
             if error is None:
                 done.ok.add(key)
-            elif isinstance(error, ObjectNotFoundError):
-                done.failed("load_missing", error, sick=False)
-                done.drop.add(key)
-            elif isinstance(error, ForgedObjectError):  # a miss; the object may be another deployment's
-                done.failed("load_forged", error, sick=False)
-                done.drop.add(key)
-                done.forged.add(key)
-            elif isinstance(error, CorruptObjectError):  # or unusable: dropped, and no sign of a sick backend
-                done.failed("load_unusable" if isinstance(error, UnusableObjectError) else "load_corrupt", error, False)
-                done.drop.add(key)
+            elif done.block_failed(key, error):
                 corrupt.append(key)
-            else:
-                done.failed("load", error)
-                if isinstance(error, HungCallError):  # dropped: a retry would strand another thread
-                    done.drop.add(key)
         if corrupt:
             await self._delete(done, corrupt, None)
 
@@ -336,12 +321,18 @@ class BlockWorker:
         """One store call for a batch (see `_call`); if the call itself fails, every block of
         the batch fails with its error."""
         lane = self._load_lane if isinstance(done, LoadDone) else self._store_lane
-        outcome = await self._call(done, lane, operation, [(key, memoryview(self._rows[row])) for key, row in batch])
+        outcome = await self._call(done, lane, operation, [(key, self._row(row)) for key, row in batch])
         if isinstance(outcome, Exception):
             return [outcome] * len(batch)
         if len(outcome) != len(batch):
             raise RuntimeError(f"{type(self.store).__name__}: {len(outcome)} outcomes for {len(batch)} blocks")
         return outcome
+
+    def _row(self, row: int) -> memoryview:
+        """Primary row `row`'s bytes."""
+        if self._flat_rows is None:
+            return memoryview(self._rows[row])
+        return self._flat_rows[row * self._row_bytes : (row + 1) * self._row_bytes]
 
     async def _probe(self, done: ProbeDone) -> None:
         outcome = await self._call(None, self._load_lane, self.store.exists_many, done.keys)
