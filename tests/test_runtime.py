@@ -1,17 +1,19 @@
+import asyncio
 import threading
 
 import anyio
 import pytest
 
 from tiering import AsyncRuntime, RuntimeClosedError, RuntimeDeadError
+from tiering.tiers.runtime import INBOX_SLICE
 
 
 class CountingRuntime(AsyncRuntime):
     wakeups = 0
 
-    def _run_inbox(self):
+    async def _run_inbox(self):
         self.wakeups += 1
-        super()._run_inbox()
+        await super()._run_inbox()
 
 
 @pytest.fixture
@@ -45,6 +47,26 @@ def test_callbacks_run_in_order_with_one_wakeup_per_flush(runtime):
     runtime.flush()  # nothing queued
     runtime.run_sync(anyio.sleep, 0)
     assert runtime.wakeups == 1
+
+
+def test_tasks_the_first_callbacks_start_run_before_the_last_callbacks_of_a_large_batch(runtime):
+    done, events = threading.Event(), []
+
+    async def task(i):
+        events.append(("task", i))
+
+    def callback(i):
+        events.append(("callback", i))
+        asyncio.get_running_loop().create_task(task(i))
+
+    for i in range(4 * INBOX_SLICE):
+        runtime.submit(lambda i=i: callback(i))
+    runtime.submit(done.set)
+    runtime.flush()
+    assert done.wait(5)
+    callbacks = [i for kind, i in events if kind == "callback"]
+    assert callbacks == list(range(4 * INBOX_SLICE))  # still in order
+    assert events.index(("task", 0)) < events.index(("callback", 2 * INBOX_SLICE))
 
 
 def test_callbacks_run_inside_a_task_so_anyio_works_with_sniffio_installed(runtime):

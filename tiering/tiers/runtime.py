@@ -5,7 +5,8 @@ rings the loop with `flush()` once per batch (a scheduler step): one `call_soon_
 skipped when a wake-up is already pending. Waking the loop per job would cost a GIL handoff
 to the loop thread per job. Callbacks run on the loop thread in submission order, inside
 the runtime's pump task (never as bare loop callbacks, where anyio cannot tell which async
-library runs once `sniffio` is installed); they typically start tasks in a task group.
+library runs once `sniffio` is installed); they typically start tasks, which take a step
+after every `INBOX_SLICE` callbacks.
 Blocking calls into the loop (`run_sync`) are for construction and shutdown only.
 
 While work keeps coming, the loop polls the inbox every `POLL_S` instead of being rung, and
@@ -49,6 +50,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 POLL_S = 0.0005  # while busy, the loop looks at the inbox this often, seconds
 POLL_IDLE_S = 0.05  # and goes back to waiting for a ring after this long without work
+INBOX_SLICE = 16
+"""The loop runs at most this many queued callbacks before the tasks they started take a step:
+the first jobs of a large step reach their stores while the rest are still being started
+(128 promotions handed over at once: their first read began 5-6 ms after the first start)."""
 _DEATH_CHECK_S = 0.1  # a blocking call looks this often whether the loop thread died
 
 
@@ -270,22 +275,29 @@ class AsyncRuntime:
         while True:
             await wake.wait()
             wake.clear()
-            self._run_inbox()
+            await self._run_inbox()
             self._polling, last_work = True, loop.time()
             while True:
                 await asyncio.sleep(POLL_S)
                 if self._inbox:
-                    self._run_inbox()
+                    await self._run_inbox()
                     last_work = loop.time()
                 elif not self._jobs_in_flight and loop.time() - max(last_work, self._active_at) > POLL_IDLE_S:
                     self._polling = False
                     if not self._inbox:  # checked after clearing the flag: a flush now rings
                         break
 
-    def _run_inbox(self) -> None:
+    async def _run_inbox(self) -> None:
+        """Run the queued callbacks in order, letting the tasks they start take a step after
+        every `INBOX_SLICE` of them."""
         self._ring_pending = False
         inbox = self._inbox
+        ran = 0
         while inbox:
+            if ran == INBOX_SLICE:
+                await asyncio.sleep(0)
+                ran = 0
+            ran += 1
             callback = inbox.popleft()
             try:
                 callback()
