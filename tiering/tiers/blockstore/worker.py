@@ -193,7 +193,7 @@ class BlockWorker:
         self._start(done, partial(self._delete_job, done, keys))
 
     def _start(self, done: Outcome, prepare: Callable[[], Callable[[], Awaitable[None]]]) -> None:
-        """Run the job ``prepare()`` returns in the tier's task group. If the tier is
+        """Run the job ``prepare()`` returns as a task of its own (`_spawn`). If the tier is
         stopped, or anything raises while starting, the outcome is put at once, failed:
         never lost."""
         self._runtime.job_started()
