@@ -289,8 +289,9 @@ class AsyncRuntime:
 
     async def _run_inbox(self) -> None:
         """Run the queued callbacks in order, letting the tasks they start take a step after
-        every `INBOX_SLICE` of them."""
-        self._ring_pending = False
+        every `INBOX_SLICE` of them. A wake-up stays pending until the inbox is empty: what a
+        flush queues meanwhile runs in this drain, with no ring (a socket write on the
+        scheduler thread); what it queues after the drain, the polling that follows picks up."""
         inbox = self._inbox
         ran = 0
         while inbox:
@@ -303,3 +304,4 @@ class AsyncRuntime:
                 callback()
             except Exception:
                 logger.exception("runtime %s: callback %r failed", self.name, callback)
+        self._ring_pending = False

@@ -400,8 +400,8 @@ class BlockWorker:
             await answered
         finally:
             timer.cancel()
-            if not (answered.done() and not answered.cancelled() and answered.result()):
-                # timed out, or this job was cancelled (shutdown)
+            returned = answered.done() and not answered.cancelled() and answered.result()
+            if not returned:  # timed out, or this job was cancelled (shutdown)
                 scope.cancel()
                 late = True
                 if done is not None:
