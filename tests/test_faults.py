@@ -25,9 +25,11 @@ def make_tier(config, num_blocks=8):
 
 
 def disk_tier(root, clock, num_blocks=8, **settings):
-    """A file tier on `root` (buffered I/O) whose full-device retries follow `clock`."""
+    """A file tier on `root` (buffered I/O, one file per block: the room these tests check
+    is counted per block; segments have their own full-disk test) whose full-device retries
+    follow `clock`."""
     view = RegionStandIn(num_blocks, ROW).create_kv_memoryview()
-    store = partial(FileBlockStore, root, direct_io=False)
+    store = partial(FileBlockStore, root, direct_io=False, layout="files")
     return BlockStoreTier(None, view, "file", store, BlockStoreSettings(**settings), clock=clock), np.asarray(view)
 
 
