@@ -24,12 +24,11 @@ def make_tier(config, num_blocks=8):
     return SecondaryTierFactory.create_secondary_tier(config, view, None), np.asarray(view)
 
 
-def disk_tier(root, clock, num_blocks=8, **settings):
-    """A file tier on `root` (buffered I/O, one file per block: the room these tests check
-    is counted per block; segments have their own full-disk test) whose full-device retries
-    follow `clock`."""
+def disk_tier(root, clock, num_blocks=8, layout="files", **settings):
+    """A file tier on `root` (buffered I/O, one file per block unless `layout` says else)
+    whose full-device retries follow `clock`."""
     view = RegionStandIn(num_blocks, ROW).create_kv_memoryview()
-    store = partial(FileBlockStore, root, direct_io=False, layout="files")
+    store = partial(FileBlockStore, root, direct_io=False, layout=layout)
     return BlockStoreTier(None, view, "file", store, BlockStoreSettings(**settings), clock=clock), np.asarray(view)
 
 
@@ -204,21 +203,27 @@ def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(sm
         tier.shutdown()
 
 
-def test_a_full_disk_under_steady_stores_keeps_its_room_and_evicts_only_the_shortfall(small_disk, monkeypatch):
+@pytest.mark.parametrize("layout", ["files", "segments"])
+def test_a_full_disk_under_steady_stores_keeps_its_room_and_evicts_only_the_shortfall(small_disk, monkeypatch, layout):
     """Stores keep coming while evicted objects are still being deleted: the room must stay
-    at what the disk holds, not ratchet down by what was in flight at each refusal."""
+    at what the disk holds, not ratchet down by what was in flight at each refusal. Each
+    step waits for the jobs of the step before it (a scheduler's pace: its steps take time),
+    so the jobs of two steps and the deletes they evicted for overlap."""
     monkeypatch.setattr("tiering.tiers.blockstore.index.ROOM_BACKOFF_S", (0.05, 0.2))  # retries within the test
     clock = ManualClock()
-    tier, _ = disk_tier(small_disk / "tier", clock)
+    tier, _ = disk_tier(small_disk / "tier", clock, layout=layout)
     try:
-        held, offered, next_key = [], 0, 0
+        held, offered, next_key, running = [], 0, 0, set()
         for step in range(300):
             for _ in range(4):  # jobs in flight at once, as a busy scheduler sends them
+                running.add(step * 4 + _)
                 tier.submit_store(job(step * 4 + _, range(next_key, next_key + 8), range(8), False))
                 next_key += 8
                 offered += 8
             tier.on_schedule_end()
-            tier.get_finished()
+            while running and min(running) < step * 4:  # the test's timeout bounds it
+                running.difference_update(result.job_id for result in tier.get_finished())
+                time.sleep(0.001)
             clock.now += 0.002
             held.append(tier.used_bytes)
         disk = 1 << 20
