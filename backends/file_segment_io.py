@@ -167,17 +167,19 @@ def open_segment(dir_fd: int, sequence: int, direct: bool, create: bool) -> Segm
     return Segment(sequence, fd, direct_fd)
 
 
-def pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+def pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> tuple[int, OSError | None]:
     """Write `buffers` (consumed) to `fd` at byte `offset`, at most 1,024 a call, until all is
-    written.
-
-    Raises:
-        OSError: a write failed (ENOSPC among them); part of the range may be written.
-    """
+    written or a write fails (ENOSPC among them): the bytes written, and the error that
+    stopped it (None: all written)."""
+    total = 0
     while buffers:
-        written = os.pwritev(fd, buffers[:MAX_IOV], offset)
-        offset += written
+        try:
+            written = os.pwritev(fd, buffers[:MAX_IOV], offset + total)
+        except OSError as exc:
+            return total, exc
+        total += written
         advance(buffers, written)
+    return total, None
 
 
 def pread_all(fd: int, buffers: list[memoryview], offset: int) -> int:

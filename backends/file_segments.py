@@ -98,14 +98,16 @@ class SegmentLog:
     def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
         """Append `items` as entries of the active segment, in one vectored write (or a few,
         past 1,024 buffers); their keys are listed once all are written, and the entries they
-        replace punched out. The same error for every item if the write fails (its range is
-        punched out)."""
+        replace punched out. If a write fails part way (a full device), the items written
+        whole before it are listed, the others fail with its error and their range is
+        punched out; if the `fdatasync` fails, every item fails."""
         headers, payloads = [], []
         for key, payload in items:
             header, body = encode_object(key, payload.cast("B"), self.fingerprint, ALIGN, self.seal)
             headers.append(header)
             payloads.append(body)
-        total = sum(ALIGN + padded(payload.nbytes) for payload in payloads)
+        sizes = [ALIGN + padded(payload.nbytes) for payload in payloads]
+        total = sum(sizes)
         direct = self.direct and all(is_aligned(payload) for payload in payloads)
         pages = scratch_pages(len(items))
         buffers: list[memoryview] = []
@@ -118,30 +120,34 @@ class SegmentLog:
         with self._lock:
             segment, offset = self._reserve(total)
             segment.users += 1
-        try:
-            pwrite_all(segment.fd_for(direct), buffers, offset)
-            if self.fsync:
+        written, error = pwrite_all(segment.fd_for(direct), buffers, offset)
+        if error is None and self.fsync:
+            try:
                 os.fdatasync(segment.fd)
-        except OSError as exc:
+            except OSError as exc:
+                written, error = 0, exc
+        whole, kept = 0, 0  # the items written whole, and their bytes
+        while whole < len(items) and kept + sizes[whole] <= written:
+            kept += sizes[whole]
+            whole += 1
+        if error is not None:
             with contextlib.suppress(OSError):  # else the range stays as garbage that recovery skips
-                punch(segment.fd, offset, total)
-            with self._lock:
-                self._release(segment)
-            return [exc] * len(items)
+                punch(segment.fd, offset + kept, total - kept)
         replaced = []
         with self._lock:
             at = offset
-            for (key, _), payload in zip(items, payloads, strict=True):
+            for i in range(whole):
+                key = items[i][0]
                 if (old := self._map.get(key)) is not None:
                     old.segment.users += 1
                     replaced.append(old)
                     self._forget(old)
-                self._map[key] = Entry(segment, at, payload.nbytes)
+                self._map[key] = Entry(segment, at, payloads[i].nbytes)
                 segment.live += 1
-                at += ALIGN + padded(payload.nbytes)
+                at += sizes[i]
             self._release(segment)
         self._punch(replaced)
-        return [None] * len(items)
+        return [None] * whole + [error] * (len(items) - whole)
 
     def _reserve(self, nbytes: int) -> tuple[Segment, int]:
         """A range of `nbytes` at the active segment's tail, starting the next segment when the

@@ -277,6 +277,29 @@ async def test_a_full_disk_fails_the_write_and_a_delete_makes_room(small_disk):
 
 
 @pytest.mark.asyncio
+async def test_a_batch_that_fills_the_disk_keeps_the_blocks_written_whole(small_disk):
+    """A full disk stores what fits, as one file per block would: the entries written whole
+    before the write failed are listed and load, the rest fail and give their space back."""
+    store = FileBlockStore(small_disk / "tier", FINGERPRINT, 2, direct_io=False, layout="segments")
+    await store.open()
+    try:
+        blocks = [payload(BLOCK, seed=i + 1) for i in range(32)]  # 2 MiB offered to 1 MiB of disk
+        outcomes = await store.put_many([(key(i), block) for i, block in enumerate(blocks)])
+        kept = next(i for i, outcome in enumerate(outcomes) if outcome is not None)
+        assert kept > 0 and all(outcome is None for outcome in outcomes[:kept])
+        assert all(isinstance(o, OSError) and o.errno == errno.ENOSPC for o in outcomes[kept:])
+        for i in range(kept):
+            into = buffer(BLOCK)
+            await store.get(key(i), into)
+            assert into == blocks[i]
+        assert not await store.exists(key(kept))
+        free = os.statvfs(small_disk)
+        assert free.f_bavail * free.f_frsize < ALIGN + BLOCK  # as many whole entries as fit
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
 async def test_undoing_an_open_removes_the_segments_directory_it_made_and_nothing_else(tmp_path):
     earlier = FileBlockStore(tmp_path, FINGERPRINT, 2)  # one file per block: no segments directory
     await earlier.open()
