@@ -14,12 +14,11 @@ from tiering import (
     BlockStoreSettings,
     BlockStoreTier,
     JobMetadata,
-    ReqContext,
     SecondaryTierFactory,
     TierContext,
 )
 from tiering.backends import MemoryBlockStore
-from tiering.tiers.blockstore import worker
+from tiering.tiers.blockstore import batches
 from tiering.tiers.object_format import object_size
 
 S = BlockStoreSettings
@@ -71,7 +70,7 @@ def test_a_promotion_reaches_the_store_in_up_to_four_concurrent_calls_and_a_stor
     engine.rows[:] = 0
     assert engine.lookup_until_done(0, 1, 2, 3) == [True] * 4
     assert engine.tier.store.gets == [4]  # 16 KiB: smaller than LOAD_SPREAD_MIN_BYTES, one call
-    monkeypatch.setattr(worker, "LOAD_SPREAD_MIN_BYTES", 2 * ROW)
+    monkeypatch.setattr(batches, "LOAD_SPREAD_MIN_BYTES", 2 * ROW)
     assert engine.store(*range(16, 24)).evicted_keys  # 0..3 are in the tier only again
     assert engine.lookup_until_done(*range(8)) == [True] * 8
     assert engine.tier.store.gets[1:] == [2, 2, 2, 2]  # a request waits on these: read at a queue depth of 4
@@ -103,7 +102,7 @@ def in_order_engine(engine_factory, monkeypatch):
     """An engine over an `InOrderStore` holding blocks 0..15 in its tier only, rows zeroed."""
     tier = {"type": "in_order", "module_path": __name__, "class_name": "InOrderStore", "batch_bytes": "1GiB"}
     engine = engine_factory(tier, num_blocks=16)
-    monkeypatch.setattr(worker, "LOAD_SPREAD_MIN_BYTES", 2 * ROW)
+    monkeypatch.setattr(batches, "LOAD_SPREAD_MIN_BYTES", 2 * ROW)
     engine.store(*range(16))
     engine.rows[:] = 0
     engine.manager.reset_cache()
@@ -115,24 +114,58 @@ def test_a_store_that_reads_in_order_gets_a_promotion_in_small_calls_a_few_at_a_
     assert engine.lookup_until_done(*range(16)) == [True] * 16
     assert engine.tier.store.gets == [2] * 8  # calls of LOAD_SPREAD_MIN_BYTES, not four of 4 blocks
     assert engine.tier.store.firsts == keys(*range(0, 16, 2))  # in the promotion's order
-    assert engine.tier.store.most_running == worker.LOAD_SPREAD
+    assert engine.tier.store.most_running == batches.LOAD_SPREAD
     assert engine.loaded_bytes(*range(16)) == [block_bytes(k, ROW) for k in keys(*range(16))]
 
 
-def test_promotions_started_together_go_in_batch_bytes_calls_one_each(engine_factory, monkeypatch):
-    """Loads already in flight keep the device busy: spreading each over small calls would only
-    cost the loop a hop per call."""
-    engine = in_order_engine(engine_factory, monkeypatch)
-    other = ReqContext("req-1")
-    for _ in range(5):  # two requests' promotions, submitted in the same step
-        answers = [engine.manager.lookup(k, CTX) for k in keys(*range(8))]
-        answers += [engine.manager.lookup(k, other) for k in keys(*range(8, 16))]
-        engine.settle()
-        if None not in answers:
-            break
-    assert answers == [True] * 16
-    assert sorted(engine.tier.store.gets) == [8, 8]
-    assert engine.loaded_bytes(*range(16)) == [block_bytes(k, ROW) for k in keys(*range(16))]
+class BlockableGets(BatchRecordingStore):
+    """Gets are recorded, then wait, once `blocked`, until `release` is set."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.blocked = False
+        self.release = anyio.Event()
+
+    async def get_many(self, items):
+        self.gets.append(len(items))
+        if self.blocked:
+            await self.release.wait()
+        return await MemoryBlockStore.get_many(self, items)
+
+
+def test_promotions_started_together_share_calls_spread_only_while_no_other_load_runs(monkeypatch):
+    """A step's promotions go to the store together; they are spread over a few calls only
+    when no other load keeps the device busy (else each call would only cost the loop a hop)."""
+    monkeypatch.setattr(batches, "LOAD_SPREAD_MIN_BYTES", 2 * ROW)
+    view = RegionStandIn(32, ROW).create_kv_memoryview()
+    tier = BlockStoreTier(None, view, "blockable", BlockableGets, BlockStoreSettings(batch_bytes=1 << 30))
+    try:
+        tier.submit_store(job(0, range(16), range(16), False))
+        tier.submit_store(job(1, range(16, 24), range(8), False))
+        tier.on_schedule_end()
+        assert tier.drain(10) and tier.store.puts == [24]  # two jobs, one call
+        tier.get_finished()
+        tier.submit_load(job(2, range(4), range(16, 20), True))
+        tier.submit_load(job(3, range(4, 8), range(20, 24), True))
+        tier.on_schedule_end()
+        assert tier.drain(10) and [r.success for r in tier.get_finished()] == [True, True]
+        assert tier.store.gets == [2, 2, 2, 2]  # the two jobs' 8 blocks, spread over LOAD_SPREAD calls
+        tier.store.blocked = True
+        tier.submit_load(job(4, range(8, 12), range(24, 28), True))  # alone: spread
+        tier.on_schedule_end()
+        while len(tier.store.gets) < 6:  # the test's timeout bounds it
+            time.sleep(0.001)
+        tier.submit_load(job(5, range(12, 16), range(28, 32), True))  # job 4 is still reading
+        tier.on_schedule_end()
+        while len(tier.store.gets) < 7:
+            time.sleep(0.001)
+        assert tier.store.gets[4:] == [2, 2, 4]
+    finally:
+        tier._runtime.submit(tier.store.release.set)
+        tier.on_schedule_end()
+        assert tier.drain(10) and [r.success for r in tier.get_finished()] == [True, True]
+        tier.shutdown()
+    assert np.array_equal(np.asarray(view)[16:32], np.asarray(view)[:16])
 
 
 def test_a_tier_whose_loop_thread_died_misses_and_fails_its_jobs_at_once(engine_factory, caplog):

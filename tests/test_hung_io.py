@@ -268,7 +268,7 @@ def test_a_job_that_breaks_while_running_or_starting_fails_once_and_the_tier_goe
         def broken(*args):
             raise RuntimeError("bug while starting a job")
 
-        monkeypatch.setattr(tier._worker, "_store_job", broken)
+        monkeypatch.setattr(tier._worker, "_store_waits", broken)
         store(manager, rows, 2)
         assert tier.drain(10)
         manager.on_schedule_end()

@@ -4,8 +4,11 @@ Loop thread only: every method runs on the tier's event loop (the ``start_*`` me
 callbacks the scheduler thread queued with `AsyncRuntime.submit`). It runs the store calls
 in three lanes, each under `op_timeout_s`: loads and existence probes (what a request waits
 for) at most `max_concurrency` at once, stores at most `max_concurrency` at once, and deletes
-one call at a time, so a promotion never queues behind cascade writes or deletes. It fills
-in the job's outcome and puts it in the `Outbox`; it never touches the index.
+one call at a time, so a promotion never queues behind cascade writes or deletes. The store
+(or load) jobs queued by one run of callbacks (a step's, mostly) start together and share
+their store calls (`tiering.tiers.blockstore.batches`), each job finished as the last call
+with its blocks ends. It fills in each job's outcome and puts it in the `Outbox`; it never
+touches the index.
 
 Rules kept here: an evicted key's delete finishes before a new put of the same key starts;
 a load's payload CRC or signature is checked above the store (a wrapping store is checked
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import math
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -38,6 +40,8 @@ from tiering.errors import (
     HungCallError,
     RuntimeClosedError,
 )
+from tiering.tiers.blockstore.batches import LOAD_SPREAD, Block, cut, jobs_of
+from tiering.tiers.blockstore.calls import StoreCalls
 from tiering.tiers.blockstore.outbox import (
     DeletesDone,
     JobDone,
@@ -46,7 +50,6 @@ from tiering.tiers.blockstore.outbox import (
     Outcome,
     PingDone,
     ProbeDone,
-    RowsReleased,
     StoreDone,
 )
 from tiering.tiers.blockstore.store import BlockStore
@@ -57,20 +60,6 @@ from tiering.tiers.seal import Seal
 T = TypeVar("T")
 Items = Sequence[tuple[OffloadKey, int]]  # (key, primary row)
 INLINE_CHECK_BYTES = 1 << 20  # a batch this small is checked on the loop (~50 us): a thread hop costs more
-LOAD_SPREAD = 4
-"""A promotion that is the tier's only load in flight reaches the store in up to this many
-concurrent calls (each at most ``batch_bytes`` and, unless the whole job is smaller, at least
-`LOAD_SPREAD_MIN_BYTES`): a request waits on it, and a device reads faster at a queue depth
-above one (this VM's disk: 16 MiB of 512 KiB files with O_DIRECT in 13 ms from one thread, 9
-ms from four). A store that `reads_in_order` gets calls of about `LOAD_SPREAD_MIN_BYTES`,
-this many at a time: each call's rows land as it ends, and the worker copies them while the
-next calls read. While other loads are in flight their calls already keep the device busy,
-and a promotion goes in batches of ``batch_bytes``, as stores always do: each call costs the
-loop about 150 us (2 MiB blocks from the page cache, one per call, read at 3.5 GB/s, in
-batches of 16 MiB at 5.3-5.9, see peer-bench's ab_file)."""
-LOAD_SPREAD_MIN_BYTES = 2 << 20
-"""Below this a call costs more in hops than its reads gain in parallel (64 KiB blocks from
-the page cache: a 16-block job read at 0.42 GB/s in four calls, see peer-bench's ab_file)."""
 
 
 class BlockWorker:
@@ -108,14 +97,15 @@ class BlockWorker:
         self._store_lane = asyncio.Semaphore(max_concurrency)
         self._load_lane = asyncio.Semaphore(max_concurrency)
         self._delete_lane = asyncio.Semaphore(1)
-        self._op_timeout_s = op_timeout_s
+        self._calls = StoreCalls(op_timeout_s, outbox)
         self._batch_blocks = batch_blocks
         self._runtime = runtime
         self._serving = False  # jobs start only while the worker serves
         self._jobs: set[asyncio.Task[None]] = set()  # a task per job, until it ends
-        self._calls: set[asyncio.Task[None]] = set()  # a task per store call, until it returns
         self._deleting: dict[OffloadKey, anyio.Event] = {}
         self._loads_in_flight = 0  # load jobs started and not finished
+        self._queued_stores = _Queued()  # jobs that start together at the end of this run of callbacks
+        self._queued_loads = _Queued()
         self._stop = anyio.Event()
         self._stopped = anyio.Event()
         self.row_states: RowStates | None = None  # set by the tier: promoted rows are settled as they land
@@ -158,8 +148,8 @@ class BlockWorker:
                 await asyncio.sleep(0)  # every job takes its first step: cancelled before it, it skips its `finally`
                 for job in self._jobs:
                     job.cancel()
-                while self._jobs or self._calls:
-                    await asyncio.wait(self._jobs | self._calls)
+                while self._jobs or self._calls.running:
+                    await asyncio.wait(self._jobs | self._calls.running)
                 await self.store.close()
                 self._stopped.set()
 
@@ -175,12 +165,13 @@ class BlockWorker:
     def start_store(self, done: StoreDone, items: Items, after_deletes: bool = False) -> None:
         """Store `items`, once the deletes of their keys started before it are over, or,
         with `after_deletes` (a full device, whose room those deletes make), every delete
-        started before it."""
-        self._start(done, partial(self._store_job, done, items, after_deletes))
+        started before it; with the other stores queued by this run of callbacks (`_queue`)."""
+        self._queue(self._queued_stores, done, items, lambda: self._store_waits(items, after_deletes))
 
     def start_load(self, done: LoadDone, items: Items) -> None:
+        """Load `items` into their rows, with the other loads queued by this run of callbacks."""
         self._loads_in_flight += 1  # until `_finish`, which every started job reaches
-        self._start(done, lambda: partial(self._load_blocks, done, items))
+        self._queue(self._queued_loads, done, items, list)
 
     def start_probe(self, done: ProbeDone) -> None:
         self._start(done, lambda: partial(self._probe, done))
@@ -206,20 +197,70 @@ class BlockWorker:
                 done.failed("start", exc, sick=False)
             self._finish(done, broken=True)
 
-    def _store_job(self, done: StoreDone, items: Items, after_deletes: bool) -> Callable[[], Awaitable[None]]:
-        """The store job, waiting first for the deletes started before it: of its keys, or all."""
+    def _store_waits(self, items: Items, after_deletes: bool) -> list[anyio.Event]:
+        """The deletes a store of `items` waits for: of its keys, or, `after_deletes`, all."""
         if after_deletes:
-            events = list(self._deleting.values())
-        else:
-            events = [event for key, _ in items if (event := self._deleting.get(key)) is not None]
-        waits = list({id(event): event for event in events}.values())
-        return partial(self._store_blocks, done, items, waits)
+            return list(self._deleting.values())
+        return [event for key, _ in items if (event := self._deleting.get(key)) is not None]
+
+    def _queue(self, queue: _Queued, done: JobDone, items: Items, waits: Callable[[], list[anyio.Event]]) -> None:
+        """Queue a store or load job; the jobs queued until the loop's next turn start
+        together, as one task whose store calls they share (`tiering.tiers.blockstore.batches`).
+        If the tier is stopped, or anything raises while queueing, the outcome is put at
+        once, failed: never lost."""
+        self._runtime.job_started()
+        try:
+            if not self._serving:
+                raise RuntimeClosedError(f"tier {self.name} is shut down")
+            for event in waits():
+                queue.waits[id(event)] = event
+            if not queue.jobs:
+                asyncio.get_running_loop().call_soon(self._start_queued, queue)
+            queue.jobs.append((done, items))
+        except Exception as exc:
+            if self._serving:
+                done.failed("start", exc, sick=False)
+            self._finish(done, broken=True)
+
+    def _start_queued(self, queue: _Queued) -> None:
+        """Start the jobs of `queue` as one task (failed at once if the tier stopped since)."""
+        jobs, waits = queue.jobs, list(queue.waits.values())
+        queue.jobs, queue.waits = [], {}
+        if not self._serving:
+            for done, _ in jobs:
+                self._finish(done, broken=True)
+            return
+        self._spawn(self._jobs, self._run_together(jobs, waits))
+
+    async def _run_together(self, jobs: list[tuple[JobDone, Items]], waits: list[anyio.Event]) -> None:
+        """Run store or load jobs started together: wait for `waits`, then their blocks in
+        shared calls. Each job is finished once the calls with its blocks are over; if
+        anything raises (a bug here or in a store), the jobs not finished fail."""
+        broken = False
+        try:
+            for deleted in waits:
+                await deleted.wait()
+            blocks = [(done, key, row) for done, items in jobs for key, row in items]
+            if isinstance(jobs[0][0], LoadDone):
+                spread = LOAD_SPREAD if self._loads_in_flight == len(jobs) else 1
+                await self._in_batches(self._load_batch, blocks, spread)
+            else:
+                await self._in_batches(self._store_batch, blocks)
+        except Exception as exc:
+            broken = True
+            for done, _ in jobs:
+                if not done.reported:
+                    done.failed("internal", exc, sick=False)
+        finally:
+            for done, _ in jobs:
+                if not done.reported:
+                    self._finish(done, broken)
 
     def _delete_job(self, done: DeletesDone, keys: list[OffloadKey]) -> Callable[[], Awaitable[None]]:
         """The delete job; stores of these keys started after it wait for it."""
         deleted = anyio.Event()
         self._deleting.update(dict.fromkeys(keys, deleted))
-        return partial(self._delete, done, keys, deleted)
+        return partial(self._delete, [done], keys, deleted)
 
     async def _run(self, done: Outcome, job: Callable[[], Awaitable[None]]) -> None:
         broken = False
@@ -242,48 +283,44 @@ class BlockWorker:
 
     # -- jobs -------------------------------------------------------------------------------
 
-    async def _store_blocks(self, done: StoreDone, items: Items, waits: list[anyio.Event]) -> None:
-        for deleted in waits:
-            await deleted.wait()
-        await self._in_batches(self._store_batch, done, items)
-
-    async def _load_blocks(self, done: LoadDone, items: Items) -> None:
-        spread = LOAD_SPREAD if self._loads_in_flight == 1 else 1
-        await self._in_batches(self._load_batch, done, items, spread)
-
     async def _in_batches(
         self,
-        run_batch: Callable[[Any, Items], Coroutine[Any, Any, None]],
-        done: JobDone,
-        items: Items,
+        run_batch: Callable[[Sequence[Block]], Coroutine[Any, Any, None]],
+        blocks: Sequence[Block],
         spread: int = 1,
     ) -> None:
-        """`run_batch` over `items`, concurrently, in batches of at most ``batch_blocks``;
-        with `spread`, in up to `spread` batches of at least `LOAD_SPREAD_MIN_BYTES`, or, for
-        a store that `reads_in_order`, in batches of about that size, `spread` at a time in
-        the order of `items`."""
-        size, at_once = self._batch_blocks, math.inf
-        if spread > 1:
-            least = max(1, LOAD_SPREAD_MIN_BYTES // max(1, self._row_bytes))
-            if self.store.reads_in_order:
-                size, at_once = min(size, least), spread
-            else:
-                size = min(size, max(least, -(-len(items) // spread)))
-        if len(items) <= size:
-            await run_batch(done, items)
+        """`run_batch` over `blocks` cut into calls (`batches.cut`), concurrently; each job is
+        finished as the last call with its blocks ends."""
+        batches, at_once = cut(blocks, self._batch_blocks, self._row_bytes, spread, self.store.reads_in_order)
+        calls_left: dict[int, int] = {}
+        for batch in batches:
+            for done in jobs_of(batch):
+                calls_left[id(done)] = calls_left.get(id(done), 0) + 1
+
+        async def run(batch: Sequence[Block]) -> None:
+            await run_batch(batch)
+            for done in jobs_of(batch):
+                calls_left[id(done)] -= 1
+                if not calls_left[id(done)]:
+                    self._finish(done, broken=False)
+
+        if len(batches) == 1:
+            await run(batches[0])
             return
         running = anyio.CapacityLimiter(at_once)
 
-        async def run_when_its_turn_comes(batch: Items) -> None:
+        async def run_when_its_turn_comes(batch: Sequence[Block]) -> None:
             async with running:
-                await run_batch(done, batch)
+                await run(batch)
 
         async with anyio.create_task_group() as task_group:
-            for start in range(0, len(items), size):
-                task_group.start_soon(run_when_its_turn_comes, items[start : start + size])
+            for batch in batches:
+                task_group.start_soon(run_when_its_turn_comes, batch)
 
-    async def _store_batch(self, done: StoreDone, batch: Items) -> None:
-        for (key, _), error in zip(batch, await self._io(done, self.store.put_many, batch), strict=True):
+    async def _store_batch(self, batch: Sequence[Block]) -> None:
+        outcomes = await self._io(self._store_lane, self.store.put_many, batch)
+        for (done, key, _), error in zip(batch, outcomes, strict=True):
+            assert isinstance(done, StoreDone)
             if error is None:
                 done.ok.add(key)
             elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -292,13 +329,13 @@ class BlockWorker:
             else:
                 done.failed("store", error)
 
-    async def _load_batch(self, done: LoadDone, batch: Items) -> None:
-        outcomes = await self._io(done, self.store.get_many, batch)
+    async def _load_batch(self, batch: Sequence[Block]) -> None:
+        outcomes = await self._io(self._load_lane, self.store.get_many, batch)
         errors: list[Exception | None] = [None if isinstance(o, ObjectHeader) else o for o in outcomes]
         verified = self.store.verifies_payloads
         unchecked = [i for i, o in enumerate(outcomes) if isinstance(o, ObjectHeader) and (o.encrypted or not verified)]
         if unchecked:  # checked above every store layer; off the loop unless it is quick
-            checks = [(outcomes[i], self._row(batch[i][1])) for i in unchecked]
+            checks = [(outcomes[i], self._row(batch[i][2])) for i in unchecked]
             if len(checks) * self._row_bytes <= INLINE_CHECK_BYTES:
                 opened = _open_all(checks, self.store.seal)
             else:
@@ -306,22 +343,27 @@ class BlockWorker:
             for i, check in zip(unchecked, opened, strict=True):
                 errors[i] = check
         settle = self.row_states.settle if self.row_states is not None else None
-        corrupt: list[OffloadKey] = []
-        for (key, row), error in zip(batch, errors, strict=True):
+        corrupt: list[Block] = []
+        for block, error in zip(batch, errors, strict=True):
+            done, key, row = block
+            assert isinstance(done, LoadDone)
             if settle is not None:  # before the outcome: a load may be waiting for this row
                 settle(row, ok=error is None)
             if error is None:
                 done.ok.add(key)
             elif done.block_failed(key, error):
-                corrupt.append(key)
+                corrupt.append(block)
         if corrupt:
-            await self._delete(done, corrupt, None)
+            await self._delete(jobs_of(corrupt), [key for _, key, _ in corrupt], None)
 
-    async def _io(self, done: JobDone, operation: Callable[..., Awaitable[list[T]]], batch: Items) -> list[Any]:
+    async def _io(
+        self, lane: asyncio.Semaphore, operation: Callable[..., Awaitable[list[T]]], batch: Sequence[Block]
+    ) -> list[Any]:
         """One store call for a batch (see `_call`); if the call itself fails, every block of
         the batch fails with its error."""
-        lane = self._load_lane if isinstance(done, LoadDone) else self._store_lane
-        outcome = await self._call(done, lane, operation, [(key, self._row(row)) for key, row in batch])
+        outcome = await self._calls.call(
+            jobs_of(batch), lane, operation, [(key, self._row(row)) for _, key, row in batch]
+        )
         if isinstance(outcome, Exception):
             return [outcome] * len(batch)
         if len(outcome) != len(batch):
@@ -335,7 +377,7 @@ class BlockWorker:
         return self._flat_rows[row * self._row_bytes : (row + 1) * self._row_bytes]
 
     async def _probe(self, done: ProbeDone) -> None:
-        outcome = await self._call(None, self._load_lane, self.store.exists_many, done.keys)
+        outcome = await self._calls.call((), self._load_lane, self.store.exists_many, done.keys)
         outcomes = [outcome] * len(done.keys) if isinstance(outcome, Exception) else outcome
         for key, found in zip(done.keys, outcomes, strict=True):
             if isinstance(found, Exception):
@@ -344,80 +386,24 @@ class BlockWorker:
                 done.found.add(key)
 
     async def _ping(self, done: PingDone) -> None:
-        outcome = await self._call(None, self._load_lane, self.store.ping)
+        outcome = await self._calls.call((), self._load_lane, self.store.ping)
         if isinstance(outcome, Exception):
             done.failed("ping", outcome)
 
-    async def _delete(self, done: Outcome, keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
+    async def _delete(self, dones: Sequence[Outcome], keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
+        """Delete `keys`; a failure is recorded in each of `dones` (the jobs that found them
+        corrupt, or the deletes' own outcome). Sets `deleted` after."""
         try:
-            outcome = await self._call(None, self._delete_lane, self.store.delete_many, keys)
+            outcome = await self._calls.call((), self._delete_lane, self.store.delete_many, keys)
             if isinstance(outcome, Exception):  # a failed delete is no sign of a sick backend; a hung one is
-                done.failed("delete", outcome, sick=isinstance(outcome, HungCallError))
+                for done in dones:
+                    done.failed("delete", outcome, sick=isinstance(outcome, HungCallError))
         finally:
             if deleted is not None:
                 deleted.set()
                 for key in keys:
                     if self._deleting.get(key) is deleted:
                         del self._deleting[key]
-
-    async def _call(
-        self,
-        done: JobDone | None,
-        lane: asyncio.Semaphore,
-        operation: Callable[..., Awaitable[T]],
-        *args: Any,
-    ) -> T | Exception:
-        """``await operation(*args)`` within its `lane`'s limit, in a task of its own so
-        that the caller gets an answer within `op_timeout_s` whatever the store does: the
-        result, the exception it raised, or a `HungCallError`.
-
-        At the timeout the call is cancelled. A call that does not end at once (its thread
-        is stuck in a system call, and may still write into the rows it was given) counts
-        in ``done.hung`` until it returns: the job is reported with ``rows_in_use``, and a
-        `RowsReleased` follows when the last such call returns.
-        """
-        loop = asyncio.get_running_loop()
-        answered: asyncio.Future[bool] = loop.create_future()  # True: the call returned
-        scope = anyio.CancelScope()
-        result: list[T | Exception] = []
-        late = False
-
-        async def call() -> None:
-            try:
-                with scope:
-                    async with lane:
-                        result.append(await operation(*args))
-            except Exception as exc:
-                result.append(exc)
-            finally:
-                _answer(answered, True)
-                if late and done is not None:
-                    self._hung_call_returned(done)
-
-        self._spawn(self._calls, call())
-        timer = loop.call_later(self._op_timeout_s, _answer, answered, False)
-        try:
-            await answered
-        finally:
-            timer.cancel()
-            returned = answered.done() and not answered.cancelled() and answered.result()
-            if not returned:  # timed out, or this job was cancelled (shutdown)
-                scope.cancel()
-                late = True
-                if done is not None:
-                    done.hung += 1
-        return result[0] if result else HungCallError(f"no answer in {self._op_timeout_s} s")
-
-    def _hung_call_returned(self, done: JobDone) -> None:
-        done.hung -= 1
-        if done.hung == 0 and done.reported and done.rows_in_use:
-            self._outbox.put(RowsReleased(job_id=done.job_id), task_finished=False)
-
-
-def _answer(answered: asyncio.Future[bool], returned: bool) -> None:
-    """Settle `answered` unless it is settled (or cancelled with the task awaiting it)."""
-    if not answered.done():
-        answered.set_result(returned)
 
 
 def _open_all(checks: list[tuple[ObjectHeader, memoryview]], seal: Seal | None) -> list[CorruptObjectError | None]:
@@ -430,3 +416,11 @@ def _open_all(checks: list[tuple[ObjectHeader, memoryview]], seal: Seal | None) 
         except CorruptObjectError as exc:
             outcomes.append(exc)
     return outcomes
+
+
+class _Queued:
+    """Store or load jobs queued for the loop's next turn, and the deletes they wait for."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[JobDone, Items]] = []
+        self.waits: dict[int, anyio.Event] = {}
