@@ -242,7 +242,7 @@ class BlockWorker:
                 await deleted.wait()
             blocks = [(done, key, row) for done, items in jobs for key, row in items]
             if isinstance(jobs[0][0], LoadDone):
-                spread = LOAD_SPREAD if self._loads_in_flight == len(jobs) else 1
+                spread = LOAD_SPREAD if len(jobs) == self._loads_in_flight == 1 else 1
                 await self._in_batches(self._load_batch, blocks, spread)
             else:
                 await self._in_batches(self._store_batch, blocks)
