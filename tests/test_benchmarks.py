@@ -19,7 +19,7 @@ def test_file_tier(capsys, tmp_path, monkeypatch):
     args = ["--dir", str(tmp_path), "--total-mib", "1", "--repeats", "1", "--block-sizes", "64KiB"]
     file_tier.main([*args, "--seals", "signed,encrypted"])
     out = capsys.readouterr().out
-    for word in ("buffered", "direct", "signed", "encrypted"):
+    for word in ("buffered", "direct", "check", "signed", "encrypted"):
         assert word in out
 
 
