@@ -11,11 +11,12 @@ import anyio.to_thread
 import numpy as np
 import pytest
 
-from tests.helpers import CTX, ROW, block_bytes, key, keys
+from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
 from tiering import (
     BlockStoreSettings,
     BlockStoreTier,
     CPUPrimaryTierOffloadingManager,
+    JobMetadata,
     SharedOffloadRegion,
     TieringOffloadingManager,
 )
@@ -157,6 +158,46 @@ def test_a_stuck_write_fails_its_cascade_and_keeps_the_source_rows_pinned_until_
     stuck.unstick.set()
     step_until(manager, lambda: primary.ref_count(key(1)) == 0)
     assert manager.get_stats()["manager"]["gauges"]["jobs_holding_rows"] == 0
+
+
+def test_a_stuck_call_that_two_jobs_share_holds_the_rows_of_both_until_it_returns():
+    stores = []
+
+    def store_factory(fingerprint):
+        stores.append(StuckThreadStore(fingerprint, "put"))
+        return stores[0]
+
+    view = RegionStandIn(4, ROW).create_kv_memoryview()
+    settings = BlockStoreSettings(op_timeout_s=0.2, shutdown_timeout_s=0.5, failure_threshold=100)
+    tier = BlockStoreTier(None, view, "stuck", store_factory=store_factory, settings=settings)
+    stuck = stores[0]
+
+    def submit(job_id, ids):
+        tier.submit_store(JobMetadata(job_id, keys(*ids), np.array(ids, dtype=np.int64), False, CTX))
+
+    try:
+        submit(0, [0])  # the first job's puts go through
+        assert tier.drain(10) and [r.success for r in tier.get_finished()] == [True]
+        submit(1, [1, 2])
+        submit(2, [3])  # started with job 1: one call for both, which gets stuck
+        tier.on_schedule_end()
+        assert stuck.entered.wait(10)
+        results = []
+        while len(results) < 2:  # reported at the timeout while stuck (the test's timeout bounds it)
+            results += tier.get_finished()
+            threading.Event().wait(0.01)
+        assert [(r.job_id, r.success, r.rows_in_use) for r in results] == [(1, False, True), (2, False, True)]
+        assert stuck.calls == 1
+        stuck.unstick.set()
+        released = []
+        while len(released) < 2:
+            tier.get_finished()
+            released += tier.take_released_jobs()
+            threading.Event().wait(0.01)
+        assert sorted(released) == [1, 2]
+    finally:
+        stuck.unstick.set()
+        tier.shutdown()
 
 
 def test_shutdown_gives_up_on_a_stuck_thread_and_returns(stuck_engine, caplog):
