@@ -155,7 +155,7 @@ class BlockWorker:
 
     def _spawn(self, tasks: set[asyncio.Task[None]], coroutine: Coroutine[Any, Any, None]) -> None:
         """Run `coroutine` as a plain asyncio task kept in `tasks` until it ends (a tenth of
-        an anyio task group's cost per task: two tasks per job)."""
+        an anyio task group's cost per task)."""
         task = asyncio.get_running_loop().create_task(coroutine)
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -260,7 +260,7 @@ class BlockWorker:
         """The delete job; stores of these keys started after it wait for it."""
         deleted = anyio.Event()
         self._deleting.update(dict.fromkeys(keys, deleted))
-        return partial(self._delete, [done], keys, deleted)
+        return partial(self._delete, done, keys, deleted)
 
     async def _run(self, done: Outcome, job: Callable[[], Awaitable[None]]) -> None:
         broken = False
@@ -354,13 +354,13 @@ class BlockWorker:
             elif done.block_failed(key, error):
                 corrupt.append(block)
         if corrupt:
-            await self._delete(jobs_of(corrupt), [key for _, key, _ in corrupt], None)
+            await self._delete(corrupt[0][0], [key for _, key, _ in corrupt], None)
 
     async def _io(
         self, lane: asyncio.Semaphore, operation: Callable[..., Awaitable[list[T]]], batch: Sequence[Block]
     ) -> list[Any]:
-        """One store call for a batch (see `_call`); if the call itself fails, every block of
-        the batch fails with its error."""
+        """One store call for a batch (`StoreCalls.call`); if the call itself fails, every
+        block of the batch fails with its error."""
         outcome = await self._calls.call(
             jobs_of(batch), lane, operation, [(key, self._row(row)) for _, key, row in batch]
         )
@@ -390,14 +390,13 @@ class BlockWorker:
         if isinstance(outcome, Exception):
             done.failed("ping", outcome)
 
-    async def _delete(self, dones: Sequence[Outcome], keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
-        """Delete `keys`; a failure is recorded in each of `dones` (the jobs that found them
+    async def _delete(self, done: Outcome, keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
+        """Delete `keys`; a failure is recorded once, in `done` (the first job that found them
         corrupt, or the deletes' own outcome). Sets `deleted` after."""
         try:
             outcome = await self._calls.call((), self._delete_lane, self.store.delete_many, keys)
             if isinstance(outcome, Exception):  # a failed delete is no sign of a sick backend; a hung one is
-                for done in dones:
-                    done.failed("delete", outcome, sick=isinstance(outcome, HungCallError))
+                done.failed("delete", outcome, sick=isinstance(outcome, HungCallError))
         finally:
             if deleted is not None:
                 deleted.set()
