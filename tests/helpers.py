@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +52,21 @@ def _abandoned(path: Path) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+@contextmanager
+def one_drain(runtime) -> Iterator[None]:
+    """Hold `runtime`'s loop thread in a callback while the block runs: what the block
+    submits runs after it, in the same drain of the inbox (as one step's jobs do when the
+    loop is idle; a polling loop could otherwise take the first of them alone)."""
+    entered, gate = threading.Event(), threading.Event()
+    runtime.submit(lambda: (entered.set(), gate.wait(30)))
+    runtime.flush()
+    assert entered.wait(30)
+    try:
+        yield
+    finally:
+        gate.set()
 
 
 def key(i: int, group: int = 0) -> OffloadKey:

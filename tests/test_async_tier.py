@@ -8,7 +8,7 @@ import anyio
 import numpy as np
 import pytest
 
-from tests.helpers import CTX, ROW, ManualClock, RegionStandIn, block_bytes, key, keys
+from tests.helpers import CTX, ROW, ManualClock, RegionStandIn, block_bytes, key, keys, one_drain
 from tiering import (
     AsyncRuntime,
     BlockStoreSettings,
@@ -141,13 +141,15 @@ def test_promotions_started_together_share_calls_and_a_lone_one_is_spread(monkey
     view = RegionStandIn(32, ROW).create_kv_memoryview()
     tier = BlockStoreTier(None, view, "blockable", BlockableGets, BlockStoreSettings(batch_bytes=1 << 30))
     try:
-        tier.submit_store(job(0, range(16), range(16), False))
-        tier.submit_store(job(1, range(16, 24), range(8), False))
+        with one_drain(tier._runtime):
+            tier.submit_store(job(0, range(16), range(16), False))
+            tier.submit_store(job(1, range(16, 24), range(8), False))
         tier.on_schedule_end()
         assert tier.drain(10) and tier.store.puts == [24]  # two jobs, one call
         tier.get_finished()
-        tier.submit_load(job(2, range(4), range(16, 20), True))
-        tier.submit_load(job(3, range(4, 8), range(20, 24), True))
+        with one_drain(tier._runtime):
+            tier.submit_load(job(2, range(4), range(16, 20), True))
+            tier.submit_load(job(3, range(4, 8), range(20, 24), True))
         tier.on_schedule_end()
         assert tier.drain(10) and [r.success for r in tier.get_finished()] == [True, True]
         assert tier.store.gets == [8]  # the two jobs' blocks in one call
@@ -161,10 +163,12 @@ def test_promotions_started_together_share_calls_and_a_lone_one_is_spread(monkey
         while len(tier.store.gets) < 4:
             time.sleep(0.001)
         assert tier.store.gets[1:] == [2, 2, 4]
-    finally:
         tier._runtime.submit(tier.store.release.set)
         tier.on_schedule_end()
         assert tier.drain(10) and [r.success for r in tier.get_finished()] == [True, True]
+    finally:
+        tier._runtime.submit(tier.store.release.set)
+        tier.on_schedule_end()
         tier.shutdown()
     assert np.array_equal(np.asarray(view)[16:32], np.asarray(view)[:16])
 
