@@ -134,7 +134,11 @@ def open_namespace(root: Path, name: str) -> Namespace:
 
 def holds_objects(ns: Namespace) -> bool:
     """Whether any shard directory of `ns` holds an entry (one file per block's objects, or
-    their temporaries): 256 directory reads, at most."""
+    their temporaries): 256 directory reads, at most (a pool thread).
+
+    Raises:
+        OSError: a shard directory cannot be read.
+    """
     for dir_fd in ns.shards:
         with os.scandir(dir_fd) as entries:
             if next(entries, None) is not None:
