@@ -16,6 +16,7 @@ metrics:                        # optional: Prometheus on 127.0.0.1:9400/metrics
 tenants:                        # optional: shares of the CPU tier by tenant (vLLM's cache_salt)
   default_share: 0.25           # a fraction of the tier, or bytes
   quotas: {chat: 0.75}
+model_version: rl-step-1200     # optional: weights that change under one model name
 ```
 
 Every problem is reported at once, each with the file, the key path
@@ -87,6 +88,7 @@ class TieringConfig(BaseModel):
     job_deadline_s: Seconds = JOB_DEADLINE_S
     retention_max_fraction: float = Field(default=RETENTION_MAX_FRACTION, ge=0, le=1)
     tenants: TenantsConfig | None = None
+    model_version: str | None = Field(default=None, min_length=1, max_length=256)
     _source: str = PrivateAttr(default="<string>")
 
     @property

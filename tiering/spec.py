@@ -3,8 +3,10 @@
 Sizing: an offloaded block is ``block_size`` tokens of KV for every layer; its bytes are
 ``kv_bytes_per_token * block_size``, split evenly between the ``world_size`` workers (each
 fills its slot of every CPU row). The primary tier has ``cpu_bytes_to_use // bytes_per_block``
-rows. The layout fingerprint (model, block size, bytes per block, dtype, world size) names
-the secondary tiers' namespace, so engines of another layout never read these blocks.
+rows. The engine's identity (`tiering.contract.identity`: model, revision and version, KV
+dtype, tokens per block and per hash, KV-cache groups, parallel split, memory layout, formats)
+names the lasting tiers' namespaces, so engines that would read a block's bytes another way
+never read these blocks.
 
 Thread: the thread that starts the engine (`get_manager`, `shutdown`); workers call
 `create_handlers` on their own.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiering.config import TieringConfig
+from tiering.contract.identity import EngineIdentity, KVGroupShape, ParallelShape
 from tiering.contract.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.cpu.shared_region import SharedOffloadRegion
@@ -29,7 +32,6 @@ from tiering.tiers.admission import AdmissionConfig
 from tiering.tiers.base import SecondaryTierManager
 from tiering.tiers.context import TierContext
 from tiering.tiers.factory import SecondaryTierFactory
-from tiering.tiers.object_format import layout_fingerprint
 from tiering.tiers.runtime import AsyncRuntime
 
 logger = logging.getLogger(__name__)
@@ -49,16 +51,25 @@ MODEL_PRESETS = {  # layers, KV heads, head dimension[, KV-cache groups under vL
 class KVLayout:
     """The KV cache of one model on one engine.
 
+    Every field but the sizes' is part of the engine's identity (`identity`).
+
     Attributes:
-        model: a name, part of the layout fingerprint.
+        model: the model's name.
         num_layers: attention layers.
         kv_bytes_per_token_per_layer: K and V of one token in one layer, all heads, bytes.
         gpu_block_size: tokens per GPU (paged-attention) block.
-        dtype: KV dtype name, part of the fingerprint.
-        world_size: tensor-parallel workers sharing each CPU row.
+        dtype: KV dtype name, as stored.
+        world_size: workers sharing each CPU row (each fills its slot).
         kv_groups: KV-cache groups (vLLM's hybrid cache: each group's layers, of one kind,
             laid over the same tensors); a block of a prefix takes one row per group, and
             `num_layers` are one group's.
+        revision: the model's revision, or None.
+        tokens_per_hash: tokens per block hash, or None (the GPU block size).
+        groups: each KV-cache group's shape (layer names, block size, kind, window), or
+            empty where only their number (`kv_groups`) is known.
+        parallel: the split between workers, or None: `world_size` tensor-parallel workers.
+        kv_cache_layout: the serving engine's KV memory layout, or None.
+        hash_algorithm: the serving engine's prefix-hash algorithm, or None.
     """
 
     model: str
@@ -68,6 +79,12 @@ class KVLayout:
     dtype: str = "bfloat16"
     world_size: int = 1
     kv_groups: int = 1
+    revision: str | None = None
+    tokens_per_hash: int | None = None
+    groups: tuple[KVGroupShape, ...] = ()
+    parallel: ParallelShape | None = None
+    kv_cache_layout: str | None = None
+    hash_algorithm: str | None = None
 
     @classmethod
     def from_preset(
@@ -92,6 +109,25 @@ class KVLayout:
         """K and V of one token in every layer, bytes."""
         return self.num_layers * self.kv_bytes_per_token_per_layer
 
+    def identity(self, block_size: int, bytes_per_block: int, model_version: str | None = None) -> EngineIdentity:
+        """The identity of an engine of this layout offloading blocks of `block_size` tokens
+        and `bytes_per_block` bytes, under the operator's `model_version` (or None): the one
+        place an engine's identity is made."""
+        return EngineIdentity(
+            model=self.model,
+            kv_dtype=self.dtype,
+            tokens_per_block=block_size,
+            bytes_per_block=bytes_per_block,
+            tokens_per_hash=self.tokens_per_hash or self.gpu_block_size,
+            model_revision=self.revision,
+            model_version=model_version,
+            groups=self.groups,
+            group_count=len(self.groups) or self.kv_groups,
+            parallel=self.parallel or ParallelShape(tensor=self.world_size),
+            kv_cache_layout=self.kv_cache_layout,
+            hash_algorithm=self.hash_algorithm,
+        )
+
 
 class TieringOffloadingSpec:
     """Everything an engine needs, sized from `config` and `layout`.
@@ -102,7 +138,9 @@ class TieringOffloadingSpec:
         bytes_per_block: bytes of one offloaded block (one CPU row, all workers).
         cpu_page_size_per_worker: bytes of one worker's slot of a row.
         num_blocks: rows of the primary tier.
-        layout_fingerprint: 16 bytes naming the layout (read by the secondary tiers).
+        identity: the engine's `EngineIdentity` (computed once, here).
+        layout_fingerprint: the identity's 16-byte digest: it names the lasting tiers'
+            namespaces and is written into every object's header.
         async_runtime: the event loop the secondary tiers share.
         store_reserve_rows: CPU rows kept from promotions for the GPU's stores
             (`TieringOffloadingManager`): the config's, 0 when it has none; an adapter that
@@ -141,10 +179,8 @@ class TieringOffloadingSpec:
                 f"({self.bytes_per_block} bytes: {self.block_size} tokens of {layout.kv_bytes_per_token} bytes)"
             )
             raise ConfigError(config.source, [("cpu_bytes_to_use", problem)])
-        self.layout_fingerprint = layout_fingerprint(
-            f"model={layout.model};block_size={self.block_size};bytes_per_block={self.bytes_per_block};"
-            f"dtype={layout.dtype};world_size={layout.world_size}"
-        )
+        self.identity = layout.identity(self.block_size, self.bytes_per_block, config.model_version)
+        self.layout_fingerprint = self.identity.digest()
         self.store_reserve_rows = config.store_reserve_rows or 0
         self.async_runtime = AsyncRuntime("tiering-io")
         atexit.register(self.shutdown)  # a forgotten shutdown still releases shared memory and threads
@@ -154,7 +190,7 @@ class TieringOffloadingSpec:
 
     def tier_context(self, primary_kv_view: memoryview, name: str) -> TierContext:
         """What a secondary tier named `name` gets from this engine: the primary rows, the
-        layout fingerprint and the shared runtime."""
+        identity's digest and the shared runtime."""
         return TierContext(name, primary_kv_view, self.layout_fingerprint, self.async_runtime, self)
 
     @property

@@ -19,7 +19,8 @@ What it translates between vLLM's API (0.32.x and 0.33.x) and the engine's (the 
 
 - sizing from `OffloadingConfig`: a CPU row holds ``blocks_per_chunk`` GPU blocks of
   ``worker_kv_bytes_per_block`` bytes per worker; the shared-memory id is ``engine_id``;
-  the layout fingerprint covers model, dtype, tokens per row, bytes per row, world size;
+  the engine's identity (`tiering.integrations.vllm_identity`): model, revision, KV dtype,
+  tokens per row and per hash, every KV-cache group, the parallel split, the memory layout;
 - lookups: True and False become ``HIT`` and ``MISS``; None becomes ``HIT_PENDING`` when
   the block's primary row is being written (a GPU store in flight, or a promotion this or
   an earlier lookup started), as vLLM's own managers answer, and ``RETRY`` otherwise (a
@@ -108,9 +109,9 @@ from tiering.contract.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.engine.manager import TieringOffloadingManager
 from tiering.errors import ConfigError
 from tiering.integrations.vllm_config import engine_config, warn_unshared_hashes
+from tiering.integrations.vllm_identity import vllm_layout
 from tiering.integrations.vllm_sizing import check_cpu_tier_size, rows_for_one_step
 from tiering.integrations.vllm_stats import VllmStats, metric_definitions
-from tiering.spec import KVLayout
 from tiering.spec import TieringOffloadingSpec as EngineSpec
 
 logger = logging.getLogger(__name__)
@@ -183,10 +184,9 @@ class KVTieringOffloadingSpec(OffloadingSpec):
         block_bytes = config.worker_kv_bytes_per_block * world_size
         if block_bytes % tokens:
             raise ValueError(f"a GPU block of {block_bytes} bytes does not split into {tokens} tokens")
-        model = (
-            config.model.name if len(config.groups) == 1 else f"{config.model.name} ({len(config.groups)} KV groups)"
-        )
-        layout = KVLayout(model, 1, block_bytes // tokens, tokens, str(config.model.dtype), world_size)
+        # Set where vLLM builds a worker's connector, and by `KVTieringConnector` on both sides.
+        vllm_config = get_current_vllm_config_or_none()
+        layout = vllm_layout(config, vllm_config, block_bytes // tokens, tokens)
         try:
             tiering_config = engine_config(config.extra_config, tokens * self.blocks_per_chunk)
         except ConfigError as exc:
@@ -198,8 +198,6 @@ class KVTieringOffloadingSpec(OffloadingSpec):
             raise
         tiering_config = tiering_config.model_copy(update={"block_size": tokens * self.blocks_per_chunk})
         self.engine = EngineSpec(tiering_config, layout, config.engine_id, config.enable_kv_cache_events)
-        # Set where vLLM builds a worker's connector, and by `KVTieringConnector` on both sides.
-        vllm_config = get_current_vllm_config_or_none()
         budget = None if vllm_config is None else vllm_config.scheduler_config.max_num_batched_tokens
         if tiering_config.store_reserve_rows is None:  # a step's stores; half the tier where the step is unknown
             step_rows = (

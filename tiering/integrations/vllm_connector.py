@@ -72,6 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
 from tiering.integrations import VLLM_SPEC
+from tiering.integrations.vllm_identity import group_specs
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,8 @@ class KVTieringConnector(OffloadingConnector):
                 transfer.kv_load_failure_policy,
             )
             transfer.kv_load_failure_policy = "recompute"
-        with set_current_vllm_config(vllm_config):  # the spec reads the step's token budget on both sides
+        # the spec reads the step's token budget and the model's identity on both sides
+        with set_current_vllm_config(vllm_config), group_specs(kv_cache_config):
             super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_scheduler is not None:
             missing = [name for name in _SCHEDULER_STATE if not hasattr(self.connector_scheduler, name)]
