@@ -111,8 +111,9 @@ class KVLayout:
 
     def identity(self, block_size: int, bytes_per_block: int, model_version: str | None = None) -> EngineIdentity:
         """The identity of an engine of this layout offloading blocks of `block_size` tokens
-        and `bytes_per_block` bytes, under the operator's `model_version` (or None): the one
-        place an engine's identity is made."""
+        and `bytes_per_block` bytes (one CPU row, every worker's slot), under the operator's
+        `model_version` (or None: none set): the one place an engine's identity is made.
+        Any thread; pure, raises nothing."""
         return EngineIdentity(
             model=self.model,
             kv_dtype=self.dtype,

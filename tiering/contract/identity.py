@@ -101,11 +101,12 @@ class EngineIdentity:
     object_format: int = OBJECT_FORMAT
 
     def manifest(self) -> dict[str, Any]:
-        """The identity in plain words: a JSON-ready dict of every field (groups as lists)."""
+        """The identity in plain words: a JSON-ready dict of every field (groups and parallel
+        split as nested dicts, layer names as lists). Any thread."""
         return asdict(self)
 
     def digest(self) -> bytes:
-        """16 bytes naming this identity: equal identities, equal digests (canonical JSON
-        of the manifest, BLAKE2b)."""
+        """16 bytes naming this identity: equal identities, equal digests (BLAKE2b of the
+        manifest as canonical JSON). Any thread; raises nothing."""
         text = json.dumps(self.manifest(), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(text.encode(), digest_size=NAMESPACE_BYTES, person=b"kv-identity").digest()

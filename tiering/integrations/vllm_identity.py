@@ -26,9 +26,11 @@ _GROUP_SPECS: ContextVar[dict[int, tuple[str, int | None]] | None] = ContextVar(
 
 @contextmanager
 def group_specs(kv_cache_config: Any) -> Iterator[None]:
-    """While the block runs, specs built in it know each KV-cache group's kind and sliding
-    window from `kv_cache_config` (vLLM's ``KVCacheConfig``), which vLLM's offloading config
-    leaves out: the engine's connector builds its spec inside it."""
+    """While the block runs, specs built in it (in this thread or task: a context variable)
+    know each KV-cache group's kind (vLLM's spec class names) and sliding window in tokens
+    from `kv_cache_config` (vLLM's ``KVCacheConfig``, or None: nothing known), which vLLM's
+    offloading config leaves out: the engine's connector builds its spec inside it. Raises
+    nothing of its own."""
     kinds: dict[int, tuple[str, int | None]] = {}
     for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
         spec = group.kv_cache_spec
@@ -46,9 +48,15 @@ def group_specs(kv_cache_config: Any) -> Iterator[None]:
 
 def vllm_layout(config: Any, vllm_config: Any, kv_bytes_per_token: int, tokens_per_block: int) -> KVLayout:
     """The `KVLayout` of the engine vLLM's `config` (``OffloadingConfig``) describes, with what
-    `vllm_config` (``VllmConfig``, or None where none is current) adds: a KV of
-    `kv_bytes_per_token` bytes per token (every worker's share), GPU blocks of
-    `tokens_per_block` tokens."""
+    `vllm_config` (``VllmConfig``, or None where none is current: the revision and hash
+    algorithm are then None) adds: a KV of `kv_bytes_per_token` bytes per token (every
+    worker's share, all layers), GPU blocks of `tokens_per_block` tokens. Groups' kinds and
+    windows come from an enclosing `group_specs`, else None.
+
+    Raises:
+        KeyError: a canonical layout with a ``kv_cache_layout`` vLLM's canonical format
+            does not know (as vLLM's own ``canonical_format_id`` raises).
+    """
     parallel = config.parallel
     kinds = _GROUP_SPECS.get() or {}
     groups = tuple(
