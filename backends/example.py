@@ -69,6 +69,10 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         self.completed_jobs.append(JobResult(job_metadata.job_id, success))
         self.doorbell.ring()
 
+    def new_generation(self) -> None:
+        """A reset: forget every key (none was stored before it, as far as lookups go)."""
+        self.blocks.clear()
+
     def attach_doorbell(self, doorbell: Doorbell) -> None:
         """Ring the manager's `doorbell` on every job submitted, so that idle steps skip this tier."""
         self.doorbell = doorbell

@@ -141,6 +141,9 @@ class FaultyBlockStore(BlockStore):
     def block_bytes(self, block_bytes: int | None) -> None:
         self.inner.block_bytes = block_bytes
 
+    def for_records(self) -> BlockStore:
+        return self.inner.for_records()
+
     async def _fault(self) -> None:
         self.check_open()
         if self.latency_s:

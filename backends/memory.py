@@ -45,6 +45,7 @@ class MemoryBlockStore(BlockStore):
 
     Options = MemoryOptions
     supports_integrity = True
+    lasting = False
 
     def __init__(self, fingerprint: bytes, latency_s: float = 0.0, failure_rate: float = 0.0, seed: int | None = None):
         super().__init__(fingerprint)

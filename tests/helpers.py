@@ -190,7 +190,7 @@ CTX = ReqContext("req-0")
 class Engine:
     """A manager over `num_blocks` primary rows and one tier built from `config`."""
 
-    def __init__(self, config, num_blocks=4, spec=None, admission=None, tenants=None):
+    def __init__(self, config, num_blocks=4, spec=None, admission=None, tenants=None, reset_scope="all"):
         region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", num_blocks, ROW)  # page-aligned rows
         self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region, tenants=tenants)
         self.rows = np.asarray(self.primary.get_kv_memoryview())
@@ -199,7 +199,7 @@ class Engine:
         except BaseException:
             self.primary.shutdown()
             raise
-        self.manager = TieringOffloadingManager(self.primary, [self.tier], admission=admission)
+        self.manager = TieringOffloadingManager(self.primary, [self.tier], admission=admission, reset_scope=reset_scope)
 
     def store(self, *ids, ctx=CTX):
         """Store blocks as the GPU would (rows filled with their bytes) for the request of

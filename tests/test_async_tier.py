@@ -101,7 +101,7 @@ class InOrderStore(BatchRecordingStore):
 def in_order_engine(engine_factory, monkeypatch):
     """An engine over an `InOrderStore` holding blocks 0..15 in its tier only, rows zeroed."""
     tier = {"type": "in_order", "module_path": __name__, "class_name": "InOrderStore", "batch_bytes": "1GiB"}
-    engine = engine_factory(tier, num_blocks=16)
+    engine = engine_factory(tier, num_blocks=16, reset_scope="cpu")  # the reset empties the CPU tier only
     monkeypatch.setattr(batches, "LOAD_SPREAD_MIN_BYTES", 2 * ROW)
     engine.store(*range(16))
     engine.rows[:] = 0

@@ -1,15 +1,21 @@
-"""A block is offered only to an engine of the same identity: two engines that differ in any
-input that shapes a block's bytes never read each other's blocks, in a file, S3 or Valkey
-tier; engines of equal identities share them."""
+"""A block is offered only to an engine of the same identity and generation: two engines that
+differ in any input that shapes a block's bytes never read each other's blocks, in a file, S3
+or Valkey tier, and nothing stored before a reset is offered again."""
 
 import json
+import os
+import signal
+import threading
+import time
 from dataclasses import replace
 
 import pytest
 
-from tests.helpers import ROW, block_bytes, keys
+from tests.helpers import CTX, ROW, block_bytes, keys
 from tiering import KVLayout
+from tiering.benchmarks.s3_server import MotoServer
 from tiering.contract.identity import KVGroupShape, ParallelShape
+from tiering.tiers.blockstore.generations import MANIFEST_BYTES, record_namespace
 from tiering.tiers.context import TierContext
 
 GROUP = KVGroupShape(("model.layers.0.attn", "model.layers.1.attn"), 16, "FullAttentionSpec")
@@ -63,7 +69,7 @@ class IdentitySpec:
         self.identity = engine_identity
 
     def tier_context(self, view, name):
-        return TierContext(name, view, self.identity.digest())
+        return TierContext(name, view, self.identity.digest(), None, None, self.identity.manifest())
 
 
 def test_every_field_changes_the_digest_and_equal_identities_share_it():
@@ -101,3 +107,98 @@ def test_an_engine_of_another_identity_is_never_offered_the_blocks(shared_tier, 
     else:
         assert reader.lookup_until_done(0, 1) == [False, False]
         assert reader.tier.num_blocks == 0
+
+
+def wait_for(fact, what, timeout_s=30.0):
+    """Wait until `fact()` holds (a fact the loop thread makes true), or fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not fact():
+        assert time.monotonic() < deadline, f"still not {what} after {timeout_s} s"
+        threading.Event().wait(0.01)
+
+
+def test_after_a_reset_neither_the_engine_nor_a_fresh_one_is_offered_a_block_stored_before(shared_tier, engine_factory):
+    spec = IdentitySpec(identity("control"))
+    engine = engine_factory(shared_tier, spec=spec, num_blocks=8)
+    engine.store(0, 1)
+    before = engine.tier.store
+    engine.manager.reset_cache()
+    assert engine.lookup_until_done(0, 1) == [False, False]
+    wait_for(lambda: engine.tier.store is not before, "in the new generation")
+    engine.store(2)
+    fresh = engine_factory(shared_tier, spec=spec, num_blocks=8)
+    assert fresh.lookup_until_done(0, 1, 2) == [False, False, True]
+    assert fresh.loaded_bytes(2) == [block_bytes(keys(2)[0], ROW)]
+    assert engine.lookup_until_done(0, 1, 2) == [False, False, True]
+
+
+def test_reset_scope_cpu_keeps_the_lasting_tiers_blocks(tmp_path, engine_factory):
+    tier = {"type": "file", "root_dir": str(tmp_path / "kv")}
+    engine = engine_factory(tier, spec=IdentitySpec(identity("control")), reset_scope="cpu")
+    engine.store(0, 1)
+    engine.manager.reset_cache()
+    assert engine.lookup_until_done(0, 1) == [True, True]
+
+
+def test_a_reset_removes_the_old_generation_and_keeps_one_manifest_per_identity(tmp_path, engine_factory):
+    root = tmp_path / "kv"
+    spec = IdentitySpec(identity("control"))
+    engine = engine_factory({"type": "file", "root_dir": str(root)}, spec=spec)
+    engine.store(0, 1)
+    old = engine.tier.store.directory
+    records = root / record_namespace(spec.identity.digest()).hex()
+    assert sorted(os.listdir(root)) == sorted([old.name, records.name])
+    engine.manager.reset_cache()
+    wait_for(lambda: not old.exists(), "removed")
+    assert sorted(os.listdir(root)) == sorted([engine.tier.store.directory.name, records.name])
+    # the manifest, in plain words at the end of its object
+    manifest_file = next(path for path in records.rglob("*") if path.is_file() and path.stat().st_size > MANIFEST_BYTES)
+    manifest = json.loads(manifest_file.read_bytes()[-MANIFEST_BYTES:])
+    assert manifest["identity"] == spec.identity.digest().hex() and manifest["model"] == "org/tiny"
+
+
+def test_a_reset_returns_at_once_with_a_frozen_s3_endpoint_and_the_tier_moves_on_when_it_thaws(
+    s3_environment, engine_factory
+):
+    server = MotoServer()
+    server.start()
+    try:
+        server.create_bucket("frozen")
+        config = {
+            "type": "s3",
+            "bucket": "frozen",
+            "endpoint_url": server.endpoint_url,
+            "read_timeout_s": 0.5,
+            "connect_timeout_s": 0.5,
+        }
+        spec = IdentitySpec(identity("control"))
+        engine = engine_factory(config, spec=spec, num_blocks=8)
+        engine.store(0, 1)
+        before = engine.tier.store
+        os.kill(server.pid, signal.SIGSTOP)  # alive, listening, silent
+        try:
+            engine.manager.reset_cache()  # would hang here if it waited for the endpoint
+            engine.manager.on_schedule_end()
+            assert True not in [engine.manager.lookup(k, CTX) for k in keys(0, 1)]  # a miss, or a probe
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        wait_for(lambda: engine.tier.store is not before, "in the new generation")
+        assert engine.lookup_until_done(0, 1, steps=20) == [False, False]
+        fresh = engine_factory(config, spec=spec, num_blocks=8)
+        assert fresh.lookup_until_done(0, 1) == [False, False]
+    finally:
+        server.stop()
+
+
+def test_a_manifest_of_another_identity_keeps_the_tier_from_opening(tmp_path, engine_factory):
+    root = tmp_path / "kv"
+    spec = IdentitySpec(identity("control"))
+    engine_factory({"type": "file", "root_dir": str(root)}, spec=spec).store(0)
+    records = root / record_namespace(spec.identity.digest()).hex()
+    manifest_file = next(path for path in records.rglob("*") if path.is_file() and path.stat().st_size > MANIFEST_BYTES)
+    data = bytearray(manifest_file.read_bytes())
+    text = data[-MANIFEST_BYTES:].replace(spec.identity.digest().hex().encode(), b"0" * 32)
+    data[-MANIFEST_BYTES:] = text
+    manifest_file.write_bytes(bytes(data))  # its CRC no longer matches either: unreadable, so foreign
+    with pytest.raises(Exception, match="manifest"):
+        engine_factory({"type": "file", "root_dir": str(root)}, spec=spec)

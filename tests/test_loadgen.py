@@ -151,7 +151,7 @@ def test_a_rerun_over_a_used_directory_never_exceeds_its_bound_and_leaves_no_fil
         assert report["prefix_hit_rate"] <= report["unbounded_hit_rate"]
         assert list(root.iterdir()) == []  # the run's namespace was removed
     assert cli.main([*argv, "--keep", "--output", str(tmp_path / "kept.json")]) == 0
-    assert len(list(root.iterdir())) == 1
+    assert len(list(root.iterdir())) == 2  # the run's namespace and its identity's records
     assert "bound (not with --warm-start)" not in capsys.readouterr().out
     assert cli.main([*argv, "--warm-start", "--output", str(tmp_path / "w1.json")]) == 0
     assert cli.main([*argv, "--warm-start", "--output", str(tmp_path / "w2.json")]) == 0
@@ -334,10 +334,12 @@ def test_a_run_killed_outright_leaves_files_that_the_next_run_removes(tmp_path):
     os.kill(process.pid, signal.SIGKILL)
     process.wait(30)
     left = {path.name for path in root.iterdir()}
-    assert len(left) == 3 and sum(name.endswith(runs.SUFFIX) for name in left) == 1  # killed + its lock, kept
+    # each run: its namespace and its identity's records; the killed one's locked too
+    assert len(left) == 6 and sum(name.endswith(runs.SUFFIX) for name in left) == 2
     assert subprocess.run([*command, "--max-requests", "20"], capture_output=True, timeout=120).returncode == 0
-    (remaining,) = root.iterdir()  # the killed run's namespace and lock went; the kept one stays
-    assert remaining.name in left and not remaining.name.endswith(runs.SUFFIX) and any(remaining.glob("*/*"))
+    remaining = list(root.iterdir())  # the killed run's namespaces and locks went; the kept ones stay
+    assert len(remaining) == 2 and {path.name for path in remaining} <= left
+    assert not any(path.name.endswith(runs.SUFFIX) for path in remaining) and any(root.glob("*/*/*"))
 
 
 def test_an_interrupt_inside_code_run_from_source_text_keeps_the_exit_status(tmp_path):

@@ -41,7 +41,7 @@ class Engine:
         primary = CPUPrimaryTierOffloadingManager(NUM_ROWS, self.region)
         view = primary.get_kv_memoryview()
         self.tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, None)
-        self.manager = TieringOffloadingManager(primary, [self.tier])
+        self.manager = TieringOffloadingManager(primary, [self.tier], reset_scope="cpu")  # resets empty the CPU tier
         self.manager.answer_pending_hits = True
         self.gpu = torch.zeros((NUM_GPU_BLOCKS, PAGE), dtype=torch.int8)
         caches = canonicalize_kv_caches([self.gpu], NUM_GPU_BLOCKS)

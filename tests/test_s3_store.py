@@ -207,7 +207,7 @@ def test_an_outage_fails_jobs_and_lookups_then_the_tier_recovers(engine_factory,
             failure_threshold=2,
             backoff_s=0.2,
         )
-        engine = engine_factory(config, num_blocks=8)
+        engine = engine_factory(config, num_blocks=8, reset_scope="cpu")  # resets keep S3's blocks
         engine.store(0, 1)
         server.stop()
         out = engine.manager.prepare_store(keys(2, 3), CTX)

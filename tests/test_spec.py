@@ -17,7 +17,9 @@ from tiering import (
     canonicalize_kv_caches,
     parse_config,
 )
+from tiering.contract.identity import namespace
 from tiering.cpu.shared_region import region_path
+from tiering.tiers.blockstore.generations import record_namespace
 
 
 def instance() -> str:
@@ -88,7 +90,10 @@ secondary_tiers:
         assert spec.get_manager() is manager
         assert [tier.tier_type for tier in manager.secondary_tiers] == ["memory", "file"]
         assert manager.primary_tier.num_blocks == 128
-        assert os.listdir(tmp_path) == [spec.layout_fingerprint.hex()]
+        fingerprint = spec.layout_fingerprint  # generation 0's blocks, and the identity's records
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            [namespace(fingerprint, 0).hex(), record_namespace(fingerprint).hex()]
+        )
         assert [t.name for t in threading.enumerate()].count("tiering-io") == 1
     finally:
         spec.shutdown()
@@ -122,9 +127,9 @@ def test_a_failed_start_removes_the_directories_it_created_and_nothing_else(tmp_
     with pytest.raises(ConfigError, match=r"e.yaml: secondary_tiers\[2\].root_dir: .*blocked is not a directory"):
         TieringOffloadingSpec(config, layout, instance()).get_manager()
     assert not (tmp_path / "new").exists()  # what this start created, root_dir's parents too
-    assert (
-        sorted(kept.rglob("*")) == before and len(before) == 259
-    )  # what it found stays (256 shards, quarantine, segments)
+    # what it found stays: the blocks' namespace (256 shards, quarantine, segments) and the
+    # identity's records (256 shards, quarantine, the manifest)
+    assert sorted(kept.rglob("*")) == before and len(before) == 2 * 259
 
 
 def test_worker_handlers_fill_the_rows_the_scheduler_cascades(tmp_path):

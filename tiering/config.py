@@ -17,6 +17,7 @@ tenants:                        # optional: shares of the CPU tier by tenant (vL
   default_share: 0.25           # a fraction of the tier, or bytes
   quotas: {chat: 0.75}
 model_version: rl-step-1200     # optional: weights that change under one model name
+reset_scope: all                # a reset starts new generations of the lasting tiers (cpu: keep them)
 ```
 
 Every problem is reported at once, each with the file, the key path
@@ -37,7 +38,7 @@ import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
@@ -89,6 +90,7 @@ class TieringConfig(BaseModel):
     retention_max_fraction: float = Field(default=RETENTION_MAX_FRACTION, ge=0, le=1)
     tenants: TenantsConfig | None = None
     model_version: str | None = Field(default=None, min_length=1, max_length=256)
+    reset_scope: Literal["all", "cpu"] = "all"
     _source: str = PrivateAttr(default="<string>")
 
     @property

@@ -140,8 +140,8 @@ class TieringOffloadingSpec:
         cpu_page_size_per_worker: bytes of one worker's slot of a row.
         num_blocks: rows of the primary tier.
         identity: the engine's `EngineIdentity` (computed once, here).
-        layout_fingerprint: the identity's 16-byte digest: it names the lasting tiers'
-            namespaces and is written into every object's header.
+        layout_fingerprint: the identity's 16-byte digest: with a lasting tier's generation,
+            it names the tier's namespace (`tiering.contract.identity.namespace`).
         async_runtime: the event loop the secondary tiers share.
         store_reserve_rows: CPU rows kept from promotions for the GPU's stores
             (`TieringOffloadingManager`): the config's, 0 when it has none; an adapter that
@@ -191,8 +191,10 @@ class TieringOffloadingSpec:
 
     def tier_context(self, primary_kv_view: memoryview, name: str) -> TierContext:
         """What a secondary tier named `name` gets from this engine: the primary rows, the
-        identity's digest and the shared runtime."""
-        return TierContext(name, primary_kv_view, self.layout_fingerprint, self.async_runtime, self)
+        identity's digest and manifest, and the shared runtime."""
+        return TierContext(
+            name, primary_kv_view, self.layout_fingerprint, self.async_runtime, self, self.identity.manifest()
+        )
 
     @property
     def manager(self) -> TieringOffloadingManager | None:
@@ -242,6 +244,7 @@ class TieringOffloadingSpec:
                     max_promotion_rows=self.config.max_promotion_rows,
                     store_reserve_rows=self.store_reserve_rows,
                     job_deadline_s=self.config.job_deadline_s,
+                    reset_scope=self.config.reset_scope,
                 )
             except OSError as exc:
                 problem = f"cannot be opened for appending: {exc.strerror}"

@@ -29,6 +29,7 @@ from tiering.benchmarks.loadgen.run import RunStats, SchedulerLoop
 from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS, Request, read_trace, synthetic, with_flood, with_hints
 from tiering.errors import describe_bind_error
 from tiering.stats import Every
+from tiering.tiers.blockstore.generations import record_namespace
 
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
@@ -156,7 +157,9 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
             if not args.warm_start:
                 for tier in engine.manager.secondary_tiers:
                     if isinstance(tier, BlockStoreTier) and isinstance(tier.store, FileBlockStore):
-                        claim.claim(tier.store.directory)
+                        records = record_namespace(engine.spec.layout_fingerprint).hex()  # the run's manifest
+                        for directory in (tier.store.directory, tier.store.directory.with_name(records)):
+                            claim.claim(directory)
             exporter = _start_exporter(args, engine, console)
             stats = _replay(args, SchedulerLoop(engine, verify=args.verify), replay.requests, console, interrupts)
             report = _report(args, replay, engine, stats)

@@ -1,13 +1,14 @@
 """`EngineIdentity`: everything that shapes a block's bytes or what they mean.
 
 Two engines may read each other's blocks only if their identities are equal: the identity's
-digest names a lasting tier's namespace and is written into every object's header, so a
-block is never offered to an engine that would read its bytes another way (another parallel
-split, memory layout, dtype, model revision or version, group of layers, format).
+digest, with the lasting tier's generation, names the tier's namespace (`namespace`) and is
+written into every object's header, so a block is never offered to an engine that would read
+its bytes another way (another parallel split, memory layout, dtype, model revision, group of
+layers, format) or that reset its cache since (a weight update).
 
 An identity is built once per engine (`tiering.spec.KVLayout.identity`, from the engine's
-settings and, under vLLM, from its ``OffloadingConfig`` and ``VllmConfig``); `manifest` is
-the same fields in plain words.
+settings and, under vLLM, from its ``OffloadingConfig`` and ``VllmConfig``); its `manifest`
+is the same fields in plain words, kept beside each namespace for people and tools.
 
 Thread: any; immutable values and pure functions.
 """
@@ -110,3 +111,12 @@ class EngineIdentity:
         manifest as canonical JSON). Any thread; raises nothing."""
         text = json.dumps(self.manifest(), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(text.encode(), digest_size=NAMESPACE_BYTES, person=b"kv-identity").digest()
+
+
+def namespace(identity_digest: bytes, generation: int) -> bytes:
+    """16 bytes naming the namespace of generation `generation` of the identity whose
+    `EngineIdentity.digest` is `identity_digest`: it names a lasting tier's namespace and is
+    written into each of its objects' headers. Any thread; raises nothing."""
+    return hashlib.blake2b(
+        generation.to_bytes(8, "big"), key=identity_digest, digest_size=NAMESPACE_BYTES, person=b"kv-namespace"
+    ).digest()

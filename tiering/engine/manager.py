@@ -35,7 +35,7 @@ from tiering.engine.cascades import Cascades
 from tiering.engine.jobs import JOB_DEADLINE_S, Job, JobTable
 from tiering.engine.lookups import RequestLookups
 from tiering.engine.promotions import PromotionRows, Promotions
-from tiering.engine.tier_calls import guarded, hooks_of
+from tiering.engine.tier_calls import guarded, hooks_of, new_generations
 from tiering.engine.timeline import RequestTimeline
 from tiering.eviction.retention import hint_of
 from tiering.stats import Every
@@ -66,6 +66,7 @@ class TieringOffloadingManager(OffloadingManager):
         store_reserve_rows: int = 0,
         job_deadline_s: float | None = JOB_DEADLINE_S,
         clock: Callable[[], float] = time.monotonic,
+        reset_scope: str = "all",
     ):
         """
         Args:
@@ -90,6 +91,8 @@ class TieringOffloadingManager(OffloadingManager):
             job_deadline_s: seconds a secondary tier has to report a job before it fails
                 here (see the module docstring); None: no deadline.
             clock: seconds, monotonic: when jobs are due (tests move it by hand).
+            reset_scope: ``all``: `reset_cache` also starts new generations of the secondary
+                tiers; ``cpu``: they keep their blocks (weights that never change).
 
         Raises:
             ValueError: more admission configs than tiers.
@@ -97,6 +100,7 @@ class TieringOffloadingManager(OffloadingManager):
         """
         self.primary_tier = primary_tier
         self.secondary_tiers = list(secondary_tiers or ())
+        self.reset_scope = reset_scope
         self.tier_names = unique_names([getattr(tier, "name", tier.tier_type) for tier in self.secondary_tiers])
         self.block_tokens = block_tokens
         self._enable_events = enable_events
@@ -380,11 +384,10 @@ class TieringOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         """Process what finished, drop queued promotions and empty the primary tier (see
         `CPUOffloadingManager.reset_cache`: the caller's transfers started before the reset
-        are void, as under vLLM). Secondary tiers keep their blocks. Returns at once,
-        whatever the tiers do: it waits for no tier (vLLM resets from its scheduler loop,
-        where a wait for a frozen tier would stop serving every request).
-
-        A secondary tier's job still in flight is void: its keys are forgotten at once (no
+        are void, as under vLLM); with ``reset_scope`` ``all``, each secondary tier starts a
+        new generation (`SecondaryTierManager.new_generation`): nothing stored before is
+        offered again. Returns at once: it waits for no tier (a frozen one would stop vLLM's
+        scheduler loop). A secondary tier's job still in flight is void: its keys are forgotten at once (no
         lookup waits on them), its rows stay out of use until the tier reports it (or, after
         a timeout, releases its late I/O), and it is then counted as failed. So every row
         comes back and nothing is left waiting.
@@ -396,6 +399,8 @@ class TieringOffloadingManager(OffloadingManager):
         self.primary_tier.reset_cache(keep_rows=[row for job in voided for row in job.rows])
         self._primary_changed = True
         self.promotions.forget()
+        if self.reset_scope == "all":
+            new_generations(self.secondary_tiers, self.tier_names)
 
     def __enter__(self) -> TieringOffloadingManager:
         """``with TieringOffloadingManager(...) as manager:`` shuts it down on exit."""

@@ -63,3 +63,13 @@ def guarded(tier: SecondaryTierManager, method: str, default: Any, *args: Any) -
     except Exception:
         logger.exception("tier %s: %s failed", tier.tier_type, method)
         return default
+
+
+def new_generations(tiers: Sequence[SecondaryTierManager], names: Sequence[str]) -> None:
+    """A reset: each tier starts a new generation (`SecondaryTierManager.new_generation`); a
+    tier without the hook keeps its blocks, which is logged."""
+    for tier, name in zip(tiers, names, strict=True):
+        if overrides(tier, "new_generation"):
+            guarded(tier, "new_generation", None)
+        else:
+            logger.warning("tier %s keeps its blocks across a reset (it has no new_generation)", name)

@@ -153,6 +153,15 @@ class SecondaryTierManager(ABC):
         stored itself) lose their deadlines and are this tier's first victims."""
         return
 
+    def new_generation(self) -> None:
+        """Optional: the engine reset its cache (`reset_cache`, as after a weight update):
+        forget every block and never offer one stored before, here or, for a tier that
+        outlives the engine, to an engine started later (`tiering.tiers.blockstore.generations`).
+        Scheduler thread; must return at once (no I/O). Jobs in flight are still reported. A
+        tier without this hook keeps its blocks across resets (the manager logs it at each
+        reset)."""
+        return
+
     def has_pending_work(self) -> bool:
         """Whether a submitted job has not been reported by `get_finished` yet."""
         return False

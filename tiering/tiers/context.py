@@ -6,6 +6,7 @@ Built once per tier, at construction, on the thread that builds the engine; read
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,11 +35,15 @@ class TierContext:
     name: the tier's name in stats, metrics and logs (the type, unless the config gives
         ``name``, or ``type-2`` for the second tier of a type).
     primary_rows: the primary tier's rows, a 2-D memoryview ``(num_blocks, row_bytes)``.
-    layout_fingerprint: 16 bytes naming the KV layout; a tier keeps its objects in a
-        namespace of this name, so engines of another layout never read them.
+    layout_fingerprint: 16 bytes naming the engine's identity (`EngineIdentity.digest`); a
+        lasting tier keeps its objects in a namespace named by it and the tier's generation
+        (`tiering.contract.identity.namespace`), so engines of another identity, or of an
+        older generation, never read them.
     runtime: the event loop the engine's tiers share, or None: a tier that needs one
         makes its own.
     spec: the `TieringOffloadingSpec` that built the tier, or None (standalone use).
+    manifest: the identity in plain words (`EngineIdentity.manifest`), or None where the
+        tier was built without an engine (standalone use: only the row size is known).
     """
 
     name: str
@@ -46,6 +51,7 @@ class TierContext:
     layout_fingerprint: bytes
     runtime: AsyncRuntime | None = None
     spec: Any = None
+    manifest: Mapping[str, Any] | None = None
 
     @classmethod
     def of(cls, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str) -> TierContext:

@@ -226,3 +226,15 @@ def _open(header: ObjectHeader, sealed: Sealed, payload: memoryview, seal: Seal 
         seal.open(sealed, payload.cast("B"))
     except ForgedObjectError as exc:
         raise ForgedObjectError(f"block {header.key.hex()}: {exc}") from None
+
+
+def open_payloads(checks: list[tuple[ObjectHeader, memoryview]], seal: Seal | None) -> list[CorruptObjectError | None]:
+    """`open_payload` of each (header, payload read into): None, or the error it raised."""
+    outcomes: list[CorruptObjectError | None] = []
+    for header, row in checks:
+        try:
+            open_payload(header, row, seal)
+            outcomes.append(None)
+        except CorruptObjectError as exc:
+            outcomes.append(exc)
+    return outcomes

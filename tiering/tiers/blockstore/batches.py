@@ -13,10 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import anyio
+
 from tiering.contract.keys import OffloadKey
 from tiering.tiers.blockstore.outbox import JobDone
 
 Block = tuple[JobDone, OffloadKey, int]  # the job it belongs to, its key, its primary row
+Items = Sequence[tuple[OffloadKey, int]]  # a job's (key, primary row)
 
 LOAD_SPREAD = 4
 """A promotion that is the tier's only load in flight reaches the store in up to this many
@@ -69,3 +72,11 @@ def jobs_of(batch: Sequence[Block]) -> list[JobDone]:
         if not jobs or jobs[-1] is not done:
             jobs.append(done)
     return jobs
+
+
+class QueuedJobs:
+    """Store or load jobs queued for the loop's next turn, and the deletes they wait for."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[JobDone, Items]] = []
+        self.waits: dict[int, anyio.Event] = {}

@@ -1,5 +1,5 @@
-"""What a block-store tier is built from: its store, sealed where the settings ask, and the
-index sized for it.
+"""What a block-store tier is built from: its stores (one per namespace), sealed where the
+settings ask, and the index sized for it.
 
 Thread: the thread that builds the engine.
 """
@@ -16,33 +16,38 @@ from tiering.tiers.object_format import object_size
 from tiering.tiers.seal import Seal
 
 
-def make_store(
-    name: str,
-    store_factory: Callable[[bytes], BlockStore],
-    layout_fingerprint: bytes,
-    settings: BlockStoreSettings,
-    row_bytes: int,
-) -> BlockStore:
-    """Tier `name`'s store (not opened yet), sealing its objects where `integrity` is set.
+def store_maker(
+    name: str, store_factory: Callable[[bytes], BlockStore], settings: BlockStoreSettings, row_bytes: int
+) -> Callable[[bytes, bool], BlockStore]:
+    """``make(namespace, blocks)``: tier `name`'s store of a 16-byte namespace, not opened
+    yet, sealing its objects where `integrity` is set; `blocks` False for a store of records
+    (`tiering.tiers.blockstore.generations`), whose objects are not the tier's rows. The
+    settings are checked (and the integrity keys read) once, here.
 
     Raises:
         ValueError: `capacity_bytes` cannot hold one block of `row_bytes`; `integrity` is set
             and the store does not support it, or its keys cannot be read (see
             `tiering.tiers.seal.read_keys`).
     """
-    store = store_factory(layout_fingerprint)
-    store.block_bytes = row_bytes
-    if settings.integrity is not None:
-        if not store.supports_integrity:
-            raise ValueError(f"tier {name}: {type(store).__name__} cannot seal its objects")
-        store.seal = Seal.from_config(settings.integrity, settings.encryption)
-    smallest = object_size(0, row_bytes, store.header_align)
+    seal = None if settings.integrity is None else Seal.from_config(settings.integrity, settings.encryption)
+
+    def make(namespace: bytes, blocks: bool = True) -> BlockStore:
+        store = store_factory(namespace)
+        store.block_bytes = row_bytes if blocks else None
+        if seal is not None:
+            if not store.supports_integrity:
+                raise ValueError(f"tier {name}: {type(store).__name__} cannot seal its objects")
+            store.seal = seal
+        return store
+
+    probe = make(bytes(16))
+    smallest = object_size(0, row_bytes, probe.header_align)
     if settings.capacity_bytes is not None and settings.capacity_bytes < smallest:
         raise ValueError(
             f"capacity_bytes ({settings.capacity_bytes}) cannot hold one block: a block takes at least "
             f"{smallest} bytes (a row of {row_bytes} and its header)"
         )
-    return store
+    return make
 
 
 def new_index(

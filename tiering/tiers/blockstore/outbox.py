@@ -46,11 +46,13 @@ class Outcome:
     """What some store calls found. `failures`: (reason, error) of every failed call, for
     the tier's counters and log; `errors`: how many of them say the backend is sick (the
     health breaker counts those); `at`: when it was handed over (`Outbox.put`), perf_counter
-    seconds."""
+    seconds; `epoch`: the tier's generation count when it was submitted (an outcome of an
+    earlier one leaves the tier's index alone)."""
 
     failures: list[tuple[str, BaseException]] = field(default_factory=list)
     errors: int = 0
     at: float = 0.0
+    epoch: int = 0
 
     def failed(self, reason: str, error: BaseException, sick: bool = True) -> None:
         """Record a failed call (loop thread); `reason` is one of `FAILURE_REASONS`."""

@@ -77,6 +77,8 @@ class BlockStore(ABC):
             at a time, so that its rows land (and are copied to the GPU) call after call
             instead of all at the end; a store that reads a call's items concurrently gets
             fewer, larger calls.
+        lasting: False for a store whose objects die with the engine (the ``memory`` store):
+            it keeps no records of generations (`tiering.tiers.blockstore.generations`).
         supports_integrity: True when the store passes `seal` to `encode_object`,
             `parse_header` and `verify_payload`, and leaves alone (never deletes) objects
             whose seal does not open (`ForgedObjectError`) when it recovers; only then may
@@ -94,6 +96,7 @@ class BlockStore(ABC):
     verifies_payloads: ClassVar[bool] = False
     reads_in_order: ClassVar[bool] = False
     supports_integrity: ClassVar[bool] = False
+    lasting: ClassVar[bool] = True
 
     @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> BlockStore:
@@ -248,6 +251,12 @@ class BlockStore(ABC):
         them; objects that fail, and leftovers of interrupted writes, are deleted, except
         those whose seal does not open, which are left out and kept.
         """
+
+    def for_records(self) -> BlockStore:
+        """The store that keeps this one's records (`tiering.tiers.blockstore.generations`):
+        itself, or the store it wraps (`tiering.backends.faulty` injects its faults into the
+        blocks' I/O, not the records')."""
+        return self
 
     async def undo_open(self) -> None:
         """Remove what `open` created in the backing storage while it still holds nothing

@@ -13,8 +13,8 @@ evicted and stored again within the step is not deleted at all (the put replaces
 object). Rules: a key is in flight (lookup None) from `submit_store` until its job is
 reported; a block being read is never evicted; a load that finds a missing, corrupt or forged
 object drops the key (a forged one is also believed absent for `negative_ttl_s`, so probes do
-not find it again at once); a job succeeds only if all its blocks do; every job is reported exactly once, also
-when the tier shuts down with it in flight (as failed).
+not find it again at once); a job succeeds only if all its blocks do; every job is reported
+exactly once, also when the tier shuts down with it in flight (as failed), or resets.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from tiering.errors import HungCallError, RuntimeClosedError, describe
 from tiering.stats import TierStats
 from tiering.tiers.base import Doorbell, JobMetadata, JobResult, SecondaryTierManager
 from tiering.tiers.blockstore import outbox
+from tiering.tiers.blockstore.applying import apply_load, apply_store
 from tiering.tiers.blockstore.counters import TierCounters
 from tiering.tiers.blockstore.existence import ExistenceChecks
-from tiering.tiers.blockstore.index import BlockIndex
-from tiering.tiers.blockstore.opening import make_store, new_index
-from tiering.tiers.blockstore.outbox import LoadDone, Outbox, StoreDone
+from tiering.tiers.blockstore.generations import Records
+from tiering.tiers.blockstore.opening import new_index, store_maker
+from tiering.tiers.blockstore.outbox import LoadDone, Outbox, Outcome, StoreDone
 from tiering.tiers.blockstore.settings import BlockStoreSettings
 from tiering.tiers.blockstore.store import BlockStore
 from tiering.tiers.blockstore.worker import BlockWorker
@@ -52,10 +53,11 @@ class BlockStoreTier(SecondaryTierManager):
     """A secondary tier over a `BlockStore`, its I/O on an `AsyncRuntime` loop.
 
     The loop is the context's shared runtime when it has one (one loop per engine), else a
-    private one. Objects live in the namespace of the context's layout fingerprint.
+    private one. Objects live in the namespace of the engine's identity (the context's
+    layout fingerprint) and the tier's generation (`tiering.tiers.blockstore.generations`).
 
     Attributes:
-        store: the block store.
+        store: the block store of the current generation.
         settings: the `BlockStoreSettings` it runs under.
         failures: failed store calls by reason (``store``, ``load_corrupt``, ...).
         health: the `TierHealth` breaker.
@@ -74,7 +76,7 @@ class BlockStoreTier(SecondaryTierManager):
 
         Args:
             offloading_spec, primary_kv_view, tier_type: as for every `SecondaryTierManager`.
-            store_factory: builds the store from the 16-byte layout fingerprint.
+            store_factory: builds a store of a 16-byte namespace.
             settings: capacity, concurrency, timeouts, batching, probing and health (see
                 `BlockStoreSettings`); None takes the defaults.
             clock: seconds, monotonic: for the negative probe cache, the health breaker's
@@ -85,20 +87,22 @@ class BlockStoreTier(SecondaryTierManager):
                 store does not support it, or its keys cannot be read (see
                 `tiering.tiers.seal.read_keys`).
             OSError, TimeoutError: the store could not be opened or recovered in time.
-            TieringError: the store's own errors while opening (see its `open`).
+            TieringError: the store's own errors while opening (see its `open`), or
+                `ForeignManifestError`: the identity's manifest names another.
         """
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         self.settings = settings = settings or BlockStoreSettings()
         rows = np.asarray(self.context.primary_rows).view(np.uint8)
         self.row_bytes = rows.shape[1]
-        self.store = make_store(self.name, store_factory, self.context.layout_fingerprint, settings, self.row_bytes)
+        make_store = store_maker(self.name, store_factory, settings, self.row_bytes)
+        self._records = Records(make_store, self.context.layout_fingerprint, self.context.manifest)
+        self._epoch = 0  # bumped by each new generation: outcomes of an older one leave the index alone
         self._counters = TierCounters(self.name)
         self.failures = self._counters.failures
         self._clock = clock
         self.health = TierHealth(
             self.name, settings.failure_threshold, settings.backoff_s, settings.max_backoff_s, clock=clock
         )
-        self._index = self._new_index()
         self._outbox = Outbox()
         self._existence = ExistenceChecks(settings.negative_ttl_s, clock)
         self._object_bytes: dict[int, int] = {}  # by key length
@@ -110,7 +114,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._runtime = runtime.acquire()
         self._worker = BlockWorker(
             self.name,
-            self.store,
+            self._records,
             rows,
             self._outbox,
             settings.max_concurrency,
@@ -118,7 +122,27 @@ class BlockStoreTier(SecondaryTierManager):
             batch_blocks,
             self._runtime,
         )
+        self._new_index = partial(new_index, self.name, settings, self.row_bytes, self.store.header_align, clock)
+        self._index = self._new_index()
         self._open_and_recover()
+
+    @property
+    def store(self) -> BlockStore:
+        """The block store of the current generation (the loop thread replaces it)."""
+        return self._worker.store
+
+    def new_generation(self) -> None:
+        """`reset_cache`: forget every block; on the loop, move to a new generation of the
+        namespace (`BlockWorker.start_switch`). Jobs in flight are still reported; their
+        outcomes no longer touch the index. Never blocks; nothing after shutdown."""
+        if self._closed:
+            return
+        self._epoch += 1
+        self._index = self._new_index()
+        self._existence = ExistenceChecks(self.settings.negative_ttl_s, self._clock)
+        self._evicted.clear()  # their namespace goes as a whole
+        open_next = partial(self._records.open_next, self.settings.open_timeout_s)
+        self._runtime.submit(partial(self._worker.start_switch, open_next))  # at the step's end
 
     def _open_and_recover(self) -> None:
         """Open the store on the loop and index what it holds; on failure the runtime is
@@ -140,12 +164,8 @@ class BlockStoreTier(SecondaryTierManager):
             raise
         for key, size in recovered:
             self._add_stored(key, size)
-        self._flush_deletes()
-        self._runtime.flush()
+        self._flush()
         logger.info("tier %s: recovered %d blocks (%d bytes)", self.name, len(self._index), self.used_bytes)
-
-    def _new_index(self) -> BlockIndex:
-        return new_index(self.name, self.settings, self.row_bytes, self.store.header_align, self._clock)
 
     # -- SecondaryTierManager ---------------------------------------------------------------
 
@@ -225,6 +245,7 @@ class BlockStoreTier(SecondaryTierManager):
         index. Never blocks."""
         results = []
         for outcome in self._outbox.take():
+            current = outcome.epoch == self._epoch  # else of a generation before a reset: not in the index
             self._counters.failed(outcome)
             if self.health.healthy and any(isinstance(error, HungCallError) for _, error in outcome.failures):
                 # calls stop returning: no more work for the tier (each would strand a thread)
@@ -235,22 +256,25 @@ class BlockStoreTier(SecondaryTierManager):
                 case outbox.RowsReleased():
                     self._released.append(outcome.job_id)
                 case outbox.DeletesDone():
-                    self._index.deleted(outcome.keys)
+                    if current:
+                        self._index.deleted(outcome.keys)
                 case outbox.ProbeDone():
                     self.health.record(len(outcome.keys) - outcome.errors, outcome.errors)
-                    for key in self._existence.answered(outcome.keys, outcome.found):
+                    for key in self._existence.answered(outcome.keys, outcome.found) if current else ():
                         if key not in self._index:
                             self._add_stored(key, self.object_bytes(key))
-                case StoreDone() | LoadDone():
-                    self.health.record(len(outcome.ok), outcome.errors)
-                    if isinstance(outcome, StoreDone):
-                        self._apply_store(outcome)
-                        self._counters.stores.finish(outcome.job_id, outcome.at)
-                    else:
-                        self._apply_load(outcome)
-                        self._counters.loads.finish(outcome.job_id, outcome.at)
-                    results.append(JobResult(outcome.job_id, outcome.success, rows_in_use=outcome.rows_in_use))
-                    self._counters.counts["jobs_succeeded" if outcome.success else "jobs_failed"] += 1
+                case StoreDone():
+                    if current:
+                        apply_store(self._index, self._counters, outcome, self.store.evicts_itself)
+                    self._counters.stores.finish(outcome.job_id, outcome.at)
+                case LoadDone():
+                    if current:
+                        apply_load(self._index, self._counters, self._existence, outcome, self.settings.probe_misses)
+                    self._counters.loads.finish(outcome.job_id, outcome.at)
+            if isinstance(outcome, StoreDone | LoadDone):
+                self.health.record(len(outcome.ok), outcome.errors)
+                results.append(JobResult(outcome.job_id, outcome.success, rows_in_use=outcome.rows_in_use))
+                self._counters.counts["jobs_succeeded" if outcome.success else "jobs_failed"] += 1
         return results
 
     def attach_doorbell(self, doorbell: Doorbell) -> None:
@@ -273,10 +297,9 @@ class BlockStoreTier(SecondaryTierManager):
     def get_stats(self) -> TierStats:
         """Counters (lookups by answer, blocks and bytes stored and loaded, seconds busy
         storing and loading, evictions, jobs succeeded and failed, failures by reason), gauges
-        (blocks and bytes held, capacity, jobs in flight, probes remembered, health) and histograms of store and
-        load job durations (``store_seconds``, ``load_seconds``: submission to the end of the
-        I/O).
-        Cheap; scheduler thread."""
+        (blocks and bytes held, capacity, jobs in flight, probes remembered, health) and
+        histograms of store and load job durations (``store_seconds``, ``load_seconds``:
+        submission to the end of the I/O). Cheap; scheduler thread."""
         return self._counters.snapshot(self._index, len(self._existence), self.health, self._runtime.alive)
 
     @property
@@ -293,9 +316,7 @@ class BlockStoreTier(SecondaryTierManager):
             return
         if not self.health.healthy and self.health.ping_due():
             self._submit(self._worker.start_ping, outbox.PingDone())
-        self._flush_checks()
-        self._flush_deletes()
-        self._runtime.flush()
+        self._flush()
 
     def has_pending_work(self) -> bool:
         return self._outbox.pending()
@@ -311,15 +332,14 @@ class BlockStoreTier(SecondaryTierManager):
         if not self._runtime.alive:  # shut down, or a dead loop: what is left never ends
             return self._outbox.idle()
         if not self._closed:  # after shutdown nothing new can start; only wait
-            self._flush_checks()
-            self._flush_deletes()
-            self._runtime.flush()
+            self._flush()
         return self._outbox.wait_idle(timeout_s)
 
     def remove_namespace(self) -> None:
         """Wait for the jobs in flight (up to ``shutdown_timeout_s``), delete every object of
         the tier's namespace and the namespace itself (`BlockStore.remove_namespace`, up to
-        ``open_timeout_s``), then shut the tier down. For runs whose blocks must not outlive
+        ``open_timeout_s``), and the identity's records where this engine created them
+        (`Records.remove`), then shut the tier down. For runs whose blocks must not outlive
         them (a benchmark's fresh namespace). Scheduler thread; blocks. Does nothing after
         shutdown.
 
@@ -332,19 +352,21 @@ class BlockStoreTier(SecondaryTierManager):
             return
         try:
             self.drain(self.settings.shutdown_timeout_s)
-            self._runtime.run_sync(self.store.remove_namespace, timeout_s=self.settings.open_timeout_s)
+            for remove in (self.store.remove_namespace, self._records.remove):
+                self._runtime.run_sync(remove, timeout_s=self.settings.open_timeout_s)
             self._index = self._new_index()
         finally:
             self.shutdown()
 
     def abandon(self) -> None:
-        """`shutdown`, after `BlockStore.undo_open` (up to ``open_timeout_s``; a failure is
-        logged): the engine failed to start, so nothing was stored. Does nothing after
-        shutdown."""
+        """`shutdown`, after `BlockStore.undo_open` and `Records.remove` (each up to
+        ``open_timeout_s``; a failure is logged): the engine failed to start, so nothing was
+        stored. Does nothing after shutdown."""
         if self._closed:
             return
         try:
-            self._runtime.run_sync(self.store.undo_open, timeout_s=self.settings.open_timeout_s)
+            for undo in (self.store.undo_open, self._records.remove):
+                self._runtime.run_sync(undo, timeout_s=self.settings.open_timeout_s)
         except Exception as exc:
             logger.warning("tier %s: could not remove what opening it created: %s", self.name, describe(exc))
         finally:
@@ -400,43 +422,22 @@ class BlockStoreTier(SecondaryTierManager):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _submit(self, start: Callable[..., None], *args: Any) -> None:
-        """Queue ``start(*args)`` for the loop thread; it runs at the next flush."""
+    def _submit(self, start: Callable[..., None], outcome: Outcome, *args: Any) -> None:
+        """Queue ``start(outcome, *args)`` for the loop thread; it runs at the next flush.
+        The outcome belongs to the current generation."""
+        outcome.epoch = self._epoch
         self._outbox.task_started()
-        self._runtime.submit(partial(start, *args))
+        self._runtime.submit(partial(start, outcome, *args))
 
-    def _apply_store(self, done: StoreDone) -> None:
-        for key in done.keys:
-            if key not in done.ok:
-                self._index.remove(key)
-            elif (entry := self._index.mark_stored(key)) is not None:
-                self._counters.counts["blocks_stored"] += 1
-                self._counters.counts["bytes_stored"] += entry.size
-        if done.no_space and not self.store.evicts_itself:
-            self._index.device_full()
-        elif done.ok:
-            self._index.device_stored()
-
-    def _apply_load(self, done: LoadDone) -> None:
-        for key in done.keys:
-            entry = self._index.end_read(key)
-            if entry is None:
-                continue
-            if key in done.drop:
-                self._index.remove(key)
-                if key in done.forged and self.settings.probe_misses:
-                    self._existence.absent(key)
-            elif key in done.ok:
-                self._index.touch([key])
-                self._counters.counts["blocks_loaded"] += 1
-                self._counters.counts["bytes_loaded"] += entry.size
-
-    def _flush_checks(self) -> None:
-        """Send the step's existence checks, `batch_bytes` worth of blocks per call."""
+    def _flush(self) -> None:
+        """Send the step's existence checks, `batch_bytes` worth of blocks per call, and its
+        deletes of evicted objects as one job; wake the loop."""
         pending = self._existence.take_pending()
         for start in range(0, len(pending), self._batch_blocks):
             keys = pending[start : start + self._batch_blocks]
             self._submit(self._worker.start_probe, outbox.ProbeDone(keys=keys))
+        self._flush_deletes()
+        self._runtime.flush()
 
     def _add_stored(self, key: OffloadKey, size: int) -> None:
         self._evicted.pop(key, None)  # found again (a probe): keep the object
@@ -445,5 +446,5 @@ class BlockStoreTier(SecondaryTierManager):
     def _flush_deletes(self) -> None:
         """Send the step's deletes of evicted objects as one job."""
         if self._evicted:
-            self._submit(self._worker.start_delete, list(self._evicted))
+            self._submit(self._worker.start_delete, outbox.DeletesDone(keys=list(self._evicted)))
             self._evicted.clear()

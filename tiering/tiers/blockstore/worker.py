@@ -35,13 +35,10 @@ import numpy as np
 
 from tiering.contract.keys import OffloadKey
 from tiering.cpu.row_states import RowStates
-from tiering.errors import (
-    CorruptObjectError,
-    HungCallError,
-    RuntimeClosedError,
-)
-from tiering.tiers.blockstore.batches import LOAD_SPREAD, Block, cut, jobs_of
+from tiering.errors import HungCallError, RuntimeClosedError
+from tiering.tiers.blockstore.batches import LOAD_SPREAD, Block, Items, QueuedJobs, cut, jobs_of
 from tiering.tiers.blockstore.calls import StoreCalls
+from tiering.tiers.blockstore.generations import Records, retire
 from tiering.tiers.blockstore.outbox import (
     DeletesDone,
     JobDone,
@@ -53,12 +50,10 @@ from tiering.tiers.blockstore.outbox import (
     StoreDone,
 )
 from tiering.tiers.blockstore.store import BlockStore
-from tiering.tiers.object_format import ObjectHeader, open_payload
+from tiering.tiers.object_format import ObjectHeader, open_payloads
 from tiering.tiers.runtime import AsyncRuntime
-from tiering.tiers.seal import Seal
 
 T = TypeVar("T")
-Items = Sequence[tuple[OffloadKey, int]]  # (key, primary row)
 INLINE_CHECK_BYTES = 1 << 20  # a batch this small is checked on the loop (~50 us): a thread hop costs more
 
 
@@ -67,7 +62,9 @@ class BlockWorker:
 
     Args:
         name: the tier's name, for errors.
-        store: the block store (opened by `serve`, closed when it ends).
+        records: the identity's `Records` in the tier's store; `store` is the block store of
+            their current generation (opened by `open`, closed when serving ends, replaced
+            by `start_switch`).
         rows: the primary rows, a 2-D uint8 array ``(num_blocks, row_bytes)``.
         outbox: where outcomes go.
         max_concurrency: store calls in flight at once.
@@ -80,7 +77,7 @@ class BlockWorker:
     def __init__(
         self,
         name: str,
-        store: BlockStore,
+        records: Records,
         rows: np.ndarray,
         outbox: Outbox,
         max_concurrency: int,
@@ -89,7 +86,8 @@ class BlockWorker:
         runtime: AsyncRuntime,
     ):
         self.name = name
-        self.store = store
+        self._records = records
+        self.store = records.store()  # generation 0's until `open` has read the current one
         self._rows = rows
         self._row_bytes = rows.shape[1]
         self._flat_rows = rows.data.cast("B") if rows.flags.c_contiguous else None  # rows as slices, cheaply
@@ -101,17 +99,19 @@ class BlockWorker:
         self._batch_blocks = batch_blocks
         self._runtime = runtime
         self._serving = False  # jobs start only while the worker serves
+        self._switching = False  # moving to a new generation's store: jobs fail at once
         self._jobs: set[asyncio.Task[None]] = set()  # a task per job, until it ends
         self._deleting: dict[OffloadKey, anyio.Event] = {}
         self._loads_in_flight = 0  # load jobs started and not finished
-        self._queued_stores = _Queued()  # jobs that start together at the end of this run of callbacks
-        self._queued_loads = _Queued()
+        self._queued_stores = QueuedJobs()  # jobs that start together at the end of this run of callbacks
+        self._queued_loads = QueuedJobs()
         self._stop = anyio.Event()
         self._stopped = anyio.Event()
         self.row_states: RowStates | None = None  # set by the tier: promoted rows are settled as they land
 
     async def open(self) -> list[tuple[OffloadKey, int]]:
-        """Open the store, read what it holds, and start serving in the runtime's task group.
+        """Open the records (`Records.open`) and the store of the current generation they
+        name, read what it holds, and start serving in the runtime's task group.
 
         Returns:
             (key, object bytes) of every object found, oldest first.
@@ -119,13 +119,20 @@ class BlockWorker:
             Exception: whatever opening or recovering the store raised (it is closed again,
                 and what its opening created is removed: `BlockStore.undo_open`).
         """
-        await self.store.open()
+        await self._records.open()
+        self.store = self._records.store()
         try:
-            recovered = await self.store.recover()
-            await self._runtime.task_group.start(self._serve)
+            await self.store.open()
+            try:
+                recovered = await self.store.recover()
+                await self._runtime.task_group.start(self._serve)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.store.undo_open()
+                raise
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self.store.undo_open()
+                await self._records.close(remove=True)
             raise
         return recovered
 
@@ -148,6 +155,7 @@ class BlockWorker:
                 await asyncio.sleep(0)  # every job takes its first step: cancelled before it, it skips its `finally`
                 for job in self._jobs:
                     job.cancel()
+                await self._records.close()  # not behind a call stuck in the blocks' store
                 while self._jobs or self._calls.running:
                     await asyncio.wait(self._jobs | self._calls.running)
                 await self.store.close()
@@ -174,24 +182,32 @@ class BlockWorker:
         self._queue(self._queued_loads, done, items, list)
 
     def start_probe(self, done: ProbeDone) -> None:
-        self._start(done, lambda: partial(self._probe, done))
+        self._start(done, lambda store: partial(self._probe, store, done))
 
     def start_ping(self, done: PingDone) -> None:
-        self._start(done, lambda: partial(self._ping, done))
+        self._start(done, lambda store: partial(self._ping, store, done))
 
-    def start_delete(self, keys: list[OffloadKey]) -> None:
-        done = DeletesDone(keys=keys)
-        self._start(done, partial(self._delete_job, done, keys))
+    def start_delete(self, done: DeletesDone) -> None:
+        self._start(done, partial(self._delete_job, done, done.keys))
 
-    def _start(self, done: Outcome, prepare: Callable[[], Callable[[], Awaitable[None]]]) -> None:
-        """Run the job ``prepare()`` returns as a task of its own (`_spawn`). If the tier is
-        stopped, or anything raises while starting, the outcome is put at once, failed:
-        never lost."""
+    def start_switch(self, open_next: Callable[[], Awaitable[BlockStore]]) -> None:
+        """Move to the store `open_next` opens (a new generation's, `Records.open_next`): jobs
+        queued or started before run on the old store to their end, jobs started until then
+        fail at once; the old store is then retired (`generations.retire`)."""
+        for queue in (self._queued_stores, self._queued_loads):
+            self._start_queued(queue)  # bound to the old store
+        if self._serving:
+            self._switching = True
+            self._spawn(self._jobs, self._switch(open_next, self._jobs | self._calls.running))
+
+    def _start(self, done: Outcome, prepare: Callable[[BlockStore], Callable[[], Awaitable[None]]]) -> None:
+        """Run the job ``prepare(store)`` returns as a task of its own (`_spawn`). If the tier
+        is stopped or between stores, or anything raises while starting, the outcome is put
+        at once, failed: never lost."""
         self._runtime.job_started()
         try:
-            if not self._serving:
-                raise RuntimeClosedError(f"tier {self.name} is shut down")
-            self._spawn(self._jobs, self._run(done, prepare()))
+            self._check_serving()
+            self._spawn(self._jobs, self._run(done, prepare(self.store)))
         except Exception as exc:
             if self._serving:
                 done.failed("start", exc, sick=False)
@@ -203,15 +219,14 @@ class BlockWorker:
             return list(self._deleting.values())
         return [event for key, _ in items if (event := self._deleting.get(key)) is not None]
 
-    def _queue(self, queue: _Queued, done: JobDone, items: Items, waits: Callable[[], list[anyio.Event]]) -> None:
+    def _queue(self, queue: QueuedJobs, done: JobDone, items: Items, waits: Callable[[], list[anyio.Event]]) -> None:
         """Queue a store or load job; the jobs queued until the loop's next turn start
         together, as one task whose store calls they share (`tiering.tiers.blockstore.batches`).
         If the tier is stopped, or anything raises while queueing, the outcome is put at
         once, failed: never lost."""
         self._runtime.job_started()
         try:
-            if not self._serving:
-                raise RuntimeClosedError(f"tier {self.name} is shut down")
+            self._check_serving()
             for event in waits():
                 queue.waits[id(event)] = event
             if not queue.jobs:
@@ -222,17 +237,30 @@ class BlockWorker:
                 done.failed("start", exc, sick=False)
             self._finish(done, broken=True)
 
-    def _start_queued(self, queue: _Queued) -> None:
+    def _check_serving(self) -> None:
+        if not self._serving or self._switching:  # stopped, or between two generations' stores
+            raise RuntimeClosedError(f"tier {self.name} is {'between generations' if self._serving else 'shut down'}")
+
+    def _start_queued(self, queue: QueuedJobs) -> None:
         """Start the jobs of `queue` as one task (failed at once if the tier stopped since)."""
         jobs, waits = queue.jobs, list(queue.waits.values())
         queue.jobs, queue.waits = [], {}
+        if not jobs:  # started early, by a switch of stores
+            return
         if not self._serving:
             for done, _ in jobs:
                 self._finish(done, broken=True)
             return
-        self._spawn(self._jobs, self._run_together(jobs, waits))
+        self._spawn(self._jobs, self._run_together(jobs, waits, self.store))
 
-    async def _run_together(self, jobs: list[tuple[JobDone, Items]], waits: list[anyio.Event]) -> None:
+    async def _switch(self, open_next: Callable[[], Awaitable[BlockStore]], old_tasks: set[asyncio.Task[Any]]) -> None:
+        old, self.store = self.store, await open_next()
+        self._switching = False
+        await retire(old, old_tasks)  # once its jobs and calls (`old_tasks`) have ended
+
+    async def _run_together(
+        self, jobs: list[tuple[JobDone, Items]], waits: list[anyio.Event], store: BlockStore
+    ) -> None:
         """Run store or load jobs started together: wait for `waits`, then their blocks in
         shared calls. Each job is finished once the calls with its blocks are over; if
         anything raises (a bug here or in a store), the jobs not finished fail."""
@@ -243,9 +271,9 @@ class BlockWorker:
             blocks = [(done, key, row) for done, items in jobs for key, row in items]
             if isinstance(jobs[0][0], LoadDone):
                 spread = LOAD_SPREAD if len(jobs) == self._loads_in_flight == 1 else 1
-                await self._in_batches(self._load_batch, blocks, spread)
+                await self._in_batches(partial(self._load_batch, store), blocks, spread)
             else:
-                await self._in_batches(self._store_batch, blocks)
+                await self._in_batches(partial(self._store_batch, store), blocks)
         except Exception as exc:
             broken = True
             for done, _ in jobs:
@@ -256,11 +284,13 @@ class BlockWorker:
                 if not done.reported:
                     self._finish(done, broken)
 
-    def _delete_job(self, done: DeletesDone, keys: list[OffloadKey]) -> Callable[[], Awaitable[None]]:
+    def _delete_job(
+        self, done: DeletesDone, keys: list[OffloadKey], store: BlockStore
+    ) -> Callable[[], Awaitable[None]]:
         """The delete job; stores of these keys started after it wait for it."""
         deleted = anyio.Event()
         self._deleting.update(dict.fromkeys(keys, deleted))
-        return partial(self._delete, done, keys, deleted)
+        return partial(self._delete, store, done, keys, deleted)
 
     async def _run(self, done: Outcome, job: Callable[[], Awaitable[None]]) -> None:
         broken = False
@@ -317,8 +347,8 @@ class BlockWorker:
             for batch in batches:
                 task_group.start_soon(run_when_its_turn_comes, batch)
 
-    async def _store_batch(self, batch: Sequence[Block]) -> None:
-        outcomes = await self._io(self._store_lane, self.store.put_many, batch)
+    async def _store_batch(self, store: BlockStore, batch: Sequence[Block]) -> None:
+        outcomes = await self._io(self._store_lane, store.put_many, batch)
         for (done, key, _), error in zip(batch, outcomes, strict=True):
             assert isinstance(done, StoreDone)
             if error is None:
@@ -329,17 +359,17 @@ class BlockWorker:
             else:
                 done.failed("store", error)
 
-    async def _load_batch(self, batch: Sequence[Block]) -> None:
-        outcomes = await self._io(self._load_lane, self.store.get_many, batch)
+    async def _load_batch(self, store: BlockStore, batch: Sequence[Block]) -> None:
+        outcomes = await self._io(self._load_lane, store.get_many, batch)
         errors: list[Exception | None] = [None if isinstance(o, ObjectHeader) else o for o in outcomes]
-        verified = self.store.verifies_payloads
+        verified = store.verifies_payloads
         unchecked = [i for i, o in enumerate(outcomes) if isinstance(o, ObjectHeader) and (o.encrypted or not verified)]
         if unchecked:  # checked above every store layer; off the loop unless it is quick
             checks = [(outcomes[i], self._row(batch[i][2])) for i in unchecked]
             if len(checks) * self._row_bytes <= INLINE_CHECK_BYTES:
-                opened = _open_all(checks, self.store.seal)
+                opened = open_payloads(checks, store.seal)
             else:
-                opened = await anyio.to_thread.run_sync(_open_all, checks, self.store.seal)
+                opened = await anyio.to_thread.run_sync(open_payloads, checks, store.seal)
             for i, check in zip(unchecked, opened, strict=True):
                 errors[i] = check
         settle = self.row_states.settle if self.row_states is not None else None
@@ -354,7 +384,7 @@ class BlockWorker:
             elif done.block_failed(key, error):
                 corrupt.append(block)
         if corrupt:
-            await self._delete(corrupt[0][0], [key for _, key, _ in corrupt], None)
+            await self._delete(store, corrupt[0][0], [key for _, key, _ in corrupt], None)
 
     async def _io(
         self, lane: asyncio.Semaphore, operation: Callable[..., Awaitable[list[T]]], batch: Sequence[Block]
@@ -376,8 +406,8 @@ class BlockWorker:
             return memoryview(self._rows[row])
         return self._flat_rows[row * self._row_bytes : (row + 1) * self._row_bytes]
 
-    async def _probe(self, done: ProbeDone) -> None:
-        outcome = await self._calls.call((), self._load_lane, self.store.exists_many, done.keys)
+    async def _probe(self, store: BlockStore, done: ProbeDone) -> None:
+        outcome = await self._calls.call((), self._load_lane, store.exists_many, done.keys)
         outcomes = [outcome] * len(done.keys) if isinstance(outcome, Exception) else outcome
         for key, found in zip(done.keys, outcomes, strict=True):
             if isinstance(found, Exception):
@@ -385,16 +415,18 @@ class BlockWorker:
             elif found:
                 done.found.add(key)
 
-    async def _ping(self, done: PingDone) -> None:
-        outcome = await self._calls.call((), self._load_lane, self.store.ping)
+    async def _ping(self, store: BlockStore, done: PingDone) -> None:
+        outcome = await self._calls.call((), self._load_lane, store.ping)
         if isinstance(outcome, Exception):
             done.failed("ping", outcome)
 
-    async def _delete(self, done: Outcome, keys: list[OffloadKey], deleted: anyio.Event | None) -> None:
+    async def _delete(
+        self, store: BlockStore, done: Outcome, keys: list[OffloadKey], deleted: anyio.Event | None
+    ) -> None:
         """Delete `keys`; a failure is recorded once, in `done` (the first job that found them
         corrupt, or the deletes' own outcome). Sets `deleted` after."""
         try:
-            outcome = await self._calls.call((), self._delete_lane, self.store.delete_many, keys)
+            outcome = await self._calls.call((), self._delete_lane, store.delete_many, keys)
             if isinstance(outcome, Exception):  # a failed delete is no sign of a sick backend; a hung one is
                 done.failed("delete", outcome, sick=isinstance(outcome, HungCallError))
         finally:
@@ -403,23 +435,3 @@ class BlockWorker:
                 for key in keys:
                     if self._deleting.get(key) is deleted:
                         del self._deleting[key]
-
-
-def _open_all(checks: list[tuple[ObjectHeader, memoryview]], seal: Seal | None) -> list[CorruptObjectError | None]:
-    """`open_payload` of each (header, row read into): None, or the error it raised."""
-    outcomes: list[CorruptObjectError | None] = []
-    for header, row in checks:
-        try:
-            open_payload(header, row, seal)
-            outcomes.append(None)
-        except CorruptObjectError as exc:
-            outcomes.append(exc)
-    return outcomes
-
-
-class _Queued:
-    """Store or load jobs queued for the loop's next turn, and the deletes they wait for."""
-
-    def __init__(self) -> None:
-        self.jobs: list[tuple[JobDone, Items]] = []
-        self.waits: dict[int, anyio.Event] = {}

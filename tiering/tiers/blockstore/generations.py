@@ -1,0 +1,243 @@
+"""A lasting tier's generations and manifest, kept in the tier's own store.
+
+The blocks of an identity (`tiering.contract.identity`) live in the namespace of its current
+generation, `namespace(identity digest, generation)`. Beside them, in the identity's record
+namespace (`record_namespace`), two small objects in the stored format:
+
+- ``~manifest``: the identity in plain words (JSON, `EngineIdentity.manifest` and the
+  digest), written once, by the first engine of the identity to open the tier;
+- ``~generation``: the current generation, 8 bytes big-endian; absent means 0.
+
+`reset_cache` (`BlockStoreTier.new_generation`) moves the tier to a new generation: the
+record is advanced and the engine's later blocks go to the new namespace, while the old one is
+removed in the background; an engine started later reads the record and joins the new
+generation, so no block stored before the reset is offered again. Records are written with the
+store's `put`, atomic in every store, sealed like the tier's blocks.
+
+Any store works: records are objects of the `BlockStore` contract under reserved keys, in a
+namespace no engine's blocks use.
+
+Loop thread: the coroutines (the tier runs them on its event loop). `Records` is built on the
+thread that builds the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import secrets
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio
+
+from tiering.contract.identity import NAMESPACE_BYTES, namespace
+from tiering.contract.keys import OffloadKey
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, TieringError, describe
+from tiering.tiers.blockstore.store import BlockStore
+from tiering.tiers.object_format import open_payload
+
+logger = logging.getLogger(__name__)
+
+GENERATION_KEY = OffloadKey(b"~generation")
+MANIFEST_KEY = OffloadKey(b"~manifest")
+MANIFEST_BYTES = 64 << 10
+SWITCH_RETRY_S = 1.0  # seconds between two tries to open a new generation's store
+
+
+class ForeignManifestError(TieringError):
+    """A record namespace's manifest names another identity: the tier does not open."""
+
+
+def record_namespace(identity_digest: bytes) -> bytes:
+    """16 bytes naming the namespace of an identity's records (manifest, generation)."""
+    return hashlib.blake2b(identity_digest, digest_size=NAMESPACE_BYTES, person=b"kv-records").digest()
+
+
+class Records:
+    """An identity's records in one tier's store, kept open from `open` to `close` (`remove`).
+
+    Args:
+        make_store: ``make_store(namespace, blocks)`` builds an unopened store of the tier's
+            kind (sealed as the tier's) for a 16-byte namespace, of blocks or of records.
+        identity_digest: the engine's `EngineIdentity.digest`.
+        manifest: the identity in plain words, or None (a tier built without an engine: no
+            manifest is written).
+    """
+
+    def __init__(
+        self,
+        make_store: Callable[[bytes, bool], BlockStore],
+        identity_digest: bytes,
+        manifest: Mapping[str, Any] | None,
+    ):
+        self._make_store = make_store
+        self.identity_digest = identity_digest
+        self.generation = 0  # the current one, once `open` has read it (loop thread after)
+        self.created = False  # `open` wrote the manifest: the records are this engine's
+        self._manifest = None if manifest is None else {"identity": identity_digest.hex(), **manifest}
+        self._store: BlockStore | None = None  # the records' store, open from `open` to `close`
+
+    def store(self) -> BlockStore:
+        """An unopened store of the current generation's blocks."""
+        return self._make_store(namespace(self.identity_digest, self.generation), True)
+
+    async def open_next(self, timeout_s: float) -> BlockStore:
+        """(`BlockWorker.start_switch`) `advance`, then open the new generation's store, each
+        try within `timeout_s` seconds, tried again every `SWITCH_RETRY_S` seconds until it
+        succeeds (or the task is cancelled)."""
+        while True:
+            try:
+                with anyio.fail_after(timeout_s):
+                    generation = await self.advance()
+                    store = self.store()
+                    await store.open()
+                logger.info("generation %d of identity %s: %r", generation, self.identity_digest.hex(), store)
+                return store
+            except Exception as exc:
+                logger.warning("cannot open generation %d (%s); retrying", self.generation, describe(exc))
+                await asyncio.sleep(SWITCH_RETRY_S)
+
+    async def open(self) -> int:
+        """Open the records (kept open until `close`), write the manifest if there is none,
+        check it if there is one, and return the current generation (a new one, recorded,
+        where the record cannot be read: an unknown generation is never assumed to be an old
+        one). On failure, what it created is removed again (`remove`).
+
+        Raises:
+            ForeignManifestError: the manifest names another identity.
+            Exception: the store's own errors (it cannot be opened or read).
+        """
+        store = self._make_store(record_namespace(self.identity_digest), False).for_records()
+        if not store.lasting:
+            return self.generation
+        await store.open()
+        self._store = store
+        try:
+            if self._manifest is not None:
+                await self._check_manifest(store)
+            generation = await _read_int(store, GENERATION_KEY)
+            if generation is not None and generation < 0:
+                generation = secrets.randbits(62)
+                logger.warning("%r: the generation record cannot be read; starting generation %d", store, generation)
+                await store.put(GENERATION_KEY, memoryview(generation.to_bytes(8, "big")))
+            self.generation = generation or 0
+            return self.generation
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.remove()
+            raise
+
+    async def advance(self) -> int:
+        """Record a generation after the current one, make it current and return it: the
+        record's own if another engine of this identity moved past the current one already
+        (replicas reset together join one generation), else the next.
+
+        Raises:
+            Exception: the store's own errors.
+        """
+        if self._store is None:
+            self.generation += 1
+            return self.generation
+        recorded = await _read_int(self._store, GENERATION_KEY)
+        generation = max(self.generation + 1, recorded or 0)
+        await self._store.put(GENERATION_KEY, memoryview(generation.to_bytes(8, "big")))
+        self.generation = generation
+        return generation
+
+    async def remove(self) -> None:
+        """Close the records; where this engine created them and never reset (a failed start,
+        a benchmark's run: nothing another engine relies on), remove them first, and what
+        opening their store created (`BlockStore.undo_open`: an empty namespace, missing
+        parents of a file tier's root).
+
+        Raises:
+            Exception: the store's own errors (it is closed anyway).
+        """
+        store, self._store = self._store, None
+        if store is None:
+            return
+        if not (self.created and self.generation == 0):
+            await store.close()
+            return
+        try:
+            await store.delete_many([MANIFEST_KEY, GENERATION_KEY])
+        finally:
+            await store.undo_open()
+
+    async def close(self, remove: bool = False) -> None:
+        """Close the records' store, or `remove` them (with `remove`); a failure is logged.
+        Nothing after the first call."""
+        try:
+            if remove:
+                await self.remove()
+            elif (store := self._store) is not None:
+                self._store = None
+                await store.close()
+        except Exception as exc:
+            logger.warning("could not close the records of identity %s: %s", self.identity_digest.hex(), describe(exc))
+
+    async def _check_manifest(self, store: BlockStore) -> None:
+        assert self._manifest is not None
+        into = bytearray(MANIFEST_BYTES)
+        try:
+            header = await store.get(MANIFEST_KEY, memoryview(into))
+            open_payload(header, memoryview(into), store.seal)
+        except ObjectNotFoundError:
+            await store.put(MANIFEST_KEY, memoryview(manifest_text(self._manifest)))
+            self.created = True
+            return
+        except CorruptObjectError as exc:  # ForgedObjectError included
+            raise ForeignManifestError(
+                f"{store!r}: its manifest cannot be read ({exc}); its blocks are not read"
+            ) from exc
+        try:
+            identity = json.loads(into)["identity"]
+        except (ValueError, KeyError, TypeError):
+            identity = None
+        if identity != self.identity_digest.hex():
+            raise ForeignManifestError(
+                f"{store!r}: its manifest names identity {identity}, not this engine's "
+                f"{self.identity_digest.hex()}; its blocks are not read"
+            )
+
+
+def manifest_text(manifest: Mapping[str, Any]) -> bytes:
+    """`manifest` as the stored record: indented JSON, padded with spaces to
+    `MANIFEST_BYTES` (a record of one size, read in one call); the layer names are left out
+    of a manifest too long for that."""
+    text = json.dumps(manifest, sort_keys=True, indent=1).encode()
+    if len(text) > MANIFEST_BYTES:
+        short = {**manifest, "groups": f"{len(manifest.get('groups', ()))} groups, too many layer names to list"}
+        text = json.dumps(short, sort_keys=True, indent=1).encode()[:MANIFEST_BYTES]
+    return text.ljust(MANIFEST_BYTES)
+
+
+async def _read_int(store: BlockStore, key: OffloadKey) -> int | None:
+    """The 8-byte record `key`: None if absent, -1 if it cannot be read (torn, foreign)."""
+    into = bytearray(8)
+    try:
+        header = await store.get(key, memoryview(into))
+        open_payload(header, memoryview(into), store.seal)
+    except ObjectNotFoundError:
+        return None
+    except CorruptObjectError:  # ForgedObjectError included
+        return -1
+    return int.from_bytes(into, "big")
+
+
+async def retire(old: BlockStore, tasks: set[asyncio.Task[Any]]) -> None:
+    """Once `tasks` (the jobs and calls of `old`, a previous generation's store) have ended,
+    remove its namespace (a failure is logged) and close it."""
+    try:
+        if tasks:
+            await asyncio.wait(tasks)
+        await old.remove_namespace()
+        logger.info("removed the namespace of a previous generation, %r", old)
+    except Exception as exc:
+        logger.warning("could not remove the namespace of a previous generation, %r: %s", old, describe(exc))
+    finally:
+        with anyio.CancelScope(shield=True):
+            await old.close()
