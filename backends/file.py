@@ -60,6 +60,7 @@ from tiering.contract.keys import OffloadKey
 from tiering.options import STRICT, Count
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
 from tiering.tiers.blockstore.pool import DaemonThreadPool
+from tiering.tiers.blockstore.store import NamespaceUsage
 from tiering.tiers.object_format import ObjectHeader
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,7 @@ class FileBlockStore(BlockStore):
     verifies_payloads = True  # `file_io.read_object` checks the CRC in the thread that read
     reads_in_order = True  # `get_many` reads one file after another, in one pool thread
     supports_integrity = True
+    lists_locally = True
     header_align = file_io.ALIGN
 
     @classmethod
@@ -188,6 +190,13 @@ class FileBlockStore(BlockStore):
         except OSError as exc:
             return [f"root_dir: {root}: cannot create a file in {where}: {exc.strerror or exc}"]
         return []
+
+    @classmethod
+    async def list_namespaces(cls, options: BaseModel, settings: BlockStoreSettings) -> list[NamespaceUsage]:
+        """The namespace directories under `root_dir`: files, bytes, newest modification
+        (`file_dirs.namespace_usage`, in a thread)."""
+        assert isinstance(options, FileOptions)
+        return await anyio.to_thread.run_sync(file_dirs.namespace_usage, Path(options.root_dir).expanduser())
 
     @classmethod
     def location(cls, options: Mapping[str, Any]) -> str:
@@ -310,6 +319,12 @@ class FileBlockStore(BlockStore):
         if self._ns is not None:
             self._ns.close()
             self._ns = None
+
+    def for_records(self) -> FileBlockStore:
+        """Itself, one file per object: records are few, and every engine of an identity
+        opens them (segments are one engine's)."""
+        self.layout = "files"
+        return self
 
     async def undo_open(self) -> None:
         """Close, then remove the directories `open` created (the namespace, its segments

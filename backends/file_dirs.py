@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from tiering.contract.keys import OffloadKey
+from tiering.tiers.blockstore.store import NamespaceUsage, namespace_named
 
 logger = logging.getLogger(__name__)
 
@@ -261,3 +262,31 @@ def supports_direct_io(ns: Namespace) -> bool:
     os.close(fd)
     os.unlink(probe, dir_fd=ns.fd)
     return True
+
+
+def namespace_usage(root: Path) -> list[NamespaceUsage]:
+    """Every namespace directory under `root` (none if `root` is missing): its files, their
+    bytes, and the newest file's modification time (a namespace without files: its
+    directory's, which an engine's opening touches). One walk of each tree; links are never
+    followed."""
+    try:
+        entries = sorted(os.scandir(root), key=lambda entry: entry.name)
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        namespace = namespace_named(entry.name)
+        if namespace is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        files = size = 0
+        newest: float | None = None
+        for directory, _, names in os.walk(entry.path):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    info = os.lstat(os.path.join(directory, name))
+                    files, size = files + 1, size + info.st_size
+                    newest = info.st_mtime if newest is None else max(newest, info.st_mtime)
+        with contextlib.suppress(FileNotFoundError):
+            newest = newest if newest is not None else os.lstat(entry.path).st_mtime
+        found.append(NamespaceUsage(namespace, files, size, newest))
+    return found

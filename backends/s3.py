@@ -38,7 +38,7 @@ from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.options import STRICT, Count, Seconds
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
-from tiering.tiers.blockstore.store import RecoveryProgress
+from tiering.tiers.blockstore.store import NamespaceUsage, RecoveryProgress, namespace_named
 from tiering.tiers.object_format import ObjectHeader, check_length, encode_object, header_size, parse_header
 
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
@@ -172,6 +172,27 @@ class S3BlockStore(BlockStore):
         if credentials is None:
             return ["no AWS credentials in the chain (environment, shared files, instance role)"]
         return super().preflight(options, settings, connect)
+
+    @classmethod
+    async def list_namespaces(cls, options: BaseModel, settings: BlockStoreSettings) -> list[NamespaceUsage]:
+        """The namespaces under the prefix, from a paginated listing of it (the store is
+        opened for it, as the engine opens it): objects, bytes, newest ``LastModified``."""
+        store = cls.from_config(bytes(16), options, settings)
+        await store.open()
+        try:
+            usage: dict[bytes, NamespaceUsage] = {}
+            paginator = store._client.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=store.bucket, Prefix=store.prefix):
+                for obj in page.get("Contents", ()):
+                    name, slash, _ = obj["Key"][len(store.prefix) :].partition("/")
+                    if not slash or (namespace := namespace_named(name)) is None:
+                        continue
+                    seen = usage.get(namespace, NamespaceUsage(namespace, 0, 0, None))
+                    written = max(seen.last_write or 0.0, obj["LastModified"].timestamp())
+                    usage[namespace] = NamespaceUsage(namespace, seen.objects + 1, seen.bytes + obj["Size"], written)
+            return sorted(usage.values(), key=lambda found: found.namespace)
+        finally:
+            await store.close()
 
     @classmethod
     def location(cls, options: Mapping[str, Any]) -> str:

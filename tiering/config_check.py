@@ -1,12 +1,19 @@
 """``tiering-config check FILE``: validate a configuration and print the engine it resolves
 to, without building anything (no shared memory, no tier opened). What is cheap and local
 is tried (a file tier creates and removes a file where its objects go; an S3 tier resolves
-its credentials); ``--connect`` also opens each tier's store, reaching its server.
+its credentials); ``--connect`` also opens each tier's store, reaching its server. With
+``--model``, it prints the engine's identity (its manifest: what shapes its blocks). It lists
+the namespaces each lasting tier's root holds, with their sizes, last writes and whose they
+are (`tiering.tiers.blockstore.namespaces`): a file tier's always, others' with ``--connect``.
+
+``tiering-config prune FILE --unused-for 7d`` removes the namespaces of each lasting tier not
+written for that long (``--dry-run``: only lists them).
 
 Thread: a command-line tool, the main thread.
 
     tiering-config check engine.yaml --model llama-3.1-8b
     tiering-config check --kv-transfer-config '{"kv_connector": "KVTieringConnector", ...}'
+    tiering-config prune engine.yaml --unused-for 14d --dry-run
 
 The second form takes ``vllm serve``'s ``--kv-transfer-config`` as it is, so its errors show
 before vLLM spends minutes loading a model (vLLM builds the engine only after that).
@@ -20,19 +27,30 @@ found unusable).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from tiering.config import TieringConfig, load_config
 from tiering.contract.keys import make_offload_key
 from tiering.errors import ConfigError
+from tiering.errors import describe as describe_error
 from tiering.integrations.vllm_config import check_kv_transfer_config
 from tiering.spec import MODEL_PRESETS, KVLayout
 from tiering.tiers.admission import AdmissionConfig, TierAdmission
-from tiering.tiers.blockstore import BlockStore
+from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
+from tiering.tiers.blockstore.namespaces import Found, remove, survey, unused
+from tiering.tiers.blockstore.opening import store_maker
 from tiering.tiers.factory import SecondaryTierFactory, block_store_parts
 from tiering.tiers.object_format import object_size
 
+_DURATION = TypeAdapter(timedelta)
 _KEY_BYTES = len(make_offload_key(bytes(32), 0))  # vLLM's keys: a 32-byte hash and a group index
 
 
@@ -107,6 +125,54 @@ def preflight(config: TieringConfig, connect: bool) -> tuple[list[str], list[str
     return notes, problems
 
 
+def identity_lines(config: TieringConfig, layout: KVLayout) -> tuple[bytes, list[str]]:
+    """The identity an engine of `config` over `layout` has (`KVLayout.identity`, as the
+    engine computes it) and its manifest, one line of JSON."""
+    block_size = config.block_size or layout.gpu_block_size
+    identity = layout.identity(block_size, layout.kv_bytes_per_token * block_size, config.model_version)
+    digest = identity.digest()
+    return digest, [f"identity: {digest.hex()}", f"  manifest: {json.dumps(identity.manifest(), sort_keys=True)}"]
+
+
+def survey_tiers(
+    config: TieringConfig, identity: bytes | None, connect: bool
+) -> tuple[list[str], list[tuple[str, Callable[[bytes, bool], BlockStore], list[Found]]], int]:
+    """Each lasting tier's namespaces (those whose store lists them, remote ones only with
+    `connect`): lines to print; per tier listed, (name, its store maker, what it found); and
+    how many tiers could not be listed."""
+    lines, surveyed, failed = [], [], 0
+    for tier in config.secondary_tiers:
+        parts = block_store_parts(tier)
+        if parts is None or not parts[0].lasting:
+            continue
+        store_cls, options, settings = parts
+        if not (connect or store_cls.lists_locally):
+            lines.append(f"tier {tier['name']}: namespaces not listed (--connect lists them)")
+            continue
+        try:
+            make = store_maker(tier["name"], _factory(store_cls, options, settings), settings, 0)
+            usages = asyncio.run(store_cls.list_namespaces(options, settings))
+            found = None if usages is None else asyncio.run(survey(usages, make, identity))
+        except Exception as exc:
+            lines.append(f"tier {tier['name']}: its namespaces cannot be listed: {describe_error(exc)}")
+            failed += 1
+            continue
+        if found is None:
+            lines.append(f"tier {tier['name']}: its store does not list namespaces")
+            continue
+        lines.append(f"tier {tier['name']}: {len(found)} namespaces")
+        lines += [f"  {item.describe()}" for item in found]
+        surveyed.append((tier["name"], make, found))
+    return lines, surveyed, failed
+
+
+def _factory(
+    store_cls: type[BlockStore], options: BaseModel, settings: BlockStoreSettings
+) -> Callable[[bytes], BlockStore]:
+    """Builds a store of `store_cls` for a namespace, as its tier would."""
+    return lambda namespace: store_cls.from_config(namespace, options, settings)
+
+
 def _options(options: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value!r}" for key, value in options.items()) or "default options"
 
@@ -121,11 +187,25 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help="instead of a file, vLLM's --kv-transfer-config (the same JSON), checked as vLLM would build the engine",
     )
-    check.add_argument("--model", choices=sorted(MODEL_PRESETS), help="size blocks and rows for this model's KV")
+    check.add_argument(
+        "--model", choices=sorted(MODEL_PRESETS), help="size blocks and rows for this model's KV; print its identity"
+    )
     check.add_argument(
         "--connect", action="store_true", help="also open each tier's store, reaching its server, as the engine would"
     )
+    prune = commands.add_parser("prune", help="remove the namespaces of lasting tiers not written for a while")
+    prune.add_argument("file", help="the YAML configuration")
+    prune.add_argument(
+        "--unused-for",
+        required=True,
+        type=_duration,
+        metavar="DURATION",
+        help="seconds, 7d, 36h, P2W ...: not written for this long",
+    )
+    prune.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     args = parser.parse_args(argv)
+    if args.command == "prune":
+        return _prune(args.file, args.unused_for, args.dry_run)
     if (args.file is None) == (args.kv_transfer_config is None):
         check.error("give a YAML file or --kv-transfer-config, one of the two")
     try:
@@ -137,10 +217,53 @@ def main(argv: list[str] | None = None) -> int:
     lines, problems = describe(config, layout)
     notes, found = preflight(config, args.connect)
     problems += found
+    identity = None
+    if layout is not None:
+        identity, more = identity_lines(config, layout)
+        lines += more
+    if not problems:
+        lines += survey_tiers(config, identity, args.connect)[0]
     print("\n".join(lines + notes))
     for problem in problems:
         print(f"{config.source}: {problem}: the engine would not start", file=sys.stderr)
     return 2 if problems else 0
+
+
+def _duration(text: str) -> float:
+    """Seconds of a duration (seconds, ``7d``, ``36h``, ISO 8601's ``P2W``), for argparse."""
+    try:
+        seconds = float(text) if text.replace(".", "", 1).isdigit() else _DURATION.validate_python(text).total_seconds()
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (seconds, 7d, 36h, P2W ...)") from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive duration")
+    return seconds
+
+
+def _prune(path: str, unused_for_s: float, dry_run: bool) -> int:
+    """``tiering-config prune``: remove (or, `dry_run`, list) every lasting tier's namespaces
+    not written for `unused_for_s` seconds (`namespaces.unused`). Exit status 2 where the
+    config is invalid, or a tier could not be listed or a namespace removed."""
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    lines, surveyed, failed = survey_tiers(config, None, connect=True)
+    print("\n".join(line for line in lines if not line.startswith(" ")))
+    status = 2 if failed else 0
+    for name, make, found in surveyed:
+        for item in unused(found, unused_for_s, time.time()):
+            try:
+                if not dry_run:
+                    asyncio.run(remove(item, make))
+                print(f"tier {name}: {'would remove' if dry_run else 'removed'} {item.describe()}")
+            except Exception as exc:
+                print(
+                    f"tier {name}: cannot remove {item.usage.namespace.hex()}: {describe_error(exc)}", file=sys.stderr
+                )
+                status = 2
+    return status
 
 
 if __name__ == "__main__":

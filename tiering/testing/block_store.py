@@ -33,6 +33,13 @@ from tiering import (
 )
 from tiering.contract.keys import OffloadKey
 from tiering.tiers.blockstore import BlockStore
+from tiering.tiers.blockstore.generations import (
+    MANIFEST_KEY,
+    ForeignManifestError,
+    Records,
+    manifest_text,
+    record_namespace,
+)
 from tiering.tiers.object_format import header_size, open_payload, verify_payload
 from tiering.tiers.seal import Seal
 
@@ -270,6 +277,53 @@ class BlockStoreSuite:
             assert not await again.exists(key(1))
         finally:
             await again.close()
+
+    @pytest.mark.asyncio
+    async def test_an_identitys_namespace_never_shows_another_identitys_objects(self, store_kit):
+        if not store_kit.make(FINGERPRINT).lasting:
+            pytest.skip("the store does not last: it holds one engine's objects")
+        mine, theirs = await opened(store_kit), await opened(store_kit, FOREIGN)
+        try:
+            await mine.put(key(1), payload(100))
+            assert not await theirs.exists(key(1))
+            assert await theirs.exists_many([key(1)]) == [False]
+            with pytest.raises(ObjectNotFoundError):
+                await theirs.get(key(1), buffer(100))
+            assert await theirs.recover() == []
+            await theirs.remove_namespace()
+            assert await mine.exists(key(1))
+        finally:
+            await mine.close()
+            await theirs.close()
+
+    @pytest.mark.asyncio
+    async def test_an_identitys_records_give_every_engine_its_current_generation(self, store_kit):
+        if not store_kit.make(FINGERPRINT).lasting:
+            pytest.skip("the store does not last: it keeps no generations")
+
+        def records(identity: bytes) -> Records:
+            return Records(lambda namespace, blocks: store_kit.make(namespace), identity, {"model": "conformance"})
+
+        first, second, later = records(FINGERPRINT), records(FINGERPRINT), records(FINGERPRINT)
+        try:
+            assert await first.open() == 0 and first.created  # it wrote the manifest
+            assert await second.open() == 0 and not second.created
+            assert await first.advance() == 1  # a reset
+            assert await later.open() == 1  # an engine started after it joins the new generation
+            assert await second.advance() == 1  # replicas reset together join one generation
+            assert await later.advance() == 2  # past the recorded one, never back to it
+        finally:
+            for each in (first, second, later):
+                await each.close()
+        # records whose manifest names another identity than the one their namespace is of
+        planted = store_kit.make(record_namespace(FOREIGN)).for_records()
+        await planted.open()
+        try:
+            await planted.put(MANIFEST_KEY, memoryview(manifest_text({"identity": FINGERPRINT.hex()})))
+        finally:
+            await planted.close()
+        with pytest.raises(ForeignManifestError):
+            await records(FOREIGN).open()
 
     @pytest.mark.asyncio
     @pytest.mark.parametrize("encrypt", [False, True], ids=["signed", "encrypted"])

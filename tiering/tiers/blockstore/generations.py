@@ -28,7 +28,7 @@ import hashlib
 import json
 import logging
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import anyio
@@ -124,6 +124,14 @@ class Records:
                 logger.warning("%r: the generation record cannot be read; starting generation %d", store, generation)
                 await store.put(GENERATION_KEY, memoryview(generation.to_bytes(8, "big")))
             self.generation = generation or 0
+            manifest = json.dumps(self._manifest, sort_keys=True) if self._manifest is not None else "none given"
+            logger.info(
+                "%r: generation %d of identity %s; manifest %s",
+                store,
+                self.generation,
+                self.identity_digest.hex(),
+                manifest,
+            )
             return self.generation
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -215,6 +223,24 @@ def manifest_text(manifest: Mapping[str, Any]) -> bytes:
     return text.ljust(MANIFEST_BYTES)
 
 
+async def read_records(store: BlockStore) -> tuple[dict[str, Any], int] | None:
+    """The manifest and current generation an opened records store holds, or None where it
+    holds no readable manifest (not an identity's records, or torn, or sealed by others).
+
+    Raises:
+        Exception: the store's own errors.
+    """
+    into = bytearray(MANIFEST_BYTES)
+    try:
+        header = await store.get(MANIFEST_KEY, memoryview(into))
+        open_payload(header, memoryview(into), store.seal)
+        manifest = json.loads(into)
+    except (ObjectNotFoundError, CorruptObjectError, ValueError):
+        return None
+    generation = await _read_int(store, GENERATION_KEY)
+    return manifest, generation or 0
+
+
 async def _read_int(store: BlockStore, key: OffloadKey) -> int | None:
     """The 8-byte record `key`: None if absent, -1 if it cannot be read (torn, foreign)."""
     into = bytearray(8)
@@ -226,6 +252,52 @@ async def _read_int(store: BlockStore, key: OffloadKey) -> int | None:
     except CorruptObjectError:  # ForgedObjectError included
         return -1
     return int.from_bytes(into, "big")
+
+
+class CurrentStore:
+    """The store of a tier's current generation (`store`), and its moves to the next one at
+    resets (`switch`); jobs started while one opens run on it once it is open (`ready`, `of`).
+    Loop thread."""
+
+    def __init__(self, records: Records):
+        self.records = records
+        self.store = records.store()  # generation 0's until `Records.open` has read the current one
+        self._switched: anyio.Event | None = None  # set once the last reset's generation is current
+
+    def ready(self) -> BlockStore | anyio.Event:
+        """What a job started now runs on: the current store, or, while a new generation's
+        opens, the event set once it is current."""
+        switched = self._switched
+        return self.store if switched is None or switched.is_set() else switched
+
+    async def of(self, ready: BlockStore | anyio.Event) -> BlockStore:
+        """The store `ready` (from `ready`) names, once it is open."""
+        if isinstance(ready, anyio.Event):
+            await ready.wait()
+            return self.store
+        return ready
+
+    def switch(
+        self, open_next: Callable[[], Awaitable[BlockStore]], old_tasks: set[asyncio.Task[Any]]
+    ) -> Coroutine[Any, Any, None]:
+        """The task that moves to the store `open_next` opens (`Records.open_next`), after the
+        generation of a reset before it, then retires the old store once `old_tasks` (its jobs
+        and calls) have ended (`retire`)."""
+        previous, self._switched = self._switched, anyio.Event()
+        return self._switch(open_next, previous, self._switched, old_tasks)
+
+    async def _switch(
+        self,
+        open_next: Callable[[], Awaitable[BlockStore]],
+        previous: anyio.Event | None,
+        switched: anyio.Event,
+        old_tasks: set[asyncio.Task[Any]],
+    ) -> None:
+        if previous is not None:
+            await previous.wait()
+        old, self.store = self.store, await open_next()
+        switched.set()
+        await retire(old, old_tasks)
 
 
 async def retire(old: BlockStore, tasks: set[asyncio.Task[Any]]) -> None:

@@ -34,6 +34,7 @@ import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
@@ -52,6 +53,29 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 5.0  # seconds between two progress lines of a long `recover`
+
+
+@dataclass(frozen=True)
+class NamespaceUsage:
+    """One namespace a store's root holds (`BlockStore.list_namespaces`): its 16-byte name,
+    its objects (a file tier's files: a segment holds many blocks) and their bytes, and the
+    newest object's write in Unix seconds (None: unknown)."""
+
+    namespace: bytes
+    objects: int
+    bytes: int
+    last_write: float | None
+
+
+def namespace_named(name: str) -> bytes | None:
+    """The 16-byte namespace a directory or prefix `name` names (32 lowercase hex digits, as
+    stores name them), or None: not a namespace."""
+    if len(name) != 32 or name.lower() != name:
+        return None
+    try:
+        return bytes.fromhex(name)
+    except ValueError:
+        return None
 
 
 class BlockStore(ABC):
@@ -79,6 +103,8 @@ class BlockStore(ABC):
             fewer, larger calls.
         lasting: False for a store whose objects die with the engine (the ``memory`` store):
             it keeps no records of generations (`tiering.tiers.blockstore.generations`).
+        lists_locally: True where `list_namespaces` reaches nothing remote (the file
+            store): ``tiering-config check`` lists its namespaces without ``--connect``.
         supports_integrity: True when the store passes `seal` to `encode_object`,
             `parse_header` and `verify_payload`, and leaves alone (never deletes) objects
             whose seal does not open (`ForgedObjectError`) when it recovers; only then may
@@ -97,6 +123,7 @@ class BlockStore(ABC):
     reads_in_order: ClassVar[bool] = False
     supports_integrity: ClassVar[bool] = False
     lasting: ClassVar[bool] = True
+    lists_locally: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> BlockStore:
@@ -146,6 +173,19 @@ class BlockStore(ABC):
         except Exception as exc:
             return [f"cannot be reached: {describe(exc)}"]
         return []
+
+    @classmethod
+    async def list_namespaces(cls, options: BaseModel, settings: BlockStoreSettings) -> list[NamespaceUsage] | None:
+        """Every namespace under the root a tier configured with `options` keeps its objects
+        in (a file tier's ``root_dir``, an S3 prefix), for ``tiering-config``: it reaches the
+        storage itself (as the engine would open it) and creates nothing. None: this store
+        does not list them (the default; the ``memory`` store's die with the engine, a
+        Valkey server evicts by its own memory policy).
+
+        Raises:
+            Exception: the store's own errors (it cannot be reached or listed).
+        """
+        return None
 
     @classmethod
     def location(cls, options: Mapping[str, Any]) -> str | None:

@@ -38,7 +38,7 @@ from tiering.cpu.row_states import RowStates
 from tiering.errors import HungCallError, RuntimeClosedError
 from tiering.tiers.blockstore.batches import LOAD_SPREAD, Block, Items, QueuedJobs, cut, jobs_of
 from tiering.tiers.blockstore.calls import StoreCalls
-from tiering.tiers.blockstore.generations import Records, retire
+from tiering.tiers.blockstore.generations import CurrentStore, Records
 from tiering.tiers.blockstore.outbox import (
     DeletesDone,
     JobDone,
@@ -86,8 +86,7 @@ class BlockWorker:
         runtime: AsyncRuntime,
     ):
         self.name = name
-        self._records = records
-        self.store = records.store()  # generation 0's until `open` has read the current one
+        self._current = CurrentStore(records)
         self._rows = rows
         self._row_bytes = rows.shape[1]
         self._flat_rows = rows.data.cast("B") if rows.flags.c_contiguous else None  # rows as slices, cheaply
@@ -99,7 +98,6 @@ class BlockWorker:
         self._batch_blocks = batch_blocks
         self._runtime = runtime
         self._serving = False  # jobs start only while the worker serves
-        self._switching = False  # moving to a new generation's store: jobs fail at once
         self._jobs: set[asyncio.Task[None]] = set()  # a task per job, until it ends
         self._deleting: dict[OffloadKey, anyio.Event] = {}
         self._loads_in_flight = 0  # load jobs started and not finished
@@ -108,6 +106,11 @@ class BlockWorker:
         self._stop = anyio.Event()
         self._stopped = anyio.Event()
         self.row_states: RowStates | None = None  # set by the tier: promoted rows are settled as they land
+
+    @property
+    def store(self) -> BlockStore:
+        """The block store of the current generation."""
+        return self._current.store
 
     async def open(self) -> list[tuple[OffloadKey, int]]:
         """Open the records (`Records.open`) and the store of the current generation they
@@ -119,8 +122,8 @@ class BlockWorker:
             Exception: whatever opening or recovering the store raised (it is closed again,
                 and what its opening created is removed: `BlockStore.undo_open`).
         """
-        await self._records.open()
-        self.store = self._records.store()
+        await self._current.records.open()
+        self._current.store = self._current.records.store()
         try:
             await self.store.open()
             try:
@@ -132,7 +135,7 @@ class BlockWorker:
                 raise
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self._records.close(remove=True)
+                await self._current.records.close(remove=True)
             raise
         return recovered
 
@@ -155,7 +158,7 @@ class BlockWorker:
                 await asyncio.sleep(0)  # every job takes its first step: cancelled before it, it skips its `finally`
                 for job in self._jobs:
                     job.cancel()
-                await self._records.close()  # not behind a call stuck in the blocks' store
+                await self._current.records.close()  # not behind a call stuck in the blocks' store
                 while self._jobs or self._calls.running:
                     await asyncio.wait(self._jobs | self._calls.running)
                 await self.store.close()
@@ -182,32 +185,31 @@ class BlockWorker:
         self._queue(self._queued_loads, done, items, list)
 
     def start_probe(self, done: ProbeDone) -> None:
-        self._start(done, lambda store: partial(self._probe, store, done))
+        self._start(done, lambda: partial(self._probe, done=done))
 
     def start_ping(self, done: PingDone) -> None:
-        self._start(done, lambda store: partial(self._ping, store, done))
+        self._start(done, lambda: partial(self._ping, done=done))
 
     def start_delete(self, done: DeletesDone) -> None:
         self._start(done, partial(self._delete_job, done, done.keys))
 
     def start_switch(self, open_next: Callable[[], Awaitable[BlockStore]]) -> None:
         """Move to the store `open_next` opens (a new generation's, `Records.open_next`): jobs
-        queued or started before run on the old store to their end, jobs started until then
-        fail at once; the old store is then retired (`generations.retire`)."""
+        queued or started before run on the old store to their end; jobs started until it is
+        open wait for it (`_ready`); the old store is then retired (`generations.retire`)."""
         for queue in (self._queued_stores, self._queued_loads):
             self._start_queued(queue)  # bound to the old store
         if self._serving:
-            self._switching = True
-            self._spawn(self._jobs, self._switch(open_next, self._jobs | self._calls.running))
+            self._spawn(self._jobs, self._current.switch(open_next, self._jobs | self._calls.running))
 
-    def _start(self, done: Outcome, prepare: Callable[[BlockStore], Callable[[], Awaitable[None]]]) -> None:
-        """Run the job ``prepare(store)`` returns as a task of its own (`_spawn`). If the tier
-        is stopped or between stores, or anything raises while starting, the outcome is put
-        at once, failed: never lost."""
+    def _start(self, done: Outcome, prepare: Callable[[], Callable[[BlockStore], Awaitable[None]]]) -> None:
+        """Run the job ``prepare()`` returns, on the current store (`_ready`), as a task of
+        its own (`_spawn`). If the tier is stopped, or anything raises while starting, the
+        outcome is put at once, failed: never lost."""
         self._runtime.job_started()
         try:
             self._check_serving()
-            self._spawn(self._jobs, self._run(done, prepare(self.store)))
+            self._spawn(self._jobs, self._run(done, prepare(), self._current.ready()))
         except Exception as exc:
             if self._serving:
                 done.failed("start", exc, sick=False)
@@ -238,8 +240,8 @@ class BlockWorker:
             self._finish(done, broken=True)
 
     def _check_serving(self) -> None:
-        if not self._serving or self._switching:  # stopped, or between two generations' stores
-            raise RuntimeClosedError(f"tier {self.name} is {'between generations' if self._serving else 'shut down'}")
+        if not self._serving:
+            raise RuntimeClosedError(f"tier {self.name} is shut down")
 
     def _start_queued(self, queue: QueuedJobs) -> None:
         """Start the jobs of `queue` as one task (failed at once if the tier stopped since)."""
@@ -251,21 +253,17 @@ class BlockWorker:
             for done, _ in jobs:
                 self._finish(done, broken=True)
             return
-        self._spawn(self._jobs, self._run_together(jobs, waits, self.store))
-
-    async def _switch(self, open_next: Callable[[], Awaitable[BlockStore]], old_tasks: set[asyncio.Task[Any]]) -> None:
-        old, self.store = self.store, await open_next()
-        self._switching = False
-        await retire(old, old_tasks)  # once its jobs and calls (`old_tasks`) have ended
+        self._spawn(self._jobs, self._run_together(jobs, waits, self._current.ready()))
 
     async def _run_together(
-        self, jobs: list[tuple[JobDone, Items]], waits: list[anyio.Event], store: BlockStore
+        self, jobs: list[tuple[JobDone, Items]], waits: list[anyio.Event], ready: BlockStore | anyio.Event
     ) -> None:
         """Run store or load jobs started together: wait for `waits`, then their blocks in
         shared calls. Each job is finished once the calls with its blocks are over; if
         anything raises (a bug here or in a store), the jobs not finished fail."""
         broken = False
         try:
+            store = await self._current.of(ready)
             for deleted in waits:
                 await deleted.wait()
             blocks = [(done, key, row) for done, items in jobs for key, row in items]
@@ -284,18 +282,18 @@ class BlockWorker:
                 if not done.reported:
                     self._finish(done, broken)
 
-    def _delete_job(
-        self, done: DeletesDone, keys: list[OffloadKey], store: BlockStore
-    ) -> Callable[[], Awaitable[None]]:
+    def _delete_job(self, done: DeletesDone, keys: list[OffloadKey]) -> Callable[[BlockStore], Awaitable[None]]:
         """The delete job; stores of these keys started after it wait for it."""
         deleted = anyio.Event()
         self._deleting.update(dict.fromkeys(keys, deleted))
-        return partial(self._delete, store, done, keys, deleted)
+        return partial(self._delete, done=done, keys=keys, deleted=deleted)
 
-    async def _run(self, done: Outcome, job: Callable[[], Awaitable[None]]) -> None:
+    async def _run(
+        self, done: Outcome, job: Callable[[BlockStore], Awaitable[None]], ready: BlockStore | anyio.Event
+    ) -> None:
         broken = False
         try:
-            await job()
+            await job(await self._current.of(ready))
         except Exception as exc:  # a bug here or in a store: this job fails, the tier goes on
             done.failed("internal", exc, sick=False)
             broken = True

@@ -1,0 +1,103 @@
+"""``tiering-config check`` lists what a lasting tier's root holds (each namespace, whose it is,
+its size and last write) and prints the engine's identity; ``tiering-config prune`` removes
+the namespaces not written for a while, never the records of blocks still in use."""
+
+import asyncio
+import os
+import time
+import uuid
+
+from tests.test_identity import IdentitySpec, identity
+from tiering import KVLayout, TieringOffloadingSpec, config_check, load_config, parse_config
+from tiering.contract.identity import namespace
+from tiering.tiers.blockstore.generations import record_namespace
+from tiering.tiers.blockstore.namespaces import remove, unused
+
+OLD = time.time() - 30 * 86400  # a month ago
+
+
+def age(directory, when=OLD):
+    """Make every file under `directory` last written at `when`."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            os.utime(path, (when, when))
+
+
+def check(capsys, *argv):
+    status = config_check.main(["check", *argv])
+    return status, capsys.readouterr().out
+
+
+def test_check_lists_whose_each_namespace_is_and_prune_removes_only_the_unused(tmp_path, engine_factory, capsys):
+    root = tmp_path / "kv"
+    tier = {"type": "file", "root_dir": str(root), "layout": "files"}
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: file, root_dir: {root}, layout: files}}]\n")
+    live, gone = identity("control"), identity("model")
+    engine = engine_factory(tier, spec=IdentitySpec(live), num_blocks=8)
+    engine.store(0, 1)
+    engine.manager.reset_cache()  # generation 1; generation 0's namespace goes in the background
+    engine.store(2)
+    other = engine_factory(tier, spec=IdentitySpec(gone))
+    other.store(0)
+    other.close()
+    unnamed = root / uuid.uuid4().hex  # as a version before identities left it
+    (unnamed / "00").mkdir(parents=True)
+    (unnamed / "00" / "0011").write_bytes(b"x" * 100)
+    while (root / namespace(live.digest(), 0).hex()).exists():
+        time.sleep(0.01)
+
+    status, out = check(capsys, str(config))
+    assert status == 0 and "tier file: 5 namespaces" in out
+    mine, theirs = live.digest().hex(), gone.digest().hex()
+    assert f"{record_namespace(live.digest()).hex()}: 2 objects" in out
+    assert f"records of identity {mine} (org/tiny), generation 1" in out
+    assert f"{namespace(live.digest(), 1).hex()}: 1 objects" in out
+    assert f"blocks of identity {mine} (org/other)" not in out and f"blocks of identity {theirs} (org/other)" in out
+    assert f"{unnamed.name}: 1 objects, 100 bytes" in out and "named by no identity's records" in out
+
+    for directory in (root / namespace(gone.digest(), 0).hex(), root / record_namespace(gone.digest()).hex(), unnamed):
+        age(directory)
+    age(root / record_namespace(live.digest()).hex())  # old records, but their blocks are in use: kept
+    assert config_check.main(["prune", str(config), "--unused-for", "7d", "--dry-run"]) == 0
+    assert capsys.readouterr().out.count("would remove") == 3 and len(list(root.iterdir())) == 5
+    assert config_check.main(["prune", str(config), "--unused-for", "7d"]) == 0
+    assert capsys.readouterr().out.count("removed") == 3
+    assert sorted(path.name for path in root.iterdir()) == sorted(
+        [record_namespace(live.digest()).hex(), namespace(live.digest(), 1).hex()]
+    )
+    assert engine.lookup_until_done(2) == [True]  # the live engine goes on
+
+
+def test_check_prints_the_engines_identity_and_marks_its_namespaces(tmp_path, capsys):
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"cpu_bytes_to_use: 8MiB\nsecondary_tiers: [{{type: file, root_dir: {tmp_path / 'kv'}}}]\n")
+    layout = KVLayout.from_preset("llama-3.1-8b")
+    with TieringOffloadingSpec(load_config(config), layout, f"test-{uuid.uuid4().hex[:8]}") as spec:
+        spec.get_manager()
+        digest = spec.layout_fingerprint.hex()
+    status, out = check(capsys, str(config), "--model", "llama-3.1-8b")
+    assert status == 0 and f"identity: {digest}" in out
+    assert '"model": "llama-3.1-8b"' in out and '"tokens_per_block": 16' in out  # the manifest
+    assert out.count("this engine") == 2  # its records and its generation's blocks
+    status, out = check(capsys, str(config))
+    assert status == 0 and "this engine" not in out and "identity:" not in out
+
+
+def test_an_s3_tiers_namespaces_are_listed_with_connect_and_removed_whole(s3_server, s3_bucket, engine_factory, capsys):
+    tier = {"type": "s3", "bucket": s3_bucket, "endpoint_url": s3_server.endpoint_url, "prefix": "kv/"}
+    for name in ("control", "model"):
+        engine = engine_factory(tier, spec=IdentitySpec(identity(name)))
+        engine.store(0, 1)
+        engine.close()
+    config = parse_config(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{tier}]\n", "engine.yaml")
+    lines, _, failed = config_check.survey_tiers(config, None, connect=False)
+    assert lines == ["tier s3: namespaces not listed (--connect lists them)"] and not failed
+    lines, [(_, make, found)], failed = config_check.survey_tiers(config, identity("model").digest(), connect=True)
+    assert not failed and lines[0] == "tier s3: 4 namespaces"
+    assert sorted(f.kind for f in found) == ["blocks", "blocks", "records", "records"]
+    assert {f.usage.objects for f in found if f.kind == "blocks"} == {2}
+    assert sum(f.this_engine for f in found) == 2
+    for item in unused(found, 1.0, time.time() + 3600):  # as if an hour later
+        asyncio.run(remove(item, make))
+    assert config_check.survey_tiers(config, None, connect=True)[0] == ["tier s3: 0 namespaces"]
