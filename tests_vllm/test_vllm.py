@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.helpers import engine_regions, regions_left_behind
@@ -550,3 +551,32 @@ def test_a_vllm_whose_offloading_scheduler_lacks_what_synchronous_loads_read_is_
     for spec in live_specs():
         spec.shutdown()
     gc.collect()
+
+
+def test_a_restart_loads_from_the_file_tier_only_under_the_same_kv_settings(model, baseline, tmp_path):
+    """A lasting tier offers a block only to an engine whose KV settings are the stored ones:
+    a restart with another `model_version` or another block size recomputes (with the output
+    of a fresh run); a restart with the same settings loads the prefix from the file tier."""
+    config = {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [{"type": "file", "root_dir": str(tmp_path / "kv")}]}
+    restarts = [
+        ("first run", config, {}),
+        ("another model_version", {**config, "model_version": "rl-step-2"}, {}),
+        ("another block size", config, {"block_size": 2 * tiny.BLOCK}),
+        ("the same settings", config, {}),
+    ]
+    expected_tokens, expected_logprobs, _ = baseline[tuple(PROMPT)]
+    for what, settings, options in restarts:
+        llm = tiny.make_llm(model, settings, **options)
+        try:
+            tokens, logprobs, cached = tiny.generate(llm, [PROMPT])[0]
+            assert tokens == expected_tokens, what
+            assert np.allclose(logprobs, expected_logprobs, atol=1e-4), what  # a block size may round otherwise
+            assert cached == (FULL_BLOCKS if what == "the same settings" else 0), what
+            if what == "the same settings":
+                assert manager_stats()["tiers"]["file"]["counters"]["blocks_loaded"] == FULL_BLOCKS // tiny.BLOCK
+            else:  # stored under its own settings' namespace (a 64-token block: 3 blocks)
+                blocks = FULL_BLOCKS // options.get("block_size", tiny.BLOCK)
+                tiny.settle(llm, lambda b=blocks: manager_stats()["tiers"]["file"]["counters"]["blocks_stored"] == b)
+                assert manager_stats()["tiers"]["file"]["counters"]["blocks_loaded"] == 0, what
+        finally:
+            close(llm)

@@ -79,14 +79,24 @@ def settle(llm, done, tries: int = 300) -> None:
     raise AssertionError("the engine did not settle")
 
 
+def block_files(root: Path) -> list[Path]:
+    """Every file of a file tier's `root` but those of identities' records (a namespace that
+    holds a manifest: `tiering.tiers.blockstore.generations`)."""
+    from tiering.backends.file_dirs import object_name
+    from tiering.tiers.blockstore.generations import MANIFEST_KEY
+
+    records = {path.parents[1] for path in root.rglob(object_name(MANIFEST_KEY))}
+    return sorted(path for path in root.rglob("*") if path.is_file() and not records & set(path.parents))
+
+
 def object_pages(root: Path) -> list[tuple[Path, int]]:
-    """(file, offset) of every stored object's header under a file tier's `root`, in either
+    """(file, offset) of every stored block's header under a file tier's `root`, in either
     layout: a header fills a page of its own and starts with the object format's magic."""
     from tiering.backends.file_io import ALIGN
     from tiering.tiers.object_format import MAGIC
 
     found = []
-    for path in sorted(path for path in root.rglob("*") if path.is_file()):
+    for path in block_files(root):
         data = path.read_bytes()
         found += [(path, at) for at in range(0, len(data), ALIGN) if data[at : at + len(MAGIC)] == MAGIC]
     return found
@@ -98,7 +108,7 @@ def corrupt_payloads(root: Path) -> None:
     from tiering.backends.file_io import ALIGN
 
     headers = set(object_pages(root))
-    for path in sorted(path for path in root.rglob("*") if path.is_file()):
+    for path in block_files(root):
         data = bytearray(path.read_bytes())
         for at in range(0, len(data), ALIGN):
             if (path, at) not in headers:

@@ -189,25 +189,19 @@ class Records:
 
     async def _check_manifest(self, store: BlockStore) -> None:
         assert self._manifest is not None
-        into = bytearray(MANIFEST_BYTES)
         try:
-            header = await store.get(MANIFEST_KEY, memoryview(into))
-            open_payload(header, memoryview(into), store.seal)
-        except ObjectNotFoundError:
-            await store.put(MANIFEST_KEY, memoryview(manifest_text(self._manifest)))
-            self.created = True
-            return
-        except CorruptObjectError as exc:  # ForgedObjectError included
+            manifest = await _read_manifest(store)
+        except (CorruptObjectError, ValueError) as exc:  # ForgedObjectError included
             raise ForeignManifestError(
                 f"{store!r}: its manifest cannot be read ({exc}); its blocks are not read"
             ) from exc
-        try:
-            identity = json.loads(into)["identity"]
-        except (ValueError, KeyError, TypeError):
-            identity = None
-        if identity != self.identity_digest.hex():
+        if manifest is None:
+            await store.put(MANIFEST_KEY, memoryview(manifest_text(self._manifest)))
+            self.created = True
+            return
+        if manifest.get("identity") != self.identity_digest.hex():
             raise ForeignManifestError(
-                f"{store!r}: its manifest names identity {identity}, not this engine's "
+                f"{store!r}: its manifest names identity {manifest.get('identity')}, not this engine's "
                 f"{self.identity_digest.hex()}; its blocks are not read"
             )
 
@@ -230,15 +224,33 @@ async def read_records(store: BlockStore) -> tuple[dict[str, Any], int] | None:
     Raises:
         Exception: the store's own errors.
     """
+    try:
+        manifest = await _read_manifest(store)
+    except (CorruptObjectError, ValueError):
+        return None
+    if manifest is None:
+        return None
+    return manifest, await _read_int(store, GENERATION_KEY) or 0
+
+
+async def _read_manifest(store: BlockStore) -> dict[str, Any] | None:
+    """The manifest an opened records store holds, None if it holds none.
+
+    Raises:
+        CorruptObjectError: it is torn, or its seal does not open.
+        ValueError: it is not a JSON object.
+        Exception: the store's own errors.
+    """
     into = bytearray(MANIFEST_BYTES)
     try:
         header = await store.get(MANIFEST_KEY, memoryview(into))
-        open_payload(header, memoryview(into), store.seal)
-        manifest = json.loads(into)
-    except (ObjectNotFoundError, CorruptObjectError, ValueError):
+    except ObjectNotFoundError:
         return None
-    generation = await _read_int(store, GENERATION_KEY)
-    return manifest, generation or 0
+    open_payload(header, memoryview(into), store.seal)
+    manifest = json.loads(into)
+    if not isinstance(manifest, dict):
+        raise ValueError("the manifest is not a JSON object")
+    return manifest
 
 
 async def _read_int(store: BlockStore, key: OffloadKey) -> int | None:
