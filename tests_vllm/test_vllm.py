@@ -554,9 +554,11 @@ def test_a_vllm_whose_offloading_scheduler_lacks_what_synchronous_loads_read_is_
 
 
 def test_a_restart_loads_from_the_file_tier_only_under_the_same_kv_settings(model, baseline, tmp_path):
-    """A lasting tier offers a block only to an engine whose KV settings are the stored ones:
-    a restart with another `model_version` or another block size recomputes (with the output
-    of a fresh run); a restart with the same settings loads the prefix from the file tier."""
+    """A lasting tier offers a block only to an engine whose KV settings are the stored ones,
+    in the generation since the last reset: after a reset of the connector, nothing stored
+    before is offered; a restart with another `model_version` or another block size
+    recomputes (with the output of a fresh run); a restart with the same settings loads the
+    prefix from the file tier."""
     config = {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [{"type": "file", "root_dir": str(tmp_path / "kv")}]}
     restarts = [
         ("first run", config, {}),
@@ -578,5 +580,11 @@ def test_a_restart_loads_from_the_file_tier_only_under_the_same_kv_settings(mode
                 blocks = FULL_BLOCKS // options.get("block_size", tiny.BLOCK)
                 tiny.settle(llm, lambda b=blocks: manager_stats()["tiers"]["file"]["counters"]["blocks_stored"] == b)
                 assert manager_stats()["tiers"]["file"]["counters"]["blocks_loaded"] == 0, what
+            if what == "first run":  # a weight update's reset: a new generation, the stored blocks are gone
+                assert llm.reset_prefix_cache(reset_connector=True)
+                tokens, logprobs, cached = tiny.generate(llm, [PROMPT])[0]
+                assert (tokens, logprobs, cached) == (expected_tokens, expected_logprobs, 0)
+                again = 2 * FULL_BLOCKS // tiny.BLOCK  # stored into the new generation, which the last run loads
+                tiny.settle(llm, lambda n=again: manager_stats()["tiers"]["file"]["counters"]["blocks_stored"] == n)
         finally:
             close(llm)
