@@ -101,3 +101,10 @@ def test_an_s3_tiers_namespaces_are_listed_with_connect_and_removed_whole(s3_ser
     for item in unused(found, 1.0, time.time() + 3600):  # as if an hour later
         asyncio.run(remove(item, make))
     assert config_check.survey_tiers(config, None, connect=True)[0] == ["tier s3: 0 namespaces"]
+
+
+def test_a_store_that_cannot_list_its_namespaces_says_so_without_reaching_its_server():
+    tiers = "[{type: valkey, addresses: ['127.0.0.1:1']}, {type: memory}]"  # nothing listens; memory does not last
+    config = parse_config(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: {tiers}\n", "engine.yaml")
+    lines, surveyed, failed = config_check.survey_tiers(config, None, connect=True)
+    assert lines == ["tier valkey: its store does not list namespaces"] and surveyed == [] and not failed

@@ -146,6 +146,9 @@ def survey_tiers(
         if parts is None or not parts[0].lasting:
             continue
         store_cls, options, settings = parts
+        if store_cls.list_namespaces.__func__ is BlockStore.list_namespaces.__func__:  # type: ignore[attr-defined]
+            lines.append(f"tier {tier['name']}: its store does not list namespaces")
+            continue
         if not (connect or store_cls.lists_locally):
             lines.append(f"tier {tier['name']}: namespaces not listed (--connect lists them)")
             continue
