@@ -11,18 +11,22 @@ from tests_vllm.test_vllm import FULL_BLOCKS, close, evict_and_reload, manager_s
 
 pytestmark = pytest.mark.timeout(600)
 WINDOW = 64  # tokens a sliding-window layer attends to: 2 blocks
-MODELS = {  # layer kinds; KV-cache groups vLLM makes of them; bytes of a group's block (a CPU row); rows
-    # a prompt of 6 full blocks stores; CPU rows (one prompt's fit, the other prompts' push them to the file tier)
-    "alternating": (["sliding_attention", "full_attention"], 2, 16 << 10, 6 + 2, 16),
-    "all-sliding": (["sliding_attention", "sliding_attention"], 1, 32 << 10, 2, 4),
+SLIDING, FULL = "sliding_attention", "full_attention"
+MODELS = {  # architecture and layer kinds; KV-cache groups vLLM makes of them; bytes of a group's block (a
+    # CPU row); rows a prompt of 6 full blocks stores; CPU rows (one prompt's fit, the other prompts' push
+    # them to the file tier)
+    "alternating": (("llama", [SLIDING, FULL]), 2, 16 << 10, 6 + 2, 16),
+    "all-sliding": (("llama", [SLIDING, SLIDING]), 1, 32 << 10, 2, 4),
+    # Command-R7B's shape: vLLM gives its sliding layers WINDOW + 1 tokens, one past a block boundary
+    "cohere2": (("cohere2", [SLIDING, SLIDING, SLIDING, FULL]), 4, 16 << 10, 6 + 3 * 2, 24),
 }
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def hybrid(request, tmp_path_factory):
     """(name, model path, outputs without offloading by prompt)."""
-    layer_types = MODELS[request.param][0]
-    path = tiny.make_model(tmp_path_factory.mktemp("model") / request.param, layer_types, WINDOW)
+    architecture, layer_types = MODELS[request.param][0]
+    path = tiny.make_model(tmp_path_factory.mktemp("model") / request.param, layer_types, WINDOW, architecture)
     llm = tiny.make_llm(path)
     try:
         return request.param, path, {tuple(p): tiny.generate(llm, [p])[0] for p in [PROMPT, *OTHERS]}

@@ -13,12 +13,20 @@ from tiering.integrations import VLLM_CONNECTOR, VLLM_SPEC
 BLOCK = 32  # tokens per vLLM block (a multiple of 32 on the CPU attention backend)
 
 
-def make_model(directory: Path, layer_types: list[str] | None = None, sliding_window: int | None = None) -> Path:
+def make_model(
+    directory: Path,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    architecture: str = "llama",
+) -> Path:
     """Save the 2-layer Llama (and its tokenizer) the vLLM stage runs; with `layer_types`,
-    its layers' attention kinds (see `tiering.benchmarks.serve.model.make_model`)."""
+    its layers' attention kinds, and `architecture` (see
+    `tiering.benchmarks.serve.model.make_model`)."""
     from tiering.benchmarks.serve.model import make_model as make
 
-    return make(directory, max_len=2048, layer_types=layer_types, sliding_window=sliding_window)
+    return make(
+        directory, max_len=2048, layer_types=layer_types, sliding_window=sliding_window, architecture=architecture
+    )
 
 
 def make_llm(model: Path, extra_config: dict | None = None, connector: str = "OffloadingConnector", **kwargs):

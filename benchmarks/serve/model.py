@@ -47,30 +47,41 @@ def make_model(
     max_len: int = 4096,
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
+    architecture: str = "llama",
 ) -> Path:
     """Save a Llama of `shape` with N(0, 0.2) weights (fp32) and a word-level tokenizer
     (`make_tokenizer`) in `directory`; returns it. `layer_types`: each layer's attention,
     ``"full_attention"`` or ``"sliding_attention"`` over the last `sliding_window` tokens
     (vLLM reads both from the config: a hybrid model, in KV-cache groups by kind); None:
-    every layer full attention."""
+    every layer full attention. `architecture`: ``llama``, or ``cohere2`` (Command-R7B's,
+    whose sliding layers vLLM gives `sliding_window` + 1 tokens); `shape.layers` is then
+    the length of `layer_types`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    config_cls, model_cls, own = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"head_dim": shape.head_dim}),
+        "cohere2": (  # its defaults name token ids past this vocabulary
+            transformers.Cohere2Config,
+            transformers.Cohere2ForCausalLM,
+            {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0},
+        ),
+    }[architecture]
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=VOCAB,
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
+        num_hidden_layers=len(layer_types) if layer_types else shape.layers,
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
         max_position_embeddings=max_len,
         torch_dtype="float32",
+        **own,
     )
     if layer_types is not None:
         config.layer_types, config.sliding_window = layer_types, sliding_window
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.2)

@@ -70,6 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from tiering.integrations import VLLM_SPEC
 from tiering.integrations.vllm_identity import group_specs
@@ -137,6 +138,22 @@ def check_group_kinds(kv_cache_config: Any) -> None:
                 )
 
 
+def hit_window(group: Any) -> Any:
+    """`group` (vLLM's ``GroupOffloadConfig``) with the chunks a sliding-window hit needs set
+    to what vLLM's own KV cache keeps of a window, and hits with in its prefix cache:
+    ``cdiv(sliding_window - 1 + extra_retained_tokens, chunk)``. vLLM 0.32's offloading
+    scheduler asks for ``cdiv(sliding_window, chunk)``, a chunk more where the window is one
+    token past a chunk boundary (Command-R's ``sliding_window + 1``: 65 tokens, 3 chunks of
+    32 asked, 2 kept and stored), so every such prefix missed. A group of another kind is
+    returned as it is. Any thread; pure."""
+    spec = group.kv_cache_spec
+    if not isinstance(spec, SlidingWindowSpec) or group.sliding_window_size_in_chunks is None:
+        return group
+    kept = spec.sliding_window - 1 + spec.extra_retained_tokens
+    chunks = max(1, -(-kept // group.tokens_per_chunk))
+    return group._replace(sliding_window_size_in_chunks=min(group.sliding_window_size_in_chunks, chunks))
+
+
 class KVTieringConnector(OffloadingConnector):
     """`OffloadingConnector` whose loads finish before the forward of the step that
     schedules them, which computes the request (see the module docstring). Constructed by vLLM, once
@@ -168,6 +185,9 @@ class KVTieringConnector(OffloadingConnector):
                     f"spec_name {VLLM_SPEC['spec_name']!r} instead"
                 )
             self.connector_scheduler.manager.manager.answer_pending_hits = True
+            config = self.connector_scheduler.config
+            groups = tuple(hit_window(group) for group in config.kv_group_configs)
+            self.connector_scheduler.config = config._replace(kv_group_configs=groups)
         self._load_waits: dict[str, float] = {}  # request id -> seconds, until the step's metadata carries them
         self._locally_computed: dict[str, int] = {}  # scheduler: request id -> tokens vLLM's cache had at its lookup
 
