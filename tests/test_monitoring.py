@@ -15,8 +15,8 @@ MONITORING = Path(__file__).resolve().parents[1] / "monitoring"
 
 
 def served_names() -> set[str]:
-    """The sample names a real engine's exporter serves (with tenants, a failure, a hit and a
-    promotion behind it), ``_bucket``/``_sum``/``_count`` and ``_total`` included."""
+    """The sample names a real engine's exporter serves (with tenants, a failure, a hit, a
+    miss and a promotion behind it), ``_bucket``/``_sum``/``_count`` and ``_total`` included."""
     from tests.test_metrics import scrape
 
     config = parse_config(
@@ -30,6 +30,7 @@ def served_names() -> set[str]:
         out = manager.prepare_store(keys(0), context)
         manager.complete_store(out.keys_to_store, context)
         manager.lookup(keys(0)[0], context)
+        manager.lookup(keys(1)[0], context)  # a miss
         manager.on_schedule_end()
         text = scrape(spec.exporter.port)
     finally:

@@ -160,3 +160,19 @@ def test_a_tier_state_change_is_one_log_line_not_one_per_block(caplog):
         tier.shutdown()
     assert caplog.text.count("unhealthy") == 1
     assert caplog.text.count("store failed") <= 5  # the 1st, 2nd, 4th, 8th, 16th... failure, not 64 lines
+
+
+def test_hits_and_the_misses_that_end_them_are_counted_once_per_request_by_kv_cache_group():
+    from tiering.contract.keys import make_offload_key
+    from tiering.engine.lookups import RequestLookups
+
+    counts = RequestLookups(lambda key: None)
+    full, window, other = (make_offload_key(bytes(16), group) for group in (0, 1, 2))
+    counts.answered("a", full, True)
+    counts.answered("a", window, False)  # the sliding-window group ends the hit
+    counts.answered("a", window, False)  # asked again: counted once
+    counts.answered("b", full, True)
+    counts.answered("b", window, False)
+    counts.answered("b", other, True)
+    assert counts.hit_blocks_by_group == {0: 2, 2: 1}
+    assert counts.hits_ended_by_group == {1: 2}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 VOCAB = 1024  # tokens w0 .. w1023, one word each
 
@@ -53,20 +54,38 @@ def make_model(
     (`make_tokenizer`) in `directory`; returns it. `layer_types`: each layer's attention,
     ``"full_attention"`` or ``"sliding_attention"`` over the last `sliding_window` tokens
     (vLLM reads both from the config: a hybrid model, in KV-cache groups by kind); None:
-    every layer full attention. `architecture`: ``llama``, or ``cohere2`` (Command-R7B's,
-    whose sliding layers vLLM gives `sliding_window` + 1 tokens); `shape.layers` is then
-    the length of `layer_types`."""
+    every layer full attention. `architecture`: ``llama``; ``cohere2`` (Command-R7B's,
+    whose sliding layers vLLM gives `sliding_window` + 1 tokens); ``gemma3`` (text only);
+    ``mistral`` (every layer sliding: give `layer_types` all ``sliding_attention``);
+    ``llama4`` (dense; its ``chunked_attention`` layers attend within chunks of
+    `sliding_window` tokens). With `layer_types`, its length is the number of layers."""
     import torch
     import transformers
 
-    config_cls, model_cls, own = {
+    tokens = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}  # some defaults are past this vocabulary
+    architectures: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"head_dim": shape.head_dim}),
-        "cohere2": (  # its defaults name token ids past this vocabulary
-            transformers.Cohere2Config,
-            transformers.Cohere2ForCausalLM,
-            {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0},
+        "cohere2": (transformers.Cohere2Config, transformers.Cohere2ForCausalLM, tokens),
+        "gemma3": (
+            transformers.Gemma3TextConfig,
+            transformers.Gemma3ForCausalLM,
+            {**tokens, "head_dim": shape.head_dim, "query_pre_attn_scalar": shape.head_dim},
         ),
-    }[architecture]
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"head_dim": shape.head_dim}),
+        "llama4": (  # dense (no experts), each layer's attention local to chunks of `sliding_window` tokens
+            transformers.Llama4TextConfig,
+            transformers.Llama4ForCausalLM,
+            {
+                **tokens,
+                "head_dim": shape.head_dim,
+                "intermediate_size_mlp": shape.intermediate,
+                "interleave_moe_layer_step": 0,
+                "moe_layers": [],
+                "attention_chunk_size": sliding_window,
+            },
+        ),
+    }
+    config_cls, model_cls, own = architectures[architecture]
     torch.manual_seed(seed)
     config = config_cls(
         vocab_size=VOCAB,

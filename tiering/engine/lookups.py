@@ -14,7 +14,12 @@ those calls. Here each (request, block) pair counts once:
   asked, else the secondary tier it was promoted from (``cpu`` when it arrived from the GPU,
   stored by another request). ``hit_tokens`` likewise;
 - ``hit_blocks_by_group``: the same hits by KV-cache group (the key's group index), so that a
-  hybrid model's sliding-window and full-attention groups show their hits apart.
+  hybrid model's sliding-window and full-attention groups show their hits apart;
+- ``hits_ended_by_group``: pairs whose first lookup answered a miss, by group. A scheduler
+  stops scanning a group at its first miss, and under vLLM a request's hit is the shortest
+  of its groups' (a group it does not reach is not asked), so each counts a hit ended by
+  that group: a group that ends hits while the others hit is what holds a hybrid model's
+  hits back (a sliding window stored too short), even where the engine serves no hit at all.
 
 So ``sum(hit_tokens) / requested_tokens`` is the engine's token hit rate over the blocks it
 was asked for: the GPU prefix cache in front is excluded (the scheduler never asks about
@@ -60,6 +65,7 @@ class RequestLookups:
         self.lookups_repeated = 0
         self.hit_blocks: Counter[str] = Counter()
         self._hits_past_group_0: Counter[bytes] = Counter()  # by the key's 4 group bytes; group 0 is the rest
+        self._misses: Counter[bytes] = Counter()  # first answers False, by the key's 4 group bytes
 
     def __len__(self) -> int:
         """Requests remembered: they looked up or stored a block, and are not finished."""
@@ -78,6 +84,8 @@ class RequestLookups:
                 self.hit_blocks[source or PRIMARY_NAME] += 1
                 if key[-4:] != _GROUP_0:
                     self._hits_past_group_0[key[-4:]] += 1
+            elif answer is False:
+                self._misses[key[-4:]] += 1
             return
         self.lookups_repeated += 1
         if answer is True and not hit:
@@ -92,6 +100,23 @@ class RequestLookups:
         others = {get_offload_group_idx(OffloadKey(group)): count for group, count in self._hits_past_group_0.items()}
         first = sum(self.hit_blocks.values()) - sum(others.values())
         return {0: first, **others} if first else others
+
+    @property
+    def hits_ended_by_group(self) -> dict[int, int]:
+        """First lookups of a (request, block) answered a miss, by KV-cache group index
+        (groups with misses only)."""
+        return {get_offload_group_idx(OffloadKey(group)): count for group, count in self._misses.items()}
+
+    def by_group(self) -> dict[str, dict[str, int]]:
+        """``hit_blocks_by_group`` and ``hits_ended_by_group``, as `get_stats` counters
+        (group indices as strings, in order)."""
+        return {
+            name: {str(group): count for group, count in sorted(by_group.items())}
+            for name, by_group in (
+                ("hit_blocks_by_group", self.hit_blocks_by_group),
+                ("hits_ended_by_group", self.hits_ended_by_group),
+            )
+        }
 
     def stored(self, req_id: str, keys: Iterable[OffloadKey]) -> None:
         """Count the blocks of a store for request `req_id` it never looked up. Never raises."""

@@ -339,9 +339,7 @@ class TieringOffloadingManager(OffloadingManager):
         if self.block_tokens is not None:
             counters["requested_tokens"] = requests.requested_blocks * self.block_tokens
         counters["lookups_repeated"] = requests.lookups_repeated
-        counters["hit_blocks_by_group"] = {
-            str(group): count for group, count in sorted(requests.hit_blocks_by_group.items())
-        }
+        counters.update(requests.by_group())
         gauges = {
             "requests_open": len(requests),
             "jobs_in_flight": len(self.jobs.jobs),

@@ -138,6 +138,10 @@ HELP = {
     "lookups_repeated": "Further lookups of a block a request had already asked about (retries after 'in flight').",
     "requests_open": "Requests that looked up or stored blocks and are not reported finished yet (at most 4,096).",
     "hit_blocks_by_group": "Blocks of requests found by the engine, once per request, by KV-cache group index.",
+    "hits_ended_by_group": (
+        "Blocks of requests whose first lookup missed, once per request, by KV-cache group index: "
+        "each ends the request's hit in that group."
+    ),
     "promotions_submitted": "Load jobs submitted to secondary tiers (one per tier and request and step).",
     "promotions_deferred": (
         "Lookups answered 'ask again next step': a promotion would have left fewer than store_reserve_rows "
@@ -152,7 +156,10 @@ HELP = {
 }
 
 
-_DICT_LABELS = {"hit_blocks_by_group": "group"}  # the label of a counter kept by key; "reason" otherwise
+_DICT_LABELS = {
+    "hit_blocks_by_group": "group",
+    "hits_ended_by_group": "group",
+}  # the label of a counter kept by key; "reason" otherwise
 
 
 def _help(name: str) -> str:
