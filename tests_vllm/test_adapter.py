@@ -1,6 +1,7 @@
 """The adapter's translations, without starting an engine."""
 
 import dataclasses
+import typing
 
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
@@ -157,3 +158,26 @@ def test_the_refusal_metrics_name_every_reason_the_engine_counts():
     definitions = metric_definitions()
     for name in ("vllm:kv_tiering_stores_refused", "vllm:kv_tiering_promotions_refused"):
         assert all(reason in definitions[name].documentation for reason in REFUSAL_REASONS), name
+
+
+@pytest.mark.parametrize(
+    ("window", "extra", "asked", "needed"), [(64, 0, 2, 2), (65, 0, 3, 2), (97, 0, 4, 3), (65, 32, 3, 3)]
+)
+def test_a_sliding_window_hit_asks_for_the_blocks_vllms_own_cache_keeps(window, extra, asked, needed):
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import get_sliding_window_size_in_chunks
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from tiering.integrations.vllm_connector import hit_window
+
+    class Group(typing.NamedTuple):  # the fields of vLLM's GroupOffloadConfig that hit_window reads
+        kv_cache_spec: object
+        tokens_per_chunk: int
+        sliding_window_size_in_chunks: int | None
+
+    shape = {"num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    spec = SlidingWindowSpec(32, sliding_window=window, extra_retained_tokens=extra, **shape)
+    assert get_sliding_window_size_in_chunks(spec, 32) == asked  # what vLLM's offloading scheduler asks for
+    assert hit_window(Group(spec, 32, asked)).sliding_window_size_in_chunks == needed
+    full = Group(FullAttentionSpec(32, **shape), 32, None)
+    assert hit_window(full) is full

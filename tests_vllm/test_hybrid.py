@@ -10,11 +10,14 @@ from typing import NamedTuple
 import pytest
 
 from tests_vllm import tiny
-from tests_vllm.conftest import OTHERS, PROMPT
-from tests_vllm.test_vllm import FULL_BLOCKS, close, evict_and_reload, manager_stats
+from tests_vllm.conftest import prompt
+from tests_vllm.test_vllm import close, evict_and_reload, manager_stats
 
 pytestmark = pytest.mark.timeout(600)
 SLIDING, FULL, CHUNKED = "sliding_attention", "full_attention", "chunked_attention"
+PROMPT = prompt(10, 8 * tiny.BLOCK + 14)  # 8 full blocks and a part of one
+OTHERS = [prompt(seed, len(PROMPT)) for seed in (11, 12, 13)]  # each pushes PROMPT's rows to the file tier
+PREFIX = 8 * tiny.BLOCK
 
 
 class Shape(NamedTuple):
@@ -23,20 +26,19 @@ class Shape(NamedTuple):
     window: int  # tokens a sliding window (or an attention chunk) spans
     groups: int  # KV-cache groups vLLM makes of the layers
     row_bytes: int  # bytes of a group's block: a CPU row
-    stored: int  # rows a prompt of 6 full blocks stores: every block of a full group, a window's tail of others
-    rows: int  # CPU rows: one prompt's fit; the other prompts push them to the file tier
+    stored: int  # rows PROMPT stores: every block of a full group, a window's tail of the others (CPU rows too)
     vllm_cached: int  # prompt tokens vLLM's own OffloadingConnector serves (measured by the test below)
     unattended: int = 0  # prompt tokens before the last attention chunk: vLLM counts them cached, no KV needed
 
 
 MODELS = {
     # Command-R7B: vLLM gives its sliding layers the window + 1 tokens, one past a block boundary
-    "cohere2": Shape("cohere2", [SLIDING, SLIDING, SLIDING, FULL], 64, 4, 16 << 10, 6 + 3 * 2, 24, 0),
-    "gemma3": Shape("gemma3", [SLIDING] * 5 + [FULL], 64, 6, 16 << 10, 6 + 5 * 2, 32, FULL_BLOCKS),
-    "gpt-oss-like": Shape("llama", [SLIDING, FULL], 128, 2, 16 << 10, 6 + 4, 20, FULL_BLOCKS),
-    "mistral": Shape("mistral", [SLIDING, SLIDING], 64, 1, 32 << 10, 2, 4, FULL_BLOCKS),
-    # Llama 4's local attention: within chunks of 128 tokens, the prompt's last chunk holds 2 full blocks
-    "llama4-chunked": Shape("llama4", [CHUNKED, CHUNKED], 128, 1, 32 << 10, 2, 4, FULL_BLOCKS, 128),
+    "cohere2": Shape("cohere2", [SLIDING, SLIDING, SLIDING, FULL], 64, 4, 16 << 10, 8 + 3 * 2, 0),
+    "gemma3": Shape("gemma3", [SLIDING] * 5 + [FULL], 64, 6, 16 << 10, 8 + 5 * 2, PREFIX),
+    "gpt-oss-like": Shape("llama", [SLIDING, FULL], 128, 2, 16 << 10, 8 + 4, PREFIX),
+    "mistral": Shape("mistral", [SLIDING, SLIDING], 64, 1, 32 << 10, 2, PREFIX),
+    # Llama 4's local attention: within chunks of 96 tokens, the prompt's last chunk holds 2 full blocks
+    "llama4-chunked": Shape("llama4", [CHUNKED, CHUNKED], 96, 1, 32 << 10, 2, PREFIX, 192),
 }
 
 
@@ -56,15 +58,15 @@ def hybrid(request, tmp_path_factory):
 
 @pytest.mark.parametrize("connector", ["KVTieringConnector", "OffloadingConnector"])
 def test_a_prefix_from_the_cpu_tier_and_one_from_the_file_tier_give_the_same_output(hybrid, tmp_path, connector):
-    """Under the engine's connector every shape gets its whole prefix (200 tokens: 6 full
-    blocks and a partial one); under vLLM's own, what it measured (Command-R's window of
+    """Under the engine's connector every shape gets its whole prefix (8 full blocks; the
+    prompt ends in a part of one); under vLLM's own, what it measured (Command-R's window of
     65 tokens asks for a block more than is stored: no hit), which the per-group counter
     of hits ended shows."""
     name, path, baseline = hybrid
     shape = MODELS[name]
-    expected = FULL_BLOCKS if connector == "KVTieringConnector" else max(shape.vllm_cached, shape.unattended)
+    expected = PREFIX if connector == "KVTieringConnector" else max(shape.vllm_cached, shape.unattended)
     tiers = [{"type": "file", "root_dir": str(tmp_path / "kv")}]
-    config = {"cpu_bytes_to_use": shape.rows * shape.row_bytes, "secondary_tiers": tiers}
+    config = {"cpu_bytes_to_use": shape.stored * shape.row_bytes, "secondary_tiers": tiers}
     llm = tiny.make_llm(path, config, connector=connector)
     try:
         assert tiny.generate(llm, [PROMPT])[0] == (*baseline[tuple(PROMPT)][:2], shape.unattended)
@@ -81,7 +83,7 @@ def test_a_prefix_from_the_cpu_tier_and_one_from_the_file_tier_give_the_same_out
         else:  # a sliding-window group ended the hit every time: the counter names it
             ended = stats["manager"]["counters"]["hits_ended_by_group"]
             assert ended.get("0", 0) >= 1 and sum(by_group.values()) < shape.stored
-        tokens, logprobs, cached = evict_and_reload(llm, baseline)  # promoted from the file tier
+        tokens, logprobs, cached = evict_and_reload(llm, baseline, PROMPT, OTHERS)  # promoted from the file tier
         assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == expected
         stats = manager_stats()
         assert stats["primary"]["counters"]["blocks_store_failed"] == 0

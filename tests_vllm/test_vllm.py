@@ -49,15 +49,15 @@ BLOCK_BYTES = 32 << 10  # 2 layers x K,V x 2 heads x 32 dims x 4 bytes x 32 toke
 CPU_BYTES = ROWS * BLOCK_BYTES
 
 
-def evict_and_reload(llm, baseline):
-    """Fill the CPU tier with other prompts, forget vLLM's prefix cache, run PROMPT again."""
-    for other in OTHERS:
+def evict_and_reload(llm, baseline, prompt=PROMPT, others=OTHERS):
+    """Fill the CPU tier with `others`, forget vLLM's prefix cache, run `prompt` again."""
+    for other in others:
         assert tiny.generate(llm, [other])[0][:2] == baseline[tuple(other)][:2]
     # Their cascades finish after generate returns and pin CPU rows until then; a promotion
     # needs a free row, so wait for them (the race CI caught once).
     tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
     assert llm.reset_prefix_cache()
-    return tiny.generate(llm, [PROMPT])[0]
+    return tiny.generate(llm, [prompt])[0]
 
 
 def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(model, baseline, tmp_path):
