@@ -62,6 +62,7 @@ def test_defaults():
 
 BAD = [
     ("cpu_bytes_to_use: [1, 2", "line 1, column 24: not valid YAML"),
+    ("cpu_bytes_to_use: 1GiB\nx: a\x00b", "line 2, column 5: not valid YAML: character #x0000 is not allowed"),
     ("- just\n- a list", "expected a mapping of settings, got list"),
     ("eviction_policy: lru", "cpu_bytes_to_use: required key is missing"),
     ("cpu_bytes_to_use: -5", "cpu_bytes_to_use: expected a size from 1 byte to 1 EiB; got -5"),

@@ -223,6 +223,9 @@ def test_a_bad_config_file_names_the_key(tmp_path, capsys):
     config.write_text("cpu_bytes_to_use: 4MiB\nsecondary_tiers:\n  - type: file\n")
     assert cli.main(["--config", str(config), "--max-requests", "5"]) == 2
     assert "secondary_tiers[0].root_dir: required key is missing" in capsys.readouterr().err
+    config.write_text("cpu_bytes_to_use: 4MiB\nx: a\x00b\n")  # a NUL byte: a bad file, not an engine failure
+    assert cli.main(["--config", str(config), "--max-requests", "5"]) == 2
+    assert "engine.yaml: line 2, column 5: not valid YAML: character #x0000" in capsys.readouterr().err
 
 
 def test_a_run_that_fails_to_start_leaves_no_directory_behind(tmp_path, capsys):

@@ -66,6 +66,21 @@ def test_durations_and_hints_parse_and_a_bad_hint_is_ignored_not_fatal(caplog):
     assert "request r: hint kv_tiering ignored" in caplog.text
 
 
+def test_a_clients_long_hint_is_refused_unparsed_and_logged_in_one_short_line(caplog):
+    """A run of blanks made the old pattern backtrack quadratically on the scheduler thread
+    (16 KB: seconds; 1 MB: hours): a duration is at most 32 characters, refused unparsed."""
+    assert parse_duration(" 5 m ") == 300.0 and parse_duration("2.5h") == 9000.0
+    for long in ("1" + " " * 1_000_000 + "x", "1" * 33, ["5m"] * 100_000):
+        with pytest.raises(ValueError, match=r"at most 32 characters|expected a duration") as refused:
+            parse_duration(long)
+        assert len(str(refused.value)) < 120
+        hint = {"kv_tiering": {"retain": long}}
+        assert hint_of(ReqContext("r", kv_transfer_params=hint)) is None
+    hint = {"kv_tiering": {"retain": "5m", "x" * 1_000_000: 1}}  # a key of its own
+    assert hint_of(ReqContext("r", kv_transfer_params=hint)) is None
+    assert max(len(line) for line in caplog.text.splitlines()) < 300
+
+
 def test_a_retained_prefix_outlives_a_flood_that_evicts_an_unretained_one(policy):
     primary, _ = tier(policy)
     serve(primary, "kept", [0, 1], {"retain": "5m"})

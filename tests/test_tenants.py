@@ -126,6 +126,16 @@ def test_shares_in_bytes_and_requests_without_a_tenant_go_to_the_default():
     assert cpu.tenants.held == {"anon": 1}
 
 
+def test_a_tenant_name_too_long_counts_as_other_logged_once(caplog):
+    cpu = manager(num_blocks=8)
+    long = "s" * 1_000_000  # a client's cache_salt: a dict key and a metric label
+    store(cpu, long, 1)
+    store(cpu, long + "2", 2)
+    store(cpu, "s" * 256, 3)  # the longest name kept
+    assert cpu.tenants.held == {"other": 2, "s" * 256: 1}
+    assert caplog.text.count("tenant name of") == 1 and max(map(len, caplog.text.splitlines())) < 300
+
+
 def test_counters_by_tenant_name_the_most_active_and_sum_the_rest_as_other():
     cpu = manager(metric_tenants=1, num_blocks=16)
     for tenant, ids in (("a", (0, 1, 2)), ("b", (10,)), ("c", (20,))):

@@ -137,7 +137,13 @@ def parse_config(text: str, source: str = "<string>", environ: Mapping[str, str]
     Raises:
         ConfigError: as `load_config`.
     """
-    loader = _Loader(text)
+    try:
+        loader = _Loader(text)
+    except yaml.reader.ReaderError as exc:  # a character YAML refuses (a NUL byte ...): where it is
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - text.rfind("\n", 0, exc.position)
+        problem = f"not valid YAML: character #x{exc.character:04x} is not allowed ({exc.reason})"
+        raise ConfigError(source, [(f"line {line}, column {column}", problem)]) from None
     try:
         data = loader.get_single_data()
     except yaml.YAMLError as exc:

@@ -33,6 +33,7 @@ Thread: the scheduler thread only, as the CPU tier that owns it.
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import Counter
 from collections.abc import Container
 from typing import Annotated, Any
@@ -45,7 +46,12 @@ from tiering.eviction.policies import BlockStatus, CachePolicy, make_cache_polic
 from tiering.eviction.retention import Retention, evict_retained, new_counters, retained_candidates
 from tiering.options import STRICT, Count, parse_size
 
+logger = logging.getLogger(__name__)
+
 OTHER = "other"  # the label of the tenants beyond the `metric_tenants` most active
+MAX_TENANT_CHARS = 256
+"""The longest tenant name a request may give (under vLLM its ``cache_salt``): a longer one
+counts as ``other``, logged once per engine (a name is a dict key and a metric label)."""
 
 
 def _share(value: Any) -> float | int:
@@ -126,6 +132,7 @@ class TenantShares:
         self.held: Counter[str] = Counter()
         self.counters: dict[str, Counter[str]] = {}  # of every tracked tenant
         self._idle: dict[str, None] = {}  # tracked tenants holding nothing, forgettable, longest idle first
+        self._long_name_logged = False
 
     def _rows(self, share: float | int) -> int:
         if isinstance(share, float):
@@ -134,8 +141,19 @@ class TenantShares:
 
     def tenant_of(self, req_context: ReqContext) -> str:
         """The tenant of a call's request: its name while it is tracked (see
-        `TenantsConfig.max_tenants`), else ``other``."""
+        `TenantsConfig.max_tenants`) and not longer than `MAX_TENANT_CHARS`, else ``other``."""
         name = getattr(req_context, "tenant", None) or self.config.default_tenant
+        if len(name) > MAX_TENANT_CHARS:
+            if not self._long_name_logged:
+                self._long_name_logged = True
+                logger.warning(
+                    "request %.64s: a tenant name of %d characters (at most %d) counts as %r; later ones go unlogged",
+                    getattr(req_context, "req_id", "?"),
+                    len(name),
+                    MAX_TENANT_CHARS,
+                    OTHER,
+                )
+            name = OTHER
         if name in self.counters:
             return name
         quotas_seen = sum(name in self.counters for name in self._rows_by_tenant)  # walks the (few) quotas

@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import logging
 import re
+import reprlib
 import time
 from collections.abc import Callable, Collection, Container, Iterable
 from dataclasses import dataclass
@@ -41,8 +42,11 @@ logger = logging.getLogger(__name__)
 
 HINT_KEY = "kv_tiering"
 """The key of the engine's hints in a request's ``kv_transfer_params``."""
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
-_UNIT_S = {None: 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)")  # of a stripped value: no two blanks' runs to backtrack over
+_UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+MAX_DURATION_CHARS = 32
+"""The longest duration a hint may give as text: a longer one is refused before it is parsed
+(a client's value is parsed on the scheduler thread)."""
 RETENTION_MAX_FRACTION = 0.2
 """The default share of the CPU tier's rows that retention deadlines may hold at once: on the
 Mooncake conversation trace a client that retains every request for a day then costs ARC-S at
@@ -60,22 +64,25 @@ class RetentionHint:
 
 
 def parse_duration(value: Any) -> float:
-    """Seconds of ``"5m"``, ``"1h"``, ``"24h"``, ``"90s"``, ``"2d"`` or a number of seconds.
+    """Seconds of ``"5m"``, ``"1h"``, ``"24h"``, ``"90s"``, ``"2d"`` or a number of seconds;
+    text of at most `MAX_DURATION_CHARS` characters, parsed in linear time.
 
     Raises:
-        ValueError: not a positive duration.
+        ValueError: not a positive duration (the message shows at most ~40 characters of it).
     """
-    if isinstance(value, bool):
-        raise ValueError(f"expected a duration such as '5m' or seconds, got {value!r}")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    else:
-        match = _DURATION.match(str(value))
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"expected a duration such as '5m' or seconds, got {reprlib.repr(value)}")
+    if isinstance(value, str):
+        if len(value) > MAX_DURATION_CHARS:
+            raise ValueError(f"expected a duration of at most {MAX_DURATION_CHARS} characters, got {len(value):,}")
+        match = _DURATION.fullmatch(value.strip())
         if match is None:
             raise ValueError(f"expected a duration such as '5m', '1h' or seconds, got {value!r}")
         seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+    else:
+        seconds = float(value)
     if not 0 < seconds < float("inf"):
-        raise ValueError(f"expected a positive duration, got {value!r}")
+        raise ValueError(f"expected a positive duration, got {reprlib.repr(value)}")
     return min(seconds, MAX_RETAIN_S)
 
 
@@ -88,12 +95,12 @@ def hint_of(req_context: Any, log: bool = True) -> RetentionHint | None:
     hint = params[HINT_KEY]
     try:
         if not isinstance(hint, dict) or not set(hint) <= {"retain", "release"}:
-            raise ValueError(f"expected {{'retain': duration}} or {{'release': true}}, got {hint!r}")
+            raise ValueError(f"expected {{'retain': duration}} or {{'release': true}}, got {reprlib.repr(hint)}")
         retain = hint.get("retain")
         return RetentionHint(None if retain is None else parse_duration(retain), hint.get("release") is True)
     except (ValueError, OverflowError) as exc:  # a JSON number too large for a float overflows
         if log:
-            logger.warning("request %s: hint %s ignored: %s", getattr(req_context, "req_id", "?"), HINT_KEY, exc)
+            logger.warning("request %.64s: hint %s ignored: %s", getattr(req_context, "req_id", "?"), HINT_KEY, exc)
         return None
 
 
