@@ -325,3 +325,45 @@ def test_a_job_that_breaks_while_running_or_starting_fails_once_and_the_tier_goe
         assert tier.lookup(key(0), CTX) is False and tier.health.healthy
     finally:
         manager.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_returns_in_the_turn_its_timeout_fires_is_not_hung():
+    """Its result arrives before the caller resumes: it returned, so no row stays held (the
+    caller once counted it hung for ever, and its job's rows stayed quarantined)."""
+    import asyncio
+
+    from tiering.tiers.blockstore.calls import StoreCalls
+    from tiering.tiers.blockstore.outbox import Outbox, StoreDone
+
+    calls, done = StoreCalls(0.0, Outbox()), StoreDone(job_id=1)  # the timeout fires in the first turn
+
+    async def operation():
+        await asyncio.sleep(0)  # the timer, started as the lane is held, fires in the next turn
+        await asyncio.sleep(0)  # and this returns in the turn after, before the caller resumes
+        return "stored"
+
+    assert await calls.call([done], asyncio.Semaphore(1), operation) == "stored"
+    while calls.running:
+        await asyncio.wait(calls.running)
+    assert done.hung == 0
+
+
+@pytest.mark.asyncio
+async def test_time_queued_for_a_lane_is_not_counted_against_a_calls_timeout():
+    """Two calls of 0.6 s each through a lane of one, each within its 1 s timeout: the second
+    ends 1.2 s after it was made, and is answered, not failed as hung."""
+    import asyncio
+
+    from tiering.tiers.blockstore.calls import StoreCalls
+    from tiering.tiers.blockstore.outbox import Outbox, StoreDone
+
+    calls, lane = StoreCalls(1.0, Outbox()), asyncio.Semaphore(1)
+    jobs = [StoreDone(job_id=1), StoreDone(job_id=2)]
+
+    async def delete():
+        await asyncio.sleep(0.6)
+        return "deleted"
+
+    answers = await asyncio.gather(*(calls.call([job], lane, delete) for job in jobs))
+    assert answers == ["deleted", "deleted"] and [job.hung for job in jobs] == [0, 0]

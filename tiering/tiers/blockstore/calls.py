@@ -2,7 +2,9 @@
 
 Loop thread only. A call runs in a task of its own, within its lane's limit (an
 `asyncio.Semaphore` of the worker); the caller gets its result, the exception it raised, or a
-`HungCallError` at the timeout. A call that does not end when cancelled (its thread is stuck
+`HungCallError` at the timeout, which counts from when the call holds its lane (one queued
+behind a call stuck in its store waits; its job's deadline, the manager's `job_deadline_s`,
+bounds it). A call that does not end when cancelled (its thread is stuck
 in a system call, and may still write into the rows it was given) counts in ``hung`` of every
 job it served until it returns.
 """
@@ -38,7 +40,8 @@ class StoreCalls:
         *args: Any,
     ) -> T | Exception:
         """``await operation(*args)`` within `lane`'s limit: the result, the exception it
-        raised, or a `HungCallError` if it gave no answer in `op_timeout_s`.
+        raised, or a `HungCallError` if it gave no answer in `op_timeout_s` from the moment
+        it held the lane (time queued behind other calls is no sign of a hung backend).
 
         At the timeout (or when the caller is cancelled) the call is cancelled through its
         own anyio scope, which a store's shield respects. A call that has not returned then
@@ -50,12 +53,14 @@ class StoreCalls:
         answered: asyncio.Future[bool] = loop.create_future()  # True: the call returned
         scope = anyio.CancelScope()
         result: list[T | Exception] = []
+        timer: list[asyncio.TimerHandle] = []  # started once the lane is held
         late = False
 
         async def call() -> None:
             try:
                 with scope:
                     async with lane:
+                        timer.append(loop.call_later(self.op_timeout_s, _answer, answered, False))
                         result.append(await operation(*args))
             except Exception as exc:
                 result.append(exc)
@@ -68,13 +73,14 @@ class StoreCalls:
         task = loop.create_task(call())
         self.running.add(task)
         task.add_done_callback(self.running.discard)
-        timer = loop.call_later(self.op_timeout_s, _answer, answered, False)
         try:
             await answered
         finally:
-            timer.cancel()
-            returned = answered.done() and not answered.cancelled() and answered.result()
-            if not returned:  # timed out, or the caller was cancelled (shutdown)
+            for handle in timer:
+                handle.cancel()
+            # it returned if and only if it delivered its result: one that returns in the
+            # turn its timeout fires (before this resumes) is not hung
+            if not result:  # timed out, or the caller was cancelled (shutdown)
                 scope.cancel()
                 late = True
                 for done in dones:
