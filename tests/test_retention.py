@@ -151,6 +151,23 @@ def test_a_hint_too_large_for_a_float_is_ignored_and_the_deadline_heap_stays_sma
     assert retention.live() is None and retention.counters["retentions_expired"] == 3
 
 
+def test_a_release_leaves_alone_the_blocks_other_requests_used_since_it_stored_them(policy):
+    """A stores a system prompt (3, 4) and its own turn (5); B reuses the prompt and ends
+    first; A's release then takes 5 only: the prompt is not A's alone any more."""
+    primary, _ = tier(policy)
+    serve(primary, "old", [1, 2])
+    a = ReqContext("a", kv_transfer_params={"kv_tiering": {"release": True}})
+    out = primary.prepare_store(keys(3, 4, 5), a)
+    primary.complete_store(out.keys_to_store, a)
+    serve(primary, "b", [3, 4, 6])  # found 3 and 4
+    primary.on_request_finished(a)
+    assert primary.get_stats()["counters"]["retentions_released"] == 1
+    serve(primary, "filler", [7, 8])  # the tier's 8 rows are full
+    evicted = set(serve(primary, "next", [9, 10]))
+    assert keys(5)[0] in evicted and not evicted & set(keys(3, 4))
+    assert resident(primary, 3, 4) == [True, True]
+
+
 def test_released_blocks_evicted_meanwhile_leave_nothing_behind(policy):
     primary, _ = tier(policy)
     serve(primary, "session", [1, 2], {"release": True})

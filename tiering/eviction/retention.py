@@ -129,6 +129,7 @@ class Retention:
         self._deadlines: dict[OffloadKey, float] = {}
         self._heap: list[tuple[float, OffloadKey]] = []  # (deadline, key); stale entries skipped
         self._released: dict[OffloadKey, None] = {}  # evicted first, oldest release first
+        self._shared: set[OffloadKey] = set()  # found stored by another request: never released
         self.counters = new_counters() if counters is None else counters
 
     def __len__(self) -> int:
@@ -154,11 +155,20 @@ class Retention:
 
     def release(self, keys: Iterable[OffloadKey]) -> None:
         """`keys` lose their deadlines and go first at the next evictions (a session the
-        client closed), until evicted (`forget`) or used again (`used`)."""
+        client closed), until evicted (`forget`) or used again (`used`); a key another
+        request has used since it was stored (`shared`) is left alone."""
         for key in keys:
+            if key in self._shared:
+                continue
             self._deadlines.pop(key, None)
             self._released[key] = None
             self.counters["retentions_released"] += 1
+
+    def shared(self, keys: Collection[OffloadKey]) -> None:
+        """A request found `keys` stored by another (a system prompt, a shared document):
+        they are no longer one request's to release, until they leave the tier (`forget`)."""
+        self._shared.update(keys)
+        self.used(keys)
 
     def used(self, keys: Collection[OffloadKey]) -> None:
         """A request used `keys`: those released are not evicted first any more."""
@@ -198,12 +208,14 @@ class Retention:
         for key in keys:
             self._deadlines.pop(key, None)
             self._released.pop(key, None)
+            self._shared.discard(key)
 
     def clear(self) -> None:
         """Forget every deadline and release (a reset of the tier)."""
         self._deadlines.clear()
         self._heap.clear()
         self._released.clear()
+        self._shared.clear()
 
     def live(self) -> Container[OffloadKey] | None:
         """The keys whose deadline has not passed (those that passed are forgotten, counted
