@@ -7,6 +7,7 @@ the `SegmentLog` lock).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -148,7 +149,8 @@ def close_segment(segment: Segment) -> None:
 
 def open_segment(dir_fd: int, sequence: int, direct: bool, create: bool) -> Segment:
     """Open segment `sequence` of the directory `dir_fd` for reads and writes (and, with
-    `direct`, a second descriptor with O_DIRECT); with `create`, a new file (0600).
+    `direct`, a second descriptor with O_DIRECT); with `create`, a new file (0600), removed
+    again if the second open fails.
 
     Raises:
         FileExistsError: `create` and the file exists.
@@ -163,6 +165,9 @@ def open_segment(dir_fd: int, sequence: int, direct: bool, create: bool) -> Segm
             direct_fd = os.open(name, flags | os.O_DIRECT, dir_fd=dir_fd)
         except OSError:
             os.close(fd)
+            if create:  # half made: left behind, every later create of it would fail
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=dir_fd)
             raise
     return Segment(sequence, fd, direct_fd)
 

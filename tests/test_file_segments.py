@@ -318,3 +318,25 @@ def test_a_faulty_wrapper_passes_the_block_size_to_the_store_it_wraps(tmp_path):
     store = FaultyBlockStore(FileBlockStore(tmp_path, FINGERPRINT, 2, layout="auto"))
     store.block_bytes = BLOCK  # as the adapter does before opening it
     assert store.inner.block_bytes == BLOCK
+
+
+def test_a_segment_whose_second_open_fails_is_removed_so_the_next_create_succeeds(tmp_path, monkeypatch):
+    """The O_DIRECT descriptor is opened after the file is made; out of descriptors there, the
+    half-made file once stayed behind and every later store failed with FileExistsError."""
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    real_open, failures = os.open, [OSError(errno.EMFILE, "Too many open files")]
+
+    def open_once_out_of_descriptors(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT and failures:
+            raise failures.pop()
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_once_out_of_descriptors)
+    try:
+        with pytest.raises(OSError, match="Too many open files"):
+            file_segment_io.open_segment(dir_fd, 1, direct=True, create=True)
+        assert os.listdir(tmp_path) == []
+        segment = file_segment_io.open_segment(dir_fd, 1, direct=False, create=True)  # not FileExistsError
+        file_segment_io.close_segment(segment)
+    finally:
+        os.close(dir_fd)
