@@ -30,6 +30,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -358,6 +359,29 @@ def _runs(entries: list[Entry | None]) -> list[tuple[int, int]]:
             runs.append((start, i))
         start = i
     return runs
+
+
+def remove_unheld(ns_fd: int, path: Path) -> bool:
+    """Remove the segments directory `path` under the namespace `ns_fd` if it exists and no
+    engine holds its lock (segments an engine left when a later start chose one file per
+    block: never recovered, counted or removed otherwise). Returns whether it was removed.
+
+    Raises:
+        OSError: it could not be opened or removed (what was removed stays so).
+    """
+    try:
+        dir_fd = os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ns_fd)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # an engine uses them
+        shutil.rmtree(path)  # under the lock: no engine opens them meanwhile
+        return True
+    finally:
+        os.close(dir_fd)
 
 
 def open_log(ns_fd: int, path: Path, fingerprint: bytes, seal: Seal | None, direct: bool, fsync: bool) -> SegmentLog:

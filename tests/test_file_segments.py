@@ -254,6 +254,33 @@ async def test_auto_gives_a_second_engine_one_file_per_block_where_the_first_hol
 
 
 @pytest.mark.asyncio
+async def test_when_the_first_engine_restarts_beside_the_seconds_files_its_orphaned_segments_go(tmp_path, caplog):
+    """A held the segments, so B took one file per block; A restarts, sees B's files and
+    takes them too: its segments, which no engine holds any more, are removed (once never
+    recovered, counted or removed); segments an engine holds stay."""
+    first, second = small_store(tmp_path), small_store(tmp_path)
+    await first.open()
+    await first.put(key(1), payload(BLOCK, 1))
+    await second.open()
+    await second.put(key(2), payload(BLOCK, 2))
+    segments = first.directory / "segments"
+    third = small_store(tmp_path)  # another engine while A holds its segments: they stay
+    await third.open()
+    await third.close()
+    assert any(segments.iterdir())
+    await first.close()
+    again = small_store(tmp_path)  # A, restarted
+    await again.open()
+    try:
+        assert again.layout == "files" and not segments.exists()
+        assert dict(await again.recover()) == {key(2): ALIGN + BLOCK}
+        assert "removed segments no engine held" in caplog.text
+    finally:
+        await again.close()
+        await second.close()
+
+
+@pytest.mark.asyncio
 async def test_a_full_disk_fails_the_write_and_a_delete_makes_room(small_disk):
     store = FileBlockStore(small_disk / "tier", FINGERPRINT, 2, direct_io=False, layout="segments")
     await store.open()
