@@ -292,3 +292,28 @@ def test_a_failed_store_its_caller_fails_itself_leaves_no_scan_behind(engine_of,
     engine.fill(2, 3)
     engine.store(ctx, [2], [2])  # the next completed store finds no FAILED row left
     assert not states.store_failures_pending()
+
+
+def test_the_loads_a_step_submits_together_share_one_deadline(engine_of, monkeypatch):
+    """One thread copies the loads in turn; each took its own `PROMOTION_WAIT_S` as it
+    started, so a step with four loads on a frozen tier's rows waited four times as long."""
+    engine = engine_of({"type": "memory"})
+    ctx = ReqContext("req-0")
+    out = engine.manager.prepare_store(keys(0, 1), ctx)
+    states = engine.manager.primary_tier.row_states
+    states.mark(out.store_spec.block_ids, PENDING)  # never settled: the promotions of a frozen tier
+    deadlines = []
+    wait_any = RowStates.wait_any
+
+    def recorded(self, rows, deadline):  # the worker's view of the rows' states
+        deadlines.append(deadline)
+        return wait_any(self, rows, deadline)
+
+    monkeypatch.setattr(RowStates, "wait_any", recorded)
+    monkeypatch.setattr(direction, "PROMOTION_WAIT_S", 0.5)
+    handler = engine.handlers.cpu_to_gpu_handler
+    for job, (row, gpu_block) in enumerate(zip(out.store_spec.block_ids, [2, 3], strict=True)):
+        assert handler.transfer_async(job, (CPULoadStoreSpec([row]), GPULoadStoreSpec([gpu_block], [1], [0])))
+    handler.wait([0, 1])
+    assert [result.failed_block_ids for result in handler.get_finished()] == [(2,), (3,)]
+    assert deadlines[-1] - deadlines[0] < 0.25  # the second waited no further than the first's deadline

@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,8 +41,17 @@ RUN_PAGE_BYTES = 32 << 10
 GATHER_PAGES = 64
 """CPU device: pages per gather (its temporary, under 2 MiB, stays in cache)."""
 PROMOTION_WAIT_S = 1.0
-"""How long a load waits for a row whose promotion is still landing, seconds: it holds up a
-serving step, so a promotion slower than this becomes a recompute of its blocks."""
+"""How long a load waits for a row whose promotion is still landing, seconds from the load's
+submission: it holds up a serving step, so a promotion slower than this becomes a recompute
+of its blocks. The loads a step submits together share the deadline, so the step's forward
+waits at most this long, not this long per load (one thread copies them in turn)."""
+
+
+class _Awaited(NamedTuple):
+    """A load's rows still being promoted, and until when (`time.monotonic`) it waits."""
+
+    rows: np.ndarray
+    deadline: float
 
 
 @dataclass
@@ -121,44 +130,45 @@ class DirectionHandler(OffloadingHandler):
             logger.error("transfer %d refused: %s", job_id, exc)
             return False
         nbytes = sum(len(copy.gpu_ids) * self._gpu[copy.tensor_idx].shape[1] for copy in copies)
-        rows = self._rows_to_wait_for(cpu_spec)
+        awaited = self._rows_to_wait_for(cpu_spec)
         done: futures.Future[Any]
         if not self._cuda:
-            done = self._executor.submit(self._copy_on_host, copies, rows)
-        elif rows is None and (self._last_deferred is None or self._last_deferred.done()):
+            done = self._executor.submit(self._copy_on_host, copies, awaited)
+        elif awaited is None and (self._last_deferred is None or self._last_deferred.done()):
             done = futures.Future()
             done.set_result(self._launch_cuda(copies, torch.cuda.current_stream(self._gpu[0].device)))
         else:
             compute = torch.cuda.Event()
             compute.record(torch.cuda.current_stream(self._gpu[0].device))
-            done = self._last_deferred = self._launcher.submit(self._launch_when_ready, copies, rows, compute)
+            done = self._last_deferred = self._launcher.submit(self._launch_when_ready, copies, awaited, compute)
         gpu_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
         self._pending.append(_Pending(job_id, nbytes, done, gpu_ids, np.asarray(cpu_spec.block_ids, dtype=np.int64)))
         return True
 
-    def _rows_to_wait_for(self, cpu_spec: CPULoadStoreSpec) -> np.ndarray | None:
+    def _rows_to_wait_for(self, cpu_spec: CPULoadStoreSpec) -> _Awaited | None:
         """The load's rows if one of them is not ``READY`` now (a promotion still landing,
-        or failed), else None (and always for a store)."""
+        or failed), with the deadline of its wait, `PROMOTION_WAIT_S` from now; else None
+        (and always for a store)."""
         if self._row_states is None or self._to_cpu:
             return None
         rows = np.asarray(cpu_spec.block_ids, dtype=np.int64)
-        return rows if self._row_states.states[rows].any() else None
+        return _Awaited(rows, time.monotonic() + PROMOTION_WAIT_S) if self._row_states.states[rows].any() else None
 
     def _copy_as_rows_land(
-        self, copies: list[PageCopy], rows: np.ndarray | None, copy: Callable[[list[PageCopy]], None]
+        self, copies: list[PageCopy], awaited: _Awaited | None, copy: Callable[[list[PageCopy]], None]
     ) -> tuple[tuple[int, ...], float]:
         """`copy` the pages of `copies` in turns, each turn those of the rows whose promotion
-        landed since the last (`rows`: the load's rows, None when none is waited for: one
-        turn), so that copying overlaps the tier's reads; pages of rows whose promotion
-        failed, or had not landed `PROMOTION_WAIT_S` after the first wait, are not copied.
+        landed since the last (`awaited`: the load's rows and its deadline, None when none
+        is waited for: one turn), so that copying overlaps the tier's reads; pages of rows
+        whose promotion failed, or had not landed by the deadline, are not copied.
 
         Returns:
             The GPU blocks those pages were for (sorted, each once), and the seconds waited.
         """
-        if rows is None or self._row_states is None:
+        if awaited is None or self._row_states is None:
             copy(copies)
             return (), 0.0
-        deadline = time.monotonic() + PROMOTION_WAIT_S
+        rows, deadline = awaited
         waiting, waited = np.unique(rows), 0.0
         while len(waiting):
             start = time.perf_counter()
@@ -202,9 +212,9 @@ class DirectionHandler(OffloadingHandler):
 
     # -- CPU device ------------------------------------------------------------------------
 
-    def _copy_on_host(self, copies: list[PageCopy], rows: np.ndarray | None) -> tuple[float, tuple[int, ...], float]:
+    def _copy_on_host(self, copies: list[PageCopy], awaited: _Awaited | None) -> tuple[float, tuple[int, ...], float]:
         start = time.perf_counter()
-        failed, waited = self._copy_as_rows_land(copies, rows, self._copy_now)
+        failed, waited = self._copy_as_rows_land(copies, awaited, self._copy_now)
         return time.perf_counter() - start, failed, waited
 
     def _copy_now(self, copies: list[PageCopy]) -> None:
@@ -241,9 +251,9 @@ class DirectionHandler(OffloadingHandler):
 
     # -- CUDA ------------------------------------------------------------------------------
 
-    def _launch_cuda(self, copies: list[PageCopy], after: Any, rows: np.ndarray | None = None) -> _Launched:
+    def _launch_cuda(self, copies: list[PageCopy], after: Any, awaited: _Awaited | None = None) -> _Launched:
         """Launch `copies` on this direction's stream once `after` (the compute stream, or an
-        event recorded on it) is done there; with `rows` (rows still being promoted), in
+        event recorded on it) is done there; with `awaited` (rows still being promoted), in
         turns as they land (`_copy_as_rows_land`)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if isinstance(after, torch.cuda.Event):
@@ -252,15 +262,15 @@ class DirectionHandler(OffloadingHandler):
             self._stream.wait_stream(after)
         with torch.cuda.stream(self._stream):
             start.record(self._stream)
-            failed, waited = self._copy_as_rows_land(copies, rows, self._copy_on_stream)
+            failed, waited = self._copy_as_rows_land(copies, awaited, self._copy_on_stream)
             end.record(self._stream)
         return _Launched(start, end, failed, waited)
 
-    def _launch_when_ready(self, copies: list[PageCopy], rows: np.ndarray | None, compute: Any) -> _Launched:
+    def _launch_when_ready(self, copies: list[PageCopy], awaited: _Awaited | None, compute: Any) -> _Launched:
         """On the launcher thread: launch the load as its rows land, on the KV cache's device
         (a new thread's current device is the first GPU)."""
         with torch.cuda.device(self._gpu[0].device):
-            return self._launch_cuda(copies, compute, rows)
+            return self._launch_cuda(copies, compute, awaited)
 
     @torch.inference_mode()
     def _copy_on_stream(self, copies: list[PageCopy]) -> None:
