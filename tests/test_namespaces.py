@@ -108,3 +108,31 @@ def test_a_store_that_cannot_list_its_namespaces_says_so_without_reaching_its_se
     config = parse_config(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: {tiers}\n", "engine.yaml")
     lines, surveyed, failed = config_check.survey_tiers(config, None, connect=True)
     assert lines == ["tier valkey: its store does not list namespaces"] and surveyed == [] and not failed
+
+
+def test_prune_keeps_an_identitys_records_while_one_of_its_namespaces_could_not_be_removed(
+    tmp_path, engine_factory, monkeypatch, capsys
+):
+    """Records removed under a namespace that stayed would start the identity again at
+    generation 0, whose blocks could then be offered again."""
+    root = tmp_path / "kv"
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: file, root_dir: {root}, layout: files}}]\n")
+    engine = engine_factory(
+        {"type": "file", "root_dir": str(root), "layout": "files"}, spec=IdentitySpec(identity("model"))
+    )
+    engine.store(0)
+    engine.close()
+    age(root)
+    real_remove = config_check.remove
+
+    async def blocks_stay(item, make):
+        if item.kind == "blocks":
+            raise PermissionError("read-only")
+        await real_remove(item, make)
+
+    monkeypatch.setattr(config_check, "remove", blocks_stay)
+    assert config_check.main(["prune", str(config), "--unused-for", "7d"]) == 2
+    out = capsys.readouterr()
+    assert "cannot remove" in out.err and "a namespace of blocks could not be removed" in out.out
+    assert len(list(root.iterdir())) == 2  # the blocks, and their identity's records

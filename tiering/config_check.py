@@ -245,8 +245,9 @@ def _duration(text: str) -> float:
 
 def _prune(path: str, unused_for_s: float, dry_run: bool) -> int:
     """``tiering-config prune``: remove (or, `dry_run`, list) every lasting tier's namespaces
-    not written for `unused_for_s` seconds (`namespaces.unused`). Exit status 2 where the
-    config is invalid, or a tier could not be listed or a namespace removed."""
+    not written for `unused_for_s` seconds (`namespaces.unused`); a tier's records stay where
+    one of its namespaces could not be removed. Exit status 2 where the config is invalid, or
+    a tier could not be listed or a namespace removed."""
     try:
         config = load_config(path)
     except ConfigError as exc:
@@ -256,7 +257,13 @@ def _prune(path: str, unused_for_s: float, dry_run: bool) -> int:
     print("\n".join(line for line in lines if not line.startswith(" ")))
     status = 2 if failed else 0
     for name, make, found in surveyed:
+        kept_blocks = False  # a namespace that could not be removed: the tier's records stay
         for item in unused(found, unused_for_s, time.time()):
+            if item.kind == "records" and kept_blocks:
+                # without them the identity would start again at generation 0: a namespace left
+                # here could be offered again
+                print(f"tier {name}: kept {item.describe()}: a namespace of blocks could not be removed")
+                continue
             try:
                 if not dry_run:
                     asyncio.run(remove(item, make))
@@ -265,7 +272,7 @@ def _prune(path: str, unused_for_s: float, dry_run: bool) -> int:
                 print(
                     f"tier {name}: cannot remove {item.usage.namespace.hex()}: {describe_error(exc)}", file=sys.stderr
                 )
-                status = 2
+                status, kept_blocks = 2, True
     return status
 
 

@@ -50,7 +50,7 @@ class StoreCalls:
         `RowsReleased` follows when the last such call returns.
         """
         loop = asyncio.get_running_loop()
-        answered: asyncio.Future[bool] = loop.create_future()  # True: the call returned
+        answered: asyncio.Future[bool] = loop.create_future()  # settled: the call ended, or its timeout
         scope = anyio.CancelScope()
         result: list[T | Exception] = []
         timer: list[asyncio.TimerHandle] = []  # started once the lane is held
