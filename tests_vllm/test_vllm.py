@@ -483,16 +483,16 @@ def test_every_process_killed_with_sigkill_leaves_no_shared_memory(model, tmp_pa
     assert regions_left_behind(regions_before) == []
 
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "traces" / "conversation_trace.jsonl.gz"  # shipped with the repository
 
 
 def test_a_trace_replayed_through_vllm_hits_in_the_engine(model, tmp_path):
     from vllm import SamplingParams, TokensPrompt
 
-    from tiering.benchmarks.loadgen.workload import read_trace, synthetic
+    from tiering.benchmarks.loadgen.workload import read_trace
     from tiering.benchmarks.serve.workload import prompts
 
-    requests = read_trace(TRACE, 40) if TRACE.exists() else synthetic("multi-turn", 40)
+    requests = read_trace(TRACE, 40)
     config = {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [{"type": "file", "root_dir": str(tmp_path / "kv")}]}
     llm = tiny.make_llm(model, config, disable_log_stats=False)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
