@@ -23,7 +23,7 @@ from tiering.backends.buffers import advance
 from tiering.backends.file_dirs import OPEN_FLAGS
 from tiering.backends.file_io import ALIGN
 from tiering.contract.keys import OffloadKey
-from tiering.errors import CorruptObjectError, ForgedObjectError
+from tiering.errors import CorruptObjectError, ForgedObjectError, is_no_space
 from tiering.tiers.object_format import announced, parse_header
 from tiering.tiers.seal import Seal
 
@@ -203,20 +203,34 @@ def pread_all(fd: int, buffers: list[memoryview], offset: int) -> int:
     return total
 
 
-def probe_punch(dir_fd: int, path: Path) -> None:
+def probe_punch(dir_fd: int, path: Path) -> bool:
     """Create, punch and remove a small file in the directory `dir_fd` (named `path` in errors).
+    Returns False, having learnt nothing, when the device has no room for the file (its
+    stores fail as no-space until it has, as they would with one file per block).
 
     Raises:
         OSError: the filesystem cannot punch holes (the message says so), or the file cannot
-            be made.
+            be made for another reason than a full device.
     """
     name = f".punch-probe-{os.urandom(4).hex()}.tmp"
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
     try:
-        os.pwrite(fd, bytes(2 * ALIGN), 0)
-        punch(fd, 0, ALIGN)
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
     except OSError as exc:
-        raise OSError(exc.errno, f"{path}: the filesystem cannot punch holes ({exc.strerror})") from None
+        if is_no_space(exc):
+            return False
+        raise
+    try:
+        try:
+            os.pwrite(fd, bytes(2 * ALIGN), 0)
+        except OSError as exc:
+            if is_no_space(exc):
+                return False
+            raise
+        try:
+            punch(fd, 0, ALIGN)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{path}: the filesystem cannot punch holes ({exc.strerror})") from None
+        return True
     finally:
         os.close(fd)
         os.unlink(name, dir_fd=dir_fd)

@@ -392,7 +392,7 @@ def open_log(ns_fd: int, path: Path, fingerprint: bytes, seal: Seal | None, dire
     Raises:
         BlockingIOError: another engine (or another tier of this one) uses these segments.
         OSError: the directory cannot be made or opened, or its filesystem cannot punch holes
-            (EOPNOTSUPP; the message says so).
+            (EOPNOTSUPP; the message says so; a full device is not checked, and logged).
     """
     dir_fd = private_subdir(ns_fd, path.name, path)
     try:
@@ -404,7 +404,10 @@ def open_log(ns_fd: int, path: Path, fingerprint: bytes, seal: Seal | None, dire
                 f"{path} is in use by another engine: a namespace's segments are one engine's (use layout: files "
                 "for a directory engines share)",
             ) from None
-        probe_punch(dir_fd, path)
+        if not probe_punch(dir_fd, path):
+            logger.warning(
+                "%s: the device is full: hole punching is not checked, and stores fail until it has room", path
+            )
         log = SegmentLog(dir_fd, fingerprint, seal, direct, fsync)
     except BaseException:
         os.close(dir_fd)

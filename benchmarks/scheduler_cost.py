@@ -13,12 +13,21 @@ run of each is kept (the machines are shared and noisy).
 Timed sections run with the garbage collector paused, as `timeit` does: a collection
 triggered by an earlier section's garbage would otherwise land in a later one.
 
-A second table gives the cost of handing one job to an async tier on the scheduler thread:
+A second table gives the cost of an eviction while a fifth of the tier is retained by a
+client's hint (``{"retain": "7d"}``, the cap's share, stored first so that it sinks to the
+cold end) against the same without hints: per evicting store of one request of ``--batch``
+blocks in a CPU tier (LRU) of 20,000 and 131,072 rows, and per evicted block in a secondary
+tier's index of 100,000 and 1,000,000 blocks. Each run evicts the rest of the tier once (a
+retained block is passed over once per such pass, `tiering.eviction.retention`), so the
+figure is the mean of a whole pass; ``--eviction-repeats`` interleaved runs, the best kept.
+
+A third table gives the cost of handing one job to an async tier on the scheduler thread:
 `BlockStoreTier.submit_store` of a 16-block job (a slow memory tier, so nothing finishes
 meanwhile), against a bare `AsyncRuntime.submit` and against one
 `asyncio.run_coroutine_threadsafe` per job to a loop thread.
 
     python -m tiering.benchmarks.scheduler_cost --blocks 20000 [--policy arc-s] [--hints retain]
+        [--eviction-repeats 2]
 """
 
 from __future__ import annotations
@@ -48,8 +57,14 @@ from tiering import (
     make_offload_key,
 )
 from tiering.eviction.policies import cache_policy_names
+from tiering.tiers.blockstore.index import BlockIndex
 
 CTX = ReqContext("bench")
+RETAINED_FRACTION = 0.2
+"""The share of a tier a client's hints may hold (the default ``retention_max_fraction``),
+and hold in the eviction rows."""
+EVICTION_SIZES = (("CPU tier", 20_000), ("CPU tier", 131_072), ("tier index", 100_000), ("tier index", 1_000_000))
+"""The eviction table's rows: where, and how many rows or blocks the tier holds."""
 HINTS = {"none": None, "retain": {"kv_tiering": {"retain": "1h"}}, "release": {"kv_tiering": {"release": True}}}
 """The ``kv_transfer_params`` of every request under each ``--hints``."""
 
@@ -130,6 +145,71 @@ def time_baseline(num_blocks: int, batch: int) -> dict[str, float]:
     results["lookup, miss in every tier"] = _per_call(miss, missing)
     results["on_schedule_end, nothing to do"] = _per_call(lambda _key, _ctx: None, stored)
     return results
+
+
+def time_cpu_eviction(num_blocks: int, batch: int, retained: bool) -> float:
+    """Seconds per evicting store (a request of `batch` new blocks, finished) in a full CPU
+    tier of `num_blocks` rows whose coldest fifth a client retained (`retained`) or not."""
+    region = SharedOffloadRegion(f"bench-evict-{os.getpid()}", num_blocks, cpu_page_size=64)
+    primary = CPUPrimaryTierOffloadingManager(num_blocks, region, retention_max_fraction=RETAINED_FRACTION)
+    held = int(RETAINED_FRACTION * num_blocks)
+    hint = {"kv_tiering": {"retain": "7d"}} if retained else None
+
+    def store(keys: list[OffloadKey], request: ReqContext) -> None:
+        out = primary.prepare_store(keys, request)
+        assert out is not None
+        primary.complete_store(out.keys_to_store, request)
+        primary.on_request_finished(request)
+
+    try:
+        for start in range(0, num_blocks, batch):
+            request = ReqContext(f"r{start}", kv_transfer_params=hint if start < held else None)
+            store(_keys(start, min(batch, num_blocks - start)), request)
+        stores = [
+            (_keys(num_blocks + i * batch, batch), ReqContext(f"new{i}")) for i in range((num_blocks - held) // batch)
+        ]
+        began = time.perf_counter()
+        for keys, request in stores:
+            store(keys, request)
+        return (time.perf_counter() - began) / len(stores)
+    finally:
+        primary.shutdown()
+
+
+def time_index_eviction(num_blocks: int, retained: bool) -> float:
+    """Seconds per evicted block in a full secondary tier's index of `num_blocks` blocks
+    whose coldest fifth a client retained (`retained`) or not."""
+    held = int(RETAINED_FRACTION * num_blocks)
+    index = BlockIndex("bench", num_blocks, max_retained=held)
+    evicted: list[OffloadKey] = []
+    for key in _keys(0, num_blocks):
+        index.reserve_all([(key, 0)], lambda _key: 1, evicted)
+        index.mark_stored(key)
+    if retained:
+        index.retain(_keys(0, held), 7 * 86400.0)
+    new = _keys(num_blocks, num_blocks - held)
+    began = time.perf_counter()
+    for key in new:
+        index.reserve_all([(key, 0)], lambda _key: 1, evicted)
+        index.mark_stored(key)
+    assert len(evicted) == len(new)
+    return (time.perf_counter() - began) / len(new)
+
+
+def measure_eviction(batch: int, repeats: int) -> dict[tuple[str, int], tuple[float, float]]:
+    """Best (without hints, retained) seconds of each `EVICTION_SIZES` row over `repeats`
+    interleaved runs."""
+    best: dict[tuple[str, int], tuple[float, float]] = {}
+    for _ in range(repeats):
+        for where, size in EVICTION_SIZES:
+            with _gc_paused():
+                if where == "CPU tier":
+                    plain, held = time_cpu_eviction(size, batch, False), time_cpu_eviction(size, batch, True)
+                else:
+                    plain, held = time_index_eviction(size, False), time_index_eviction(size, True)
+            old = best.get((where, size), (float("inf"), float("inf")))
+            best[(where, size)] = (min(old[0], plain), min(old[1], held))
+    return best
 
 
 @contextlib.contextmanager
@@ -221,6 +301,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--hints", choices=HINTS, default="none", help="the retention hint every request sends (default none)"
     )
+    parser.add_argument(
+        "--eviction-repeats",
+        type=int,
+        default=2,
+        help="interleaved runs of the eviction table, the best kept; 0 skips it (default 2)",
+    )
     args = parser.parse_args(argv)
     results = measure(args.blocks, args.batch, args.repeats, args.policy, args.hints)
     table = Table(
@@ -234,6 +320,16 @@ def main(argv: list[str] | None = None) -> None:
     for op, (engine, baseline) in results.items():
         table.add_row(op, f"{engine * 1e6:.2f}", f"{baseline * 1e6:.2f}", f"{engine / baseline:.1f}x")
     Console().print(table)
+    if args.eviction_repeats > 0:
+        eviction = Table(
+            title=f"Eviction with a fifth of the tier retained (7d hints), best of {args.eviction_repeats}"
+        )
+        for column in ("tier", "size", "per", "no hints (us)", "retained (us)", "ratio"):
+            eviction.add_column(column, justify="left" if column in ("tier", "per") else "right")
+        for (where, size), (plain, held) in measure_eviction(args.batch, args.eviction_repeats).items():
+            per = f"store of {args.batch}" if where == "CPU tier" else "evicted block"
+            eviction.add_row(where, f"{size:,}", per, f"{plain * 1e6:.2f}", f"{held * 1e6:.2f}", f"{held / plain:.2f}x")
+        Console().print(eviction)
     handoff = Table(title="Scheduler-thread cost of handing one job to the loop thread")
     handoff.add_column("handoff")
     handoff.add_column("us per job", justify="right")

@@ -184,6 +184,28 @@ def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(sm
         tier.shutdown()
 
 
+@pytest.mark.parametrize("layout", ["files", "segments"])
+def test_a_tier_started_on_a_full_disk_starts_fails_its_stores_and_stores_once_there_is_room(
+    small_disk, monkeypatch, layout
+):
+    """The segment layout's start-up check of hole punching met ENOSPC and called it "cannot
+    punch holes": the engine refused to start (under vllm serve, the server never came up)."""
+    monkeypatch.setattr("tiering.tiers.blockstore.index.ROOM_BACKOFF_S", (0.2, 0.4))
+    clock = ManualClock()
+    fill(small_disk / "someone-elses-file")
+    tier, rows = disk_tier(small_disk / "tier", clock, layout=layout)
+    try:
+        assert tier.lookup(key(0), CTX) is False
+        assert store_blocks(tier, rows, 1, [0, 1]) is False
+        assert tier.failures["store_no_space"] == 2 and tier.health.healthy
+        os.unlink(small_disk / "someone-elses-file")
+        clock.now += 0.25  # the first retry is due
+        assert store_blocks(tier, rows, 2, [2, 3]) is True
+        assert tier.lookup(key(2), CTX) is True
+    finally:
+        tier.shutdown()
+
+
 def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(small_disk, monkeypatch):
     monkeypatch.setattr("tiering.tiers.blockstore.index.ROOM_BACKOFF_S", (0.2, 0.4))
     clock = ManualClock()

@@ -157,6 +157,33 @@ def test_a_reset_removes_the_old_generation_and_keeps_one_manifest_per_identity(
     assert manifest["identity"] == spec.identity.digest().hex() and manifest["model"] == "org/tiny"
 
 
+@pytest.mark.parametrize("layout", ["files", "segments"])
+def test_an_engine_started_on_a_full_disk_starts_fails_its_stores_and_stores_once_there_is_room(
+    small_disk, engine_factory, monkeypatch, layout
+):
+    """A full disk refused the segment layout's check of hole punching ("cannot punch holes")
+    and the first engine's manifest: the engine did not start. It starts, its stores fail
+    as no-space, and it stores again (and writes its manifest at its next start) once room
+    comes back."""
+    monkeypatch.setattr("tiering.tiers.blockstore.index.ROOM_BACKOFF_S", (0.0, 0.0))  # retried at once
+    filler = small_disk / "someone-elses-file"
+    with open(filler, "wb", buffering=0) as out, pytest.raises(OSError, match="No space"):
+        while True:
+            out.write(bytes(4096))
+    tier = {"type": "file", "root_dir": str(small_disk / "kv"), "layout": layout, "direct_io": False}
+    spec = IdentitySpec(identity("control"))
+    engine = engine_factory(tier, spec=spec, num_blocks=8)
+    engine.store(0, 1)
+    assert engine.tier.failures["store_no_space"] == 2 and engine.tier.num_blocks == 0
+    filler.unlink()
+    engine.store(2, 3)
+    assert engine.tier.num_blocks == 2
+    engine.manager.shutdown()
+    engine_factory(tier, spec=spec, num_blocks=8)  # writes the manifest now
+    records = small_disk / "kv" / record_namespace(spec.identity.digest()).hex()
+    assert any(path.stat().st_size > MANIFEST_BYTES for path in records.rglob("*") if path.is_file())
+
+
 def test_a_reset_returns_at_once_with_a_frozen_s3_endpoint_and_the_tier_moves_on_when_it_thaws(
     s3_environment, engine_factory
 ):

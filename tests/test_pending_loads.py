@@ -22,8 +22,8 @@ from tiering import (
     TieringOffloadingManager,
     canonicalize_kv_caches,
 )
+from tiering.cpu import row_states
 from tiering.cpu.row_states import FAILED, PENDING, READY, RowStates
-from tiering.worker import direction
 
 NUM_ROWS = 4
 NUM_GPU_BLOCKS = 8
@@ -118,8 +118,26 @@ def test_a_hit_is_answered_in_the_step_its_promotion_starts_and_the_load_waits_f
     assert [engine.manager.lookup(k, ctx) for k in keys(0, 1)] == [True, True]
 
 
+def test_a_promotion_pending_past_a_loads_wait_is_a_miss_so_the_request_recomputes(engine_of, monkeypatch):
+    """A frozen tier's promotion: lookups answered "hit" until its job timed out (30 s and
+    more), and every step's loads waited in vain for it. Past `PROMOTION_WAIT_S` a lookup
+    answers "miss"."""
+    monkeypatch.setattr(row_states, "PROMOTION_WAIT_S", 600.0)
+    engine = engine_of({"type": "memory"})
+    ctx, later = ReqContext("req-0"), ReqContext("req-1")
+    only_in_the_tier(engine, ctx, [0])
+    assert engine.manager.lookup(key(0), ctx) is True  # its promotion queued: a load may wait for it
+    monkeypatch.setattr(row_states, "PROMOTION_WAIT_S", 0.0)  # as if a load's wait had passed since
+    assert engine.manager.lookup(key(0), later) is False
+    assert engine.manager.get_stats()["manager"]["counters"]["promotions_overdue"] == 1
+    engine.manager.on_schedule_end()  # the promotion is submitted and lands
+    assert engine.tier.drain(30)
+    engine.manager.on_schedule_end()
+    assert engine.manager.lookup(key(0), later) is True  # in the CPU tier now
+
+
 def test_a_load_copies_each_row_as_its_promotion_lands_not_after_the_last(engine_of, monkeypatch):
-    monkeypatch.setattr(direction, "PROMOTION_WAIT_S", 600.0)  # the test settles the rows by hand
+    monkeypatch.setattr(row_states, "PROMOTION_WAIT_S", 600.0)  # the test settles the rows by hand
     engine = engine_of({"type": "memory"})
     ctx = ReqContext("req-0")
     engine.fill(0, 1)
@@ -222,7 +240,7 @@ def test_only_the_failed_rows_of_a_load_are_left_out(engine_of):
 
 
 def test_a_late_promotion_stops_the_wait_at_its_bound(engine_of, monkeypatch):
-    monkeypatch.setattr(direction, "PROMOTION_WAIT_S", 0.0)
+    monkeypatch.setattr(row_states, "PROMOTION_WAIT_S", 0.0)
     engine = engine_of({"type": "memory"})
     ctx = ReqContext("req-0")
     out = engine.manager.prepare_store(keys(0), ctx)
@@ -310,7 +328,7 @@ def test_the_loads_a_step_submits_together_share_one_deadline(engine_of, monkeyp
         return wait_any(self, rows, deadline)
 
     monkeypatch.setattr(RowStates, "wait_any", recorded)
-    monkeypatch.setattr(direction, "PROMOTION_WAIT_S", 0.5)
+    monkeypatch.setattr(row_states, "PROMOTION_WAIT_S", 0.5)
     handler = engine.handlers.cpu_to_gpu_handler
     for job, (row, gpu_block) in enumerate(zip(out.store_spec.block_ids, [2, 3], strict=True)):
         assert handler.transfer_async(job, (CPULoadStoreSpec([row]), GPULoadStoreSpec([gpu_block], [1], [0])))

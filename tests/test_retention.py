@@ -6,8 +6,10 @@ import pytest
 from tests.helpers import ROW, ManualClock, RegionStandIn, key, keys
 from tiering import CPUPrimaryTierOffloadingManager, ReqContext
 from tiering.cpu.tenants import TenantsConfig
+from tiering.eviction.policies import make_cache_policy
 from tiering.eviction.retention import MAX_RETAIN_S, Retention, hint_of, parse_duration
 from tiering.tiers.admission import AdmissionConfig
+from tiering.tiers.blockstore.index import BlockIndex
 from tiering.tiers.object_format import object_size
 
 
@@ -91,6 +93,82 @@ def test_a_retained_prefix_outlives_a_flood_that_evicts_an_unretained_one(policy
     assert primary.get_stats()["gauges"]["retained_blocks"] == 2
 
 
+class CountingLive:
+    """Wraps `Retention.live` so that every question an eviction walk asks of the live
+    deadlines is counted: the walk's steps over retained keys."""
+
+    def __init__(self, monkeypatch):
+        self.asked = 0
+        live = Retention.live
+
+        def counted(retention):
+            deadlines = live(retention)
+            return None if deadlines is None else self.Counted(self, deadlines)
+
+        monkeypatch.setattr(Retention, "live", counted)
+
+    class Counted:
+        def __init__(self, owner, deadlines):
+            self.owner, self.deadlines = owner, deadlines
+
+        def __contains__(self, key):
+            self.owner.asked += 1
+            return key in self.deadlines
+
+        def __bool__(self):
+            return bool(self.deadlines)
+
+
+@pytest.mark.parametrize("tenants", [None, TenantsConfig()], ids=["one-order", "tenants"])
+def test_evictions_step_over_retained_blocks_once_not_once_each(policy, tenants, monkeypatch):
+    """A client's retained share sinks to the cold end; each eviction used to step over all
+    of it (20k rows, 4k retained: 1.3 ms per store instead of 25 us). Passed-over blocks
+    move out of the way, so the walk meets each once per pass of the tier."""
+    primary = CPUPrimaryTierOffloadingManager(
+        200, RegionStandIn(200), cache_policy=policy, tenants=tenants, retention_max_fraction=0.2
+    )
+    serve(primary, "greedy", list(range(40)), {"retain": "7d"})  # the tier's cold end
+    for i in range(80):
+        serve(primary, f"fill-{i}", [1000 + 2 * i, 1001 + 2 * i])
+    walk = CountingLive(monkeypatch)
+    for i in range(100):  # one eviction each
+        serve(primary, f"evicting-{i}", [5000 + i])
+    assert resident(primary, *range(40)) == [True] * 40
+    assert walk.asked <= 40 + 2 * 100, walk.asked  # was 40 per eviction: 4,100
+
+
+def test_a_passed_over_block_goes_back_to_the_cold_end_when_its_deadline_lapses(policy):
+    primary, clock = tier(policy, rows=8, fraction=0.5)
+    serve(primary, "kept", [0, 1], {"retain": 60})
+    serve(primary, "plain", [2, 3, 4, 5, 6, 7])
+    assert not set(serve(primary, "evicting", [8, 9])) & set(keys(0, 1))  # passed over
+    serve(primary, "back", [1])  # used again: its place is its use's
+    clock.now += 61
+    assert serve(primary, "after", [10]) == keys(0)  # the oldest again, not the most recent
+    assert resident(primary, 1) == [True]
+
+
+def test_a_tier_index_steps_over_retained_blocks_once_not_once_each(monkeypatch):
+    """The same for a secondary tier's index: each evicted block stepped over every
+    retained one (1M blocks, 200k retained: 88 ms per evicted block)."""
+    clock = ManualClock()
+    index = BlockIndex("t", 200, clock=clock, max_retained=40)
+    evicted = []
+    for i in range(200):
+        index.reserve_all([(key(i), i)], lambda _key: 1, evicted)
+        index.mark_stored(key(i))
+    index.retain(keys(*range(40)), 60)
+    walk = CountingLive(monkeypatch)
+    for i in range(100):
+        index.reserve_all([(key(1000 + i), 0)], lambda _key: 1, evicted)
+        index.mark_stored(key(1000 + i))
+    assert evicted == keys(*range(40, 140))
+    assert walk.asked <= 40 + 2 * 100, walk.asked  # was 40 per evicted block: 4,100
+    clock.now += 61
+    index.reserve_all([(key(2000), 0)], lambda _key: 1, evicted)
+    assert evicted[-1] == key(0)  # its deadline lapsed: back at the cold end
+
+
 def test_an_expired_deadline_is_ordinary_recency(policy):
     primary, clock = tier(policy)
     serve(primary, "kept", [0, 1], {"retain": 60})
@@ -142,7 +220,7 @@ def test_a_hint_too_large_for_a_float_is_ignored_and_the_deadline_heap_stays_sma
     assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"retain": 10**400}})) is None
     assert "hint kv_tiering ignored" in caplog.text
     clock = ManualClock()
-    retention = Retention(4, clock)
+    retention = Retention(4, make_cache_policy("lru", 8), clock)
     for _ in range(1000):  # the same blocks retained by request after request, each deadline later
         clock.now += 1
         retention.retain(keys(0, 1, 2), 60)

@@ -226,6 +226,51 @@ def test_behind_the_engines_connector_a_failed_promotion_is_recomputed_with_the_
         close(llm)
 
 
+def test_behind_the_engines_connector_loads_on_a_frozen_tier_share_one_wait_then_stop_waiting(
+    model, baseline, tmp_path, monkeypatch
+):
+    """Two requests whose prefixes only a frozen tier holds are answered "hit" and load in
+    one step: their loads wait for the promotions until one shared deadline (each load took
+    its own, one after the other), then vLLM recomputes the blocks, with the right output.
+    A later request is not made to wait for the same stuck promotions: a miss."""
+    import anyio
+
+    from tiering.backends.faulty import FaultyBlockStore
+    from tiering.cpu.row_states import RowStates
+
+    tier = {"type": "faulty", "inner": {"type": "file", "root_dir": str(tmp_path / "kv")}, "op_timeout_s": 60}
+    config = {"cpu_bytes_to_use": 2 * CPU_BYTES, "secondary_tiers": [tier], "store_reserve_rows": 2}
+    llm = tiny.make_llm(model, {**config, "reset_scope": "cpu"}, connector="KVTieringConnector")
+    first, second = PROMPT, OTHERS[0]
+    try:
+        tiny.generate(llm, [first, second])
+        tiny.settle(llm, lambda: manager_stats()["tiers"]["faulty"]["counters"]["blocks_stored"] == 12)
+        assert llm.reset_prefix_cache(reset_connector=True)  # the CPU tier too: only the frozen tier holds them
+
+        async def frozen(self, key, into):
+            await anyio.sleep_forever()
+
+        deadlines, wait_any = [], RowStates.wait_any
+
+        def recorded(self, rows, deadline):
+            deadlines.append(deadline)
+            return wait_any(self, rows, deadline)
+
+        monkeypatch.setattr(FaultyBlockStore, "get", frozen)
+        monkeypatch.setattr(RowStates, "wait_any", recorded)
+        outputs = tiny.generate(llm, [first, second])
+        assert [output[:2] for output in outputs] == [baseline[tuple(first)][:2], baseline[tuple(second)][:2]]
+        assert manager_stats()["tiers"]["faulty"]["counters"]["hit_tokens"] == 2 * FULL_BLOCKS  # answered "hit"
+        assert deadlines and len(set(deadlines)) == 1, deadlines  # one wait for the step's two loads
+        waits = len(deadlines)
+        assert llm.reset_prefix_cache()  # vLLM's cache only: the promotions are still pending
+        assert tiny.generate(llm, [first])[0][:2] == baseline[tuple(first)][:2]
+        assert manager_stats()["manager"]["counters"]["promotions_overdue"] >= 1
+        assert len(deadlines) == waits  # nothing waited for them again
+    finally:
+        close(llm)
+
+
 def test_behind_the_engines_connector_a_copy_that_fails_is_recomputed_and_never_kept(model, baseline, monkeypatch):
     from tiering.worker.direction import DirectionHandler
 

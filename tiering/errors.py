@@ -122,3 +122,9 @@ class RuntimeDeadError(RuntimeClosedError):
 class RegionInUseError(TieringError, RuntimeError):
     """Another live engine holds this role (scheduler, or worker rank) of the shared region
     with the same instance id."""
+
+
+def is_no_space(error: BaseException) -> bool:
+    """Whether `error` is a device's, a quota's or a server's lack of room (ENOSPC, EDQUOT):
+    a store that fails so fails alone, and succeeds again once room comes back."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -356,7 +356,8 @@ class CPUOffloadingManager(OffloadingManager):
             )
             retention = self._order.retention(tenant)
             if retention is not None:
-                retention.shared(access.reused)  # before any release: another request's are not its to release
+                if access.reused:  # before any release: another request's are not its to release
+                    retention.shared(access.reused)
                 hint = hint_of(req_context)
                 if hint is None:
                     retention.used(access.keys)

@@ -36,7 +36,7 @@ class EvictionOrder:
         if max_retained and not lists_candidates(type(self._policy)):
             logger.warning("eviction policy %r lists no eviction candidates: retention hints are ignored", cache_policy)
             max_retained = 0
-        self._retention = Retention(max_retained) if max_retained else None
+        self._retention = Retention(max_retained, self._policy) if max_retained else None
         self.retention_counters: dict[str, int] = (
             self._retention.counters if self._retention is not None else new_counters()
         )
@@ -91,3 +91,4 @@ class EvictionOrder:
         self._policy = make_cache_policy(self._cache_policy, self._num_blocks)
         if self._retention is not None:
             self._retention.clear()
+            self._retention.order = self._policy

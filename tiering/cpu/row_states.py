@@ -38,6 +38,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+PROMOTION_WAIT_S = 1.0
+"""How long a worker's load waits for a row whose promotion is still landing, seconds from
+the load's submission: it holds up a serving step, so a promotion slower than this becomes a
+recompute of its blocks. The loads a step submits together share the deadline, so the step's
+forward waits at most this long, not this long per load (one thread copies them in turn).
+A lookup answers no early hit for a promotion pending longer than this (it would only make
+the next step wait for it too): the request recomputes those blocks."""
+
 READY, PENDING, FAILED = 0, 1, 2
 
 _FIRST_NAP_S = 20e-6  # a worker's first nap while waiting; doubled up to `_LONGEST_NAP_S`

@@ -202,7 +202,9 @@ class TenantShares:
             max_blocks = int(self._retention_max_fraction * self.share(tenant))
             if not max_blocks:
                 return None
-            retention = self._retentions[tenant] = Retention(max_blocks, counters=self.retention_counters)
+            retention = self._retentions[tenant] = Retention(
+                max_blocks, self.policy(tenant), counters=self.retention_counters
+            )
         return retention
 
     @property

@@ -138,7 +138,8 @@ class TieringOffloadingManager(OffloadingManager):
         """True if `key` is loadable from the primary tier; None to retry next step (a
         transfer is in flight, a promotion was just queued, or a tier is still unsure);
         False if no tier has it or the primary tier has no room to promote it. With
-        `answer_pending_hits`, a block whose promotion is `pending_loadable` is True at once."""
+        `answer_pending_hits`, a block whose promotion is `pending_loadable` is True at once,
+        False once that promotion is overdue (`Promotions.early_hit`)."""
         if not self._polled_this_step:
             self._poll_finished()
         answer = self.primary_tier.lookup(key, req_context)
@@ -148,11 +149,11 @@ class TieringOffloadingManager(OffloadingManager):
                 self._primary_changed = True  # a promotion may have reserved a row
         elif answer:
             self._step_hits.add(key)
+        source = None
         if answer is None and self._pending.answer_hits and key in self._pending.keys:
-            answer = True  # loadable now: the worker's load waits for the row
-            self._requests.answered(req_context.req_id, key, answer, self.promotion_source(key))
-        else:
-            self._requests.answered(req_context.req_id, key, answer)
+            answer = self.promotions.early_hit(key)  # the worker's load waits for the row
+            source = self.promotion_source(key) if answer else None
+        self._requests.answered(req_context.req_id, key, answer, source)
         if self._timeline is not None:
             self._timeline.looked_up(req_context.req_id)
         return answer

@@ -147,6 +147,10 @@ HELP = {
         "Lookups answered 'ask again next step': a promotion would have left fewer than store_reserve_rows "
         "rows for stores, or promotions held max_promotion_rows."
     ),
+    "promotions_overdue": (
+        "Lookups answered 'miss' for a block whose promotion was pending longer than a load waits "
+        "(PROMOTION_WAIT_S, a frozen or slow tier): the request recomputes it."
+    ),
     "cascades_submitted": "Store jobs submitted to secondary tiers.",
     "jobs_expired": "Jobs a secondary tier did not report within job_deadline_s, failed by the manager.",
     "jobs_holding_rows": "Failed jobs whose timed-out I/O may still use their rows.",

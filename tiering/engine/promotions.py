@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from tiering.contract.keys import OffloadKey, ReqContext
+from tiering.cpu import row_states
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.engine.jobs import Job, JobTable
 from tiering.engine.tier_calls import Hooks, attached
@@ -51,12 +52,19 @@ class PromotionRows:
 @dataclass
 class PendingLoads:
     """Promotions a load may pin before they land: those of the tiers that settle their
-    rows' states (`settling_tiers`), by key (`keys`: key -> tier index), queued or in
-    flight; `answer_hits`: lookups answer True for them."""
+    rows' states (`settling_tiers`), by key (`keys`: key -> (tier index, `time.monotonic`
+    when queued)), queued or in flight; `answer_hits`: lookups answer True for them while
+    they are younger than `tiering.cpu.row_states.PROMOTION_WAIT_S` (`fresh`)."""
 
     settling_tiers: set[int]
     answer_hits: bool = False
-    keys: dict[OffloadKey, int] = field(default_factory=dict)
+    keys: dict[OffloadKey, tuple[int, float]] = field(default_factory=dict)
+
+    def fresh(self, key: OffloadKey) -> bool:
+        """Whether pending `key`'s promotion was queued less than `PROMOTION_WAIT_S` ago: a
+        load submitted now could still see it land. An older one is stuck or slow (a frozen
+        tier): a load would only wait for it in vain."""
+        return time.monotonic() - self.keys[key][1] < row_states.PROMOTION_WAIT_S
 
 
 @dataclass
@@ -97,7 +105,7 @@ class Promotions:
         self.queued: dict[tuple[int, str], QueuedPromotion] = {}
         self.trials: list[tuple[int, OffloadKey, ReqContext]] = []  # (tier, key, request) of the step
         self._sources: dict[OffloadKey, str] = {}  # recently promoted keys -> tier name, oldest first
-        self.counters = {"promotions_submitted": 0, "promotions_deferred": 0}
+        self.counters = {"promotions_submitted": 0, "promotions_deferred": 0, "promotions_overdue": 0}
         self.seconds = Histogram()
         states = primary.row_states
         settling = [] if states is None else hooks["attach_row_states"]
@@ -150,7 +158,7 @@ class Promotions:
         if reserved is None:
             return False
         if settled:
-            self.pending.keys[key] = tier_idx
+            self.pending.keys[key] = (tier_idx, time.monotonic())
         self.rows.held += 1
         queued = self.queued.get((tier_idx, req_context.req_id))
         if queued is None:
@@ -159,6 +167,14 @@ class Promotions:
         queued.block_ids.append(int(reserved.store_spec.block_ids[0]))
         self.gates[tier_idx].queued(1)
         return None
+
+    def early_hit(self, key: OffloadKey) -> bool:
+        """Whether a lookup answers "hit" for pending `key` (`PendingLoads.fresh`); False, a
+        recompute, once its promotion is older than `tiering.cpu.row_states.PROMOTION_WAIT_S`
+        (counted in ``promotions_overdue``): a load would wait for it in vain."""
+        fresh = self.pending.fresh(key)
+        self.counters["promotions_overdue"] += not fresh
+        return fresh
 
     def on_schedule_end(self, step_hits: Collection[OffloadKey]) -> bool:
         """Queue the step's trials, then submit every queued promotion. Returns whether a
@@ -215,7 +231,7 @@ class Promotions:
         """See `TieringOffloadingManager.promotion_source`."""
         name = self._sources.get(key)
         if name is None and key in self.pending.keys:
-            return self._tier_names[self.pending.keys[key]]
+            return self._tier_names[self.pending.keys[key][0]]
         return name
 
     def _remember_sources(self, keys: list[OffloadKey], tier_idx: int) -> None:

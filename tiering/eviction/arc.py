@@ -102,6 +102,12 @@ class ARCCachePolicy(CachePolicy):
                 elif key in t2:
                     t2.move_to_end(key)
 
+    def defer(self, key: OffloadKey) -> None:
+        (self._t1 if key in self._t1 else self._t2).move_to_end(key)
+
+    def demote(self, key: OffloadKey) -> None:
+        (self._t1 if key in self._t1 else self._t2).move_to_end(key, last=False)
+
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         victims = self._evict_from_one_list(n, protected)
         if victims is None:  # from both lists: `_victims` chooses block by block

@@ -122,6 +122,17 @@ class CachePolicy(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot list eviction candidates")
 
+    def defer(self, key: OffloadKey) -> None:
+        """Move resident `key` to the most recent end of its list without counting a use:
+        eviction passed it over for a retention deadline (`tiering.eviction.retention`). The
+        default keeps it in place (correct; each eviction walk then steps over it again)."""
+        return
+
+    def demote(self, key: OffloadKey) -> None:
+        """Move resident `key` to the least recent end of its list without counting a use:
+        its retention deadline lapsed after eviction deferred it. The default keeps it in place."""
+        return
+
     @abstractmethod
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         """Every resident (key, block), in no particular order."""

@@ -38,6 +38,12 @@ class LRUCachePolicy(CachePolicy):
             if key in blocks:
                 blocks.move_to_end(key)
 
+    def defer(self, key: OffloadKey) -> None:
+        self._blocks.move_to_end(key)
+
+    def demote(self, key: OffloadKey) -> None:
+        self._blocks.move_to_end(key, last=False)
+
     def candidates(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]]:
         return list(islice(evictable(self._blocks, protected), n))
 

@@ -15,7 +15,12 @@ mistake never fails its request.
 
 Retention is soft: a block under a deadline stays in its policy's order (LRU, ARC, ARC-S)
 and is only passed over by eviction while blocks without one can go; if they cannot, the
-retained blocks with the earliest deadlines lose them first. At most ``max_blocks``
+retained blocks with the earliest deadlines lose them first. A block eviction passes over
+moves to the most recent end of its order (`Reorder.defer`), out of the next walks' way,
+and back to the least recent end (`Reorder.demote`) when its deadline passes or is given
+up, unless a request used it meanwhile: so each retained block costs an eviction walk one
+step per pass of the whole order, not one per eviction (a client retaining its share of
+the tier for days would otherwise make every eviction step over all of it). At most ``max_blocks``
 (``retention_max_fraction`` of the tier) hold a deadline at once: past that, the earliest
 deadline is dropped. A deadline that passed is forgotten, and the block is whatever its
 ordinary recency makes it. So a client that retains everything for a day costs at most the
@@ -33,7 +38,7 @@ import reprlib
 import time
 from collections.abc import Callable, Collection, Container, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from tiering.contract.keys import OffloadKey
 from tiering.eviction.base import BlockStatus, CachePolicy
@@ -53,6 +58,16 @@ Mooncake conversation trace a client that retains every request for a day then c
 most a point at 1-2% (2.3-2.9 with 0.5), while continuation hints gain as much as with 0.5."""
 MAX_RETAIN_S = 7 * 86400.0
 """The longest retention a hint may ask for, seconds (a longer one is cut to it)."""
+
+
+class Reorder(Protocol):
+    """The order retained keys are moved in: a `CachePolicy`, or a tier's `BlockIndex`."""
+
+    def defer(self, key: OffloadKey) -> None:
+        """Move resident `key` to the most recent end of its order, counting no use."""
+
+    def demote(self, key: OffloadKey) -> None:
+        """Move resident `key` to the least recent end of its order, counting no use."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,8 @@ class Retention:
 
     Args:
         max_blocks: blocks that may hold a deadline at once (>= 1).
+        order: what ranks the keys for eviction (`pass_over` and lapsed deadlines move them in
+            it); an attribute of the same name may be replaced later (a tier reset).
         clock: seconds, monotonic (tests move their own; the load generator follows its
             trace's clock); an attribute of the same name may be replaced later.
         counters: the dict to count in (`new_counters`), shared with other retentions; None:
@@ -122,14 +139,20 @@ class Retention:
     """
 
     def __init__(
-        self, max_blocks: int, clock: Callable[[], float] = time.monotonic, counters: dict[str, int] | None = None
+        self,
+        max_blocks: int,
+        order: Reorder,
+        clock: Callable[[], float] = time.monotonic,
+        counters: dict[str, int] | None = None,
     ):
         self.max_blocks = max(1, max_blocks)
+        self.order = order
         self.clock = clock
         self._deadlines: dict[OffloadKey, float] = {}
         self._heap: list[tuple[float, OffloadKey]] = []  # (deadline, key); stale entries skipped
         self._released: dict[OffloadKey, None] = {}  # evicted first, oldest release first
         self._shared: set[OffloadKey] = set()  # found stored by another request: never released
+        self._passed: set[OffloadKey] = set()  # deferred by `pass_over`, unused since: demoted at their lapse
         self.counters = new_counters() if counters is None else counters
 
     def __len__(self) -> int:
@@ -147,8 +170,10 @@ class Retention:
                 self.counters["retentions"] += key not in deadlines
                 deadlines[key] = deadline
                 heapq.heappush(heap, (deadline, key))
+        lapsed: list[OffloadKey] = []
         while len(deadlines) > self.max_blocks:
-            self._pop_earliest("retentions_dropped")
+            self._pop_earliest("retentions_dropped", lapsed)
+        self._demote(lapsed)
         if len(heap) > 2 * len(deadlines) + 64:  # mostly entries of deadlines extended since: rebuild
             self._heap = [(when, key) for key, when in deadlines.items()]
             heapq.heapify(self._heap)
@@ -161,6 +186,7 @@ class Retention:
             if key in self._shared:
                 continue
             self._deadlines.pop(key, None)
+            self._passed.discard(key)
             self._released[key] = None
             self.counters["retentions_released"] += 1
 
@@ -171,10 +197,22 @@ class Retention:
         self.used(keys)
 
     def used(self, keys: Collection[OffloadKey]) -> None:
-        """A request used `keys`: those released are not evicted first any more."""
+        """A request used `keys`: those released are not evicted first any more, and those
+        passed over now hold the place the use gave them."""
         if self._released:
             for key in keys:
                 self._released.pop(key, None)
+        if self._passed:
+            self._passed.difference_update(keys)
+
+    def pass_over(self, keys: list[OffloadKey]) -> None:
+        """An eviction walk stepped over `keys` for their live deadlines: each moves to the
+        most recent end of the order (`Reorder.defer`), so later walks reach it only after
+        every other key, and back to the least recent end when its deadline lapses."""
+        defer = self.order.defer
+        for key in keys:
+            defer(key)
+        self._passed.update(keys)
 
     def released(self, n: int, evictable: Callable[[OffloadKey], bool]) -> list[OffloadKey]:
         """Up to `n` released keys that are `evictable` now, oldest release first; they stay
@@ -205,10 +243,26 @@ class Retention:
     def forget(self, keys: Iterable[OffloadKey]) -> None:
         """`keys` left the tier (evicted, or dropped): their deadlines and releases go with
         them (not counted). The tier calls it for every key that leaves."""
+        keys = keys if isinstance(keys, list | tuple) else list(keys)
+        deadlines, released = self._deadlines, self._released
         for key in keys:
-            self._deadlines.pop(key, None)
-            self._released.pop(key, None)
-            self._shared.discard(key)
+            deadlines.pop(key, None)
+        if released:
+            for key in keys:
+                released.pop(key, None)
+        if self._shared:
+            self._shared.difference_update(keys)
+        if self._passed:
+            self._passed.difference_update(keys)
+
+    def evicted(self, keys: Collection[OffloadKey]) -> None:
+        """`keys`, chosen by eviction without a live deadline (`retained_candidates`, or a
+        tier index's own walk), were evicted: their releases and shares go with them."""
+        if self._released:
+            for key in keys:
+                self._released.pop(key, None)
+        if self._shared:
+            self._shared.difference_update(keys)
 
     def clear(self) -> None:
         """Forget every deadline and release (a reset of the tier)."""
@@ -216,13 +270,16 @@ class Retention:
         self._heap.clear()
         self._released.clear()
         self._shared.clear()
+        self._passed.clear()
 
     def live(self) -> Container[OffloadKey] | None:
         """The keys whose deadline has not passed (those that passed are forgotten, counted
         in ``retentions_expired``), or None if there are none: what eviction passes over."""
         now, heap = self.clock(), self._heap
+        lapsed: list[OffloadKey] = []
         while heap and heap[0][0] <= now:
-            self._pop_earliest("retentions_expired")
+            self._pop_earliest("retentions_expired", lapsed)
+        self._demote(lapsed)
         return self._deadlines or None
 
     def give_up(self, n: int, keep: Collection[OffloadKey] | Container[OffloadKey]) -> int:
@@ -230,6 +287,7 @@ class Retention:
         (counted in ``retentions_dropped``): eviction found too few blocks without one.
         Returns how many were dropped."""
         dropped, put_back = 0, []
+        lapsed: list[OffloadKey] = []
         while dropped < n and self._heap:
             deadline, key = heapq.heappop(self._heap)
             if self._deadlines.get(key) != deadline:
@@ -237,20 +295,35 @@ class Retention:
             if key in keep:
                 put_back.append((deadline, key))
                 continue
-            del self._deadlines[key]
-            self.counters["retentions_dropped"] += 1
+            self._lapse(key, "retentions_dropped", lapsed)
             dropped += 1
         for entry in put_back:
             heapq.heappush(self._heap, entry)
+        self._demote(lapsed)
         return dropped
 
-    def _pop_earliest(self, counter: str) -> None:
+    def _pop_earliest(self, counter: str, lapsed: list[OffloadKey]) -> None:
         while self._heap:
             deadline, key = heapq.heappop(self._heap)
             if self._deadlines.get(key) == deadline:
-                del self._deadlines[key]
-                self.counters[counter] += 1
+                self._lapse(key, counter, lapsed)
                 return
+
+    def _lapse(self, key: OffloadKey, counter: str, lapsed: list[OffloadKey]) -> None:
+        """`key`'s deadline is over (counted in `counter`); if eviction deferred it, it joins
+        `lapsed`, for `_demote`."""
+        del self._deadlines[key]
+        self.counters[counter] += 1
+        if key in self._passed:
+            self._passed.remove(key)
+            lapsed.append(key)
+
+    def _demote(self, lapsed: list[OffloadKey]) -> None:
+        """Put the deferred keys whose deadlines lapsed, earliest first, back at the least
+        recent end, where they were when passed over: the earliest deadline goes first."""
+        demote = self.order.demote
+        for key in reversed(lapsed):
+            demote(key)
 
 
 class Either:
@@ -288,13 +361,36 @@ def retained_candidates(
 
         chosen = [policy.candidate(key) for key in retention.released(n, idle)]
     guard = Either(protected, {token[0] for token in chosen}) if chosen else protected
-    live = retention.live()
-    rest = policy.candidates(n - len(chosen), guard if live is None else Either(guard, live))
-    short = n - len(chosen) - len(rest)
-    if short and live is not None and retention.give_up(short, protected):
-        live = retention.live()
-        rest = policy.candidates(n - len(chosen), guard if live is None else Either(guard, live))
+    rest, short = _unretained(policy, retention, n - len(chosen), guard)
+    if short and retention.give_up(short, protected):
+        rest, _ = _unretained(policy, retention, n - len(chosen), guard)
     return chosen + rest
+
+
+def _unretained(
+    policy: CachePolicy, retention: Retention, n: int, guard: Container[OffloadKey]
+) -> tuple[list[Any], int]:
+    """Up to `n` of `policy`'s candidates outside `guard` without a live deadline, and how
+    many short of `n` they are while some deadline lives (0 when none does). Retained keys
+    the walk meets are passed over (`Retention.pass_over`: out of the way) and the walk is
+    taken again, twice as far each time, until it finds `n` others, runs out of keys or
+    meets passed ones again."""
+    live = retention.live()
+    if live is None:
+        return policy.candidates(n, guard), 0
+    want, met = n, None
+    while True:
+        walked = policy.candidates(want, guard)
+        passed = [token[0] for token in walked if token[0] in live]
+        if not passed:
+            return walked[:n], max(0, n - len(walked))
+        free = [token for token in walked if token[0] not in live][:n]
+        done = len(free) == n or len(walked) < want or (met is not None and met.issuperset(passed))
+        retention.pass_over(passed)  # before returning too: they were walked
+        if done:  # found them, ran out of keys, or came back round to those passed over
+            return free, n - len(free)
+        met = set(passed) if met is None else met | set(passed)
+        want *= 2
 
 
 def evict_retained(
@@ -311,9 +407,12 @@ def evict_retained(
     if retention is None:
         return policy.evict_candidates(chosen)
     released = {token[0] for token in chosen if retention.is_released(token[0])} if retention.has_released else ()
-    evicted = [(token[0], token[1]) for token in chosen if token[0] in released]
-    for key, _ in evicted:
-        policy.remove(key)
-    evicted += policy.evict_candidates([token for token in chosen if token[0] not in released] if released else chosen)
-    retention.forget(key for key, _ in evicted)
+    if released:
+        evicted = [(token[0], token[1]) for token in chosen if token[0] in released]
+        for key, _ in evicted:
+            policy.remove(key)
+        evicted += policy.evict_candidates([token for token in chosen if token[0] not in released])
+    else:
+        evicted = policy.evict_candidates(chosen)
+    retention.evicted([key for key, _ in evicted])
     return evicted

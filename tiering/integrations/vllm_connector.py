@@ -33,7 +33,7 @@ its lookup answers "pending" until the promotion has landed in the CPU tier and 
 scheduler noticed, steps later; here it answers "hit" in the step the promotion starts
 (`TieringOffloadingManager.answer_pending_hits`), and that step's load waits for the rows
 in the worker (`tiering.cpu.row_states`). If the promotion fails, or takes longer than
-`tiering.worker.direction.PROMOTION_WAIT_S`, the load leaves those GPU blocks unwritten and the
+`tiering.cpu.row_states.PROMOTION_WAIT_S`, the load leaves those GPU blocks unwritten and the
 connector reports them as load errors (`get_block_ids_with_load_errors`): vLLM drops the
 step's output for that request and recomputes the blocks, so a failed promotion costs the
 prefill it would have saved, never wrong output. That needs vLLM's

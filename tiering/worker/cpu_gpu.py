@@ -33,7 +33,7 @@ bypass that check.
 
 A load may name CPU rows whose promotion from a secondary tier is still landing (a hit
 answered early, `tiering.cpu.row_states`). Its copy waits for those rows, at most
-`tiering.worker.direction.PROMOTION_WAIT_S`, off the calling thread (the copy thread on the CPU device, a launcher
+`tiering.cpu.row_states.PROMOTION_WAIT_S`, off the calling thread (the copy thread on the CPU device, a launcher
 thread under CUDA), and copies the pages of each row as it lands, in turns (one copier call
 each), so that the copy overlaps the tier's reads instead of following them; pages of a row
 whose promotion failed, or did not land in time, are not copied, and the result names their

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tiering.contract.mediums import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from tiering.cpu import row_states
 from tiering.cpu.row_states import PENDING, READY, RowStates
 from tiering.worker.batch_copy import BatchCopier, PageLayouts, plan_batch
 from tiering.worker.transfers import (
@@ -40,11 +41,6 @@ RUN_PAGE_BYTES = 32 << 10
 (Under ``vllm serve``, 32 KiB pages loaded at 4.0 GB/s run by run and 3.5 by index.)"""
 GATHER_PAGES = 64
 """CPU device: pages per gather (its temporary, under 2 MiB, stays in cache)."""
-PROMOTION_WAIT_S = 1.0
-"""How long a load waits for a row whose promotion is still landing, seconds from the load's
-submission: it holds up a serving step, so a promotion slower than this becomes a recompute
-of its blocks. The loads a step submits together share the deadline, so the step's forward
-waits at most this long, not this long per load (one thread copies them in turn)."""
 
 
 class _Awaited(NamedTuple):
@@ -147,12 +143,13 @@ class DirectionHandler(OffloadingHandler):
 
     def _rows_to_wait_for(self, cpu_spec: CPULoadStoreSpec) -> _Awaited | None:
         """The load's rows if one of them is not ``READY`` now (a promotion still landing,
-        or failed), with the deadline of its wait, `PROMOTION_WAIT_S` from now; else None
+        or failed), with the deadline of its wait, `row_states.PROMOTION_WAIT_S` from now; else None
         (and always for a store)."""
         if self._row_states is None or self._to_cpu:
             return None
         rows = np.asarray(cpu_spec.block_ids, dtype=np.int64)
-        return _Awaited(rows, time.monotonic() + PROMOTION_WAIT_S) if self._row_states.states[rows].any() else None
+        deadline = time.monotonic() + row_states.PROMOTION_WAIT_S
+        return _Awaited(rows, deadline) if self._row_states.states[rows].any() else None
 
     def _copy_as_rows_land(
         self, copies: list[PageCopy], awaited: _Awaited | None, copy: Callable[[list[PageCopy]], None]

@@ -35,7 +35,7 @@ import anyio
 
 from tiering.contract.identity import NAMESPACE_BYTES, namespace
 from tiering.contract.keys import OffloadKey
-from tiering.errors import CorruptObjectError, ObjectNotFoundError, TieringError, describe
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, TieringError, describe, is_no_space
 from tiering.tiers.blockstore.store import BlockStore
 from tiering.tiers.object_format import open_payload
 
@@ -196,7 +196,13 @@ class Records:
                 f"{store!r}: its manifest cannot be read ({exc}); its blocks are not read"
             ) from exc
         if manifest is None:
-            await store.put(MANIFEST_KEY, memoryview(manifest_text(self._manifest)))
+            try:
+                await store.put(MANIFEST_KEY, memoryview(manifest_text(self._manifest)))
+            except OSError as exc:
+                if not is_no_space(exc):
+                    raise
+                logger.warning("%r: no room for the manifest (%s); the next start writes it", store, describe(exc))
+                return  # the blocks' namespace is the identity's all the same
             self.created = True
             return
         if manifest.get("identity") != self.identity_digest.hex():

@@ -14,8 +14,9 @@ the device is (a store that evicted to make room waits for those deletes:
 files) and, at each retry, up, evicting no more than the shortfall.
 
 Retention (`tiering.eviction.retention`, the same rules as the CPU tier's): eviction takes released
-keys first, then passes over keys whose deadline has not passed while others can go; if
-none can, the earliest deadlines are given up.
+keys first, then passes over keys whose deadline has not passed while others can go (moving
+them to the most recent end, out of the next evictions' way); if none can, the earliest
+deadlines are given up.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class BlockIndex:
         max_keys: keys held at most, or None; beyond it the least recent idle stored keys are
             forgotten (not evicted: their objects stay, for a store that evicts by itself).
         forgotten: keys forgotten so far.
-        retention: the deadlines and releases of requests' hints, or None: none are kept.
+        retention: the deadlines and releases of requests' hints for up to `max_retained`
+            keys, or None (`max_retained` 0): none are kept.
     """
 
     def __init__(
@@ -68,10 +70,10 @@ class BlockIndex:
         room_backoff_s: tuple[float, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_keys: int | None = None,
-        retention: Retention | None = None,
+        max_retained: int = 0,
     ):
         self.name = name
-        self.retention = retention
+        self.retention = Retention(max_retained, self, clock) if max_retained else None
         self.capacity_bytes = capacity_bytes
         self.max_keys = max_keys
         self.room_bytes: int | None = None
@@ -173,6 +175,14 @@ class BlockIndex:
                 entries.move_to_end(key)
         if self.retention is not None:
             self.retention.used(keys)
+
+    def defer(self, key: OffloadKey) -> None:
+        """Make held `key` the most recent without a use (`tiering.eviction.retention.Reorder`)."""
+        self._entries.move_to_end(key)
+
+    def demote(self, key: OffloadKey) -> None:
+        """Make held `key` the least recent without a use (`tiering.eviction.retention.Reorder`)."""
+        self._entries.move_to_end(key, last=False)
 
     def retain(self, keys: Collection[OffloadKey], seconds: float) -> list[OffloadKey]:
         """The held `keys` get a deadline `seconds` from now, or keep a later one; returns
@@ -304,10 +314,17 @@ class BlockIndex:
             retention.forget(released)
             return released[0]
         while True:
-            live = retention.live() or ()
-            victim = next((key for key in entries if key not in live and idle(key)), None)
+            live, victim, passed = retention.live() or (), None, []
+            for key in entries:
+                if idle(key):
+                    if key not in live:
+                        victim = key
+                        break
+                    passed.append(key)
+            if passed:
+                retention.pass_over(passed)
             if victim is not None or not live or not retention.give_up(1, ()):
                 break
         if victim is not None:
-            retention.forget((victim,))
+            retention.evicted((victim,))
         return victim

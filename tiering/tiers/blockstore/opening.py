@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tiering.eviction.retention import Retention
 from tiering.tiers.blockstore.index import BlockIndex
 from tiering.tiers.blockstore.settings import BlockStoreSettings
 from tiering.tiers.blockstore.store import BlockStore
@@ -55,11 +54,10 @@ def new_index(
 ) -> BlockIndex:
     """An empty index for tier `name`, with retention deadlines for up to
     `retention_max_fraction` of the blocks `capacity_bytes` holds (none without a capacity)."""
-    retention = None
-    if settings.capacity_bytes is not None and settings.retention_max_fraction:
+    max_retained = 0
+    if settings.capacity_bytes is not None:
         blocks = settings.capacity_bytes // object_size(0, row_bytes, header_align)
-        if max_retained := int(settings.retention_max_fraction * blocks):
-            retention = Retention(max_retained, clock)
+        max_retained = int(settings.retention_max_fraction * blocks)
     return BlockIndex(
-        name, settings.capacity_bytes, clock=clock, max_keys=settings.index_max_blocks, retention=retention
+        name, settings.capacity_bytes, clock=clock, max_keys=settings.index_max_blocks, max_retained=max_retained
     )

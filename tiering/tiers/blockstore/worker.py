@@ -23,7 +23,6 @@ puts exactly one outcome.
 from __future__ import annotations
 
 import asyncio
-import errno
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -35,7 +34,7 @@ import numpy as np
 
 from tiering.contract.keys import OffloadKey
 from tiering.cpu.row_states import RowStates
-from tiering.errors import HungCallError, RuntimeClosedError
+from tiering.errors import HungCallError, RuntimeClosedError, is_no_space
 from tiering.tiers.blockstore.batches import LOAD_SPREAD, Block, Items, QueuedJobs, cut, jobs_of
 from tiering.tiers.blockstore.calls import StoreCalls
 from tiering.tiers.blockstore.generations import CurrentStore, Records
@@ -351,7 +350,7 @@ class BlockWorker:
             assert isinstance(done, StoreDone)
             if error is None:
                 done.ok.add(key)
-            elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            elif is_no_space(error):
                 done.failed("store_no_space", error, sick=False)
                 done.no_space += 1
             else:
