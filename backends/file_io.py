@@ -236,10 +236,12 @@ def _quarantine(ns: Namespace, dir_fd: int, name: str) -> None:
 
 def scan(ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None) -> list[tuple[OffloadKey, int]]:
     """Objects in the namespace, oldest first; removes temporaries older than
-    `TEMPORARY_GRACE_S` and regular files that are not whole objects of ours, and leaves
-    alone (unlisted) those whose seal `seal` does not open. Never follows a link."""
+    `TEMPORARY_GRACE_S`, regular files that are not whole objects of ours, and objects whose
+    seal `seal` does not open (sealed by a key dropped from `integrity`, or planted: a
+    namespace is one deployment's, and nothing else would ever give their space back).
+    Never follows a link."""
     found: list[tuple[float, OffloadKey, int]] = []
-    removed = foreign = 0
+    removed = unopened = 0
     now = time.time()
     progress = RecoveryProgress(f"file tier {directory}")
     for dir_fd in ns.shards:
@@ -254,7 +256,9 @@ def scan(ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None) 
                         continue  # perhaps another engine's write in flight (or renamed by now)
                     recovered = None if temporary else _check_header(dir_fd, entry.name, fingerprint, seal)
                 except ForgedObjectError:
-                    foreign += 1
+                    with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                        os.unlink(entry.name, dir_fd=dir_fd)
+                        unopened += 1
                     continue
                 if recovered is None:
                     with contextlib.suppress(FileNotFoundError):  # another engine's, removed meanwhile
@@ -264,8 +268,12 @@ def scan(ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None) 
                     found.append(recovered)
     if removed:
         logger.warning("file tier %s: removed %d temporary or foreign files", directory, removed)
-    if foreign:
-        logger.warning("file tier %s: left %d objects whose seal does not open (kept, not loaded)", directory, foreign)
+    if unopened:
+        logger.warning(
+            "file tier %s: reclaimed %d objects whose seal does not open (a key dropped from integrity, or planted)",
+            directory,
+            unopened,
+        )
     found.sort(key=lambda item: item[0])
     return [(key, size) for _, key, size in found]
 

@@ -24,7 +24,7 @@ from tiering.backends.file_dirs import OPEN_FLAGS
 from tiering.backends.file_io import ALIGN
 from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ForgedObjectError, is_no_space
-from tiering.tiers.object_format import announced, parse_header
+from tiering.tiers.object_format import MAGIC, announced, parse_header
 from tiering.tiers.seal import Seal
 
 logger = logging.getLogger(__name__)
@@ -106,10 +106,13 @@ def sequence_of(name: str) -> int | None:
         return None
 
 
-def walk(segment: Segment, fingerprint: bytes, seal: Seal | None) -> Iterator[tuple[OffloadKey, Entry, bool]]:
+def walk(
+    segment: Segment, fingerprint: bytes, seal: Seal | None, rejected: list[int]
+) -> Iterator[tuple[OffloadKey, Entry, bool]]:
     """(key, entry, whether `seal` opens it) of each whole entry of `segment`, in file order,
     skipping holes (punched entries, ranges never written) and pages that are not an entry's
-    header of this layout."""
+    header of this layout; the offsets of the pages among them that begin as a header does
+    but fail its checks (its CRC among them: torn, or a payload's look-alike) go to `rejected`."""
     fd = segment.fd
     end = os.fstat(fd).st_size
     offset = 0
@@ -128,6 +131,8 @@ def walk(segment: Segment, fingerprint: bytes, seal: Seal | None) -> Iterator[tu
             opens = False
         except CorruptObjectError:
             opens = None
+            if page[:4] == MAGIC:
+                rejected.append(offset)
         if opens is None:  # a torn or punched header, a page of a payload, not one of ours
             offset += ALIGN
             continue

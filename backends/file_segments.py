@@ -93,6 +93,8 @@ class SegmentLog:
         self._segments: dict[int, Segment] = {}
         self._active: Segment | None = None
         self.recovered: list[tuple[OffloadKey, int]] = []  # what `open_log` found (`BlockStore.recover`)
+        self.headers_rejected = 0  # pages recovery skipped that began as a header but failed its checks
+        self.unopened_reclaimed = 0  # entries recovery punched out because their seal does not open
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -292,40 +294,52 @@ class SegmentLog:
     # -- recovery and closing ---------------------------------------------------------------
 
     def _recover(self, progress: RecoveryProgress) -> list[tuple[OffloadKey, int]]:
-        """Map every whole entry of the segments on disk; list those whose seal opens, oldest
-        first: (key, bytes of its object). Entries whose seal does not open are kept (a load
-        of one is forged), an entry whose key a later one holds is punched out, segments left
-        with no entry are removed, and appends go to a new segment. Files that are not
-        segments are left alone."""
+        """Map every whole entry of the segments on disk, oldest first: (key, bytes of its
+        object). Entries whose seal does not open (sealed by a key dropped from `integrity`,
+        or planted: these segments are this engine's alone) and entries whose key a later
+        one holds are punched out, segments left with no entry are removed, and appends go to
+        a new segment. Files that are not segments are left alone."""
         found: dict[OffloadKey, Entry] = {}
-        foreign: set[OffloadKey] = set()
         stale: list[Entry] = []
+        unopened = 0
+        rejected: list[int] = []
         for name in sorted(os.listdir(self.dir_fd)):
             sequence = sequence_of(name)
             if sequence is None:
                 continue
             segment = open_segment(self.dir_fd, sequence, self.direct, create=False)
             self._segments[sequence] = segment
-            for key, entry, opens in walk(segment, self.fingerprint, self.seal):
+            for key, entry, opens in walk(segment, self.fingerprint, self.seal, rejected):
                 progress.add()
+                segment.tail = entry.offset + entry.size
+                if not opens:  # sealed by a key the tier no longer has, or planted: unusable
+                    unopened += 1
+                    stale.append(entry)
+                    continue
                 previous = found.pop(key, None)  # re-inserted: the order stays oldest first
                 if previous is not None:
                     previous.segment.live -= 1
                     stale.append(previous)
                 found[key] = entry
                 segment.live += 1
-                segment.tail = entry.offset + entry.size
-                (foreign.discard if opens else foreign.add)(key)
         for entry in stale:
             with contextlib.suppress(OSError):  # else its space comes back with its segment
                 punch(entry.segment.fd, entry.offset, entry.size)
-        if foreign:
-            logger.warning("file tier: kept %d segment entries whose seal does not open (not loaded)", len(foreign))
+        if unopened:
+            logger.warning(
+                "file tier: reclaimed %d segment entries whose seal does not open (a key dropped from integrity, "
+                "or planted)",
+                unopened,
+            )
+        self.unopened_reclaimed = unopened
+        self.headers_rejected = len(rejected)
+        if rejected:
+            logger.warning("file tier: skipped %d pages that begin as a header but fail its checks", len(rejected))
         with self._lock:
             self._map = found
             for segment in list(self._segments.values()):
                 self._remove_if_done(segment)
-        return [(key, ALIGN + entry.payload_len) for key, entry in found.items() if key not in foreign]
+        return [(key, ALIGN + entry.payload_len) for key, entry in found.items()]
 
     def close(self) -> None:
         """Close every segment and the directory; idempotent."""

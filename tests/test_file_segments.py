@@ -161,6 +161,37 @@ async def test_garbage_and_foreign_layout_pages_are_skipped_and_what_follows_fou
 
 
 @pytest.mark.asyncio
+async def test_a_look_alike_header_inside_a_payload_never_takes_a_block_from_recovery(store_kit):
+    """Recovery steps page by page through an entry whose header is torn; a page of its
+    payload that merely looks like another block's header (a copy with a byte changed) used
+    to be trusted: the later entry of that key, so the real block was punched out."""
+    store = await opened(store_kit)
+    try:
+        assert await store.put(key(0), payload(BLOCK, seed=3)) is None
+        look_alike = bytearray(read_raw(store, key(0))[:ALIGN])
+        look_alike[36] ^= 0x01  # the payload CRC's field: the header's own check fails, nothing else
+        carrier = bytearray(payload(BLOCK, seed=7))
+        carrier[ALIGN : 2 * ALIGN] = look_alike  # the carrier's second payload page
+        assert await store.put(key(1), memoryview(carrier)) is None
+        assert await store.put(key(2), payload(BLOCK, seed=5)) is None  # what the look-alike would span
+        torn = store._log._map[key(1)]
+        path = segment_path(store, torn)
+    finally:
+        await store.close()
+    with open(path, "r+b") as f:
+        f.seek(torn.offset)
+        f.write(b"\xff" * ALIGN)  # the carrier's own header: torn
+    store, found = await restarted(store_kit)
+    try:
+        into = buffer(BLOCK)
+        await store.get(key(0), into)
+        assert into == payload(BLOCK, seed=3)
+        assert list(found) == [key(0), key(2)] and store._log.headers_rejected == 1  # the look-alike, counted
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
 async def test_deletes_give_the_space_back_and_remove_segments_left_empty(store_kit, monkeypatch):
     monkeypatch.setattr(file_segments, "SEGMENT_BYTES", 4 * (ALIGN + BLOCK))
     store = await opened(store_kit)

@@ -8,8 +8,10 @@ import pytest
 from tests.helpers import key
 from tiering import ObjectNotFoundError
 from tiering.backends import FileBlockStore, file_dirs, file_io
+from tiering.backends.file_io import ALIGN
 from tiering.testing import BlockStoreSuite, StoreKit
-from tiering.testing.block_store import FINGERPRINT, buffer, opened, payload
+from tiering.testing.block_store import FINGERPRINT, KEY, NEW_KEY, buffer, opened, payload
+from tiering.tiers.seal import Seal
 
 
 @pytest.fixture(params=["direct", "buffered"])
@@ -220,3 +222,41 @@ def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monke
     finally:
         namespace.close()
     assert opened_flags == [True, True, False, False]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("layout", ["files", "segments"])
+async def test_a_restart_reclaims_the_objects_of_a_key_dropped_from_integrity(tmp_path, layout, caplog):
+    """After a rotation drops a key, what it sealed can never be loaded: its objects (and
+    segment entries) were kept, counted nowhere and never removed. The next start reclaims
+    them, says how many, and keeps what the tier's keys open."""
+
+    def store(seal):
+        made = FileBlockStore(tmp_path, FINGERPRINT, 2, direct_io=False, layout=layout)
+        made.seal = seal
+        return made
+
+    old = store(Seal([KEY]))
+    await old.open()
+    for i in range(4):
+        await old.put(key(i), payload(64 << 10, seed=i + 1))
+    await old.close()
+    rotated = store(Seal([NEW_KEY, KEY]))  # seals with the new key, still opens the old
+    await rotated.open()
+    await rotated.recover()
+    await rotated.put(key(9), payload(64 << 10, seed=9))
+    await rotated.close()
+    used = sum(f.stat().st_blocks for f in tmp_path.rglob("*") if f.is_file())
+    dropped = store(Seal([NEW_KEY]))  # the old key dropped
+    await dropped.open()
+    try:
+        assert dict(await dropped.recover()) == {key(9): ALIGN + (64 << 10)}
+        what = "objects" if layout == "files" else "segment entries"
+        assert f"reclaimed 4 {what} whose seal does not open" in caplog.text
+        into = buffer(64 << 10)
+        await dropped.get(key(9), into)
+        with pytest.raises(ObjectNotFoundError):
+            await dropped.get(key(0), buffer(64 << 10))
+    finally:
+        await dropped.close()
+    assert sum(f.stat().st_blocks for f in tmp_path.rglob("*") if f.is_file()) * 512 <= used * 512 - 4 * (64 << 10)

@@ -76,7 +76,8 @@ def test_every_field_changes_the_digest_and_equal_identities_share_it():
     digests = {name: identity(name).digest() for name in VARIANTS}
     assert len(set(digests.values())) == len(VARIANTS)
     assert identity("control").digest() == BASE.identity(32, BASE.kv_bytes_per_token * 32).digest()
-    for changed in (replace(identity("control"), row_format=2), replace(identity("control"), object_format=2)):
+    control = identity("control")
+    for changed in (replace(control, row_format=control.row_format + 1), replace(control, object_format=3)):
         assert changed.digest() != digests["control"]
     manifest = json.loads(json.dumps(identity("control").manifest()))
     assert manifest["parallel"]["tensor"] == 2 and manifest["groups"][0]["layer_names"][0] == "model.layers.0.attn"

@@ -40,13 +40,18 @@ from tiering.tiers.blockstore.generations import (
     manifest_text,
     record_namespace,
 )
-from tiering.tiers.object_format import header_size, open_payload, verify_payload
+from tiering.tiers.object_format import (
+    SEAL_KEY_ID_AT,
+    header_size,
+    open_payload,
+    restamp_header_crc,
+    verify_payload,
+)
 from tiering.tiers.seal import Seal
 
 FINGERPRINT = layout_fingerprint("conformance")
 FOREIGN = layout_fingerprint("another model")
 KEY, NEW_KEY, OTHERS_KEY = bytes(range(32)), bytes(range(100, 132)), bytes([7]) * 32  # test secrets
-KEY_ID_AT = 44  # where a sealed header's key id starts (after the 40 bytes of the fixed part, and the mode)
 
 
 def key(i: int) -> OffloadKey:
@@ -349,9 +354,11 @@ class BlockStoreSuite:
             await rotated.close()
 
     @pytest.mark.asyncio
-    async def test_objects_the_seal_does_not_open_are_forged_never_loaded_and_kept(self, store_kit):
+    async def test_objects_the_seal_does_not_open_are_never_loaded(self, store_kit):
         """Engines of other keys (and of none) stored into the same backing, one after the
-        other: a store may be one engine's at a time (the file tier's segments)."""
+        other: a store may be one engine's at a time (the file tier's segments). A store that
+        checks headers at recovery may reclaim these (a namespace is one deployment's);
+        either way they are never loaded."""
         _needs_integrity(store_kit)
         for seal, i in ((Seal([OTHERS_KEY]), 1), (None, 2)):
             planter = await opened(store_kit, seal=seal)
@@ -362,23 +369,19 @@ class BlockStoreSuite:
             await reader.recover()
             await reader.put(key(3), payload(1000, seed=3))
             for i in (1, 2):  # (what the store read into the buffer is garbage: the load fails)
-                with pytest.raises(ForgedObjectError):
+                with pytest.raises((ForgedObjectError, ObjectNotFoundError)):  # found forged, or reclaimed
                     await read_opened(reader, key(i), buffer(1000))
-                assert store_kit.read_raw(reader, key(i))  # never deleted: another deployment's, maybe
         finally:
             await reader.close()
         unsigned = await opened(store_kit)
         try:
             await unsigned.recover()
-            with pytest.raises(ForgedObjectError):  # and the other way: sealed, read without keys
+            with pytest.raises(
+                (ForgedObjectError, ObjectNotFoundError)
+            ):  # and the other way: sealed, read without keys
                 await read_opened(unsigned, key(3), buffer(1000))
         finally:
             await unsigned.close()
-        reader = await opened(store_kit, seal=Seal([KEY]))
-        try:
-            assert key(3) in dict(await reader.recover())
-        finally:
-            await reader.close()
 
     @pytest.mark.asyncio
     @pytest.mark.parametrize("encrypt", [False, True], ids=["signed", "encrypted"])
@@ -393,10 +396,11 @@ class BlockStoreSuite:
             if tamper == "payload byte":
                 raw[-1] ^= 0x01
             elif tamper == "key id":  # another of the tier's keys: its tag will not match
-                raw[KEY_ID_AT : KEY_ID_AT + 4] = Seal([NEW_KEY]).key_id
+                raw[SEAL_KEY_ID_AT : SEAL_KEY_ID_AT + 4] = Seal([NEW_KEY]).key_id
             else:  # a genuine object copied under another key, the key in its header changed to match
                 at = bytes(raw).index(key(1))
                 raw[at : at + len(key(2))], target = key(2), key(2)
+            restamp_header_crc(raw)  # a tamperer who knows the format: only the seal can tell
             store_kit.write_raw(store, target, bytes(raw))
             with pytest.raises(ForgedObjectError):
                 await read_opened(store, target, buffer(1000))

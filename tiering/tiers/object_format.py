@@ -3,23 +3,31 @@ their ciphertext).
 
 Header, little-endian, padded with zeros to `header_size` (a multiple of the store's
 alignment: 64 bytes by default; the file store uses 4096 so that payloads stay aligned for
-O_DIRECT). Version 1, a plain object::
+O_DIRECT). Version 3, a plain object::
 
     magic       4s   b"KVTB"
-    version     H    1
+    version     H    3
     key_len     H    bytes of the key that follows the fixed part
     header_len  I    bytes of the whole padded header
     layout      16s  layout fingerprint (see `layout_fingerprint`)
     length      Q    payload bytes
     crc         I    CRC32C of the payload
+    header_crc  I    CRC32C of the header up to the key's end, this field zeroed
     key         key_len bytes
 
-Version 2, a sealed object (`tiering.tiers.seal`), has ``crc`` 0 and the seal before the key::
+Version 4, a sealed object (`tiering.tiers.seal`), has ``crc`` 0 and the seal before the key::
 
     mode        B    1 signed, 2 encrypted (`SealMode`), then 3 zero bytes
     key_id      4s   id of the key that sealed it
     nonce       12s
-    tag         16s  over the header up to the key's end (the tag zeroed) and the payload
+    tag         16s  over the header up to the key's end (the tag and header_crc zeroed) and
+                     the payload
+
+The header's own CRC lets a reader trust a header before it has the payload: a file tier's
+segment recovery walks pages, and a page that merely looks like a header (a torn one, or a
+payload's bytes) must never name a block. Versions 1 and 2 (no header CRC) are not read: an
+engine of this format has an identity of its own (`OBJECT_FORMAT`), so their namespaces are
+other engines'.
 
 A store writes what `encode_object` returns and checks the header and the payload's length
 as it reads (`parse_header`, `check_length`), passing its tier's seal. The payload is checked
@@ -46,12 +54,13 @@ from tiering.errors import CorruptObjectError, ForgedObjectError
 from tiering.tiers.seal import TAG_BYTES, Seal, Sealed, SealMode
 
 MAGIC = b"KVTB"
-PLAIN, SEALED = 1, 2  # header versions
+PLAIN, SEALED = 3, 4  # header versions
 HEADER_ALIGN = 64
 FINGERPRINT_BYTES = 16
 MAX_KEY_BYTES = 1024
-_FIXED = struct.Struct("<4sHHI16sQI")  # version 1: the fixed part, then the key
-_SEALED = struct.Struct("<4sHHI16sQIB3x4s12s16s")  # version 2: the fixed part, the seal, then the key
+_FIXED = struct.Struct("<4sHHI16sQII")  # version 3: the fixed part, then the key
+_SEALED = struct.Struct("<4sHHI16sQIIB3x4s12s16s")  # version 4: the fixed part, the seal, then the key
+_HEADER_CRC_AT = _FIXED.size - 4
 _TAG_AT = _SEALED.size - TAG_BYTES
 _NO_TAG = bytes(TAG_BYTES)
 CRC_RELEASES_GIL_FROM = 256 << 10
@@ -100,13 +109,39 @@ def encode_object(
         raise ValueError(f"key of {len(key)} bytes (max {MAX_KEY_BYTES}) or fingerprint of {len(fingerprint)} bytes")
     size = header_size(len(key), align)
     if seal is None:
-        fixed = _FIXED.pack(MAGIC, PLAIN, len(key), size, fingerprint, payload.nbytes, payload_crc(payload))
-        return (fixed + key).ljust(size, b"\0"), payload
+        fixed = _FIXED.pack(MAGIC, PLAIN, len(key), size, fingerprint, payload.nbytes, payload_crc(payload), 0)
+        return _with_header_crc(fixed + key, size), payload
     nonce = seal.next_nonce()
     sealing = (seal.mode, seal.key_id, nonce, _NO_TAG)
-    fixed = _SEALED.pack(MAGIC, SEALED, len(key), size, fingerprint, payload.nbytes, 0, *sealing)
+    fixed = _SEALED.pack(MAGIC, SEALED, len(key), size, fingerprint, payload.nbytes, 0, 0, *sealing)
     body, tag = seal.close(nonce, fixed + key, payload)
-    return (fixed[:_TAG_AT] + tag + key).ljust(size, b"\0"), body
+    return _with_header_crc(fixed[:_TAG_AT] + tag + key, size), body
+
+
+SEAL_KEY_ID_AT = _FIXED.size + 4
+"""Where a sealed header's key id starts (after the fixed part and the seal's mode)."""
+
+
+def restamp_header_crc(image: bytearray) -> None:
+    """Put the right header CRC into the object `image` (whole, or its header) in place: what
+    someone who edits a stored object and knows this format does (the conformance suite's
+    forgeries), so that only the seal stands in the way.
+
+    Raises:
+        struct.error: `image` is shorter than a header's fixed part.
+    """
+    _, version, key_len = struct.unpack_from("<4sHH", image)
+    end = (_FIXED.size if version == PLAIN else _SEALED.size) + key_len
+    header = bytearray(image[:end])
+    header[_HEADER_CRC_AT : _HEADER_CRC_AT + 4] = bytes(4)
+    image[:end] = _with_header_crc(bytes(header), end)
+
+
+def _with_header_crc(header: bytes, size: int) -> bytes:
+    """`header` (up to the key's end, its header_crc zeroed) with its CRC32C in place, padded
+    with zeros to `size`."""
+    crc = crc32c.crc32c(header).to_bytes(4, "little")
+    return (header[:_HEADER_CRC_AT] + crc + header[_HEADER_CRC_AT + 4 :]).ljust(size, b"\0")
 
 
 class ObjectHeader(NamedTuple):  # a tuple: built once per block read, it must be cheap
@@ -131,18 +166,23 @@ def parse_header(
     reading tier's, or None for a tier without keys.
 
     Raises:
-        CorruptObjectError: the buffer is short, or magic, version, layout or key differ.
+        CorruptObjectError: the buffer is short, or magic, version (an older format among
+            them), the header's own CRC, layout or key differ.
         ForgedObjectError: a plain object and `seal` is given; a sealed one and it is not,
             or sealed by a key that is not `seal`'s.
     """
     if len(buf) < _FIXED.size:
         raise CorruptObjectError(f"header of {len(buf)} bytes is truncated")
-    magic, version, key_len, size, layout, length, crc = _FIXED.unpack_from(buf)
+    magic, version, key_len, size, layout, length, crc, header_crc = _FIXED.unpack_from(buf)
     fixed = _FIXED.size if version == PLAIN else _SEALED.size
     if magic != MAGIC or version not in (PLAIN, SEALED):
         raise CorruptObjectError(f"bad magic {bytes(magic)!r} or version {version}")
     if size < fixed + key_len or size % HEADER_ALIGN or len(buf) < fixed + key_len:
         raise CorruptObjectError(f"header length {size} is impossible for a key of {key_len} bytes")
+    unchecked = bytearray(buf[: fixed + key_len])
+    unchecked[_HEADER_CRC_AT : _HEADER_CRC_AT + 4] = bytes(4)
+    if crc32c.crc32c(unchecked) != header_crc:
+        raise CorruptObjectError("header CRC32C mismatch")
     if layout != fingerprint:
         raise CorruptObjectError("object of a foreign layout")
     stored_key = OffloadKey(bytes(buf[fixed : fixed + key_len]))
@@ -152,14 +192,14 @@ def parse_header(
         if seal is not None:
             raise ForgedObjectError(f"block {stored_key.hex()}: not sealed; this tier loads only sealed objects")
         return ObjectHeader(stored_key, length, crc, size)
-    mode, key_id, nonce, tag = _SEALED.unpack_from(buf)[7:]
+    mode, key_id, nonce, tag = _SEALED.unpack_from(buf)[8:]
     if mode not in (SealMode.SIGNED, SealMode.ENCRYPTED):
         raise CorruptObjectError(f"unknown seal mode {mode}")
     if seal is None:
         raise ForgedObjectError(f"block {stored_key.hex()}: sealed, and this tier has no integrity keys")
     if not seal.knows(key_id):
         raise ForgedObjectError(f"block {stored_key.hex()}: sealed by key id {key_id.hex()}, not one of this tier's")
-    covered = bytes(buf[:_TAG_AT]) + _NO_TAG + stored_key
+    covered = bytes(unchecked[:_TAG_AT]) + _NO_TAG + stored_key
     return ObjectHeader(stored_key, length, crc, size, Sealed(SealMode(mode), key_id, nonce, tag, covered))
 
 
@@ -167,7 +207,7 @@ def announced(buf: bytes | bytearray | memoryview) -> tuple[OffloadKey, int]:
     """(key, payload bytes) a header announces, once `parse_header` parsed it or found it
     forged: a store that lists objects it keeps but cannot open (another deployment's) needs
     their extent."""
-    _, version, key_len, _, _, length, _ = _FIXED.unpack_from(buf)
+    _, version, key_len, _, _, length, _, _ = _FIXED.unpack_from(buf)
     fixed = _FIXED.size if version == PLAIN else _SEALED.size
     return OffloadKey(bytes(buf[fixed : fixed + key_len])), length
 

@@ -106,9 +106,10 @@ class BlockStore(ABC):
         lists_locally: True where `list_namespaces` reaches nothing remote (the file
             store): ``tiering-config check`` lists its namespaces without ``--connect``.
         supports_integrity: True when the store passes `seal` to `encode_object`,
-            `parse_header` and `verify_payload`, and leaves alone (never deletes) objects
-            whose seal does not open (`ForgedObjectError`) when it recovers; only then may
-            its tiers take the ``integrity`` key.
+            `parse_header` and `verify_payload` (a store that checks headers when it
+            recovers may reclaim the objects whose seal does not open, `ForgedObjectError`:
+            a namespace is one deployment's); only then may its tiers take the
+            ``integrity`` key.
         seal: the tier's `tiering.tiers.seal.Seal`, set by the adapter before `open`, or None for
             a tier without integrity keys.
         block_bytes: the bytes of the tier's blocks (a primary row), set by the adapter before
@@ -288,8 +289,9 @@ class BlockStore(ABC):
         """Every object a previous run left, as (key, object bytes), oldest first.
 
         Called once after `open`. Headers are checked (not payloads) where the listing has
-        them; objects that fail, and leftovers of interrupted writes, are deleted, except
-        those whose seal does not open, which are left out and kept.
+        them; objects that fail, leftovers of interrupted writes, and objects whose seal does
+        not open (sealed by a key dropped from ``integrity``, or planted) are left out and
+        deleted (nothing else would give their space back).
         """
 
     def for_records(self) -> BlockStore:
