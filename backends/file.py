@@ -289,7 +289,7 @@ class FileBlockStore(BlockStore):
         """For ``segments``, or ``auto`` with blocks under `SEGMENT_BLOCKS_UNDER`, open the
         segment log (`file_segments.open_log`). ``auto`` keeps one file per block, in one log
         line, where the namespace holds one-file objects already (removing segments no engine
-        holds: `file_segments.remove_unheld`), the filesystem cannot punch holes or another
+        holds: `file_dirs.remove_unheld`), the filesystem cannot punch holes or another
         engine holds the segments."""
         small = self.block_bytes is not None and self.block_bytes < SEGMENT_BLOCKS_UNDER
         if self.layout == "files" or (self.layout == "auto" and not small):
@@ -298,7 +298,7 @@ class FileBlockStore(BlockStore):
         path = self.directory / file_dirs.SEGMENTS
         if self.layout == "auto" and await self._run(file_dirs.holds_objects, ns):
             logger.info("file tier %s: holds one file per block already; keeping that layout", self.directory)
-            if await self._run(file_segments.remove_unheld, ns.fd, path):
+            if await self._run(file_dirs.remove_unheld, ns.fd, path):
                 logger.warning("file tier %s: removed segments no engine held (their blocks are recomputed)", path)
             return
         self._segments_made = not os.path.lexists(path)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import stat
 import threading
 from pathlib import Path
@@ -290,3 +292,26 @@ def namespace_usage(root: Path) -> list[NamespaceUsage]:
             newest = newest if newest is not None else os.lstat(entry.path).st_mtime
         found.append(NamespaceUsage(namespace, files, size, newest))
     return found
+
+
+def remove_unheld(ns_fd: int, path: Path) -> bool:
+    """Remove the segments directory `path` under the namespace `ns_fd` if it exists and no
+    engine holds its lock (segments an engine left when a later start chose one file per
+    block: never recovered, counted or removed otherwise). Returns whether it was removed.
+
+    Raises:
+        OSError: it could not be opened or removed (what was removed stays so).
+    """
+    try:
+        dir_fd = os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ns_fd)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # an engine uses them
+        shutil.rmtree(path)  # under the lock: no engine opens them meanwhile
+        return True
+    finally:
+        os.close(dir_fd)

@@ -55,14 +55,16 @@ def punch(fd: int, offset: int, length: int) -> None:
 
 @dataclass(eq=False)
 class Segment:
-    """One segment file, open for reads and appends (and with O_DIRECT, `direct_fd`)."""
+    """One segment file, its descriptors open for reads and appends (and with O_DIRECT,
+    `direct_fd`), or -1 while closed (`tiering.backends.file_segment_fds`)."""
 
     sequence: int
     fd: int
     direct_fd: int
     tail: int = 0  # bytes reserved by appends
     live: int = 0  # entries the map points at
-    users: int = 0  # calls reading or writing it now: its descriptors stay open until they end
+    users: int = 0  # calls that may read or write it now: it is not removed until they end
+    in_io: int = 0  # system calls using its descriptors now (`file_segment_fds`): not closed meanwhile
     name: str = field(init=False)
 
     def __post_init__(self) -> None:

@@ -30,17 +30,16 @@ import errno
 import fcntl
 import logging
 import os
-import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tiering.backends.file_dirs import private_subdir
 from tiering.backends.file_io import ALIGN, is_aligned
+from tiering.backends.file_segment_fds import OpenSegments
 from tiering.backends.file_segment_io import (
     Entry,
     Segment,
-    close_segment,
     open_segment,
     padded,
     pread_all,
@@ -91,6 +90,7 @@ class SegmentLog:
         self._lock = threading.Lock()
         self._map: dict[OffloadKey, Entry] = {}
         self._segments: dict[int, Segment] = {}
+        self._fds = OpenSegments(dir_fd, direct)
         self._active: Segment | None = None
         self.recovered: list[tuple[OffloadKey, int]] = []  # what `open_log` found (`BlockStore.recover`)
         self.headers_rejected = 0  # pages recovery skipped that began as a header but failed its checks
@@ -123,6 +123,7 @@ class SegmentLog:
         with self._lock:
             segment, offset = self._reserve(total)
             segment.users += 1
+            self._fds.use(segment)  # the active segment's are open: this keeps them so
         written, error = pwrite_all(segment.fd_for(direct), buffers, offset)
         if error is None and self.fsync:
             try:
@@ -148,6 +149,7 @@ class SegmentLog:
                 self._map[key] = Entry(segment, at, payloads[i].nbytes)
                 segment.live += 1
                 at += sizes[i]
+            self._fds.done(segment, self._active)
             self._release(segment)
         self._punch(replaced)
         return [None] * whole + [error] * (len(items) - whole)
@@ -164,7 +166,7 @@ class SegmentLog:
 
     def _start_segment(self) -> Segment:
         sequence = max(self._segments, default=0) + 1
-        segment = open_segment(self.dir_fd, sequence, self.direct, create=True)
+        segment = self._fds.create(sequence)
         self._segments[sequence] = segment
         previous, self._active = self._active, segment
         if previous is not None:
@@ -215,7 +217,8 @@ class SegmentLog:
                 buffers.append(sink[: -into.nbytes % ALIGN])
         first = run[0]
         try:
-            received = pread_all(first.segment.fd_for(direct), buffers, first.offset)
+            with self._io(first.segment):
+                received = pread_all(first.segment.fd_for(direct), buffers, first.offset)
         except OSError as exc:
             return [exc] * len(run)
         outcomes: list[ObjectHeader | Exception] = []
@@ -261,7 +264,8 @@ class SegmentLog:
         error: OSError | None = None
         for entry in entries:
             try:
-                punch(entry.segment.fd, entry.offset, entry.size)
+                with self._io(entry.segment):
+                    punch(entry.segment.fd, entry.offset, entry.size)
             except OSError as exc:
                 error = exc
         with self._lock:
@@ -289,7 +293,22 @@ class SegmentLog:
         self._segments.pop(segment.sequence, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(segment.name, dir_fd=self.dir_fd)
-        close_segment(segment)
+        self._fds.forget(segment)
+
+    @contextlib.contextmanager
+    def _io(self, segment: Segment) -> Iterator[None]:
+        """Keep `segment`'s descriptors open (opening them if closed) for the system calls
+        in the block.
+
+        Raises:
+            OSError: they cannot be opened."""
+        with self._lock:
+            self._fds.use(segment)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._fds.done(segment, self._active)
 
     # -- recovery and closing ---------------------------------------------------------------
 
@@ -309,6 +328,7 @@ class SegmentLog:
                 continue
             segment = open_segment(self.dir_fd, sequence, self.direct, create=False)
             self._segments[sequence] = segment
+            self._fds.opened(segment)
             for key, entry, opens in walk(segment, self.fingerprint, self.seal, rejected):
                 progress.add()
                 segment.tail = entry.offset + entry.size
@@ -322,8 +342,9 @@ class SegmentLog:
                     stale.append(previous)
                 found[key] = entry
                 segment.live += 1
+            self._fds.trim(None)
         for entry in stale:
-            with contextlib.suppress(OSError):  # else its space comes back with its segment
+            with contextlib.suppress(OSError), self._io(entry.segment):  # else its space comes back with its segment
                 punch(entry.segment.fd, entry.offset, entry.size)
         if unopened:
             logger.warning(
@@ -345,7 +366,7 @@ class SegmentLog:
         """Close every segment and the directory; idempotent."""
         with self._lock:
             for segment in self._segments.values():
-                close_segment(segment)
+                self._fds.forget(segment)
             self._segments.clear()
             self._map.clear()
             self._active = None
@@ -373,29 +394,6 @@ def _runs(entries: list[Entry | None]) -> list[tuple[int, int]]:
             runs.append((start, i))
         start = i
     return runs
-
-
-def remove_unheld(ns_fd: int, path: Path) -> bool:
-    """Remove the segments directory `path` under the namespace `ns_fd` if it exists and no
-    engine holds its lock (segments an engine left when a later start chose one file per
-    block: never recovered, counted or removed otherwise). Returns whether it was removed.
-
-    Raises:
-        OSError: it could not be opened or removed (what was removed stays so).
-    """
-    try:
-        dir_fd = os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ns_fd)
-    except FileNotFoundError:
-        return False
-    try:
-        try:
-            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # an engine uses them
-        shutil.rmtree(path)  # under the lock: no engine opens them meanwhile
-        return True
-    finally:
-        os.close(dir_fd)
 
 
 def open_log(ns_fd: int, path: Path, fingerprint: bytes, seal: Seal | None, direct: bool, fsync: bool) -> SegmentLog:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import key
 from tiering import CorruptObjectError, ObjectNotFoundError
-from tiering.backends import FileBlockStore, file_segment_io, file_segments
+from tiering.backends import FileBlockStore, file_segment_fds, file_segment_io, file_segments
 from tiering.backends.file_io import ALIGN
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, buffer, opened, payload
@@ -398,3 +398,41 @@ def test_a_segment_whose_second_open_fails_is_removed_so_the_next_create_succeed
         file_segment_io.close_segment(segment)
     finally:
         os.close(dir_fd)
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.asyncio
+async def test_a_tier_of_a_tebibyte_holds_a_bounded_number_of_descriptors(tmp_path):
+    """A TiB in 64 MiB segments is 16,384 segments, and each held its descriptors (two with
+    O_DIRECT) for good: a soft limit of 1,024 ran out at about 24 GiB, and then every open of
+    the process failed. Here each segment holds one small block: the same count of segments,
+    in 128 MiB of disk. Writes, reads across all of them, deletes and a restart's recovery
+    keep the descriptors under a bound that does not grow with the tier."""
+    bound = 2 * (file_segment_fds.MAX_OPEN_SEGMENTS + 1) + 8  # the cache, the active segment, calls in flight
+    store = FileBlockStore(tmp_path, FINGERPRINT, 4, direct_io=True, layout="segments")  # two descriptors each
+    await store.open()
+    before = open_descriptors()
+    try:
+        log = store._log
+        log.segment_bytes = 1  # a segment per append
+        for i in range(16_384):
+            assert log.put_many([(key(i), payload(ALIGN, seed=i % 250 + 1))]) == [None]
+        assert len(log._segments) == 16_384 and open_descriptors() - before <= bound
+        sample = {i: buffer(ALIGN) for i in range(0, 16_384, 61)}
+        outcomes = log.get_many([(key(i), into) for i, into in sample.items()])
+        assert not any(isinstance(outcome, Exception) for outcome in outcomes)
+        assert all(into == payload(ALIGN, seed=i % 250 + 1) for i, into in sample.items())
+        log.delete_many([key(i) for i in range(1, 16_384, 7)])
+        assert open_descriptors() - before <= bound
+    finally:
+        await store.close()
+    store = FileBlockStore(tmp_path, FINGERPRINT, 4, direct_io=True, layout="segments")
+    await store.open()  # recovers every segment
+    try:
+        assert len(await store.recover()) == 16_384 - len(range(1, 16_384, 7))
+        assert open_descriptors() - before <= bound
+    finally:
+        await store.close()
