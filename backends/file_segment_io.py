@@ -63,6 +63,7 @@ class Segment:
     direct_fd: int
     tail: int = 0  # bytes reserved by appends
     live: int = 0  # entries the map points at
+    live_bytes: int = 0  # the bytes those entries take
     users: int = 0  # calls that may read or write it now: it is not removed until they end
     in_io: int = 0  # system calls using its descriptors now (`file_segment_fds`): not closed meanwhile
     name: str = field(init=False)
@@ -241,3 +242,24 @@ def probe_punch(dir_fd: int, path: Path) -> bool:
     finally:
         os.close(fd)
         os.unlink(name, dir_fd=dir_fd)
+
+
+def runs(entries: list[Entry | None]) -> list[tuple[int, int]]:
+    """[start, stop) of each run of consecutive entries that lie side by side in one
+    segment (an absent entry is a run of its own, read by no one)."""
+    runs = []
+    start = 0
+    for i in range(1, len(entries) + 1):
+        if i < len(entries):
+            previous, entry = entries[i - 1], entries[i]
+            if (
+                previous is not None
+                and entry is not None
+                and entry.segment is previous.segment
+                and entry.offset == previous.offset + previous.size
+            ):
+                continue
+        if entries[start] is not None:
+            runs.append((start, i))
+        start = i
+    return runs

@@ -13,14 +13,13 @@ write at a range it reserved at the tail of the active segment; a `get_many` rea
 of blocks that lie side by side in one vectored read, and checks every block's header,
 length and CRC (or seal) in the thread that read it. Entries are never rewritten: a deleted
 block's range is punched out of its file (``fallocate(PUNCH_HOLE)``, its disk space freed at
-once) and a segment whose blocks are all deleted is removed.
+once) and a segment whose blocks are all deleted is removed; a segment left sparse by deletes
+has its live entries copied to the active one (`SPARSE`), so that it goes too. At most
+`file_segment_fds.MAX_OPEN_SEGMENTS` idle segments keep their descriptors open.
 
-Recovery walks each segment's data ranges (``SEEK_DATA``): a page that is not a whole entry's
-header (a torn write, zeros) is skipped, an entry that runs past the end of its file is not
-listed, and an entry whose payload was torn is found by its CRC when loaded (never loaded:
-dropped as corrupt). A key found twice is the later entry's. The map of keys to entries lives
-in memory only, so a namespace's segments are one engine's: `open_log` takes an exclusive
-lock on the segments directory, and a second engine fails to open it, naming it.
+Recovery (`file_segment_recovery`) maps the entries the segments hold. The map of keys to
+entries lives in memory only, so a namespace's segments are one engine's: `open_log` takes
+an exclusive lock on the segments directory, and a second engine fails to open it, naming it.
 """
 
 from __future__ import annotations
@@ -40,16 +39,16 @@ from tiering.backends.file_segment_fds import OpenSegments
 from tiering.backends.file_segment_io import (
     Entry,
     Segment,
-    open_segment,
     padded,
     pread_all,
     probe_punch,
     punch,
     pwrite_all,
+    runs,
     scratch_pages,
-    sequence_of,
     walk,
 )
+from tiering.backends.file_segment_recovery import recover
 from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ForgedObjectError, ObjectNotFoundError
 from tiering.tiers.blockstore.store import RecoveryProgress
@@ -60,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 SEGMENT_BYTES = 64 << 20
 """An active segment takes appends until it holds this many bytes (a batch never splits)."""
+SPARSE = 8
+"""A segment whose live entries take less than 1/SPARSE of its bytes is compacted: at most
+that share of a segment's bytes is written twice."""
 _ZEROS = memoryview(bytes(ALIGN))  # what pads an entry to its next page
 
 
@@ -109,10 +111,23 @@ class SegmentLog:
             header, body = encode_object(key, payload.cast("B"), self.fingerprint, ALIGN, self.seal)
             headers.append(header)
             payloads.append(body)
+        return self._append([key for key, _ in items], headers, payloads)
+
+    def _append(
+        self,
+        keys: list[OffloadKey],
+        headers: Sequence[bytes | memoryview],
+        payloads: list[memoryview],
+        moving: list[Entry] | None = None,
+    ) -> list[Exception | None]:
+        """`put_many` of entries made already (header pages, payloads); with `moving` (a
+        compaction's copies of those entries), a key is listed at its copy only if it still
+        holds its entry there, which is left to its segment's removal (never punched under a
+        read), and the other copies are punched out."""
         sizes = [ALIGN + padded(payload.nbytes) for payload in payloads]
         total = sum(sizes)
         direct = self.direct and all(is_aligned(payload) for payload in payloads)
-        pages = scratch_pages(len(items))
+        pages = scratch_pages(len(keys))
         buffers: list[memoryview] = []
         for i, (header, payload) in enumerate(zip(headers, payloads, strict=True)):
             page = pages[i * ALIGN : (i + 1) * ALIGN]
@@ -131,7 +146,7 @@ class SegmentLog:
             except OSError as exc:
                 written, error = 0, exc
         whole, kept = 0, 0  # the items written whole, and their bytes
-        while whole < len(items) and kept + sizes[whole] <= written:
+        while whole < len(keys) and kept + sizes[whole] <= written:
             kept += sizes[whole]
             whole += 1
         if error is not None:
@@ -141,18 +156,24 @@ class SegmentLog:
         with self._lock:
             at = offset
             for i in range(whole):
-                key = items[i][0]
-                if (old := self._map.get(key)) is not None:
-                    old.segment.users += 1
-                    replaced.append(old)
-                    self._forget(old)
-                self._map[key] = Entry(segment, at, payloads[i].nbytes)
-                segment.live += 1
+                new, old = Entry(segment, at, payloads[i].nbytes), self._map.get(keys[i])
                 at += sizes[i]
+                if moving is not None and old != moving[i]:  # deleted or stored again meanwhile
+                    segment.users += 1
+                    replaced.append(new)
+                    continue
+                if old is not None:
+                    self._forget(old)
+                    if moving is None:
+                        old.segment.users += 1
+                        replaced.append(old)
+                self._map[keys[i]] = new
+                segment.live += 1
+                segment.live_bytes += sizes[i]
             self._fds.done(segment, self._active)
             self._release(segment)
         self._punch(replaced)
-        return [None] * whole + [error] * (len(items) - whole)
+        return [None] * whole + [error] * (len(keys) - whole)
 
     def _reserve(self, nbytes: int) -> tuple[Segment, int]:
         """A range of `nbytes` at the active segment's tail, starting the next segment when the
@@ -194,7 +215,7 @@ class SegmentLog:
                         f"block {key.hex()}: {entry.payload_len} bytes, the row {into.nbytes}"
                     )
                 readable.append(None if outcomes[i] else entry)
-            for start, stop in _runs(readable):
+            for start, stop in runs(readable):
                 outcomes[start:stop] = self._read_run(items[start:stop], readable[start:stop])
         finally:
             with self._lock:
@@ -257,6 +278,32 @@ class SegmentLog:
                     deleted.append(entry)
                     self._forget(entry)
         self._punch(deleted, raise_error=True)
+        for segment in {entry.segment for entry in deleted}:
+            self._compact_if_sparse(segment)
+
+    def _compact_if_sparse(self, segment: Segment) -> None:
+        """Copy the live entries of `segment`, byte for byte, to the active segment if they
+        take less than 1/`SPARSE` of what it holds (and it is not the active one): it then
+        empties and is removed, where one long-lived block would keep it for good. A failed
+        copy is logged; the segment stays as it was."""
+        with self._lock:
+            if segment is self._active or not segment.live or segment.live_bytes * SPARSE >= segment.tail:
+                return
+            segment.users += 1
+        try:
+            with self._io(segment):
+                found = list(walk(segment, self.fingerprint, self.seal, []))
+                with self._lock:
+                    live = [(key, entry) for key, entry, _ in found if self._map.get(key) == entry]
+                raw = [memoryview(os.pread(segment.fd, entry.size, entry.offset)) for _, entry in live]
+            pages = [image[:ALIGN] for image in raw]
+            payloads = [image[ALIGN : ALIGN + entry.payload_len] for image, (_, entry) in zip(raw, live, strict=True)]
+            self._append([key for key, _ in live], pages, payloads, [entry for _, entry in live])
+        except OSError as exc:
+            logger.warning("file tier: could not compact segment %s: %s", segment.name, exc)
+        finally:
+            with self._lock:
+                self._release(segment)
 
     def _punch(self, entries: list[Entry], raise_error: bool = False) -> None:
         """Punch `entries` (forgotten, their segments' `users` counted for this call) out of
@@ -278,6 +325,7 @@ class SegmentLog:
         """`entry` is no longer listed: its segment holds one entry fewer. Under the lock."""
         if entry is not None:
             entry.segment.live -= 1
+            entry.segment.live_bytes -= entry.size
             self._remove_if_done(entry.segment)
 
     def _release(self, segment: Segment) -> None:
@@ -313,54 +361,19 @@ class SegmentLog:
     # -- recovery and closing ---------------------------------------------------------------
 
     def _recover(self, progress: RecoveryProgress) -> list[tuple[OffloadKey, int]]:
-        """Map every whole entry of the segments on disk, oldest first: (key, bytes of its
-        object). Entries whose seal does not open (sealed by a key dropped from `integrity`,
-        or planted: these segments are this engine's alone) and entries whose key a later
-        one holds are punched out, segments left with no entry are removed, and appends go to
-        a new segment. Files that are not segments are left alone."""
-        found: dict[OffloadKey, Entry] = {}
-        stale: list[Entry] = []
-        unopened = 0
-        rejected: list[int] = []
-        for name in sorted(os.listdir(self.dir_fd)):
-            sequence = sequence_of(name)
-            if sequence is None:
-                continue
-            segment = open_segment(self.dir_fd, sequence, self.direct, create=False)
-            self._segments[sequence] = segment
-            self._fds.opened(segment)
-            for key, entry, opens in walk(segment, self.fingerprint, self.seal, rejected):
-                progress.add()
-                segment.tail = entry.offset + entry.size
-                if not opens:  # sealed by a key the tier no longer has, or planted: unusable
-                    unopened += 1
-                    stale.append(entry)
-                    continue
-                previous = found.pop(key, None)  # re-inserted: the order stays oldest first
-                if previous is not None:
-                    previous.segment.live -= 1
-                    stale.append(previous)
-                found[key] = entry
-                segment.live += 1
-            self._fds.trim(None)
-        for entry in stale:
-            with contextlib.suppress(OSError), self._io(entry.segment):  # else its space comes back with its segment
-                punch(entry.segment.fd, entry.offset, entry.size)
-        if unopened:
-            logger.warning(
-                "file tier: reclaimed %d segment entries whose seal does not open (a key dropped from integrity, "
-                "or planted)",
-                unopened,
-            )
-        self.unopened_reclaimed = unopened
-        self.headers_rejected = len(rejected)
-        if rejected:
-            logger.warning("file tier: skipped %d pages that begin as a header but fail its checks", len(rejected))
+        """Map the entries the segments on disk hold (`file_segment_recovery.recover`); returns
+        them, oldest first: (key, bytes of its object). Segments left with no entry are
+        removed, and appends go to a new segment.
+
+        Raises:
+            OSError: a segment cannot be opened or read."""
+        recovered = recover(self.dir_fd, self.fingerprint, self.seal, self._fds, progress)
+        self.headers_rejected, self.unopened_reclaimed = recovered.headers_rejected, recovered.unopened_reclaimed
         with self._lock:
-            self._map = found
+            self._segments, self._map = recovered.segments, recovered.found
             for segment in list(self._segments.values()):
                 self._remove_if_done(segment)
-        return [(key, ALIGN + entry.payload_len) for key, entry in found.items()]
+        return [(key, ALIGN + entry.payload_len) for key, entry in self._map.items()]
 
     def close(self) -> None:
         """Close every segment and the directory; idempotent."""
@@ -373,27 +386,6 @@ class SegmentLog:
             if self.dir_fd >= 0:
                 os.close(self.dir_fd)  # releases the lock
                 self.dir_fd = -1
-
-
-def _runs(entries: list[Entry | None]) -> list[tuple[int, int]]:
-    """[start, stop) of each run of consecutive entries that lie side by side in one
-    segment (an absent entry is a run of its own, read by no one)."""
-    runs = []
-    start = 0
-    for i in range(1, len(entries) + 1):
-        if i < len(entries):
-            previous, entry = entries[i - 1], entries[i]
-            if (
-                previous is not None
-                and entry is not None
-                and entry.segment is previous.segment
-                and entry.offset == previous.offset + previous.size
-            ):
-                continue
-        if entries[start] is not None:
-            runs.append((start, i))
-        start = i
-    return runs
 
 
 def open_log(ns_fd: int, path: Path, fingerprint: bytes, seal: Seal | None, direct: bool, fsync: bool) -> SegmentLog:

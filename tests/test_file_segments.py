@@ -436,3 +436,34 @@ async def test_a_tier_of_a_tebibyte_holds_a_bounded_number_of_descriptors(tmp_pa
         assert open_descriptors() - before <= bound
     finally:
         await store.close()
+
+
+@pytest.mark.asyncio
+async def test_a_segment_left_sparse_is_compacted_so_one_long_lived_block_does_not_keep_it(store_kit):
+    """Entries are never rewritten and a segment went only once all its blocks had: one block
+    that stays (a system prompt's) kept its whole segment, its descriptors and its file, for
+    good. Deletes that leave a segment sparse copy its live entries to the active one."""
+    store = await opened(store_kit)
+    try:
+        log = store._log
+        log.segment_bytes = 16 * (ALIGN + BLOCK)  # 16 blocks a segment
+        for batch in range(4):
+            assert log.put_many([(key(16 * batch + i), payload(BLOCK, seed=16 * batch + i + 1)) for i in range(16)])
+        first = log._map[key(0)].segment
+        assert len(log._segments) == 4
+        log.delete_many([key(i) for i in range(1, 16)])  # key(0) stays: 1/16 of its segment
+        assert first.sequence not in log._segments and not (store.directory / "segments" / first.name).exists()
+        assert log._map[key(0)].segment is log._active
+        into = buffer(BLOCK)
+        await store.get(key(0), into)
+        assert into == payload(BLOCK, seed=1)
+    finally:
+        await store.close()
+    store, found = await restarted(store_kit)
+    try:
+        assert len(found) == 64 - 15 and key(0) in found
+        into = buffer(BLOCK)
+        await store.get(key(0), into)
+        assert into == payload(BLOCK, seed=1)
+    finally:
+        await store.close()
