@@ -368,3 +368,32 @@ async def test_time_queued_for_a_lane_is_not_counted_against_a_calls_timeout():
     await asyncio.sleep(0.5)  # at least this long: past the timeout, still queued
     lane.release()
     assert await queued == "deleted" and job.hung == 0
+
+
+@pytest.mark.asyncio
+async def test_deletes_queued_behind_a_call_share_the_next_call():
+    """Every evicting step sends a delete, and each took a call of its own, one at a time: a
+    backend slower than the steps fell a call further behind at every step. Those that queue
+    behind a call share the next one."""
+    import asyncio
+
+    from tiering.tiers.blockstore.calls import StoreCalls
+    from tiering.tiers.blockstore.deletes import Deletes
+    from tiering.tiers.blockstore.outbox import Outbox
+
+    deletes, gate, calls = Deletes(StoreCalls(30.0, Outbox())), asyncio.Event(), []
+
+    class SlowStore:
+        async def delete_many(self, keys):
+            calls.append(list(keys))
+            await gate.wait()
+
+    store = SlowStore()
+    first = asyncio.ensure_future(deletes.delete(store, keys(0)))
+    while not calls:  # the first call holds the lane
+        await asyncio.sleep(0)
+    queued = [asyncio.ensure_future(deletes.delete(store, keys(i))) for i in (1, 2, 3)]
+    await asyncio.sleep(0)
+    gate.set()
+    assert await asyncio.gather(first, *queued) == [None] * 4
+    assert calls == [keys(0), keys(1, 2, 3)] and deletes.calls == 2

@@ -4,7 +4,8 @@ Loop thread only: every method runs on the tier's event loop (the ``start_*`` me
 callbacks the scheduler thread queued with `AsyncRuntime.submit`). It runs the store calls
 in three lanes, each under `op_timeout_s`: loads and existence probes (what a request waits
 for) at most `max_concurrency` at once, stores at most `max_concurrency` at once, and deletes
-one call at a time, so a promotion never queues behind cascade writes or deletes. The store
+one call at a time, those queued meanwhile merged into the next (`Deletes`), so a promotion
+never queues behind cascade writes or deletes. The store
 (or load) jobs queued by one run of callbacks (a step's, mostly) start together and share
 their store calls (`tiering.tiers.blockstore.batches`), each job finished as the last call
 with its blocks ends. It fills in each job's outcome and puts it in the `Outbox`; it never
@@ -37,6 +38,7 @@ from tiering.cpu.row_states import RowStates
 from tiering.errors import HungCallError, RuntimeClosedError, is_no_space
 from tiering.tiers.blockstore.batches import LOAD_SPREAD, Block, Items, QueuedJobs, cut, jobs_of
 from tiering.tiers.blockstore.calls import StoreCalls
+from tiering.tiers.blockstore.deletes import Deletes
 from tiering.tiers.blockstore.generations import CurrentStore, Records
 from tiering.tiers.blockstore.outbox import (
     DeletesDone,
@@ -92,8 +94,8 @@ class BlockWorker:
         self._outbox = outbox
         self._store_lane = asyncio.Semaphore(max_concurrency)
         self._load_lane = asyncio.Semaphore(max_concurrency)
-        self._delete_lane = asyncio.Semaphore(1)
         self._calls = StoreCalls(op_timeout_s, outbox)
+        self.deletes = Deletes(self._calls)
         self._batch_blocks = batch_blocks
         self._runtime = runtime
         self._serving = False  # jobs start only while the worker serves
@@ -423,8 +425,8 @@ class BlockWorker:
         """Delete `keys`; a failure is recorded once, in `done` (the first job that found them
         corrupt, or the deletes' own outcome). Sets `deleted` after."""
         try:
-            outcome = await self._calls.call((), self._delete_lane, store.delete_many, keys)
-            if isinstance(outcome, Exception):  # a failed delete is no sign of a sick backend; a hung one is
+            outcome = await self.deletes.delete(store, keys)
+            if outcome is not None:  # a failed delete is no sign of a sick backend; a hung one is
                 done.failed("delete", outcome, sick=isinstance(outcome, HungCallError))
         finally:
             if deleted is not None:
