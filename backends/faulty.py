@@ -133,6 +133,14 @@ class FaultyBlockStore(BlockStore):
     def seal(self, seal: Seal | None) -> None:
         self.inner.seal = seal
 
+    @property  # type: ignore[override]  # where the inner store's blocks are
+    def locality(self) -> str:
+        return self.inner.locality
+
+    @locality.setter
+    def locality(self, locality: str) -> None:
+        self.inner.locality = locality
+
     @property  # type: ignore[override]  # the inner store lays blocks out by their size
     def block_bytes(self) -> int | None:
         return self.inner.block_bytes

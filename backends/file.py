@@ -57,6 +57,7 @@ from pydantic import AfterValidator, BaseModel
 
 from tiering.backends import file_dirs, file_io, file_segments
 from tiering.contract.keys import OffloadKey
+from tiering.contract.mediums import LOCAL, REMOTE
 from tiering.options import STRICT, Count
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
 from tiering.tiers.blockstore.pool import DaemonThreadPool
@@ -136,6 +137,8 @@ class FileOptions(BaseModel):
             holes, where the namespace already holds one-file objects (an older cache, or
             engines sharing the directory) and where another engine holds its segments: there,
             and for larger blocks, one file per block (the log says which and why).
+        shared: the directory is shared with other engines (a network filesystem): the
+            tier's KV events call its blocks `REMOTE`, not `LOCAL` (`tiering.tiers.events`).
     """
 
     model_config = STRICT
@@ -145,6 +148,7 @@ class FileOptions(BaseModel):
     fsync: bool = False
     direct_io: bool = True
     layout: Literal["auto", "files", "segments"] = "auto"
+    shared: bool = False
 
 
 class FileBlockStore(BlockStore):
@@ -208,7 +212,9 @@ class FileBlockStore(BlockStore):
         """A store of the tier's config; `io_threads` defaults to `max_concurrency`."""
         assert isinstance(options, FileOptions)
         threads = options.io_threads or settings.max_concurrency
-        return cls(options.root_dir, fingerprint, threads, options.fsync, options.direct_io, options.layout)
+        store = cls(options.root_dir, fingerprint, threads, options.fsync, options.direct_io, options.layout)
+        store.locality = REMOTE if options.shared else LOCAL
+        return store
 
     def __init__(
         self,

@@ -35,6 +35,7 @@ from pydantic import BaseModel, field_validator
 
 from tiering.backends.buffers import spans
 from tiering.contract.keys import OffloadKey
+from tiering.contract.mediums import REMOTE
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.options import STRICT, Count, Seconds
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
@@ -131,6 +132,7 @@ class S3BlockStore(BlockStore):
 
     Options = S3Options
     supports_integrity = True
+    locality = REMOTE
     tier_defaults: ClassVar[dict[str, Any]] = {
         "max_concurrency": 64,
         "op_timeout_s": 20.0,

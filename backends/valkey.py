@@ -46,6 +46,7 @@ from tiering.backends.valkey_client import (
     read_password,
 )
 from tiering.contract.keys import OffloadKey
+from tiering.contract.mediums import REMOTE
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
 from tiering.tiers.blockstore.store import RecoveryProgress
@@ -113,6 +114,7 @@ class ValkeyBlockStore(BlockStore):
     evicts_itself = True
     verifies_payloads = True  # each value is checked as it arrives, before the copy into its row
     supports_integrity = True
+    locality = REMOTE
 
     @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> ValkeyBlockStore:

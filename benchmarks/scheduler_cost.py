@@ -65,6 +65,7 @@ RETAINED_FRACTION = 0.2
 and hold in the eviction rows."""
 EVICTION_SIZES = (("CPU tier", 20_000), ("CPU tier", 131_072), ("tier index", 100_000), ("tier index", 1_000_000))
 """The eviction table's rows: where, and how many rows or blocks the tier holds."""
+STORE_ROW = "request of a batch: store + complete, per block"
 HINTS = {"none": None, "retain": {"kv_tiering": {"retain": "1h"}}, "release": {"kv_tiering": {"release": True}}}
 """The ``kv_transfer_params`` of every request under each ``--hints``."""
 
@@ -74,23 +75,27 @@ def _keys(start: int, count: int) -> list[OffloadKey]:
 
 
 class Engine:
-    """One fresh engine: `num_blocks` primary rows under `policy`, two example tiers."""
+    """One fresh engine: `num_blocks` primary rows under `policy`, two example tiers; with
+    `events`, KV events on (taken every step, as vLLM does)."""
 
-    def __init__(self, num_blocks: int, policy: str):
+    def __init__(self, num_blocks: int, policy: str, events: bool = False):
         self.region = SharedOffloadRegion(f"bench-{os.getpid()}", num_blocks, cpu_page_size=64)
-        primary = CPUPrimaryTierOffloadingManager(num_blocks, self.region, cache_policy=policy)
+        primary = CPUPrimaryTierOffloadingManager(num_blocks, self.region, cache_policy=policy, enable_events=events)
         view = primary.get_kv_memoryview()
         tiers = [SecondaryTierFactory.create_secondary_tier({"type": "example"}, view, None) for _ in range(2)]
-        self.manager = TieringOffloadingManager(primary, tiers)
+        self.manager = TieringOffloadingManager(primary, tiers, enable_events=events)
 
     def close(self) -> None:
         self.manager.shutdown()
 
 
-def time_engine(num_blocks: int, batch: int, policy: str, hints: str = "none") -> dict[str, float]:
+def time_engine(
+    num_blocks: int, batch: int, policy: str, hints: str = "none", events: bool = False
+) -> dict[str, float]:
     """Seconds per block (store) or per call (the others) of the real engine, its requests
-    sending `HINTS[hints]`."""
-    engine = Engine(num_blocks, policy)
+    sending `HINTS[hints]`, with KV events (`events`: the store row's time includes taking
+    them each step)."""
+    engine = Engine(num_blocks, policy, events)
     manager = engine.manager
     stored, missing = _keys(0, num_blocks), _keys(num_blocks, num_blocks)
     try:
@@ -103,9 +108,11 @@ def time_engine(num_blocks: int, batch: int, policy: str, hints: str = "none") -
             assert out is not None  # the tier has a row for every block
             manager.complete_store(out.keys_to_store, request)
             manager.on_request_finished(request)  # the policy learns from the request here
+            if events:
+                manager.take_events()
             elapsed += time.perf_counter() - start
             manager.on_schedule_end()  # the tiers' results free the cascade references
-        results = {"request of a batch: store + complete, per block": elapsed / num_blocks}
+        results = {STORE_ROW: elapsed / num_blocks}
         results["lookup, primary hit"] = _per_call(manager.lookup, stored)
         results["lookup, miss in every tier"] = _per_call(manager.lookup, missing)
         manager.on_schedule_end()
@@ -132,7 +139,7 @@ def time_baseline(num_blocks: int, batch: int) -> dict[str, float]:
         primary[key] = Status(i)
         for tier in tiers:
             tier[key] = True
-    results = {"request of a batch: store + complete, per block": (time.perf_counter() - start) / num_blocks}
+    results = {STORE_ROW: (time.perf_counter() - start) / num_blocks}
 
     def hit(key: bytes, _ctx: ReqContext) -> bool:
         block = primary.get(key)
@@ -237,6 +244,8 @@ def measure(
     for _ in range(repeats):
         with _gc_paused():
             engine, baseline = time_engine(num_blocks, batch, policy, hints), time_baseline(num_blocks, batch)
+            events = time_engine(num_blocks, batch, policy, hints, events=True)[STORE_ROW]
+        engine[f"{STORE_ROW}, KV events on"], baseline[f"{STORE_ROW}, KV events on"] = events, baseline[STORE_ROW]
         for op, seconds in engine.items():
             old = best.get(op, (float("inf"), float("inf")))
             best[op] = (min(old[0], seconds), min(old[1], baseline[op]))

@@ -188,18 +188,21 @@ CTX = ReqContext("req-0")
 
 
 class Engine:
-    """A manager over `num_blocks` primary rows and one tier built from `config`."""
+    """A manager over `num_blocks` primary rows and one tier built from `config` (with KV
+    events, `events`)."""
 
-    def __init__(self, config, num_blocks=4, spec=None, admission=None, tenants=None, reset_scope="all"):
+    def __init__(self, config, num_blocks=4, spec=None, admission=None, tenants=None, reset_scope="all", events=False):
         region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", num_blocks, ROW)  # page-aligned rows
-        self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region, tenants=tenants)
+        self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region, tenants=tenants, enable_events=events)
         self.rows = np.asarray(self.primary.get_kv_memoryview())
         try:
             self.tier = SecondaryTierFactory.create_secondary_tier(config, self.primary.get_kv_memoryview(), spec)
         except BaseException:
             self.primary.shutdown()
             raise
-        self.manager = TieringOffloadingManager(self.primary, [self.tier], admission=admission, reset_scope=reset_scope)
+        self.manager = TieringOffloadingManager(
+            self.primary, [self.tier], admission=admission, reset_scope=reset_scope, enable_events=events
+        )
 
     def store(self, *ids, ctx=CTX):
         """Store blocks as the GPU would (rows filled with their bytes) for the request of

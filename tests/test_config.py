@@ -124,7 +124,7 @@ BAD = [
     ),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file, root_dir: /x, speed: 9}]",
-        "secondary_tiers[0].speed: unknown key; expected one of root_dir, io_threads, fsync, direct_io, layout, capacity_bytes",
+        "secondary_tiers[0].speed: unknown key; expected one of root_dir, io_threads, fsync, direct_io, layout, shared, capacity_bytes",
     ),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: memory, max_concurrency: many}]",

@@ -10,6 +10,7 @@ from tiering import (
     OffloadPolicy,
     ReqContext,
 )
+from tiering.contract.mediums import LOCAL
 
 POLICIES = ["lru", "arc", "arc-s"]
 
@@ -187,10 +188,10 @@ def test_events_record_stores_and_evictions(manager, ctx):
     manager.prepare_store(keys(5), ctx)  # evicts 1 for a write that then fails
     manager.complete_store(keys(5), ctx, success=False)
     assert manager.take_events() == [
-        OffloadingEvent(keys(0, 1, 2, 3), "CPU", removed=False),
-        OffloadingEvent(keys(0), "CPU", removed=True),
-        OffloadingEvent(keys(4), "CPU", removed=False),
-        OffloadingEvent(keys(1), "CPU", removed=True),
+        OffloadingEvent(keys(0, 1, 2, 3), "CPU", removed=False, locality=LOCAL),
+        OffloadingEvent(keys(0), "CPU", removed=True, locality=LOCAL),
+        OffloadingEvent(keys(4), "CPU", removed=False, locality=LOCAL),
+        OffloadingEvent(keys(1), "CPU", removed=True, locality=LOCAL),
     ]
     assert manager.take_events() == []
 

@@ -14,6 +14,7 @@ from tiering import (
     TieringOffloadingManager,
 )
 from tiering.backends import ExampleSecondaryTierManager
+from tiering.contract.mediums import LOCAL
 
 
 @pytest.fixture(params=["lru", "arc", "arc-s"])
@@ -152,7 +153,7 @@ def test_finished_promotion_makes_blocks_loadable(policy, ctx):
     tier.finish()
     assert manager.lookup(key(0), ctx) is True
     assert manager.prepare_load(keys(0, 1), ctx).block_ids.size == 2
-    assert OffloadingEvent(keys(0, 1), "CPU", removed=False) in manager.take_events()
+    assert OffloadingEvent(keys(0, 1), "CPU", removed=False, locality=LOCAL) in manager.take_events()
 
 
 def test_failed_promotion_frees_the_rows(policy, ctx):
@@ -358,7 +359,7 @@ def test_events_come_from_the_primary_and_the_tiers(policy, ctx):
     manager, _ = build(policy, [EventfulTier(None, memoryview(b""))])
     store(manager, ctx, 0)
     assert manager.take_events() == [
-        OffloadingEvent(keys(0), "CPU", removed=False),
+        OffloadingEvent(keys(0), "CPU", removed=False, locality=LOCAL),
         OffloadingEvent(keys(0), "EXAMPLE", removed=False),
     ]
     assert manager.take_events() == []

@@ -8,7 +8,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from tests.helpers import ManualTier, RegionStandIn, key, keys
 from tests_vllm.conftest import offloading_config
-from tiering import ConfigError, CPUPrimaryTierOffloadingManager, TieringOffloadingManager
+from tiering import ConfigError, CPUPrimaryTierOffloadingManager, SecondaryTierFactory, TieringOffloadingManager
 from tiering.integrations import VLLM_CONNECTOR, vllm_sizing
 from tiering.integrations import vllm as adapter
 from tiering.integrations.vllm_config import check_kv_transfer_config
@@ -181,3 +181,28 @@ def test_a_sliding_window_hit_asks_for_the_blocks_vllms_own_cache_keeps(window, 
     assert hit_window(Group(spec, 32, asked)).sliding_window_size_in_chunks == needed
     full = Group(FullAttentionSpec(32, **shape), 32, None)
     assert hit_window(full) is full
+
+
+def test_events_reach_vllm_with_their_medium_locality_and_owner():
+    """vLLM's events carry where a block is (`Locality`) and which tier holds it (its owner):
+    routers score a replica by them, and vLLM's tracker keeps a block's metadata until the
+    removal each secondary tier promises (`removal_expected`)."""
+    from vllm.v1.kv_offload.base import Locality, Medium
+
+    primary = CPUPrimaryTierOffloadingManager(4, RegionStandIn(4), enable_events=True)
+    tier = SecondaryTierFactory.create_secondary_tier({"type": "memory"}, primary.get_kv_memoryview(), None)
+    manager = adapter._Manager(TieringOffloadingManager(primary, [tier], enable_events=True), spec=None)
+    context = ReqContext("r")
+    out = manager.prepare_store(keys(0, 1), context)
+    manager.complete_store(out.keys_to_store, context)
+    events: list = []
+    try:
+        while not any(event.medium is Medium.STORAGE for event in events):  # the cascade lands (the test's timeout)
+            manager.on_schedule_end()
+            assert tier.drain(10)
+            events += manager.take_events()
+    finally:
+        manager.manager.shutdown()
+    described = {(e.medium, e.locality, e.ownership, e.removed, e.removal_expected) for e in events}
+    assert (Medium.CPU, Locality.LOCAL, None, False, False) in described
+    assert (Medium.STORAGE, Locality.LOCAL, "memory", False, True) in described

@@ -96,10 +96,30 @@ class PrepareStoreOutput:
     evicted_keys: list[OffloadKey]
 
 
+STORAGE = "STORAGE"
+"""The medium of tiers on disks, object stores and remote memory (vLLM's ``Medium.STORAGE``)."""
+LOCAL, REMOTE = "LOCAL", "REMOTE"
+"""Where a tier's blocks are against the engine that announces them (vLLM's ``Locality``):
+on this machine, or reached over the network (and possibly shared with other engines)."""
+
+
 @dataclass
 class OffloadingEvent:
-    """Keys that became loadable in (``removed=False``) or left (``removed=True``) a medium."""
+    """Keys that became loadable in (``removed=False``) or left (``removed=True``) a medium.
+
+    Attributes:
+        keys: the blocks, in the order they were stored or removed.
+        medium: ``"CPU"`` (the primary tier) or `STORAGE`.
+        removed: whether they left the tier.
+        locality: `LOCAL` or `REMOTE`; None where the tier does not say.
+        ownership: the secondary tier's name, or None for the primary tier.
+        removal_expected: whether the tier announces every block of a stored event again when
+            it leaves (a router, or vLLM's event tracker, may then keep it until that removal).
+    """
 
     keys: list[OffloadKey]
     medium: str
     removed: bool
+    locality: str | None = None
+    ownership: str | None = None
+    removal_expected: bool = False

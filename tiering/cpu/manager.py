@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Collection, Container, Iterable
 
 from tiering.contract.keys import OffloadKey, ReqContext, RequestOffloadingContext
-from tiering.contract.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+from tiering.contract.mediums import LOCAL, CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.contract.offloading import OffloadingManager
 from tiering.cpu.order import EvictionOrder
 from tiering.cpu.refusals import Refusals
@@ -442,4 +442,4 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
         if keys and self._events is not None:
-            self._events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed))
+            self._events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed, locality=LOCAL))

@@ -72,7 +72,8 @@ class TieringOffloadingManager(OffloadingManager):
         Args:
             primary_tier: the CPU tier; the only one that talks to the GPU.
             secondary_tiers: looked up in this order on a primary miss.
-            enable_events: return the tiers' events from `take_events`.
+            enable_events: return the tiers' events from `take_events` (the secondary tiers'
+                too, from their ``enable_events`` hook on).
             admission: per secondary tier, in order, its `AdmissionConfig` (None, or a
                 shorter list: the defaults).
             block_tokens: tokens per block, for the token counters of `get_stats`; None
@@ -80,16 +81,14 @@ class TieringOffloadingManager(OffloadingManager):
             recompute_tokens_per_s: the model's prefill rate, prompt tokens per second: a
                 block only a tier slower than that holds is a miss (`tiering.tiers.recompute`);
                 None (or no `block_tokens`): every block found is promoted.
-            request_log: a JSON Lines file that gets a line per finished request: when
-                its prefix was looked up, loaded and promoted (`tiering.engine.timeline`); None: off.
+            request_log: a JSON Lines file of a line per finished request (`tiering.engine.timeline`); None: off.
             max_promotion_rows: primary rows that promotions queued or in flight may hold at
                 once; None: no cap beyond `store_reserve_rows`.
             store_reserve_rows: rows kept available for the GPU's stores: a promotion takes a
                 row only if more than this many are available (free, or idle and evictable)
                 when it asks, or if no promotion holds a row (so one always starts). Under
                 vLLM, one scheduler step's stores (`tiering.integrations.vllm`).
-            job_deadline_s: seconds a secondary tier has to report a job before it fails
-                here (see the module docstring); None: no deadline.
+            job_deadline_s: seconds a secondary tier has to report a job before it fails here; None: none.
             clock: seconds, monotonic: when jobs are due (tests move it by hand).
             reset_scope: ``all``: `reset_cache` also starts new generations of the secondary
                 tiers; ``cpu``: they keep their blocks (weights that never change).
@@ -108,6 +107,8 @@ class TieringOffloadingManager(OffloadingManager):
         self._shut_down = False
         # (few attributes: past 30, CPython stops sharing instance dict keys and every attribute read slows)
         self._hooks = hooks_of(self.secondary_tiers)
+        for _, tier in self._hooks["enable_events"] if enable_events else ():
+            guarded(tier, "enable_events", None)
         self.jobs = JobTable(
             self.secondary_tiers, self.tier_names, self._hooks, job_deadline_s, clock, self._ended, self._released
         )
@@ -255,11 +256,11 @@ class TieringOffloadingManager(OffloadingManager):
         """Events of the primary tier, then of each secondary tier, since the last call;
         empty unless the manager was built with ``enable_events=True``."""
         events = self.primary_tier.take_events()
-        if self._hooks["take_events"]:
-            events = list(events)
-            for _, tier in self._hooks["take_events"]:
-                events.extend(guarded(tier, "take_events", []))
-        return events if self._enable_events else []
+        if not self._enable_events:
+            return []
+        for _, tier in self._hooks["take_events"]:
+            events.extend(guarded(tier, "take_events", []))
+        return events
 
     def on_schedule_end(self) -> None:
         """Process finished jobs, submit the step's promotions, write-backs and the cascades

@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 HOOKS = (
     "touch",
     "take_events",
+    "enable_events",
     "on_schedule_end",
     "take_released_jobs",
     "attach_doorbell",

@@ -81,6 +81,7 @@ from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec as VllmGPUSpec,
 )
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingManager,
@@ -331,8 +332,14 @@ class _Manager(OffloadingManager):
 
     def take_events(self) -> Iterable[VllmEvent]:
         for event in self.manager.take_events():
-            medium = Medium.CPU if event.medium == "CPU" else Medium.STORAGE
-            yield VllmEvent(keys=_all_theirs(event.keys), medium=medium, removed=event.removed)
+            yield VllmEvent(
+                keys=_all_theirs(event.keys),
+                medium=Medium.CPU if event.medium == "CPU" else Medium.STORAGE,
+                removed=event.removed,
+                locality=None if event.locality is None else Locality(event.locality),
+                ownership=event.ownership,
+                removal_expected=event.removal_expected,
+            )
 
     def on_schedule_end(self, context: ScheduleEndContext | None = None) -> None:
         self.manager.on_schedule_end()

@@ -203,8 +203,17 @@ class SecondaryTierManager(ABC):
         none."""
         return {"counters": {}, "gauges": {}, "histograms": {}}
 
+    def enable_events(self) -> None:
+        """Optional: start keeping KV events for `take_events` (called once, when a manager
+        built with events is; before it, a tier keeps none), announcing the blocks the tier
+        holds already (those it recovered). `tiering.tiers.events.TierEvents` keeps them."""
+        return
+
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """Keys this tier gained or dropped since the last call, for KV-event consumers."""
+        """Keys this tier gained or dropped since the last call, for KV-event consumers:
+        `OffloadingEvent`s with the tier's medium (`STORAGE` unless it says otherwise), its
+        locality (`LOCAL` on this machine, `REMOTE` over the network or shared with other
+        engines) and its name as the owner (`tiering.tiers.events`)."""
         return ()
 
     def shutdown(self) -> None:

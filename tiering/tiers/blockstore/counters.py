@@ -52,6 +52,7 @@ class TierCounters:
             "load_busy_seconds": self.loads.busy_seconds(),
             "evictions": index.evictions,
             "index_forgotten": index.forgotten,
+            "events_dropped": index.events.dropped if index.events is not None else 0,
             "failures": dict(self.failures),
             **(retention.counters if retention is not None else {}),
         }

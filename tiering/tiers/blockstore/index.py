@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from tiering.contract.keys import OffloadKey
 from tiering.eviction.retention import Retention
+from tiering.tiers.events import TierEvents
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class BlockIndex:
         max_keys: keys held at most, or None; beyond it the least recent idle stored keys are
             forgotten (not evicted: their objects stay, for a store that evicts by itself).
         forgotten: keys forgotten so far.
+        events: the tier's KV events (`tiering.tiers.events`), or None: none are kept. The
+            index announces what it evicts, forgets or drops; `apply_store` what is stored.
         retention: the deadlines and releases of requests' hints for up to `max_retained`
             keys, or None (`max_retained` 0): none are kept.
     """
@@ -74,6 +77,7 @@ class BlockIndex:
     ):
         self.name = name
         self.retention = Retention(max_retained, self, clock) if max_retained else None
+        self.events: TierEvents | None = None
         self.capacity_bytes = capacity_bytes
         self.max_keys = max_keys
         self.room_bytes: int | None = None
@@ -113,7 +117,7 @@ class BlockIndex:
         Returns:
             The items reserved, and whether every item not held yet found room.
         """
-        entries, reserved, complete = self._entries, [], True
+        entries, reserved, complete, before = self._entries, [], True, len(evicted)
         for key, row in items:
             if key in entries:
                 continue
@@ -128,6 +132,8 @@ class BlockIndex:
             self.reserved_bytes += size
             reserved.append((key, row))
         self._forget_beyond_max()
+        if self.events is not None:
+            self.events.add(evicted[before:], removed=True)
         return reserved, complete
 
     def add_stored(self, key: OffloadKey, size: int) -> list[OffloadKey]:
@@ -139,6 +145,9 @@ class BlockIndex:
         evicted: list[OffloadKey] = []
         self._make_room(0, evicted)
         self._forget_beyond_max()
+        if self.events is not None:
+            self.events.add((key,), removed=False)
+            self.events.add(evicted, removed=True)
         return evicted
 
     def deleted(self, keys: Iterable[OffloadKey]) -> None:
@@ -160,6 +169,8 @@ class BlockIndex:
         """Stop holding `key` (a failed store, a missing or corrupt object)."""
         entry = self._entries.pop(key, None)
         if entry is not None:
+            if self.events is not None and entry.stored:
+                self.events.add((key,), removed=True)
             if self.retention is not None:
                 self.retention.forget((key,))
             self.used_bytes -= entry.size
@@ -175,6 +186,23 @@ class BlockIndex:
                 entries.move_to_end(key)
         if self.retention is not None:
             self.retention.used(keys)
+
+    def stored_keys(self) -> list[OffloadKey]:
+        """The keys whose objects are stored, least recent first."""
+        return [key for key, entry in self._entries.items() if entry.stored]
+
+    def start_events(self, events: TierEvents) -> None:
+        """Keep `events` from now on, starting with the blocks held (those recovered)."""
+        self.events = events
+        events.add(self.stored_keys(), removed=False)
+
+    def replaced_by(self, successor: BlockIndex) -> BlockIndex:
+        """`successor`, the index of the tier's next generation, taking over the events
+        after every block held here is announced removed."""
+        if self.events is not None:
+            self.events.add(self.stored_keys(), removed=True)
+            successor.events = self.events
+        return successor
 
     def defer(self, key: OffloadKey) -> None:
         """Make held `key` the most recent without a use (`tiering.eviction.retention.Reorder`)."""
@@ -275,6 +303,8 @@ class BlockIndex:
             self.used_bytes -= entries.pop(key).size
         if self.retention is not None:
             self.retention.forget(victims)
+        if self.events is not None:
+            self.events.add(victims, removed=True)
         self.forgotten += len(victims)
 
     def _make_room(self, size: int, evicted: list[OffloadKey]) -> bool:

@@ -41,6 +41,7 @@ import anyio
 from pydantic import BaseModel
 
 from tiering.contract.keys import OffloadKey
+from tiering.contract.mediums import LOCAL
 from tiering.errors import StoreClosedError, describe
 from tiering.options import NoOptions
 from tiering.stats import Every
@@ -114,6 +115,9 @@ class BlockStore(ABC):
             a tier without integrity keys.
         block_bytes: the bytes of the tier's blocks (a primary row), set by the adapter before
             `open`, or None where the store is used without a tier (tests, tools).
+        locality: where its blocks are for the tier's KV events (`tiering.tiers.events`):
+            `LOCAL` on this machine (the default), `REMOTE` reached over the network or shared
+            with other engines (S3, Valkey, a file tier marked ``shared``).
     """
 
     Options: ClassVar[type[BaseModel]] = NoOptions
@@ -125,6 +129,7 @@ class BlockStore(ABC):
     supports_integrity: ClassVar[bool] = False
     lasting: ClassVar[bool] = True
     lists_locally: ClassVar[bool] = False
+    locality: str = LOCAL
 
     @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> BlockStore:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tiering.contract.keys import OffloadKey, ReqContext
+from tiering.contract.mediums import STORAGE, OffloadingEvent
 from tiering.cpu.row_states import RowStates
 from tiering.errors import HungCallError, RuntimeClosedError, describe
 from tiering.stats import TierStats
@@ -42,6 +43,7 @@ from tiering.tiers.blockstore.outbox import LoadDone, Outbox, Outcome, StoreDone
 from tiering.tiers.blockstore.settings import BlockStoreSettings
 from tiering.tiers.blockstore.store import BlockStore
 from tiering.tiers.blockstore.worker import BlockWorker
+from tiering.tiers.events import TierEvents
 from tiering.tiers.health import TierHealth
 from tiering.tiers.object_format import object_size
 from tiering.tiers.runtime import AsyncRuntime
@@ -83,12 +85,10 @@ class BlockStoreTier(SecondaryTierManager):
                 backoff and the index's full-device retries (tests pass their own).
 
         Raises:
-            ValueError: `capacity_bytes` cannot hold one block; `integrity` is set and the
-                store does not support it, or its keys cannot be read (see
-                `tiering.tiers.seal.read_keys`).
+            ValueError: `capacity_bytes` cannot hold one block; `integrity` is set and the store
+                does not support it, or its keys cannot be read (`tiering.tiers.seal.read_keys`).
             OSError, TimeoutError: the store could not be opened or recovered in time.
-            TieringError: the store's own errors while opening (see its `open`), or
-                `ForeignManifestError`: the identity's manifest names another.
+            TieringError: the store's own errors while opening, or `ForeignManifestError`.
         """
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         self.settings = settings = settings or BlockStoreSettings()
@@ -138,7 +138,7 @@ class BlockStoreTier(SecondaryTierManager):
         if self._closed:
             return
         self._epoch += 1
-        self._index = self._new_index()
+        self._index = self._index.replaced_by(self._new_index())
         self._existence = ExistenceChecks(self.settings.negative_ttl_s, self._clock)
         self._evicted.clear()  # their namespace goes as a whole
         open_next = partial(self._records.open_next, self.settings.open_timeout_s)
@@ -295,17 +295,15 @@ class BlockStoreTier(SecondaryTierManager):
         return released
 
     def get_stats(self) -> TierStats:
-        """Counters (lookups by answer, blocks and bytes stored and loaded, seconds busy
-        storing and loading, evictions, jobs succeeded and failed, failures by reason), gauges
-        (blocks and bytes held, capacity, jobs in flight, probes remembered, health) and
-        histograms of store and load job durations (``store_seconds``, ``load_seconds``:
-        submission to the end of the I/O). Cheap; scheduler thread."""
+        """Counters (lookups by answer, blocks and bytes stored and loaded, seconds busy, evictions,
+        jobs succeeded and failed, failures by reason, events dropped), gauges (blocks and bytes held,
+        capacity, jobs in flight, probes remembered, health) and histograms of store and load job
+        durations (submission to the end of the I/O). Cheap; scheduler thread."""
         return self._counters.snapshot(self._index, len(self._existence), self.health, self._runtime.alive)
 
     @property
     def _serving(self) -> bool:
-        """Healthy, with a live loop thread: a dead loop runs nothing more, so the tier
-        misses and fails its jobs at once (`AsyncRuntime.alive`)."""
+        """Healthy, with a live loop thread (`AsyncRuntime.alive`): else it misses and fails at once."""
         return self.health.healthy and self._runtime.alive
 
     def on_schedule_end(self) -> None:
@@ -321,12 +319,18 @@ class BlockStoreTier(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         return self._outbox.pending()
 
+    def enable_events(self) -> None:
+        """Keep KV events from now on (`tiering.tiers.events`), the blocks held first."""
+        self._index.start_events(TierEvents(STORAGE, self.store.locality, self.name))
+
+    def take_events(self) -> list[OffloadingEvent]:
+        return [] if self._index.events is None else self._index.events.take()
+
     def drain(self, timeout_s: float | None = None) -> bool:
         """Block until every submitted operation finished (results may wait in the outbox).
 
         Raises:
-            RuntimeError: called from the loop thread.
-        """
+            RuntimeError: called from the loop thread."""
         if self._runtime.in_loop_thread():
             raise RuntimeError(f"tier {self.name}: drain() from the loop thread would deadlock")
         if not self._runtime.alive:  # shut down, or a dead loop: what is left never ends
@@ -336,12 +340,10 @@ class BlockStoreTier(SecondaryTierManager):
         return self._outbox.wait_idle(timeout_s)
 
     def remove_namespace(self) -> None:
-        """Wait for the jobs in flight (up to ``shutdown_timeout_s``), delete every object of
-        the tier's namespace and the namespace itself (`BlockStore.remove_namespace`, up to
-        ``open_timeout_s``), and the identity's records where this engine created them
-        (`Records.remove`), then shut the tier down. For runs whose blocks must not outlive
-        them (a benchmark's fresh namespace). Scheduler thread; blocks. Does nothing after
-        shutdown.
+        """Wait for the jobs in flight (up to ``shutdown_timeout_s``), delete the tier's namespace
+        whole (`BlockStore.remove_namespace`, up to ``open_timeout_s``) and the identity's records
+        where this engine created them (`Records.remove`), then shut the tier down: for runs whose
+        blocks must not outlive them (a benchmark's). Scheduler thread; blocks; nothing after shutdown.
 
         Raises:
             TimeoutError: the removal did not finish in time (the tier is shut down anyway).
@@ -354,14 +356,13 @@ class BlockStoreTier(SecondaryTierManager):
             self.drain(self.settings.shutdown_timeout_s)
             for remove in (self.store.remove_namespace, self._records.remove):
                 self._runtime.run_sync(remove, timeout_s=self.settings.open_timeout_s)
-            self._index = self._new_index()
+            self._index = self._index.replaced_by(self._new_index())
         finally:
             self.shutdown()
 
     def abandon(self) -> None:
-        """`shutdown`, after `BlockStore.undo_open` and `Records.remove` (each up to
-        ``open_timeout_s``; a failure is logged): the engine failed to start, so nothing was
-        stored. Does nothing after shutdown."""
+        """`shutdown`, after `BlockStore.undo_open` and `Records.remove` (each up to ``open_timeout_s``;
+        a failure is logged): the engine failed to start, nothing was stored. Nothing after shutdown."""
         if self._closed:
             return
         try:
@@ -443,8 +444,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._evicted.pop(key, None)  # found again (a probe): keep the object
         self._evicted.update(dict.fromkeys(self._index.add_stored(key, size)))
 
-    def _flush_deletes(self) -> None:
-        """Send the step's deletes of evicted objects as one job."""
+    def _flush_deletes(self) -> None:  # the step's deletes of evicted objects, as one job
         if self._evicted:
             self._submit(self._worker.start_delete, outbox.DeletesDone(keys=list(self._evicted)))
             self._evicted.clear()

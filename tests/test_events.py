@@ -1,0 +1,83 @@
+"""KV events from every tier (`tiering.tiers.events`): what a router following the engine
+sees of the CPU tier and of each secondary tier, with medium, locality and owner."""
+
+from tests.helpers import ROW, keys
+from tiering.contract.mediums import LOCAL, REMOTE, STORAGE, OffloadingEvent
+from tiering.tiers.events import TierEvents
+from tiering.tiers.object_format import object_size
+
+
+def announced(events, medium=STORAGE):
+    """(removed, keys) of each event of `medium`, in order, with runs of a kind joined."""
+    out: list[tuple[bool, list]] = []
+    for event in events:
+        if event.medium != medium:
+            continue
+        if out and out[-1][0] == event.removed:
+            out[-1][1].extend(event.keys)
+        else:
+            out.append((event.removed, list(event.keys)))
+    return out
+
+
+def test_a_block_store_tier_announces_what_it_stores_and_every_way_a_block_leaves(engine_factory):
+    capacity = 4 * object_size(len(keys(0)[0]), ROW)
+    engine = engine_factory({"type": "memory", "capacity_bytes": capacity}, num_blocks=8, events=True)
+    engine.store(0, 1, 2, 3)
+    events = engine.manager.take_events()
+    cpu = [event for event in events if event.medium == "CPU"]
+    assert cpu and all(event.locality == LOCAL and event.ownership is None for event in cpu)
+    stored = [event for event in events if event.medium == STORAGE]
+    assert announced(stored) == [(False, keys(0, 1, 2, 3))]
+    assert all(e.locality == LOCAL and e.ownership == "memory" and e.removal_expected for e in stored)
+    engine.store(4, 5)  # the tier's capacity evicts its two oldest
+    assert announced(engine.manager.take_events()) == [(True, keys(0, 1)), (False, keys(4, 5))]
+    engine.manager.reset_cache()  # a new generation: every block it held leaves
+    assert announced(engine.manager.take_events()) == [(True, keys(2, 3, 4, 5))]
+
+
+def test_a_dropped_object_is_announced_removed(engine_factory):
+    engine = engine_factory(
+        {"type": "faulty", "inner": {"type": "memory"}, "corruption_rate": 1.0}, num_blocks=4, events=True
+    )
+    engine.store(0, 1, 2, 3)
+    engine.store(4, 5, 6, 7)  # 0..3 now only in the faulty tier
+    engine.manager.take_events()
+    assert engine.lookup_until_done(0) == [False]  # its read is corrupted: dropped
+    assert (True, keys(0)) in announced(engine.manager.take_events())
+
+
+def test_recovered_blocks_are_announced_once_events_start_and_a_shared_directory_is_remote(tmp_path, engine_factory):
+    root = str(tmp_path / "kv")
+    first = engine_factory({"type": "file", "root_dir": root}, num_blocks=4)
+    first.store(0, 1)
+    first.manager.shutdown()
+    again = engine_factory({"type": "file", "root_dir": root}, num_blocks=4, events=True)
+    recovered = [event for event in again.manager.take_events() if event.medium == STORAGE]
+    assert announced(recovered) == [(False, keys(0, 1))] and recovered[0].locality == LOCAL
+    again.manager.shutdown()
+    shared = engine_factory({"type": "file", "root_dir": root, "shared": True}, num_blocks=4, events=True)
+    assert {event.locality for event in shared.manager.take_events() if event.medium == STORAGE} == {REMOTE}
+
+
+def test_no_events_are_kept_by_a_manager_without_them(engine_factory):
+    engine = engine_factory({"type": "memory"}, num_blocks=4)
+    engine.store(0, 1)
+    assert engine.manager.take_events() == [] and engine.tier.take_events() == []
+
+
+def test_events_nobody_takes_stay_bounded_and_what_is_dropped_is_counted():
+    events = TierEvents(STORAGE, LOCAL, "file", max_blocks=10)
+    for i in range(0, 30, 3):
+        events.add(keys(i, i + 1, i + 2), removed=bool(i % 2))
+    taken = events.take()
+    assert sum(len(event.keys) for event in taken) <= 10 and events.dropped == 30 - sum(len(e.keys) for e in taken)
+    assert taken[-1] == OffloadingEvent(keys(27, 28, 29), STORAGE, True, LOCAL, "file", True)
+    assert events.take() == []
+
+
+def test_stores_over_the_network_are_remote():
+    from tiering.backends.s3 import S3BlockStore
+    from tiering.backends.valkey import ValkeyBlockStore
+
+    assert S3BlockStore.locality == ValkeyBlockStore.locality == REMOTE

@@ -1,0 +1,56 @@
+"""`TierEvents`: a secondary tier's KV events, for routers that follow where each engine's
+blocks are (`SecondaryTierManager.take_events`).
+
+A tier announces a block when it holds it (stored, recovered, or found by a probe) and again
+on every way it leaves (eviction, a missing, corrupt or unusable object dropped, a key
+forgotten, a reset that moves to a new generation), each event with the tier's medium,
+locality and name (its owner) and ``removal_expected`` set: every block announced is
+announced again when it leaves, so vLLM's event tracker may keep its metadata until then.
+Events wait for `take` up to `MAX_EVENT_BLOCKS` blocks; past that the oldest are dropped and
+counted (`dropped`), so a tier whose events nobody takes stays bounded.
+
+Scheduler thread only (the tier's).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+
+from tiering.contract.keys import OffloadKey
+from tiering.contract.mediums import OffloadingEvent
+
+MAX_EVENT_BLOCKS = 1 << 20
+"""Blocks a tier's events may hold between two `take`s (a step's, under vLLM)."""
+
+
+class TierEvents:
+    """The events of tier `owner` (its name) of `medium` and `locality`
+    (`tiering.contract.mediums`), at most `max_blocks` blocks waiting."""
+
+    def __init__(self, medium: str, locality: str, owner: str, max_blocks: int = MAX_EVENT_BLOCKS):
+        self.medium, self.locality, self.owner, self.max_blocks = medium, locality, owner, max_blocks
+        self._events: deque[OffloadingEvent] = deque()
+        self._blocks = 0
+        self.dropped = 0  # blocks of events dropped unread, past `max_blocks`
+
+    def add(self, keys: Collection[OffloadKey], removed: bool) -> None:
+        """`keys` were stored (or found), or `removed`; joined to the last event if it is of
+        the same kind."""
+        if not keys:
+            return
+        last = self._events[-1] if self._events else None
+        if last is not None and last.removed == removed:
+            last.keys.extend(keys)
+        else:
+            self._events.append(OffloadingEvent(list(keys), self.medium, removed, self.locality, self.owner, True))
+        self._blocks += len(keys)
+        while self._blocks > self.max_blocks and len(self._events) > 1:
+            dropped = self._events.popleft()
+            self._blocks -= len(dropped.keys)
+            self.dropped += len(dropped.keys)
+
+    def take(self) -> list[OffloadingEvent]:
+        """The events since the last call, oldest first."""
+        events, self._events, self._blocks = list(self._events), deque(), 0
+        return events
