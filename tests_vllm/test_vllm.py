@@ -103,6 +103,31 @@ def test_stored_then_loaded_from_the_cpu_tier_then_promoted_from_the_file_tier(m
         close(llm)
 
 
+@pytest.mark.parametrize("connector", ["OffloadingConnector", "KVTieringConnector"])
+def test_a_request_whose_kv_load_tiers_exclude_the_file_tier_recomputes_its_blocks(
+    model, baseline, tmp_path, connector
+):
+    config = {"cpu_bytes_to_use": CPU_BYTES, "secondary_tiers": [{"type": "file", "root_dir": str(tmp_path / "kv")}]}
+    llm = tiny.make_llm(model, config, connector=connector)
+    try:
+        tiny.generate(llm, [PROMPT])
+        tiny.settle(llm, lambda: manager_stats()["tiers"]["file"]["counters"]["blocks_stored"] == 6)
+        for other in OTHERS:  # out of the CPU tier: only the file tier holds the prefix
+            tiny.generate(llm, [other])
+        tiny.settle(llm, lambda: manager_stats()["manager"]["gauges"]["jobs_in_flight"] == 0)
+        assert llm.reset_prefix_cache()
+        excluded = {"kv_load_tiers": [{"medium": "cpu"}]}
+        tokens, logprobs, cached = tiny.generate(llm, [PROMPT], kv_transfer_params=excluded)[0]
+        assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == 0  # recomputed
+        assert manager_stats()["tiers"]["file"]["counters"]["blocks_loaded"] == 0
+        assert llm.reset_prefix_cache()
+        allowed = {"kv_load_tiers": [{"owner": "file"}]}
+        tokens, logprobs, cached = tiny.generate(llm, [PROMPT], kv_transfer_params=allowed)[0]
+        assert (tokens, logprobs) == baseline[tuple(PROMPT)][:2] and cached == FULL_BLOCKS
+    finally:
+        close(llm)
+
+
 def generate_counting_steps(llm, prompt):
     """`tiny.generate` of `prompt`, and the number of steps vLLM's engine took (calls of its
     scheduler's ``schedule``: one per step, each running a forward)."""

@@ -43,11 +43,14 @@ class ReqContext:
         kv_transfer_params: connector-specific parameters of the request, or None.
         tenant: who the request is for (vLLM: its ``cache_salt``), or None for the
             configured default tenant (see `tiering.cpu.tenants`).
+        load_tiers: the indexes of the secondary tiers it may load from, or None: all
+            (set by the manager from ``kv_load_tiers``: `tiering.engine.load_tiers`).
     """
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
     tenant: str | None = None
+    load_tiers: frozenset[int] | None = None
 
 
 class OffloadPolicy(enum.Enum):

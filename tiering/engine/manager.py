@@ -33,6 +33,7 @@ from tiering.contract.offloading import OffloadingManager
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.engine.cascades import Cascades
 from tiering.engine.jobs import JOB_DEADLINE_S, Job, JobTable
+from tiering.engine.load_tiers import allowed_tiers
 from tiering.engine.lookups import RequestLookups
 from tiering.engine.promotions import PromotionRows, Promotions
 from tiering.engine.tier_calls import guarded, hooks_of, new_generations
@@ -160,18 +161,16 @@ class TieringOffloadingManager(OffloadingManager):
         return answer
 
     def pending_loadable(self, key: OffloadKey) -> bool:
-        """Whether `key`'s row is being filled by a promotion whose tier settles the row's
-        state as it lands (`tiering.cpu.row_states`): `prepare_load` may pin it now, and the
-        worker's load waits for the row, copying nothing from it if the promotion fails.
-        A caller whose loads wait so (the engine's vLLM connector; vLLM's own cannot) sets
-        `answer_pending_hits` and such lookups answer True. Scheduler thread; never raises."""
+        """Whether `key`'s row is being filled by a promotion whose tier settles the row's state as it
+        lands (`tiering.cpu.row_states`): `prepare_load` may pin it now, the worker's load waiting
+        for the row (nothing copied if it fails). A caller whose loads wait so (our connector) sets
+        `answer_pending_hits`: such lookups answer True. Scheduler thread; never raises."""
         return key in self._pending.keys
 
     @property
     def answer_pending_hits(self) -> bool:
-        """Whether a lookup answers True for a block whose promotion is `pending_loadable`
-        (False by default: the seeds' contract answers None until it lands). Set by a caller
-        whose loads wait for the rows: the engine's vLLM connector."""
+        """Whether a lookup answers True for a block whose promotion is `pending_loadable` (False by
+        default: the seeds' answer None until it lands); set where loads wait for the rows (our connector)."""
         return self._pending.answer_hits
 
     @answer_pending_hits.setter
@@ -235,6 +234,7 @@ class TieringOffloadingManager(OffloadingManager):
         self.cascades.stored(stored, req_context)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        req_context.load_tiers = allowed_tiers(req_context, self.secondary_tiers, self.tier_names)
         return self.primary_tier.on_new_request(req_context)
 
     def on_request_finished(self, req_context: ReqContext) -> None:

@@ -121,11 +121,13 @@ class Promotions:
         """Ask the secondary tiers, in order, for a block the primary tier lacks; queue its
         promotion from the first that has it and beats recomputing (`queue`). None: queued,
         or ask again next step; False: a miss (the request recomputes). A tier that raises
-        counts as a miss; an `unresponsive` one is not asked."""
+        counts as a miss; an `unresponsive` one is not asked, nor one the request may not load
+        from (``load_tiers``, set by `TieringOffloadingManager.on_new_request`)."""
         answer: bool | None = False
         unresponsive = self._jobs.unresponsive
+        allowed = getattr(req_context, "load_tiers", None)
         for tier_idx, tier in enumerate(self._tiers):
-            if unresponsive and tier_idx in unresponsive:
+            if (unresponsive and tier_idx in unresponsive) or (allowed is not None and tier_idx not in allowed):
                 continue
             try:
                 found = tier.lookup(key, req_context)

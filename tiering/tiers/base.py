@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from tiering.contract.keys import OffloadKey, ReqContext
-from tiering.contract.mediums import OffloadingEvent
+from tiering.contract.mediums import LOCAL, STORAGE, OffloadingEvent
 from tiering.cpu.row_states import RowStates
 from tiering.tiers.context import TierContext
 
@@ -87,7 +87,16 @@ class SecondaryTierManager(ABC):
     `attach_doorbell`, `retain`, `release`) are called only if the tier's class overrides them: the manager
     looks once, when it is built, so a default hook costs nothing per step (a hook set on
     the instance later is not seen).
+
+    Attributes:
+        medium: where the tier keeps blocks, for KV events and a request's ``kv_load_tiers``
+            (`tiering.contract.mediums`): `STORAGE` unless a subclass says otherwise.
+        locality: `LOCAL` (this machine, the default) or `REMOTE` (over the network, or
+            shared with other engines).
     """
+
+    medium: str = STORAGE
+    locality: str = LOCAL
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str):
         """

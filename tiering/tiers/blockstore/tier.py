@@ -5,8 +5,7 @@ eviction, readers), the health breaker and the stats; submitting a job is bookke
 one `AsyncRuntime.submit` (a deque append), and the step's jobs start at `on_schedule_end`,
 which wakes the loop once. Nothing blocks except `drain` and `shutdown`.
 
-The loop half is `tiering.tiers.blockstore.worker.BlockWorker`; the two meet only in the
-`Outbox`, whose outcomes `get_finished` applies to the index.
+The loop half is `tiering.tiers.blockstore.worker.BlockWorker`; they meet in the `Outbox` only.
 
 Deletes of evicted objects are deferred to the end of the step and sent as one batch; a key
 evicted and stored again within the step is not deleted at all (the put replaces the
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tiering.contract.keys import OffloadKey, ReqContext
-from tiering.contract.mediums import STORAGE, OffloadingEvent
+from tiering.contract.mediums import OffloadingEvent
 from tiering.cpu.row_states import RowStates
 from tiering.errors import HungCallError, RuntimeClosedError, describe
 from tiering.stats import TierStats
@@ -122,6 +121,7 @@ class BlockStoreTier(SecondaryTierManager):
             batch_blocks,
             self._runtime,
         )
+        self.locality = self.store.locality  # every generation's store is of one config
         self._new_index = partial(new_index, self.name, settings, self.row_bytes, self.store.header_align, clock)
         self._index = self._new_index()
         self._open_and_recover()
@@ -321,7 +321,7 @@ class BlockStoreTier(SecondaryTierManager):
 
     def enable_events(self) -> None:
         """Keep KV events from now on (`tiering.tiers.events`), the blocks held first."""
-        self._index.start_events(TierEvents(STORAGE, self.store.locality, self.name))
+        self._index.start_events(TierEvents(self.medium, self.locality, self.name))
 
     def take_events(self) -> list[OffloadingEvent]:
         return [] if self._index.events is None else self._index.events.take()

@@ -1,0 +1,51 @@
+"""A request's ``kv_load_tiers`` (`tiering.engine.load_tiers`): the secondary tiers it may
+load from, by medium, locality and owner; the CPU tier always serves it."""
+
+import pytest
+
+from tests.helpers import keys
+from tiering import ReqContext
+
+
+def request(load_tiers, req_id="r"):
+    return ReqContext(req_id, kv_transfer_params={"kv_load_tiers": load_tiers})
+
+
+def found(engine, ctx, *ids):
+    """The engine's answers for `ids` once its promotions settle (as `lookup_until_done`)."""
+    engine.manager.on_new_request(ctx)
+    for _ in range(5):
+        answers = [engine.manager.lookup(k, ctx) for k in keys(*ids)]
+        engine.settle()
+        if None not in answers:
+            return answers
+    raise AssertionError("still in flight")
+
+
+@pytest.mark.parametrize(
+    ("load_tiers", "loads"),
+    [
+        ([{"medium": "storage"}], True),
+        ([{"medium": "STORAGE", "locality": "local"}], True),
+        ([{"owner": "memory"}], True),
+        ([{"medium": "cpu"}], False),
+        ([{"locality": "remote"}], False),
+        ([{"owner": "s3"}], False),
+        ([], False),
+        ("storage", True),  # not a list: ignored, logged
+        ([{"medium": "x" * 1000}], True),  # too long: ignored, logged
+    ],
+)
+def test_a_request_loads_only_from_the_tiers_its_kv_load_tiers_allow(engine_factory, load_tiers, loads, caplog):
+    engine = engine_factory({"type": "memory"}, num_blocks=4)
+    engine.store(0, 1)
+    engine.store(4, 5, 6, 7)  # 0 and 1 only in the memory tier now
+    assert found(engine, request(load_tiers), 0, 1) == [loads, loads]
+    if isinstance(load_tiers, str) or (load_tiers and len(load_tiers[0].get("medium", "")) > 64):
+        assert "kv_load_tiers ignored" in caplog.text
+
+
+def test_the_cpu_tier_serves_whatever_the_request_allows(engine_factory):
+    engine = engine_factory({"type": "memory"}, num_blocks=4)
+    engine.store(0, 1)
+    assert found(engine, request([]), 0, 1) == [True, True]
