@@ -49,3 +49,16 @@ def test_the_cpu_tier_serves_whatever_the_request_allows(engine_factory):
     engine = engine_factory({"type": "memory"}, num_blocks=4)
     engine.store(0, 1)
     assert found(engine, request([]), 0, 1) == [True, True]
+
+
+def test_a_tier_that_does_not_say_its_medium_or_locality_takes_the_defaults():
+    """A tier need not subclass SecondaryTierManager (the engine calls what it has): it is
+    STORAGE and LOCAL, and a request's kv_load_tiers never fails on it."""
+    from tiering.engine.load_tiers import allowed_tiers
+
+    class DuckTier:
+        pass
+
+    ctx = request([{"medium": "storage", "locality": "local"}, {"owner": "b"}])
+    assert allowed_tiers(ctx, [DuckTier(), DuckTier()], ["a", "b"]) == frozenset({0, 1})
+    assert allowed_tiers(request([{"locality": "remote"}]), [DuckTier()], ["a"]) == frozenset()

@@ -21,6 +21,7 @@ import reprlib
 from collections.abc import Sequence
 from typing import Any
 
+from tiering.contract.mediums import LOCAL, STORAGE
 from tiering.tiers.base import SecondaryTierManager
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,10 @@ def allowed_tiers(
     except ValueError as exc:
         logger.warning("request %.64s: %s ignored: %s", getattr(req_context, "req_id", "?"), LOAD_TIERS_KEY, exc)
         return None
-    described = [(tier.medium.upper(), tier.locality.upper(), name) for tier, name in zip(tiers, names, strict=True)]
+    described = [  # a tier that does not subclass SecondaryTierManager may not say: its defaults
+        (str(getattr(tier, "medium", STORAGE)).upper(), str(getattr(tier, "locality", LOCAL)).upper(), name)
+        for tier, name in zip(tiers, names, strict=True)
+    ]
     return frozenset(
         idx
         for idx, tier in enumerate(described)
