@@ -80,6 +80,8 @@ def test_a_clients_long_hint_is_refused_unparsed_and_logged_in_one_short_line(ca
         assert hint_of(ReqContext("r", kv_transfer_params=hint)) is None
     hint = {"kv_tiering": {"retain": "5m", "x" * 1_000_000: 1}}  # a key of its own
     assert hint_of(ReqContext("r", kv_transfer_params=hint)) is None
+    hint = {"kv_tiering": {"retain": "5m", **{str(i): 1 for i in range(100_000)}}}  # keys by the many
+    assert hint_of(ReqContext("r", kv_transfer_params=hint)) is None
     assert max(len(line) for line in caplog.text.splitlines()) < 300
 
 

@@ -70,7 +70,7 @@ def _bounded(entries: Any) -> list[Any]:
 
 def _matcher(entry: Any) -> tuple[str | None, str | None, str | None]:
     """(medium, locality, owner) an entry asks for (None: any)."""
-    if not isinstance(entry, dict) or not set(entry) <= set(_KEYS):
+    if not isinstance(entry, dict) or len(entry) > len(_KEYS) or not set(entry) <= set(_KEYS):
         raise ValueError(f"expected entries of {', '.join(_KEYS)}, got {reprlib.repr(entry)}")
     values = [entry.get(key) for key in _KEYS]
     for value in values:

@@ -109,7 +109,7 @@ def hint_of(req_context: Any, log: bool = True) -> RetentionHint | None:
         return None
     hint = params[HINT_KEY]
     try:
-        if not isinstance(hint, dict) or not set(hint) <= {"retain", "release"}:
+        if not isinstance(hint, dict) or len(hint) > 2 or not set(hint) <= {"retain", "release"}:
             raise ValueError(f"expected {{'retain': duration}} or {{'release': true}}, got {reprlib.repr(hint)}")
         retain = hint.get("retain")
         return RetentionHint(None if retain is None else parse_duration(retain), hint.get("release") is True)
