@@ -81,3 +81,29 @@ def test_stores_over_the_network_are_remote():
     from tiering.backends.valkey import ValkeyBlockStore
 
     assert S3BlockStore.locality == ValkeyBlockStore.locality == REMOTE
+
+
+# What the KV-aware routers accept of an event's medium, read in their sources (2026-11):
+DYNAMO_MEDIUMS = {"GPU", "DEVICE", "CPU", "CPU_PINNED", "CPU_TIER1", "CPU_TIER2", "DISK", "NVME", "STORAGE"}
+DYNAMO_MEDIUMS |= {"EXTERNAL", "NETWORK", "REMOTE", "SHARED"}
+"""ai-dynamo/dynamo, `dynamo_kv_router::protocols::StorageTier::from_kv_medium`: a store of any other
+medium is dropped. "CPU" is host memory, "STORAGE" disk. A CPU store without its tokens (vLLM's
+placeholder payload) indexes nothing (lib/llm, `cpu_event_with_placeholder_payload_is_dropped_safely`)."""
+LLM_D_DEFAULT_WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
+"""llm-d/llm-d-kv-cache, pkg/kvcache/backend.go `DefaultKVCacheBackendConfig`; pkg/kvevents/pool.go
+`normalizeEventDeviceTier` lower-cases a medium, and pkg/kvcache/kvblock_scorer.go `getMaxWeight`
+weighs one its config does not list 1.0, as the GPU."""
+
+
+def test_every_medium_and_locality_the_engine_can_emit_is_one_the_routers_accept():
+    from pathlib import Path
+
+    from tiering.engine.load_tiers import LOCALITIES, MEDIUMS
+
+    emitted = {("CPU", LOCAL)} | {(medium, locality) for medium in MEDIUMS for locality in LOCALITIES}
+    assert {medium for medium, _ in emitted} <= DYNAMO_MEDIUMS
+    assert {locality for _, locality in emitted} == {"LOCAL", "REMOTE"}  # vLLM's Locality (its stage checks)
+    # llm-d weighs a medium its scorer is not told of as the GPU: the routers' page says how to tell it
+    page = (Path(__file__).parents[1] / "docs" / "routers.md").read_text()
+    for medium in {medium.lower() for medium, _ in emitted} - set(LLM_D_DEFAULT_WEIGHTS):
+        assert f'"name": "{medium}"' in page, medium

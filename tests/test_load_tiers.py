@@ -55,11 +55,29 @@ def test_the_cpu_tier_serves_whatever_the_request_allows(engine_factory):
 def test_a_tier_that_does_not_say_its_medium_or_locality_takes_the_defaults():
     """A tier need not subclass SecondaryTierManager (the engine calls what it has): it is
     STORAGE and LOCAL, and a request's kv_load_tiers never fails on it."""
-    from tiering.engine.load_tiers import allowed_tiers
+    from tiering.engine.load_tiers import allowed_tiers, tier_places
 
     class DuckTier:
         pass
 
+    places = tier_places([DuckTier(), DuckTier()], ["a", "b"])
     ctx = request([{"medium": "storage", "locality": "local"}, {"owner": "b"}])
-    assert allowed_tiers(ctx, [DuckTier(), DuckTier()], ["a", "b"]) == frozenset({0, 1})
-    assert allowed_tiers(request([{"locality": "remote"}]), [DuckTier()], ["a"]) == frozenset()
+    assert allowed_tiers(ctx, places) == frozenset({0, 1})
+    assert allowed_tiers(request([{"locality": "remote"}]), places) == frozenset()
+
+
+@pytest.mark.parametrize(("medium", "locality"), [("GPU", "LOCAL"), ("STORAGE", "nearby"), (None, "LOCAL")])
+def test_a_tier_that_declares_a_medium_or_locality_vllm_has_not_is_refused_by_name(medium, locality):
+    """vLLM's events and tier filters know CPU and STORAGE, LOCAL and REMOTE: a tier saying
+    otherwise is refused when the manager is built, not when its first event is published."""
+    from tiering.engine.load_tiers import tier_places
+
+    class OddTier:
+        pass
+
+    tier = OddTier()
+    tier.medium, tier.locality = medium, locality
+    with pytest.raises(ValueError, match=r"tier odd: medium .* expected a medium of CPU, STORAGE and a locality of"):
+        tier_places([tier], ["odd"])
+    tier.medium, tier.locality = "storage", "remote"  # any case
+    assert tier_places([tier], ["odd"]) == [("STORAGE", "REMOTE", "odd")]

@@ -206,3 +206,15 @@ def test_events_reach_vllm_with_their_medium_locality_and_owner():
     described = {(e.medium, e.locality, e.ownership, e.removed, e.removal_expected) for e in events}
     assert (Medium.CPU, Locality.LOCAL, None, False, False) in described
     assert (Medium.STORAGE, Locality.LOCAL, "memory", False, True) in described
+
+
+def test_the_mediums_and_localities_a_tier_may_declare_are_vllms_and_reach_its_events_as_named():
+    """`tiering.engine.load_tiers` refuses any other at build: each becomes vLLM's enum member of
+    that name, and the event its publisher sends carries the same string (a router matches them)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import _MEDIUM_TO_EVENT_STR
+    from vllm.v1.kv_offload.base import Locality, Medium
+
+    from tiering.engine.load_tiers import LOCALITIES, MEDIUMS
+
+    assert {_MEDIUM_TO_EVENT_STR[Medium[medium]] for medium in MEDIUMS} == set(MEDIUMS)
+    assert {Locality(locality).value for locality in LOCALITIES} == {locality.value for locality in Locality}

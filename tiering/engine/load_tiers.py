@@ -21,7 +21,7 @@ import reprlib
 from collections.abc import Sequence
 from typing import Any
 
-from tiering.contract.mediums import LOCAL, STORAGE
+from tiering.contract.mediums import LOCAL, REMOTE, STORAGE, CPULoadStoreSpec
 from tiering.tiers.base import SecondaryTierManager
 
 logger = logging.getLogger(__name__)
@@ -32,13 +32,40 @@ MAX_ENTRIES = 16
 MAX_VALUE_CHARS = 64
 """Characters of an entry's value at most."""
 _KEYS = ("medium", "locality", "owner")
+MEDIUMS = (CPULoadStoreSpec.medium(), STORAGE)
+"""The mediums a tier may declare: those of vLLM's ``Medium`` (its KV events carry no other)."""
+LOCALITIES = (LOCAL, REMOTE)
+"""The localities a tier may declare: those of vLLM's ``Locality``."""
+
+Place = tuple[str, str, str]
+"""(medium, locality, owner) of a secondary tier."""
 
 
-def allowed_tiers(
-    req_context: Any, tiers: Sequence[SecondaryTierManager], names: Sequence[str]
-) -> frozenset[int] | None:
-    """The indexes of the `tiers` (named `names`) the request of `req_context` may load
-    from, or None: every one (no ``kv_load_tiers``, or one that does not parse, logged).
+def tier_places(tiers: Sequence[SecondaryTierManager], names: Sequence[str]) -> list[Place]:
+    """(medium, locality, owner) of each of `tiers` (named `names`), as its KV events and a
+    request's ``kv_load_tiers`` name it; a tier that does not subclass `SecondaryTierManager`
+    takes its defaults (`STORAGE`, `LOCAL`).
+
+    Raises:
+        ValueError: a tier declares a medium not in `MEDIUMS` or a locality not in
+            `LOCALITIES` (any case); names the tier.
+    """
+    places = []
+    for tier, name in zip(tiers, names, strict=True):
+        medium = str(getattr(tier, "medium", STORAGE)).upper()
+        locality = str(getattr(tier, "locality", LOCAL)).upper()
+        if medium not in MEDIUMS or locality not in LOCALITIES:
+            raise ValueError(
+                f"tier {name}: medium {medium!r} and locality {locality!r}; "
+                f"expected a medium of {', '.join(MEDIUMS)} and a locality of {', '.join(LOCALITIES)}"
+            )
+        places.append((medium, locality, name))
+    return places
+
+
+def allowed_tiers(req_context: Any, places: Sequence[Place]) -> frozenset[int] | None:
+    """The indexes of the tiers at `places` (`tier_places`) the request of `req_context` may
+    load from, or None: every one (no ``kv_load_tiers``, or one that does not parse, logged).
     Never raises."""
     params = getattr(req_context, "kv_transfer_params", None)
     if not isinstance(params, dict) or LOAD_TIERS_KEY not in params:
@@ -49,13 +76,9 @@ def allowed_tiers(
     except ValueError as exc:
         logger.warning("request %.64s: %s ignored: %s", getattr(req_context, "req_id", "?"), LOAD_TIERS_KEY, exc)
         return None
-    described = [  # a tier that does not subclass SecondaryTierManager may not say: its defaults
-        (str(getattr(tier, "medium", STORAGE)).upper(), str(getattr(tier, "locality", LOCAL)).upper(), name)
-        for tier, name in zip(tiers, names, strict=True)
-    ]
     return frozenset(
         idx
-        for idx, tier in enumerate(described)
+        for idx, tier in enumerate(places)
         if any(
             all(want is None or want == have for want, have in zip(matcher, tier, strict=True)) for matcher in matchers
         )

@@ -33,7 +33,7 @@ from tiering.contract.offloading import OffloadingManager
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.engine.cascades import Cascades
 from tiering.engine.jobs import JOB_DEADLINE_S, Job, JobTable
-from tiering.engine.load_tiers import allowed_tiers
+from tiering.engine.load_tiers import allowed_tiers, tier_places
 from tiering.engine.lookups import RequestLookups
 from tiering.engine.promotions import PromotionRows, Promotions
 from tiering.engine.tier_calls import guarded, hooks_of, new_generations
@@ -95,13 +95,14 @@ class TieringOffloadingManager(OffloadingManager):
                 tiers; ``cpu``: they keep their blocks (weights that never change).
 
         Raises:
-            ValueError: more admission configs than tiers.
+            ValueError: more admission configs than tiers, or a tier's medium or locality is not vLLM's (`tier_places`).
             OSError: `request_log` cannot be opened for appending.
         """
         self.primary_tier = primary_tier
         self.secondary_tiers = list(secondary_tiers or ())
         self.reset_scope = reset_scope
         self.tier_names = unique_names([getattr(tier, "name", tier.tier_type) for tier in self.secondary_tiers])
+        self.tier_places = tier_places(self.secondary_tiers, self.tier_names)
         self.block_tokens = block_tokens
         self._enable_events = enable_events
         self._polled_this_step = False
@@ -130,9 +131,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._step_hits: set[OffloadKey] = set()  # found in the primary tier by this step's lookups
         self._requests = RequestLookups(self.promotion_source)
         self._listeners: list[tuple[Callable[[dict[str, Any]], None], Every]] = []
-        # whether the primary tier's blocks, their order or their readers may have changed
-        # since the last write-back scan (one that found nothing to copy finds nothing again)
-        self._primary_changed = True
+        self._primary_changed = True  # blocks, order or readers changed since the last write-back scan
 
     # -- scheduler calls ------------------------------------------------------------------
 
@@ -234,7 +233,7 @@ class TieringOffloadingManager(OffloadingManager):
         self.cascades.stored(stored, req_context)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        req_context.load_tiers = allowed_tiers(req_context, self.secondary_tiers, self.tier_names)
+        req_context.load_tiers = allowed_tiers(req_context, self.tier_places)
         return self.primary_tier.on_new_request(req_context)
 
     def on_request_finished(self, req_context: ReqContext) -> None:

@@ -336,7 +336,7 @@ class _Manager(OffloadingManager):
                 keys=_all_theirs(event.keys),
                 medium=Medium.CPU if event.medium == "CPU" else Medium.STORAGE,
                 removed=event.removed,
-                locality=None if event.locality is None else Locality(event.locality),
+                locality=_LOCALITIES.get(event.locality),  # None: unsaid (a third-party tier's own events)
                 ownership=event.ownership,
                 removal_expected=event.removal_expected,
             )
@@ -418,6 +418,9 @@ class _Worker(OffloadingWorker):
 
 def _ours(key: OffloadKey) -> Key:
     return cast(Key, key)  # both are block hash + 4-byte group index
+
+
+_LOCALITIES = {locality.value: locality for locality in Locality}
 
 
 def _all_ours(keys: Collection[OffloadKey]) -> Collection[Key]:
