@@ -137,8 +137,11 @@ class FileOptions(BaseModel):
             holes, where the namespace already holds one-file objects (an older cache, or
             engines sharing the directory) and where another engine holds its segments: there,
             and for larger blocks, one file per block (the log says which and why).
-        shared: the directory is shared with other engines (a network filesystem): the
-            tier's KV events call its blocks `REMOTE`, not `LOCAL` (`tiering.tiers.events`).
+        shared: the directory is shared with other engines (a network filesystem, or
+            replicas on one machine): one file per block (``layout: auto`` settles on
+            ``files``; ``segments`` is refused), so that engines find each other's blocks
+            by name (with ``probe_misses``), and the tier's KV events call its blocks
+            `REMOTE`, not `LOCAL` (`tiering.tiers.events`).
     """
 
     model_config = STRICT
@@ -208,11 +211,23 @@ class FileBlockStore(BlockStore):
         return f"file {os.path.realpath(options['root_dir'])}"
 
     @classmethod
+    def check_config(cls, options: BaseModel, settings: BlockStoreSettings) -> None:
+        """A shared directory keeps one file per block.
+
+        Raises:
+            ValueError: ``shared`` with ``layout: segments`` (segments are one engine's).
+        """
+        assert isinstance(options, FileOptions)
+        if options.shared and options.layout == "segments":
+            raise ValueError("layout: segments are one engine's; a shared directory keeps one file per block")
+
+    @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> FileBlockStore:
         """A store of the tier's config; `io_threads` defaults to `max_concurrency`."""
         assert isinstance(options, FileOptions)
         threads = options.io_threads or settings.max_concurrency
-        store = cls(options.root_dir, fingerprint, threads, options.fsync, options.direct_io, options.layout)
+        layout = "files" if options.shared else options.layout
+        store = cls(options.root_dir, fingerprint, threads, options.fsync, options.direct_io, layout)
         store.locality = REMOTE if options.shared else LOCAL
         return store
 

@@ -49,10 +49,10 @@ def test_a_dropped_object_is_announced_removed(engine_factory):
 
 def test_recovered_blocks_are_announced_once_events_start_and_a_shared_directory_is_remote(tmp_path, engine_factory):
     root = str(tmp_path / "kv")
-    first = engine_factory({"type": "file", "root_dir": root}, num_blocks=4)
+    first = engine_factory({"type": "file", "root_dir": root, "layout": "files"}, num_blocks=4)  # as shared ones
     first.store(0, 1)
     first.manager.shutdown()
-    again = engine_factory({"type": "file", "root_dir": root}, num_blocks=4, events=True)
+    again = engine_factory({"type": "file", "root_dir": root, "layout": "files"}, num_blocks=4, events=True)
     recovered = [event for event in again.manager.take_events() if event.medium == STORAGE]
     assert announced(recovered) == [(False, keys(0, 1))] and recovered[0].locality == LOCAL
     again.manager.shutdown()

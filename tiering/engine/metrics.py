@@ -93,6 +93,8 @@ HELP = {
     "bytes_stored": "Bytes of the blocks this tier finished storing (secondary tiers: headers included).",
     "blocks_loaded": "Blocks loaded from this tier (the CPU tier: loads into the GPU).",
     "bytes_loaded": "Bytes of the blocks loaded from this tier (secondary tiers: headers included).",
+    "found_blocks_loaded": "Blocks loaded that this tier found in its store (recovered at start, or by a probe: "
+    "stored by another engine, or before a restart) instead of storing them itself.",
     "store_busy_seconds": "Seconds during which at least one store job of this tier was in flight.",
     "load_busy_seconds": "Seconds during which at least one load job of this tier was in flight.",
     "blocks_read_by_tiers": "CPU-tier blocks read by secondary tiers (cascades).",

@@ -33,6 +33,11 @@ COUNTERS = {  # the engine's counter -> (vLLM's metric, what it counts)
         "vllm:kv_tiering_blocks_loaded",
         "Blocks loaded from each tier (cpu: into the GPU; a secondary tier: promoted into the CPU tier).",
     ),
+    "found_blocks_loaded": (
+        "vllm:kv_tiering_found_blocks_loaded",
+        "Blocks a secondary tier loaded that it found in its store (stored by another engine sharing it, or "
+        "before a restart) instead of storing them itself.",
+    ),
     "cascades_dropped": (
         "vllm:kv_tiering_cascades_dropped",
         "Blocks a secondary tier's admission control did not copy to it (over its pinned-row bound, "

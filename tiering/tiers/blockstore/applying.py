@@ -49,3 +49,4 @@ def apply_load(
             index.touch([key])
             counters.counts["blocks_loaded"] += 1
             counters.counts["bytes_loaded"] += entry.size
+            counters.counts["found_blocks_loaded"] += entry.found

@@ -15,7 +15,15 @@ from tiering.tiers.health import TierHealth
 
 logger = logging.getLogger(__name__)
 
-COUNTERS = ("blocks_stored", "bytes_stored", "blocks_loaded", "bytes_loaded", "jobs_succeeded", "jobs_failed")
+COUNTERS = (
+    "blocks_stored",
+    "bytes_stored",
+    "blocks_loaded",
+    "bytes_loaded",
+    "found_blocks_loaded",
+    "jobs_succeeded",
+    "jobs_failed",
+)
 FORGED_LOG_INTERVAL_S = 60.0  # a block whose seal does not open is logged at most this often per tier
 
 

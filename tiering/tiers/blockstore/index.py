@@ -36,13 +36,16 @@ ROOM_BACKOFF_S = (1.0, 30.0)  # first and longest wait before a full device is t
 
 
 class Entry:
-    """One key: its object's bytes, whether the store has it, and loads reading it now."""
+    """One key: its object's bytes, whether the store has it, whether it was found there
+    (recovered, or by a probe: not stored by this engine since it started), and loads
+    reading it now."""
 
-    __slots__ = ("readers", "size", "stored")
+    __slots__ = ("found", "readers", "size", "stored")
 
-    def __init__(self, size: int, stored: bool = False):
+    def __init__(self, size: int, stored: bool = False, found: bool = False):
         self.size = size
         self.stored = stored
+        self.found = found
         self.readers = 0
 
 
@@ -140,7 +143,7 @@ class BlockIndex:
         """Hold an object that already exists (recovered, or found by a probe) as the most
         recent; returns the keys evicted if the index is now over its limit."""
         self.deleted((key,))  # found again while its delete was pending: kept
-        self._entries[key] = Entry(size, stored=True)
+        self._entries[key] = Entry(size, stored=True, found=True)
         self.used_bytes += size
         evicted: list[OffloadKey] = []
         self._make_room(0, evicted)
