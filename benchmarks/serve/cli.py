@@ -12,6 +12,13 @@ prefix an earlier request shared, throughput, and where prompt tokens came from;
 table splits the TTFT of the requests that loaded blocks from the engine into its parts
 (`tiering.benchmarks.serve.breakdown`, from the engine's ``request_log``).
 
+With ``--replicas N`` it measures a fleet instead (`tiering.benchmarks.serve.fleet`): N
+servers of the model behind the client, each pinned to its share of the cores, with private
+file tiers or one tier they share (``--shared-tier``), the requests routed round-robin, by
+conversation or by the replicas' KV events (``--routing``); the table adds a row per replica.
+
+    tiering-bench serve --workload chat --replicas 2 --routing round-robin,kv-events --output fleet.json
+
 Exit status: 0 ok; 2 bad input (an option or trace that cannot be used); 3 a server failed.
 """
 
@@ -25,27 +32,34 @@ import logging
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
 
 from tiering.benchmarks.loadgen.args import check_output, positive_arg, rate_arg, size_arg
 from tiering.benchmarks.loadgen.workload import WORKLOADS, read_trace, synthetic, with_hints
+from tiering.benchmarks.serve.fleet import FLEET_CONFIGURATIONS, SHARED_TIERS, Fleet, run_fleet, shared_backing
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
 from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary, summarize
+from tiering.benchmarks.serve.routing import ROUTINGS
 from tiering.benchmarks.serve.run import CONFIGURATIONS, Setup, run_configuration, s3_server
 from tiering.benchmarks.serve.server import CONNECTORS
-from tiering.benchmarks.serve.workload import prompts, reusable_prefix_tokens, sample_conversations
+from tiering.benchmarks.serve.workload import conversations, prompts, reusable_prefix_tokens, sample_conversations
 
 logger = logging.getLogger("tiering.bench")
 
 
-def _configurations(text: str) -> list[str]:
+def _names(text: str, known: dict[str, str] | tuple[str, ...]) -> list[str] | None:
+    """The comma-separated names of `text` if every one is `known`, else None."""
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in CONFIGURATIONS]
-    if unknown or not names:
-        known = ", ".join(f"{name} ({what})" for name, what in CONFIGURATIONS.items())
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {known}; got {text!r}")
+    return names if names and all(name in known for name in names) else None
+
+
+def _routings(text: str) -> list[str]:
+    names = _names(text, ROUTINGS)
+    if names is None:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(ROUTINGS)}; got {text!r}")
     return names
 
 
@@ -73,7 +87,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds per trace second (default 1: the trace's own pace; 2: half its speed; 0: all at once)",
     )
     parser.add_argument(
-        "--configurations", type=_configurations, default=list(CONFIGURATIONS), help="default a,b,c,d,e"
+        "--configurations",
+        help=f"comma-separated, default all: one server, {', '.join(CONFIGURATIONS)}; with --replicas, "
+        f"{', '.join(FLEET_CONFIGURATIONS)}",
+    )
+    parser.add_argument(
+        "--replicas", type=positive_arg, default=1, help="servers of the model behind the client (default 1)"
+    )
+    parser.add_argument(
+        "--shared-tier", choices=SHARED_TIERS, default="file", help="the tier of the fleet's shared configuration"
+    )
+    parser.add_argument(
+        "--routing",
+        type=_routings,
+        default=["round-robin"],
+        help=f"how the fleet's requests reach replicas, comma-separated: {', '.join(ROUTINGS)} (default round-robin)",
     )
     parser.add_argument(
         "--model-shape", choices=sorted(SHAPES), default="bench", help="the local model (default bench)"
@@ -119,7 +147,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, help="write the TTFT CDF as PNG")
     parser.add_argument("--quiet", action="store_true", help="only warnings and errors")
     args = parser.parse_args(argv)
-    names = args.configurations
+    known = FLEET_CONFIGURATIONS if args.replicas > 1 else CONFIGURATIONS
+    names = list(known) if args.configurations is None else _names(args.configurations, known)
+    if names is None:
+        listed = ", ".join(f"{name} ({what})" for name, what in known.items())
+        parser.error(f"--configurations: expected a comma-separated list of {listed}; got {args.configurations!r}")
+    args.configurations = names
     if "g" in names and not args.recompute_tokens_per_s and ("a" not in names or names.index("a") > names.index("g")):
         parser.error("configuration g needs --recompute-tokens-per-s, or configuration a before it to measure it")
     return args
@@ -153,6 +186,49 @@ def _log_summary(name: str, summary: dict) -> None:
         summary["computed_tokens"],
         summary["prompt_tokens"],
     )
+
+
+@dataclasses.dataclass
+class Workload:
+    """The requests: token prompts, arrival times (s), conversations, retention hints."""
+
+    prompts: list[list[int]]
+    arrivals_s: list[float]
+    conversation_of: list[int]
+    hints: list[dict | None]
+
+
+def _server_runs(args: argparse.Namespace, setup: Setup, work: Workload, runs: list[dict]) -> Iterator[dict]:
+    """Each configuration on a server of its own (``g`` after ``a``: its prefill rate, from `runs`)."""
+    with s3_server("e" in args.configurations) as endpoint:
+        for name in args.configurations:
+            if name == "g" and not setup.recompute_tokens_per_s:
+                observed = observed_prefill_rate(next(run for run in runs if run["name"] == "a"))
+                setup = dataclasses.replace(setup, recompute_tokens_per_s=observed)
+            yield run_configuration(
+                name, setup, work.prompts, work.arrivals_s, args.max_tokens, args.max_concurrency, endpoint, work.hints
+            )
+
+
+def _fleet_runs(args: argparse.Namespace, setup: Setup, work: Workload) -> Iterator[dict]:
+    """Each fleet configuration under each routing, on fresh replicas."""
+    fleet = Fleet(args.replicas, args.shared_tier)
+    with shared_backing(args.shared_tier, "shared" in args.configurations) as backing:
+        for name in args.configurations:
+            for routing in args.routing:
+                yield run_fleet(
+                    name,
+                    routing,
+                    fleet,
+                    setup,
+                    work.prompts,
+                    work.arrivals_s,
+                    work.conversation_of,
+                    args.max_tokens,
+                    args.max_concurrency,
+                    backing,
+                    work.hints,
+                )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,18 +273,13 @@ def main(argv: list[str] | None = None) -> int:
             }
             return build_report(runs, reusable, inputs)
 
-        with s3_server("e" in args.configurations) as endpoint:
-            for name in args.configurations:
-                if name == "g" and not setup.recompute_tokens_per_s:
-                    observed = observed_prefill_rate(next(run for run in runs if run["name"] == "a"))
-                    setup = dataclasses.replace(setup, recompute_tokens_per_s=observed)
-                run = run_configuration(
-                    name, setup, token_prompts, arrivals, args.max_tokens, args.max_concurrency, endpoint, hints
-                )
-                runs.append(run)
-                _log_summary(name, summarize(run, reusable))
-                if args.output:  # after each configuration: a long run stopped keeps what it measured
-                    args.output.write_text(json.dumps(report(), indent=1))
+        workload = Workload(token_prompts, arrivals, conversations(requests), hints)
+        runner = _fleet_runs(args, setup, workload) if args.replicas > 1 else _server_runs(args, setup, workload, runs)
+        for run in runner:
+            runs.append(run)
+            _log_summary(run["name"], summarize(run, reusable))
+            if args.output:  # after each configuration: a long run stopped keeps what it measured
+                args.output.write_text(json.dumps(report(), indent=1))
     except RuntimeError as exc:
         print(f"tiering-bench serve: {exc}", file=sys.stderr)
         return 3

@@ -8,6 +8,9 @@ as a client of the engine sends it. Its time to first token is
 measured from the moment it was due (its arrival), so time spent waiting for a connection
 slot counts, as a user would see it.
 
+With several servers (replicas of one model), a `Routing` chooses each request's replica when
+it arrives (`tiering.benchmarks.serve.routing`), and hears when it starts and ends.
+
 Thread: `replay` runs its own event loop in the calling thread.
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from tiering.benchmarks.serve.routing import Routing
 from tiering.eviction.retention import HINT_KEY
 
 
@@ -29,13 +33,14 @@ class Outcome:
     """One request: `arrival_s` (from the start of the run), `due_monotonic` (its arrival on
     ``time.monotonic``'s clock, as the engine's request log reads it), `ttft_s` and
     `latency_s` (from its arrival; None if it failed), tokens generated, prompt tokens vLLM
-    reported cached (its prefix cache and the connector's together), and the error if it
-    failed."""
+    reported cached (its prefix cache and the connector's together), the replica that served
+    it, and the error if it failed."""
 
     index: int
     arrival_s: float
     prompt_tokens: int
     due_monotonic: float = 0.0
+    replica: int = 0
     ttft_s: float | None = None
     latency_s: float | None = None
     output_tokens: int = 0
@@ -47,7 +52,7 @@ class Outcome:
 
 
 def replay(
-    url: str,
+    url: str | list[str],
     model: str,
     prompts: list[list[int]],
     arrivals_s: list[float],
@@ -55,16 +60,22 @@ def replay(
     max_concurrency: int | None = None,
     timeout_s: float = 600.0,
     hints: list[dict[str, Any] | None] | None = None,
+    routing: Routing | None = None,
 ) -> list[Outcome]:
     """Send ``prompts[i]`` at ``arrivals_s[i]`` seconds from now (at most `max_concurrency`
     in flight, None: no limit), with the retention hint ``hints[i]`` (None: none; `hints`
-    None: no request has one), and wait for all of them; outcomes in request order."""
+    None: no request has one), to the server at `url` or, given a list of replicas' URLs,
+    to the one `routing` chooses (None: the first), and wait for all of them; outcomes in
+    request order."""
+    urls = [url] if isinstance(url, str) else url
     hints = hints or [None] * len(prompts)
-    return asyncio.run(_replay(url, model, prompts, arrivals_s, max_tokens, max_concurrency, timeout_s, hints))
+    return asyncio.run(
+        _replay(urls, model, prompts, arrivals_s, max_tokens, max_concurrency, timeout_s, hints, routing)
+    )
 
 
 async def _replay(
-    url: str,
+    urls: list[str],
     model: str,
     prompts: list[list[int]],
     arrivals_s: list[float],
@@ -72,21 +83,34 @@ async def _replay(
     max_concurrency: int | None,
     timeout_s: float,
     hints: list[dict[str, Any] | None],
+    routing: Routing | None,
 ) -> list[Outcome]:
     slots = asyncio.Semaphore(max_concurrency or len(prompts) or 1)
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+    clients = [httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) for url in urls]
+    try:
         start = time.monotonic()
 
         async def one(index: int) -> Outcome:
             due = start + arrivals_s[index]
             outcome = Outcome(index, arrivals_s[index], len(prompts[index]), due)
             await asyncio.sleep(max(0.0, due - time.monotonic()))
-            async with slots:
-                await _complete(client, model, prompts[index], max_tokens, hints[index], outcome, due)
+            if routing is not None:
+                outcome.replica = routing.choose(index, prompts[index])
+                routing.started(outcome.replica)
+            try:
+                async with slots:
+                    client = clients[outcome.replica]
+                    await _complete(client, model, prompts[index], max_tokens, hints[index], outcome, due)
+            finally:
+                if routing is not None:
+                    routing.finished(outcome.replica)
             return outcome
 
         return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+    finally:
+        for client in clients:
+            await client.aclose()
 
 
 async def _complete(

@@ -16,13 +16,16 @@ SCHEMA_VERSION = 1
 PERCENTILES = (50, 90, 99)
 
 
-def summarize(run: dict[str, Any], reusable: list[int]) -> dict[str, Any]:
-    """A configuration's numbers from its outcomes and counters (`run_configuration`'s
-    result); `reusable`: each request's reusable prefix tokens (`reusable_prefix_tokens`).
-    Times in seconds; TTFTs of failed requests are left out and the failures counted.
-    ``breakdown_p50``: the median of each part of the TTFT (`FIELDS`) over the requests
-    that loaded blocks from the engine (``loaded_requests``); ``copy_gbps``: the worker's
-    loads into vLLM's cache, GB/s."""
+def summarize(run: dict[str, Any], reusable: list[int], block_tokens: int = 0) -> dict[str, Any]:
+    """A configuration's numbers from its outcomes and counters (`run_configuration`'s or
+    `run_fleet`'s result); `reusable`: each request's reusable prefix tokens
+    (`reusable_prefix_tokens`). Times in seconds; TTFTs of failed requests are left out and
+    the failures counted. ``breakdown_p50``: the median of each part of the TTFT (`FIELDS`)
+    over the requests that loaded blocks from the engine (``loaded_requests``);
+    ``copy_gbps``: the worker's loads into vLLM's cache, GB/s; ``found_tokens``: prompt
+    tokens of blocks a secondary tier found in its store rather than stored itself (another
+    replica's, in a shared tier), given `block_tokens` (tokens per offloaded block); a fleet's
+    run adds each replica's own summary under ``replicas``."""
     outcomes = run["outcomes"]
     done = [o for o in outcomes if o["error"] is None]
     repeat = [o for o in done if reusable[o["index"]] > 0]
@@ -30,7 +33,8 @@ def summarize(run: dict[str, Any], reusable: list[int]) -> dict[str, Any]:
     counters = run["vllm"]
     loaded = [o for o in done if o.get("engine")]
     load_seconds = counters.get("load_seconds")
-    return {
+    found = sum(counters.get("engine", {}).get("found_blocks_loaded", {}).values())
+    summary = {
         "requests": len(outcomes),
         "failed": len(outcomes) - len(done),
         "ttft_s": _percentiles([o["ttft_s"] for o in done]),
@@ -46,7 +50,19 @@ def summarize(run: dict[str, Any], reusable: list[int]) -> dict[str, Any]:
         "ttft_loaded_s": _percentiles([o["ttft_s"] for o in loaded]),
         "breakdown_p50": {f: float(np.median([o["engine"][f] for o in loaded])) for f in FIELDS} if loaded else None,
         "copy_gbps": counters["load_bytes"] / load_seconds / 1e9 if load_seconds else None,
+        "found_tokens": found * block_tokens,
     }
+    if "replicas" in run:
+        summary["replicas"] = [
+            summarize(
+                {"outcomes": [o for o in outcomes if o["replica"] == i], "wall_s": wall_s, "vllm": r["vllm"]},
+                reusable,
+                block_tokens,
+            )
+            | {"cpus": r["cpus"]}
+            for i, r in enumerate(run["replicas"])
+        ]
+    return summary
 
 
 def observed_prefill_rate(run: dict[str, Any]) -> float | None:
@@ -65,11 +81,12 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 
 def build_report(runs: list[dict[str, Any]], reusable: list[int], inputs: dict[str, Any]) -> dict[str, Any]:
     """The JSON document: inputs, then per configuration its summary, counters and outcomes."""
+    block_tokens = inputs.get("block_size", 0)
     return {
         "schema_version": SCHEMA_VERSION,
         "inputs": inputs,
         "reusable_prefix_tokens": reusable,
-        "configurations": {run["name"]: {**run, "summary": summarize(run, reusable)} for run in runs},
+        "configurations": {run["name"]: {**run, "summary": summarize(run, reusable, block_tokens)} for run in runs},
     }
 
 
@@ -85,18 +102,9 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
         table.add_column(header, justify="left" if header in ("", "served from") else "right")
     for name, run in report["configurations"].items():
         summary = run["summary"]
-        served = ", ".join(
-            f"{source} {tokens:,.0f}" for source, tokens in summary["cached_tokens_by_source"].items() if tokens
-        )
-        table.add_row(
-            name + (f" ({summary['failed']} failed)" if summary["failed"] else ""),
-            " / ".join(_ms(v) for v in summary["ttft_s"].values()),
-            " / ".join(_ms(v) for v in summary["ttft_reusable_s"].values()),
-            f"{summary['requests_per_s']:.2f}",
-            f"{summary['output_tokens_per_s']:.1f}",
-            f"{summary['computed_tokens']:,.0f} of {summary['prompt_tokens']:,.0f}",
-            served or "-",
-        )
+        table.add_row(*_summary_row(name, summary))
+        for i, replica in enumerate(summary.get("replicas", ())):
+            table.add_row(*_summary_row(f"  replica {i} (cores {','.join(map(str, replica['cpus']))})", replica))
     for name, run in report["configurations"].items():
         console.print(f"{name}: {run['description']}")
     console.print(table)
@@ -104,6 +112,21 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     loads = {name: summary for name, summary in summaries.items() if summary["loaded_requests"]}
     if loads:
         console.print(_breakdown_table(loads))
+
+
+def _summary_row(name: str, summary: dict[str, Any]) -> tuple[str, ...]:
+    served = [f"{source} {tokens:,.0f}" for source, tokens in summary["cached_tokens_by_source"].items() if tokens]
+    if summary.get("found_tokens"):
+        served.append(f"of them another replica's {summary['found_tokens']:,.0f}")
+    return (
+        name + (f" ({summary['failed']} failed)" if summary["failed"] else ""),
+        " / ".join(_ms(v) for v in summary["ttft_s"].values()),
+        " / ".join(_ms(v) for v in summary["ttft_reusable_s"].values()),
+        f"{summary['requests_per_s']:.2f}",
+        f"{summary['output_tokens_per_s']:.1f}",
+        f"{summary['computed_tokens']:,.0f} of {summary['prompt_tokens']:,.0f}",
+        ", ".join(served) or "-",
+    )
 
 
 def _breakdown_table(summaries: dict[str, dict[str, Any]]) -> Table:

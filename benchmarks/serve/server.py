@@ -53,6 +53,8 @@ class ServerOptions:
         log_stats_s: vLLM's stats log interval, seconds.
         env: more environment variables for the server.
         connector: one of `CONNECTORS`, the one the engine runs behind.
+        cpus: the cores every process of the server runs on, and vLLM binds its OpenMP
+            threads to (``VLLM_CPU_OMP_THREADS_BIND``); None: any core, vLLM's own binding.
     """
 
     engine: dict[str, Any] | None = None
@@ -65,6 +67,7 @@ class ServerOptions:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     connector: str = "KVTieringConnector"
+    cpus: tuple[int, ...] | None = None
 
 
 class VllmServer:
@@ -96,11 +99,16 @@ class VllmServer:
             **options.env,
         }
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
+        cpus = options.cpus
+        if cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
         self.log = log
         self._log_file = log.open("w")
         self.process = subprocess.Popen(
             command, env=env, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
+        if cpus is not None:  # long before the interpreter starts vLLM's processes: they all inherit it
+            os.sched_setaffinity(self.process.pid, cpus)
         deadline = time.monotonic() + start_timeout_s
         while not self.get("/v1/models"):
             if self.process.poll() is not None or time.monotonic() > deadline:

@@ -13,21 +13,19 @@ import random
 from tiering.benchmarks.loadgen.workload import Request
 
 
-def sample_conversations(requests: list[Request], every: int) -> list[Request]:
-    """The requests of one conversation in `every`, whole: a trace thinned by session keeps
-    each conversation's reuse and gaps, and offers 1/`every` of the load.
-
-    A conversation is the requests that share their first two block ids (a chat resends
-    the conversation so far; one id is too few, since every request of the Mooncake trace
-    starts with the same one), numbered in order of their first request; conversations
-    0, `every`, 2 `every`... are kept."""
+def conversations(requests: list[Request]) -> list[int]:
+    """Each request's conversation, numbered in order of its first request. A conversation
+    is the requests that share their first two block ids (a chat resends the conversation so
+    far; one id is too few, since every request of the Mooncake trace starts with the same one)."""
     numbers: dict[tuple[int, ...], int] = {}
-    kept = []
-    for request in requests:
-        number = numbers.setdefault(request.hash_ids[:2], len(numbers))
-        if number % every == 0:
-            kept.append(request)
-    return kept
+    return [numbers.setdefault(request.hash_ids[:2], len(numbers)) for request in requests]
+
+
+def sample_conversations(requests: list[Request], every: int) -> list[Request]:
+    """The requests of one conversation in `every` (`conversations` 0, `every`, 2 `every`...),
+    whole: a trace thinned by session keeps each conversation's reuse and gaps, and offers
+    1/`every` of the load."""
+    return [request for request, number in zip(requests, conversations(requests), strict=True) if number % every == 0]
 
 
 def prompts(requests: list[Request], tokens_per_id: int, max_tokens: int, vocab: int) -> list[list[int]]:

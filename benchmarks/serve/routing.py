@@ -1,0 +1,166 @@
+"""How the fleet benchmark spreads requests over replicas (``tiering-bench serve --replicas N
+--routing ...``):
+
+- ``round-robin``: request i to replica i mod N, as a plain load balancer;
+- ``session``: every turn of a conversation to one replica (conversations dealt out in
+  turn as they start), the affinity a gateway gives;
+- ``kv-events``: to the replica holding the longest cached prefix of the prompt, by the KV
+  events every replica publishes (`KvEventsIndex`); ties to the replica with fewer requests
+  in flight, then to the one sent fewer.
+
+`KvEventsIndex` is a measuring instrument, kept small: users run llm-d or Dynamo. It binds
+one ZMQ SUB socket on 127.0.0.1; replica i's vLLM publisher connects to it with the topic
+``replica-<i>`` (`publisher_config`). It learns the chain of block hashes from the events'
+tokens (vLLM's own cache always sends them; the engine's tiers with
+``self_describing_kv_events``), so it computes no hash itself, and scores a prompt per
+replica as the sum, over its leading blocks that replica holds, of the best weight of the
+places it holds each (`WEIGHTS`). What it learned is never forgotten: a benchmark's blocks.
+
+Thread: `KvEventsIndex` receives on a thread of its own; `Routing.choose`, `started` and
+`finished` run on the client's event loop thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+ROUTINGS = ("round-robin", "session", "kv-events")
+WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE/LOCAL": 0.6, "STORAGE/REMOTE": 0.4}
+"""A block's weight by where a replica holds it: GPU and CPU as llm-d's scorer defaults,
+local storage below memory, remote storage (loaded over the network) below local."""
+
+
+def place(medium: str | None, locality: str | None) -> str:
+    """The `WEIGHTS` key of an event's medium and locality (no medium: vLLM's own cache)."""
+    if medium in (None, "GPU", "CPU"):
+        return medium or "GPU"
+    return f"{medium}/{locality or 'LOCAL'}"
+
+
+class KvEventsIndex:
+    """Where each of `replicas` holds which blocks, from their KV events; `block_size`:
+    tokens per block (vLLM's)."""
+
+    def __init__(self, replicas: int, block_size: int, weights: dict[str, float] | None = None):
+        import zmq
+        from msgspec.msgpack import Decoder
+        from vllm.distributed.kv_events import KVEventBatch
+
+        from tiering.benchmarks.serve.server import free_port
+
+        self.replicas, self.block_size = replicas, block_size
+        self.weights = {**WEIGHTS, **(weights or {})}
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"replica-")
+        self._socket.setsockopt(zmq.RCVTIMEO, 200)
+        self._socket.bind(self.endpoint)
+        self._decoder = Decoder(type=KVEventBatch)
+        self._chain: dict[tuple[Any, tuple[int, ...]], Any] = {}  # (parent hash, block's tokens) -> hash
+        self._held: list[dict[Any, set[str]]] = [{} for _ in range(replicas)]  # hash -> places
+        self.events = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive, name="kv-events-index", daemon=True)
+        self._thread.start()
+
+    def publisher_config(self, replica: int) -> dict[str, Any]:
+        """vLLM's ``--kv-events-config`` for `replica`: publish to this index."""
+        return {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.endpoint,
+            "topic": f"replica-{replica}",
+        }
+
+    def scores(self, tokens: Sequence[int]) -> list[float]:
+        """Per replica, the weighted length of the prefix of `tokens` it holds, blocks."""
+        out = [0.0] * self.replicas
+        with self._lock:
+            hashes, parent = [], None
+            for end in range(self.block_size, len(tokens) + 1, self.block_size):
+                parent = self._chain.get((parent, tuple(tokens[end - self.block_size : end])))
+                if parent is None:
+                    break
+                hashes.append(parent)
+            for replica, held in enumerate(self._held):
+                for block_hash in hashes:
+                    places = held.get(block_hash)
+                    if not places:
+                        break
+                    out[replica] += max(self.weights.get(where, 0.0) for where in places)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._socket.close(linger=0)
+
+    def _receive(self) -> None:
+        import zmq
+
+        while not self._stop.is_set():
+            try:
+                topic, _seq, payload = self._socket.recv_multipart()
+            except zmq.Again:
+                continue
+            replica = int(topic.decode().removeprefix("replica-"))
+            batch = self._decoder.decode(payload)
+            with self._lock:
+                self.events += len(batch.events)
+                for event in batch.events:
+                    self._apply(self._held[replica], event)
+
+    def _apply(self, held: dict[Any, set[str]], event: Any) -> None:
+        kind = type(event).__name__
+        if kind == "AllBlocksCleared":
+            for places in held.values():
+                places.discard("GPU")
+            return
+        where = place(event.medium, event.locality)
+        if kind == "BlockRemoved":
+            for block_hash in event.block_hashes:
+                held.get(block_hash, set()).discard(where)
+            return
+        parent, size = event.parent_block_hash, event.block_size
+        for i, block_hash in enumerate(event.block_hashes):
+            if size and len(event.token_ids) >= (i + 1) * size:  # a self-describing event: learn the chain
+                self._chain[(parent, tuple(event.token_ids[i * size : (i + 1) * size]))] = block_hash
+            parent = block_hash
+            held.setdefault(block_hash, set()).add(where)
+
+
+class Routing:
+    """`name` (one of `ROUTINGS`) over `replicas`; `conversation_of[i]`: request i's
+    conversation (``session``); `index`: the KV events (``kv-events``)."""
+
+    def __init__(self, name: str, replicas: int, conversation_of: Sequence[int], index: KvEventsIndex | None = None):
+        if name not in ROUTINGS or (name == "kv-events") != (index is not None):
+            raise ValueError(f"routing {name!r}: expected one of {', '.join(ROUTINGS)}, kv-events with an index")
+        self.name, self.replicas, self.index = name, replicas, index
+        self._conversation_of = conversation_of
+        self._sessions: dict[int, int] = {}
+        self.in_flight = [0] * replicas
+        self.sent = [0] * replicas
+
+    def choose(self, request: int, tokens: Sequence[int]) -> int:
+        """The replica request `request` (its prompt `tokens`) goes to; counted as sent."""
+        if self.name == "round-robin":
+            replica = request % self.replicas
+        elif self.name == "session":
+            conversation = self._conversation_of[request]
+            replica = self._sessions.setdefault(conversation, len(self._sessions) % self.replicas)
+        else:
+            assert self.index is not None
+            scores = self.index.scores(tokens)
+            replica = max(range(self.replicas), key=lambda r: (scores[r], -self.in_flight[r], -self.sent[r]))
+        self.sent[replica] += 1
+        return replica
+
+    def started(self, replica: int) -> None:
+        self.in_flight[replica] += 1
+
+    def finished(self, replica: int) -> None:
+        self.in_flight[replica] -= 1
