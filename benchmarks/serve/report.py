@@ -95,10 +95,12 @@ def _ms(value: float | None) -> str:
 
 
 def print_summary(report: dict[str, Any], console: Console) -> None:
-    """One row per configuration: TTFT (all requests, and those with a reusable prefix)
-    p50/p90/p99 in ms, throughput, and where the prompt tokens came from."""
+    """One row per configuration (and per replica of a fleet): TTFT (all requests, and those
+    with a reusable prefix) p50/p90/p99 in ms, throughput, where the prompt tokens came from,
+    and how many of a secondary tier's were blocks another replica stored (`found_tokens`)."""
     table = Table(box=box.MARKDOWN, title="TTFT ms p50 / p90 / p99")
-    for header in ("", "TTFT all", "TTFT reusable", "req/s", "out tok/s", "computed", "served from"):
+    headers = ("", "TTFT all", "TTFT reusable", "req/s", "out tok/s", "computed", "served from", "another replica's")
+    for header in headers:
         table.add_column(header, justify="left" if header in ("", "served from") else "right")
     for name, run in report["configurations"].items():
         summary = run["summary"]
@@ -116,8 +118,6 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
 
 def _summary_row(name: str, summary: dict[str, Any]) -> tuple[str, ...]:
     served = [f"{source} {tokens:,.0f}" for source, tokens in summary["cached_tokens_by_source"].items() if tokens]
-    if summary.get("found_tokens"):
-        served.append(f"of them another replica's {summary['found_tokens']:,.0f}")
     return (
         name + (f" ({summary['failed']} failed)" if summary["failed"] else ""),
         " / ".join(_ms(v) for v in summary["ttft_s"].values()),
@@ -126,6 +126,7 @@ def _summary_row(name: str, summary: dict[str, Any]) -> tuple[str, ...]:
         f"{summary['output_tokens_per_s']:.1f}",
         f"{summary['computed_tokens']:,.0f} of {summary['prompt_tokens']:,.0f}",
         ", ".join(served) or "-",
+        f"{summary['found_tokens']:,.0f}" if summary["found_tokens"] else "-",
     )
 
 

@@ -1,0 +1,55 @@
+"""`tiering-bench serve --replicas 2 --shared-tier file` on a handful of conversations: both
+replicas start, each on its own core where there are two; under round-robin every second turn
+reaches the replica that did not serve the first, which loads the first one's blocks from the
+shared directory; under kv-events routing it follows its prefix instead; the report adds up."""
+
+import json
+import os
+
+import pytest
+
+from tiering.benchmarks.loadgen import main
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_two_replicas_share_a_file_tier_and_route_by_round_robin_or_kv_events(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    # 3 conversations of 8 ids (256 tokens), then each again with 2 more ids, 1.5 s apart: round-robin sends
+    # each second turn to the other replica (requests 0,1,2 to 0,1,0; 3,4,5 to 1,0,1), after its cascades landed
+    firsts = [[1000 * c + i for i in range(8)] for c in range(3)]
+    turns = firsts + [[*ids, 1000 * c + 100, 1000 * c + 101] for c, ids in enumerate(firsts)]
+    lines = [
+        {"timestamp": 1500 * n, "input_length": 32 * len(ids), "output_length": 4, "hash_ids": ids}
+        for n, ids in enumerate(turns)
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output = tmp_path / "fleet.json"
+    argv = ["serve", "--trace", str(trace), "--model-shape", "tiny", "--time-scale", "1", "--max-concurrency", "1"]
+    argv += ["--max-model-len", "512", "--gpu-blocks", "24", "--cpu-bytes", "256KiB", "--work-dir", str(tmp_path / "w")]
+    argv += ["--replicas", "2", "--shared-tier", "file", "--configurations", "shared"]
+    assert main([*argv, "--routing", "round-robin,kv-events", "--output", str(output)]) == 0
+
+    report = json.loads(output.read_text())
+    runs = report["configurations"]
+    assert list(runs) == ["shared/round-robin", "shared/kv-events"]
+    for name, run in runs.items():
+        summary = run["summary"]
+        assert summary["failed"] == 0 and summary["requests"] == 6, (name, run["outcomes"])
+        replicas = summary["replicas"]
+        assert [r["requests"] for r in replicas] == [3, 3] or name.endswith("kv-events")
+        for part in [summary, *replicas]:  # one more request of 2 tokens per replica settles its counters
+            served = sum(part["cached_tokens_by_source"].values())
+            assert part["computed_tokens"] + served == part["prompt_tokens"], name
+        if len(os.sched_getaffinity(0)) >= 2:
+            assert [r["cpus"] for r in replicas] == [
+                [min(os.sched_getaffinity(0))],
+                [sorted(os.sched_getaffinity(0))[1]],
+            ]
+
+    rr = runs["shared/round-robin"]["summary"]
+    assert rr["found_tokens"] >= 2 * 256  # second turns loaded the other replica's blocks from the directory
+    kv = runs["shared/kv-events"]
+    replica_of = [o["replica"] for o in sorted(kv["outcomes"], key=lambda o: o["index"])]
+    assert replica_of[3:] == replica_of[:3]  # each second turn went where its prefix was
+    assert kv["summary"]["found_tokens"] == 0
