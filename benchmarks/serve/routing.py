@@ -8,13 +8,14 @@
   events every replica publishes (`KvEventsIndex`); ties to the replica with fewer requests
   in flight, then to the one sent fewer.
 
-`KvEventsIndex` is a measuring instrument, kept small: users run llm-d or Dynamo. It binds
-one ZMQ SUB socket on 127.0.0.1; replica i's vLLM publisher connects to it with the topic
-``replica-<i>`` (`publisher_config`). It learns the chain of block hashes from the events'
-tokens (vLLM's own cache always sends them; the engine's tiers with
-``self_describing_kv_events``), so it computes no hash itself, and scores a prompt per
-replica as the sum, over its leading blocks that replica holds, of the best weight of the
-places it holds each (`WEIGHTS`). What it learned is never forgotten: a benchmark's blocks.
+The router is a measuring instrument, kept small: users run llm-d or Dynamo. `PrefixIndex`
+learns the chain of block hashes from the events' tokens (vLLM's own cache always sends
+them; the engine's tiers with ``self_describing_kv_events``), so it computes no hash itself,
+and scores a prompt per replica as the sum, over its leading blocks that replica holds, of
+the best weight of the places it holds each (`WEIGHTS`). What it learned of the chain is
+never forgotten: a benchmark's blocks. `KvEventsIndex` feeds it: one ZMQ SUB socket bound on
+127.0.0.1, to which replica i's vLLM publisher connects with the topic ``replica-<i>``
+(`publisher_config`).
 
 Thread: `KvEventsIndex` receives on a thread of its own; `Routing.choose`, `started` and
 `finished` run on the client's event loop thread.
@@ -39,41 +40,17 @@ def place(medium: str | None, locality: str | None) -> str:
     return f"{medium}/{locality or 'LOCAL'}"
 
 
-class KvEventsIndex:
-    """Where each of `replicas` holds which blocks, from their KV events; `block_size`:
-    tokens per block (vLLM's)."""
+class PrefixIndex:
+    """Where each of `replicas` holds which blocks, from their KV events (`apply`);
+    `block_size`: tokens per block (vLLM's). Thread-safe."""
 
     def __init__(self, replicas: int, block_size: int, weights: dict[str, float] | None = None):
-        import zmq
-        from msgspec.msgpack import Decoder
-        from vllm.distributed.kv_events import KVEventBatch
-
-        from tiering.benchmarks.serve.server import free_port
-
         self.replicas, self.block_size = replicas, block_size
         self.weights = {**WEIGHTS, **(weights or {})}
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"replica-")
-        self._socket.setsockopt(zmq.RCVTIMEO, 200)
-        self._socket.bind(self.endpoint)
-        self._decoder = Decoder(type=KVEventBatch)
+        self.events = 0
         self._chain: dict[tuple[Any, tuple[int, ...]], Any] = {}  # (parent hash, block's tokens) -> hash
         self._held: list[dict[Any, set[str]]] = [{} for _ in range(replicas)]  # hash -> places
-        self.events = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._receive, name="kv-events-index", daemon=True)
-        self._thread.start()
-
-    def publisher_config(self, replica: int) -> dict[str, Any]:
-        """vLLM's ``--kv-events-config`` for `replica`: publish to this index."""
-        return {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": self.endpoint,
-            "topic": f"replica-{replica}",
-        }
 
     def scores(self, tokens: Sequence[int]) -> list[float]:
         """Per replica, the weighted length of the prefix of `tokens` it holds, blocks."""
@@ -93,25 +70,13 @@ class KvEventsIndex:
                     out[replica] += max(self.weights.get(where, 0.0) for where in places)
         return out
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._socket.close(linger=0)
-
-    def _receive(self) -> None:
-        import zmq
-
-        while not self._stop.is_set():
-            try:
-                topic, _seq, payload = self._socket.recv_multipart()
-            except zmq.Again:
-                continue
-            replica = int(topic.decode().removeprefix("replica-"))
-            batch = self._decoder.decode(payload)
-            with self._lock:
-                self.events += len(batch.events)
-                for event in batch.events:
-                    self._apply(self._held[replica], event)
+    def apply(self, replica: int, events: Sequence[Any]) -> None:
+        """Replica `replica`'s `events` (vLLM's ``BlockStored``, ``BlockRemoved`` and
+        ``AllBlocksCleared``, told apart by their class names), in order."""
+        with self._lock:
+            self.events += len(events)
+            for event in events:
+                self._apply(self._held[replica], event)
 
     def _apply(self, held: dict[Any, set[str]], event: Any) -> None:
         kind = type(event).__name__
@@ -130,6 +95,53 @@ class KvEventsIndex:
                 self._chain[(parent, tuple(event.token_ids[i * size : (i + 1) * size]))] = block_hash
             parent = block_hash
             held.setdefault(block_hash, set()).add(where)
+
+
+class KvEventsIndex(PrefixIndex):
+    """A `PrefixIndex` fed by the replicas' vLLM publishers over ZMQ: a SUB socket bound on
+    127.0.0.1, received on a thread of its own."""
+
+    def __init__(self, replicas: int, block_size: int, weights: dict[str, float] | None = None):
+        import zmq
+        from msgspec.msgpack import Decoder
+        from vllm.distributed.kv_events import KVEventBatch
+
+        from tiering.benchmarks.serve.server import free_port
+
+        super().__init__(replicas, block_size, weights)
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"replica-")
+        self._socket.setsockopt(zmq.RCVTIMEO, 200)
+        self._socket.bind(self.endpoint)
+        self._decoder = Decoder(type=KVEventBatch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive, name="kv-events-index", daemon=True)
+        self._thread.start()
+
+    def publisher_config(self, replica: int) -> dict[str, Any]:
+        """vLLM's ``--kv-events-config`` for `replica`: publish to this index."""
+        return {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.endpoint,
+            "topic": f"replica-{replica}",
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._socket.close(linger=0)
+
+    def _receive(self) -> None:
+        import zmq
+
+        while not self._stop.is_set():
+            try:
+                topic, _seq, payload = self._socket.recv_multipart()
+            except zmq.Again:
+                continue
+            self.apply(int(topic.decode().removeprefix("replica-")), self._decoder.decode(payload).events)
 
 
 class Routing:
