@@ -107,3 +107,12 @@ def test_every_medium_and_locality_the_engine_can_emit_is_one_the_routers_accept
     page = (Path(__file__).parents[1] / "docs" / "routers.md").read_text()
     for medium in {medium.lower() for medium, _ in emitted} - set(LLM_D_DEFAULT_WEIGHTS):
         assert f'"name": "{medium}"' in page, medium
+
+
+def test_a_failed_store_is_announced_removed_so_vllms_tracker_forgets_its_tokens(engine_factory):
+    from tests.helpers import CTX
+
+    engine = engine_factory({"type": "memory"}, num_blocks=4, events=True)
+    out = engine.manager.prepare_store(keys(0, 1), CTX)
+    engine.manager.complete_store(out.keys_to_store, CTX, success=False)  # the GPU copy failed
+    assert announced(engine.manager.take_events(), medium="CPU") == [(True, keys(0, 1))]

@@ -327,18 +327,23 @@ class CPUOffloadingManager(OffloadingManager):
     def _drop_writes(self, keys: Collection[OffloadKey]) -> list[int]:
         """Forget the keys whose write is in flight; returns their rows (not freed). A row
         that loads pinned early is quarantined, a hold per load, each released by that
-        load's `complete_load`; it is ``FAILED`` meanwhile, so the loads copy nothing."""
-        rows = []
+        load's `complete_load`; it is ``FAILED`` meanwhile, so the loads copy nothing. The
+        keys are announced removed, though never stored: vLLM's event tracker, which
+        recorded their tokens when the store or the lookup of the promotion began, forgets
+        them then (a router drops a removal of a block it never saw)."""
+        rows, dropped = [], []
         for key in keys:
             block = self._resident.get(key)
             if block is not None and block.ref_cnt == -1:
                 self._order.remove(key)
                 del self._resident[key]
                 rows.append(block.block_id)
+                dropped.append(key)
                 if self._rows.pending_pins:
                     self._rows.write_failed(key, block.block_id)
         self._counters["blocks_store_failed"] += len(rows)
         self._rows_writing -= len(rows)
+        self._emit(dropped, removed=True)
         return rows
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
