@@ -19,6 +19,7 @@ import pytest
 
 from tests_vllm import tiny
 from tests_vllm.conftest import prompt
+from tiering.benchmarks.serve.routing import KvEventsSubscriber
 from tiering.benchmarks.serve.server import ServerOptions, VllmServer, free_port
 from tiering.tiers.object_format import object_size
 
@@ -31,46 +32,24 @@ FILE_BLOCKS = 96
 
 
 class Subscriber:
-    """A router's end of vLLM's event stream: a SUB socket bound on 127.0.0.1 (vLLM's
-    publisher connects to it), decoding every batch into vLLM's own event types."""
+    """A router's end of vLLM's event stream (`KvEventsSubscriber`), keeping every event."""
 
     def __init__(self) -> None:
-        import zmq
-        from msgspec.msgpack import Decoder
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.setsockopt(zmq.RCVTIMEO, 200)
-        self._socket.bind(self.endpoint)
-        self._decoder = Decoder(type=KVEventBatch)
         self.events: list = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._receive, daemon=True)
-        self._thread.start()
+        self._socket = KvEventsSubscriber(self._keep)
+        self.endpoint = self._socket.endpoint
 
-    def _receive(self) -> None:
-        import zmq
-
-        while not self._stop.is_set():
-            try:
-                _topic, _seq, payload = self._socket.recv_multipart()
-            except zmq.Again:
-                continue
-            batch = self._decoder.decode(payload)
-            with self._lock:
-                self.events.extend(batch.events)
+    def _keep(self, _topic: str, events: list) -> None:
+        with self._lock:
+            self.events.extend(events)
 
     def seen(self) -> list:
         with self._lock:
             return list(self.events)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._socket.close(linger=0)
+        self._socket.close()
 
 
 def hashes(events: list, kind: str, medium: str, **fields) -> set:

@@ -70,22 +70,16 @@ def shared_backing(kind: str, needed: bool) -> Iterator[dict[str, Any]]:
     if not needed or kind == "file":
         yield {}
         return
-    if kind == "valkey":
-        from tiering.benchmarks.valkey_server import ValkeyCluster
-
-        cluster = ValkeyCluster()
-        cluster.start()
-        try:
-            yield {"addresses": cluster.addresses, "cluster_mode": True}
-        finally:
-            cluster.stop()
-        return
     from tiering.benchmarks.s3_server import MotoServer
+    from tiering.benchmarks.valkey_server import ValkeyCluster
 
-    server = MotoServer()
+    server = ValkeyCluster() if kind == "valkey" else MotoServer()
     server.start()
     try:
-        yield {"endpoint_url": server.endpoint_url, "create_bucket": True}
+        if isinstance(server, ValkeyCluster):
+            yield {"addresses": server.addresses, "cluster_mode": True}
+        else:
+            yield {"endpoint_url": server.endpoint_url, "create_bucket": True}
     finally:
         server.stop()
 

@@ -13,18 +13,18 @@ learns the chain of block hashes from the events' tokens (vLLM's own cache alway
 them; the engine's tiers with ``self_describing_kv_events``), so it computes no hash itself,
 and scores a prompt per replica as the sum, over its leading blocks that replica holds, of
 the best weight of the places it holds each (`WEIGHTS`). What it learned of the chain is
-never forgotten: a benchmark's blocks. `KvEventsIndex` feeds it: one ZMQ SUB socket bound on
-127.0.0.1, to which replica i's vLLM publisher connects with the topic ``replica-<i>``
-(`publisher_config`).
+never forgotten: a benchmark's blocks. `KvEventsIndex` feeds it from a `KvEventsSubscriber`:
+one ZMQ SUB socket bound on 127.0.0.1, to which replica i's vLLM publisher connects with the
+topic ``replica-<i>`` (`publisher_config`).
 
-Thread: `KvEventsIndex` receives on a thread of its own; `Routing.choose`, `started` and
+Thread: `KvEventsSubscriber` receives on a thread of its own; `Routing.choose`, `started` and
 `finished` run on the client's event loop thread.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 ROUTINGS = ("round-robin", "session", "kv-events")
@@ -97,36 +97,29 @@ class PrefixIndex:
             held.setdefault(block_hash, set()).add(where)
 
 
-class KvEventsIndex(PrefixIndex):
-    """A `PrefixIndex` fed by the replicas' vLLM publishers over ZMQ: a SUB socket bound on
-    127.0.0.1, received on a thread of its own."""
+class KvEventsSubscriber:
+    """A router's end of vLLM's KV events: a ZMQ SUB socket bound on 127.0.0.1 (`endpoint`;
+    vLLM's publishers connect to it), receiving on a thread of its own, that decodes each
+    batch into vLLM's own event types and hands them and their topic to `on_batch`; only
+    topics that start with `topics`."""
 
-    def __init__(self, replicas: int, block_size: int, weights: dict[str, float] | None = None):
+    def __init__(self, on_batch: Callable[[str, list[Any]], None], topics: str = ""):
         import zmq
         from msgspec.msgpack import Decoder
         from vllm.distributed.kv_events import KVEventBatch
 
         from tiering.benchmarks.serve.server import free_port
 
-        super().__init__(replicas, block_size, weights)
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self._on_batch = on_batch
         self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"replica-")
+        self._socket.setsockopt(zmq.SUBSCRIBE, topics.encode())
         self._socket.setsockopt(zmq.RCVTIMEO, 200)
         self._socket.bind(self.endpoint)
         self._decoder = Decoder(type=KVEventBatch)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._receive, name="kv-events-index", daemon=True)
+        self._thread = threading.Thread(target=self._receive, name="kv-events-subscriber", daemon=True)
         self._thread.start()
-
-    def publisher_config(self, replica: int) -> dict[str, Any]:
-        """vLLM's ``--kv-events-config`` for `replica`: publish to this index."""
-        return {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": self.endpoint,
-            "topic": f"replica-{replica}",
-        }
 
     def close(self) -> None:
         self._stop.set()
@@ -141,7 +134,29 @@ class KvEventsIndex(PrefixIndex):
                 topic, _seq, payload = self._socket.recv_multipart()
             except zmq.Again:
                 continue
-            self.apply(int(topic.decode().removeprefix("replica-")), self._decoder.decode(payload).events)
+            self._on_batch(topic.decode(), self._decoder.decode(payload).events)
+
+
+class KvEventsIndex(PrefixIndex):
+    """A `PrefixIndex` fed by the replicas' vLLM publishers (`KvEventsSubscriber`)."""
+
+    def __init__(self, replicas: int, block_size: int, weights: dict[str, float] | None = None):
+        super().__init__(replicas, block_size, weights)
+        self._subscriber = KvEventsSubscriber(
+            lambda topic, events: self.apply(int(topic.removeprefix("replica-")), events), "replica-"
+        )
+
+    def publisher_config(self, replica: int) -> dict[str, Any]:
+        """vLLM's ``--kv-events-config`` for `replica`: publish to this index."""
+        return {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self._subscriber.endpoint,
+            "topic": f"replica-{replica}",
+        }
+
+    def close(self) -> None:
+        self._subscriber.close()
 
 
 class Routing:
