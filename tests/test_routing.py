@@ -83,3 +83,17 @@ def test_kv_events_routing_takes_the_longest_prefix_then_the_replica_less_busy_t
     assert [routing.choose(i, TOKENS) for i in range(1, 3)] == [0, 1]  # the ones sent fewer
     with pytest.raises(ValueError, match="kv-events with an index"):
         Routing("kv-events", 2, [])
+
+
+def test_router_weights_are_settable_by_place_and_bad_ones_refused():
+    from tiering.benchmarks.serve.routing import weights_arg
+
+    weights = weights_arg("storage/remote=0.1, CPU=0.5")
+    assert weights == {"STORAGE/REMOTE": 0.1, "CPU": 0.5}
+    index = PrefixIndex(1, BLOCK, weights)
+    index.apply(0, [stored(0, 1), stored(0, 1, "CPU", "LOCAL", tokens=False)])
+    index.apply(0, [BlockRemoved(["h0"], None)])  # vLLM's cache let it go: the CPU tier's weight
+    assert index.scores(TOKENS) == [0.5]
+    for bad in ("DISK=1", "CPU=-1", "CPU=x", "CPU"):
+        with pytest.raises(ValueError, match="expected PLACE=WEIGHT"):
+            weights_arg(bad)

@@ -42,7 +42,7 @@ from tiering.benchmarks.loadgen.workload import WORKLOADS, read_trace, synthetic
 from tiering.benchmarks.serve.fleet import FLEET_CONFIGURATIONS, SHARED_TIERS, Fleet, run_fleet, shared_backing
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
 from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary, summarize
-from tiering.benchmarks.serve.routing import ROUTINGS
+from tiering.benchmarks.serve.routing import ROUTINGS, WEIGHTS, weights_arg
 from tiering.benchmarks.serve.run import CONFIGURATIONS, Setup, run_configuration, s3_server
 from tiering.benchmarks.serve.server import CONNECTORS
 from tiering.benchmarks.serve.workload import conversations, prompts, reusable_prefix_tokens, sample_conversations
@@ -54,6 +54,13 @@ def _names(text: str, known: dict[str, str] | tuple[str, ...]) -> list[str] | No
     """The comma-separated names of `text` if every one is `known`, else None."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     return names if names and all(name in known for name in names) else None
+
+
+def _weights(text: str) -> dict[str, float]:
+    try:
+        return weights_arg(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _routings(text: str) -> list[str]:
@@ -102,6 +109,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=_routings,
         default=["round-robin"],
         help=f"how the fleet's requests reach replicas, comma-separated: {', '.join(ROUTINGS)} (default round-robin)",
+    )
+    parser.add_argument(
+        "--router-weights",
+        type=_weights,
+        default={},
+        metavar="PLACE=WEIGHT,...",
+        help="kv-events routing: a block's weight by where a replica holds it (default "
+        + ", ".join(f"{where}={weight:g}" for where, weight in WEIGHTS.items())
+        + ")",
     )
     parser.add_argument(
         "--model-shape", choices=sorted(SHAPES), default="bench", help="the local model (default bench)"
@@ -212,7 +228,7 @@ def _server_runs(args: argparse.Namespace, setup: Setup, work: Workload, runs: l
 
 def _fleet_runs(args: argparse.Namespace, setup: Setup, work: Workload) -> Iterator[dict]:
     """Each fleet configuration under each routing, on fresh replicas."""
-    fleet = Fleet(args.replicas, args.shared_tier)
+    fleet = Fleet(args.replicas, args.shared_tier, args.router_weights)
     with shared_backing(args.shared_tier, "shared" in args.configurations) as backing:
         for name in args.configurations:
             for routing in args.routing:

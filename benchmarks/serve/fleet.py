@@ -28,7 +28,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +50,12 @@ SHARED_TIERS = ("file", "valkey", "s3")
 
 @dataclass(frozen=True)
 class Fleet:
-    """The replicas: how many, the kind of the shared tier, and each one's cores."""
+    """The replicas: how many, the kind of the shared tier, the KV-events router's weights
+    (`tiering.benchmarks.serve.routing.WEIGHTS` changed), and each one's cores."""
 
     replicas: int
     shared_tier: str = "file"
+    router_weights: dict[str, float] = field(default_factory=dict)
 
     def cpus(self) -> list[tuple[int, ...]]:
         """Each replica's cores: this process's cores split evenly (a replica gets one of them
@@ -142,7 +144,9 @@ def run_fleet(
         RuntimeError: a server did not start (the message has its output).
     """
     run = f"{name}/{routing_name}"
-    index = KvEventsIndex(fleet.replicas, setup.block_size) if routing_name == "kv-events" else None
+    index = (
+        KvEventsIndex(fleet.replicas, setup.block_size, fleet.router_weights) if routing_name == "kv-events" else None
+    )
     servers: list[VllmServer] = []
     try:
         options = []

@@ -23,6 +23,7 @@ Thread: `KvEventsSubscriber` receives on a thread of its own; `Routing.choose`, 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,26 @@ ROUTINGS = ("round-robin", "session", "kv-events")
 WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE/LOCAL": 0.6, "STORAGE/REMOTE": 0.4}
 """A block's weight by where a replica holds it: GPU and CPU as llm-d's scorer defaults,
 local storage below memory, remote storage (loaded over the network) below local."""
+
+
+def weights_arg(text: str) -> dict[str, float]:
+    """``--router-weights``: ``PLACE=WEIGHT`` pairs, comma-separated, of `WEIGHTS`' places
+    (any case), for example ``STORAGE/REMOTE=0.2``.
+
+    Raises:
+        ValueError: an unknown place, or a weight that is not a finite number >= 0.
+    """
+    weights = {}
+    for pair in filter(None, (part.strip() for part in text.split(","))):
+        where, _, value = pair.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if where.strip().upper() not in WEIGHTS or not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"expected PLACE=WEIGHT of {', '.join(WEIGHTS)}, each weight >= 0; got {pair!r}")
+        weights[where.strip().upper()] = weight
+    return weights
 
 
 def place(medium: str | None, locality: str | None) -> str:
