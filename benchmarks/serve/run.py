@@ -162,7 +162,8 @@ def run_configuration(
     `hints`, `tiering.benchmarks.serve.client.replay`), read its counters, stop it.
 
     Returns:
-        ``{"name", "description", "wall_s", "outcomes": [Outcome dicts], "vllm": counters}``;
+        ``{"name", "description", "wall_s", "outcomes": [Outcome dicts], "vllm": counters,
+        "recompute_tokens_per_s": g's (None for the others)}``;
         an outcome of a request that loaded blocks from the engine has its TTFT's parts
         under ``"engine"`` (`tiering.benchmarks.serve.breakdown`), else None there.
 
@@ -194,6 +195,7 @@ def run_configuration(
         "wall_s": wall_s,
         "outcomes": results,
         "vllm": counters,
+        "recompute_tokens_per_s": setup.recompute_tokens_per_s if name == "g" else None,
     }
 
 
