@@ -414,5 +414,5 @@ class FileBlockStore(BlockStore):
 
     async def recover(self) -> list[tuple[OffloadKey, int]]:
         if self._log is not None:
-            return self._log.recovered  # mapped as it opened
+            return await self._run(self._log.recover)
         return await self._run(file_io.scan, self._open_ns, self.directory, self.fingerprint, self.seal)

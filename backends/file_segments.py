@@ -94,7 +94,9 @@ class SegmentLog:
         self._segments: dict[int, Segment] = {}
         self._fds = OpenSegments(dir_fd, direct)
         self._active: Segment | None = None
-        self.recovered: list[tuple[OffloadKey, int]] = []  # what `open_log` found (`BlockStore.recover`)
+        self.path = Path()  # for log lines (`open_log` sets it)
+        self.recovered: list[tuple[OffloadKey, int]] | None = None  # what `recover` found
+        self._recovering = threading.Lock()
         self.headers_rejected = 0  # pages recovery skipped that began as a header but failed its checks
         self.unopened_reclaimed = 0  # entries recovery punched out because their seal does not open
 
@@ -106,6 +108,7 @@ class SegmentLog:
         replace punched out. If a write fails part way (a full device), the items written
         whole before it are listed, the others fail with its error and their range is
         punched out; if the `fdatasync` fails, every item fails."""
+        self.recover()  # once: a store used before `recover` maps its segments first
         headers, payloads = [], []
         for key, payload in items:
             header, body = encode_object(key, payload.cast("B"), self.fingerprint, ALIGN, self.seal)
@@ -199,6 +202,7 @@ class SegmentLog:
     def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
         """Read each item's entry into its buffer and check it: its header (key, layout),
         length and CRC or seal. Entries that lie side by side go in one vectored read."""
+        self.recover()  # once: a store used before `recover` maps its segments first
         outcomes: list[ObjectHeader | Exception | None] = [None] * len(items)
         with self._lock:
             entries = [self._map.get(key) for key, _ in items]
@@ -257,7 +261,10 @@ class SegmentLog:
 
     def exists(self, key: OffloadKey) -> bool:
         """Whether `key` has an entry (the map, no I/O). Any thread, the loop's among them: the
-        lock is held for dict work and, rarely, a segment's open or unlink."""
+        lock is held for dict work and, rarely, a segment's open or unlink. False while the
+        segments are being mapped (it never waits for that)."""
+        if self.recovered is None:
+            return False
         with self._lock:
             return key in self._map
 
@@ -270,6 +277,7 @@ class SegmentLog:
         Raises:
             OSError: a punch failed (the keys are forgotten all the same).
         """
+        self.recover()  # once: a store used before `recover` maps its segments first
         deleted = []
         with self._lock:
             for key in keys:
@@ -360,13 +368,23 @@ class SegmentLog:
 
     # -- recovery and closing ---------------------------------------------------------------
 
-    def _recover(self, progress: RecoveryProgress) -> list[tuple[OffloadKey, int]]:
-        """Map the entries the segments on disk hold (`file_segment_recovery.recover`); returns
-        them, oldest first: (key, bytes of its object). Segments left with no entry are
-        removed, and appends go to a new segment.
+    def recover(self) -> list[tuple[OffloadKey, int]]:
+        """Map the entries the segments on disk hold (`file_segment_recovery.recover`), once;
+        returns them, oldest first: (key, bytes of its object). Segments left with no entry
+        are removed, and appends go to a new segment. Any thread; every other call waits for
+        it (and makes it, if nobody has).
 
         Raises:
             OSError: a segment cannot be opened or read."""
+        if self.recovered is not None:
+            return self.recovered
+        with self._recovering:
+            if self.recovered is None:
+                self.recovered = self._recover()
+        return self.recovered
+
+    def _recover(self) -> list[tuple[OffloadKey, int]]:
+        progress = RecoveryProgress(f"file tier {self.path}")
         recovered = recover(self.dir_fd, self.fingerprint, self.seal, self._fds, progress)
         self.headers_rejected, self.unopened_reclaimed = recovered.headers_rejected, recovered.unopened_reclaimed
         with self._lock:
@@ -390,8 +408,8 @@ class SegmentLog:
 
 def open_log(ns_fd: int, path: Path, fingerprint: bytes, seal: Seal | None, direct: bool, fsync: bool) -> SegmentLog:
     """Open (creating it 0700) the segments directory `path` under the namespace `ns_fd`, take
-    its lock, check that its filesystem punches holes, and map the entries its segments hold
-    (`SegmentLog.recovered` lists them).
+    its lock and check that its filesystem punches holes; the entries its segments hold are
+    mapped by `SegmentLog.recover` (or the first call that needs them).
 
     Raises:
         BlockingIOError: another engine (or another tier of this one) uses these segments.
@@ -416,9 +434,5 @@ def open_log(ns_fd: int, path: Path, fingerprint: bytes, seal: Seal | None, dire
     except BaseException:
         os.close(dir_fd)
         raise
-    try:
-        log.recovered = log._recover(RecoveryProgress(f"file tier {path}"))
-    except BaseException:
-        log.close()
-        raise
+    log.path = path
     return log

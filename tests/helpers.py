@@ -189,9 +189,19 @@ CTX = ReqContext("req-0")
 
 class Engine:
     """A manager over `num_blocks` primary rows and one tier built from `config` (with KV
-    events, `events`)."""
+    events, `events`), built once the tier has indexed what its store held (`recovered`)."""
 
-    def __init__(self, config, num_blocks=4, spec=None, admission=None, tenants=None, reset_scope="all", events=False):
+    def __init__(
+        self,
+        config,
+        num_blocks=4,
+        spec=None,
+        admission=None,
+        tenants=None,
+        reset_scope="all",
+        events=False,
+        recovered=True,
+    ):
         region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", num_blocks, ROW)  # page-aligned rows
         self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region, tenants=tenants, enable_events=events)
         self.rows = np.asarray(self.primary.get_kv_memoryview())
@@ -200,6 +210,8 @@ class Engine:
         except BaseException:
             self.primary.shutdown()
             raise
+        if recovered and hasattr(self.tier, "wait_recovered"):  # what the store held is indexed, as before any step
+            assert self.tier.wait_recovered(30)
         self.manager = TieringOffloadingManager(
             self.primary, [self.tier], admission=admission, reset_scope=reset_scope, enable_events=events
         )

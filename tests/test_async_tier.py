@@ -234,7 +234,7 @@ def test_a_failing_backend_fails_the_job_and_forgets_its_blocks(engine_factory, 
     results = engine.tier.get_finished()
     assert [r.success for r in results] == [False]
     assert engine.tier.lookup(key(0), CTX) is False
-    assert engine.tier.used_bytes == 0
+    assert engine.tier.index.used_bytes == 0
     assert engine.tier.failures["store"] == 2
     assert "store failed (1 so far)" in caplog.text and "(2 so far)" in caplog.text
 
@@ -245,7 +245,7 @@ def test_capacity_evicts_least_recent_and_deletes_the_objects(engine_factory):
     engine.manager.touch(keys(0), CTX)
     engine.store(3, 4)
     assert [engine.tier.lookup(k, CTX) for k in keys(0, 1, 2, 3, 4)] == [True, False, False, True, True]
-    assert engine.tier.used_bytes == 3 * OBJECT
+    assert engine.tier.index.used_bytes == 3 * OBJECT
     assert sorted(engine.tier.store.objects) == keys(0, 3, 4)
 
 
@@ -381,8 +381,8 @@ def test_file_tier_restart_finds_every_block(engine_factory, tmp_path):
     first.store(*range(8))
     first.close()
     second = engine_factory(config, num_blocks=8)
-    assert second.tier.num_blocks == 8
-    assert second.tier.used_bytes == 8 * second.tier.object_bytes(key(0)) == 8 * FILE_OBJECT
+    assert len(second.tier.index) == 8
+    assert second.tier.index.used_bytes == 8 * second.tier.object_bytes(key(0)) == 8 * FILE_OBJECT
     assert second.lookup_until_done(*range(8)) == [True] * 8
     assert second.loaded_bytes(*range(8)) == [block_bytes(k, ROW) for k in keys(*range(8))]
 
@@ -594,7 +594,7 @@ def test_sizes_in_tier_options_may_be_strings():
     view = RegionStandIn(2, ROW).create_kv_memoryview()
     tier = SecondaryTierFactory.create_secondary_tier({"type": "memory", "capacity_bytes": "1MiB"}, view, None)
     try:
-        assert tier.capacity_bytes == 1 << 20
+        assert tier.index.capacity_bytes == 1 << 20
     finally:
         tier.shutdown()
 
@@ -614,7 +614,7 @@ def test_an_index_over_its_max_keys_forgets_the_least_recent_without_deleting():
         for i in range(5):
             tier.submit_store(job(i, [i], [i], False))
             finish(tier)
-        assert tier.num_blocks == 3 and tier.get_stats()["counters"]["index_forgotten"] == 2
+        assert len(tier.index) == 3 and tier.get_stats()["counters"]["index_forgotten"] == 2
         assert len(tier.store.objects) == 5  # forgotten, not deleted
         assert tier.lookup(key(0), CTX) is None  # unknown now: probed, and found again
         finish(tier)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tiering.benchmarks import file_tier, loadgen, s3_tier, scheduler_cost, valkey_tier
+from tiering.benchmarks import file_recovery, file_tier, loadgen, s3_tier, scheduler_cost, valkey_tier
 
 
 def test_scheduler_cost(capsys):
@@ -22,6 +22,12 @@ def test_file_tier(capsys, tmp_path, monkeypatch):
     out = capsys.readouterr().out
     for word in ("buffered", "direct", "check", "signed", "encrypted"):
         assert word in out
+
+
+def test_file_recovery(capsys, tmp_path):
+    file_recovery.main(["--dir", str(tmp_path), "--objects", "300", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "files" in out and "segments" in out and "ready / raw" in out and "300" in out
 
 
 def test_file_tier_refuses_a_missing_directory_or_size_in_one_line(capsys, tmp_path):
@@ -89,13 +95,21 @@ def test_the_serving_benchmark_says_it_needs_vllm_and_checks_its_options(capsys,
     trace.write_text('{"timestamp": 0, "input_length": 64, "output_length": 1, "hash_ids": [1, 2]}\n')
     assert loadgen.main(["serve", "--trace", str(trace)]) == 2
     assert "tiering-bench serve needs vLLM: run it in the environment of README's third" in capsys.readouterr().err
-    for bad in (["--configurations", "a,z"], ["--configurations", "g"]):
+    bad_options = (
+        ["--configurations", "a,z"],
+        ["--configurations", "g"],
+        ["--restart-at", "5", "--configurations", "c"],
+        ["--restart-at", "5", "--replicas", "2"],
+    )
+    for bad in bad_options:
         with pytest.raises(SystemExit) as exited:
             loadgen.main(["serve", "--trace", str(trace), *bad])
         assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "expected a comma-separated list of a (vLLM, prefix cache only)" in err
     assert "configuration g needs --recompute-tokens-per-s, or configuration a before it" in err
+    assert "expected a comma-separated list of d (engine: CPU tier + file tier), f (" in err
+    assert "--restart-at: one server only" in err
 
 
 def test_a_trace_thinned_by_conversation_keeps_each_conversation_whole():
@@ -118,3 +132,13 @@ def test_valkey_tier(capsys):
     valkey_tier.main(["--total-mib", "4", "--repeats", "1", "--block-sizes", "64KiB"])
     out = capsys.readouterr().out
     assert "Valkey tier vs bare valkey-glide" in out and "64KiB" in out
+
+
+def test_a_restart_splits_the_replay_at_its_time_and_measures_fifty_requests_after():
+    from tiering.benchmarks.serve.restart import AFTER_RESTART, split
+
+    arrivals = [i * 0.5 for i in range(200)]
+    before, after = split(arrivals, 10.0)
+    assert before == list(range(20)) and after == list(range(20, 20 + AFTER_RESTART))
+    with pytest.raises(ValueError, match=r"--restart-at 500: the requests arrive from 0 to 99.5 s"):
+        split(arrivals, 500)

@@ -116,7 +116,7 @@ def test_every_block_store_option_works_for_every_block_store(tmp_path):
         tier = SecondaryTierFactory.create_secondary_tier({**config, **settings, "name": "t"}, VIEW, None)
         try:
             assert (tier.name, tier.settings.probe_misses, tier.settings.failure_threshold) == ("t", True, 2)
-            assert (tier.settings.batch_bytes, tier.capacity_bytes) == (1 << 20, 1 << 20)
+            assert (tier.settings.batch_bytes, tier.index.capacity_bytes) == (1 << 20, 1 << 20)
         finally:
             tier.shutdown()
 

@@ -85,8 +85,8 @@ def test_a_full_disk_fails_stores_cleanly_holds_what_fits_and_keeps_serving_load
         tier.submit_store(job(2, [4, 5], [4, 5], False))
         assert finish(tier) == {2: False}
         assert tier.failures["store_no_space"] == 2 and tier.health.healthy
-        assert tier.room_bytes == tier.used_bytes == 4 * tier.object_bytes(key(0))
-        assert tier.capacity_bytes is None  # the configured capacity is kept, to come back to
+        assert tier.index.room_bytes == tier.index.used_bytes == 4 * tier.object_bytes(key(0))
+        assert tier.index.capacity_bytes is None  # the configured capacity is kept, to come back to
         rows[6:8] = 0
         tier.submit_load(job(3, [0, 1], [6, 7], True))  # loads are still served
         assert finish(tier) == {3: True}
@@ -94,7 +94,7 @@ def test_a_full_disk_fails_stores_cleanly_holds_what_fits_and_keeps_serving_load
         monkeypatch.undo()
         tier.submit_store(job(4, [4], [4], False))  # space again: the least recent block makes room
         assert finish(tier) == {4: True}
-        assert tier.lookup(key(4), CTX) is True and tier.num_blocks == 4
+        assert tier.lookup(key(4), CTX) is True and len(tier.index) == 4
         assert "device full" in caplog.text
     finally:
         tier.shutdown()
@@ -170,16 +170,16 @@ def test_a_disk_filled_by_another_process_is_used_again_once_space_comes_back(sm
     try:
         fill(small_disk / "someone-elses-file")
         assert store_blocks(tier, rows, 1, [0, 1]) is False
-        assert tier.room_bytes == 0 and tier.health.healthy
+        assert tier.index.room_bytes == 0 and tier.health.healthy
         assert store_blocks(tier, rows, 2, [2]) is False  # refused without I/O while full
         assert tier.failures["store_no_space"] == 2
         os.unlink(small_disk / "someone-elses-file")
         clock.now += 0.25  # the first retry is due
         assert store_blocks(tier, rows, 3, [3, 4]) is True  # the room, raised, fits them
-        assert tier.num_blocks == 2 and tier.room_bytes >= tier.used_bytes
+        assert len(tier.index) == 2 and tier.index.room_bytes >= tier.index.used_bytes
         clock.now += 0.25  # the next retry: the tier does not use all its room, which is forgotten
         assert store_blocks(tier, rows, 4, [5]) is True
-        assert tier.room_bytes is None and tier.num_blocks == 3
+        assert tier.index.room_bytes is None and len(tier.index) == 3
     finally:
         tier.shutdown()
 
@@ -214,13 +214,13 @@ def test_a_tier_that_filled_the_disk_regains_its_capacity_when_the_disk_grows(sm
         ids = iter(range(10**6))
         while store_blocks(tier, rows, next(ids), [next(ids)]):
             pass
-        held = tier.room_bytes
-        assert held == tier.used_bytes and 0 < held <= 1 << 20
+        held = tier.index.room_bytes
+        assert held == tier.index.used_bytes and 0 < held <= 1 << 20
         subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
-        while tier.room_bytes is not None:  # raised an eighth per retry (the test's timeout bounds it)
+        while tier.index.room_bytes is not None:  # raised an eighth per retry (the test's timeout bounds it)
             clock.now += 0.5  # the next retry is due
             assert store_blocks(tier, rows, next(ids), [next(ids)])  # every raise fits: nothing fails
-        assert tier.used_bytes > held
+        assert tier.index.used_bytes > held
     finally:
         tier.shutdown()
 
@@ -247,7 +247,7 @@ def test_a_full_disk_under_steady_stores_keeps_its_room_and_evicts_only_the_shor
                 running.difference_update(result.job_id for result in tier.get_finished())
                 time.sleep(0.001)
             clock.now += 0.002
-            held.append(tier.used_bytes)
+            held.append(tier.index.used_bytes)
         disk = 1 << 20
         stored = tier.get_stats()["counters"]["blocks_stored"]
         evicted = tier.get_stats()["counters"]["evictions"]

@@ -230,7 +230,7 @@ def test_a_tier_whose_reads_stop_returning_turns_unhealthy_and_never_retries_the
         assert manager.lookup(key(0), CTX) is False
         assert manager.lookup(key(1), CTX) is False  # no work for an unhealthy tier
         manager.on_schedule_end()
-    assert stuck.calls == 1 and tier.num_blocks == 7  # key 0 was dropped
+    assert stuck.calls == 1 and len(tier.index) == 7  # key 0 was dropped
     assert primary.get_stats()["gauges"]["rows_quarantined"] == 1  # the one row the thread may write
 
     stuck.unstick.set()  # the mount answers again: the row comes back, a probe finds the tier well

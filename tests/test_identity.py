@@ -107,7 +107,7 @@ def test_an_engine_of_another_identity_is_never_offered_the_blocks(shared_tier, 
         assert reader.loaded_bytes(0, 1) == [block_bytes(k, ROW) for k in keys(0, 1)]
     else:
         assert reader.lookup_until_done(0, 1) == [False, False]
-        assert reader.tier.num_blocks == 0
+        assert len(reader.tier.index) == 0
 
 
 def wait_for(fact, what, timeout_s=30.0):
@@ -175,10 +175,10 @@ def test_an_engine_started_on_a_full_disk_starts_fails_its_stores_and_stores_onc
     spec = IdentitySpec(identity("control"))
     engine = engine_factory(tier, spec=spec, num_blocks=8)
     engine.store(0, 1)
-    assert engine.tier.failures["store_no_space"] == 2 and engine.tier.num_blocks == 0
+    assert engine.tier.failures["store_no_space"] == 2 and len(engine.tier.index) == 0
     filler.unlink()
     engine.store(2, 3)
-    assert engine.tier.num_blocks == 2
+    assert len(engine.tier.index) == 2
     engine.manager.shutdown()
     engine_factory(tier, spec=spec, num_blocks=8)  # writes the manifest now
     records = small_disk / "kv" / record_namespace(spec.identity.digest()).hex()

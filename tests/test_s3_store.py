@@ -186,7 +186,7 @@ def test_a_second_engine_on_the_bucket_sees_what_the_first_wrote(s3_server, s3_b
     writer = engine_factory(s3_config(s3_server, s3_bucket))
     writer.store(0, 1)
     late = engine_factory(s3_config(s3_server, s3_bucket))  # started after: finds them in the listing
-    assert late.tier.num_blocks == 2
+    assert len(late.tier.index) == 2
     assert late.lookup_until_done(0, 1) == [True, True]
     assert early.tier.lookup(key(0), CTX) is None  # unknown: probed once
     assert early.lookup_until_done(0, 1, 9) == [True, True, False]
@@ -260,5 +260,5 @@ def test_an_s3_tiers_index_is_bounded_by_default_and_forgets_without_deleting(s3
     bounded = engine_factory({**s3_config(s3_server, s3_bucket), "index_max_blocks": 1})
     bounded.store(0)
     bounded.store(1)
-    assert bounded.tier.num_blocks == 1 and bounded.tier.get_stats()["counters"]["index_forgotten"] == 1
+    assert len(bounded.tier.index) == 1 and bounded.tier.get_stats()["counters"]["index_forgotten"] == 1
     assert bounded.lookup_until_done(0, 1) == [True, True]  # the forgotten one is found again by a probe

@@ -18,6 +18,7 @@ tenants:                        # optional: shares of the CPU tier by tenant (vL
   quotas: {chat: 0.75}
 model_version: rl-step-1200     # optional: weights that change under one model name
 reset_scope: all                # a reset starts new generations of the lasting tiers (cpu: keep them)
+shutdown_drain_s: 5             # a graceful stop writes what only the CPU tier holds, this long at most (0: off)
 ```
 
 Every problem is reported at once, each with the file, the key path
@@ -44,11 +45,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from tiering.cpu.tenants import TenantsConfig
+from tiering.engine.drain import SHUTDOWN_DRAIN_S
 from tiering.engine.jobs import JOB_DEADLINE_S
 from tiering.errors import ConfigError, TierConfigError
 from tiering.eviction.policies import cache_policy_names
 from tiering.eviction.retention import RETENTION_MAX_FRACTION
-from tiering.options import Seconds, Size, describe_error, join_path, key_path, set_options, validate_options
+from tiering.options import Delay, Seconds, Size, describe_error, join_path, key_path, set_options, validate_options
 from tiering.tiers.admission import AdmissionConfig
 from tiering.tiers.blockstore.store import BlockStore
 from tiering.tiers.context import tier_name_problem, unique_names
@@ -91,6 +93,7 @@ class TieringConfig(BaseModel):
     tenants: TenantsConfig | None = None
     model_version: str | None = Field(default=None, min_length=1, max_length=256)
     reset_scope: Literal["all", "cpu"] = "all"
+    shutdown_drain_s: Delay = SHUTDOWN_DRAIN_S
     _source: str = PrivateAttr(default="<string>")
 
     @property

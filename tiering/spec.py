@@ -245,6 +245,7 @@ class TieringOffloadingSpec:
                     store_reserve_rows=self.store_reserve_rows,
                     job_deadline_s=self.config.job_deadline_s,
                     reset_scope=self.config.reset_scope,
+                    shutdown_drain_s=self.config.shutdown_drain_s,
                 )
             except OSError as exc:
                 problem = f"cannot be opened for appending: {exc.strerror}"

@@ -186,9 +186,10 @@ class SimulatedEngine:
         total = gpu_blocks + self.spec.num_blocks
         key = make_offload_key(bytes(8), 0)  # the load generator's keys: 8-byte ids, group 0
         for tier in self.manager.secondary_tiers:
-            if not isinstance(tier, BlockStoreTier) or tier.capacity_bytes is None:
+            blocks = tier.capacity_blocks(key)
+            if blocks is None:
                 return None
-            total += tier.capacity_bytes // tier.object_bytes(key)
+            total += blocks
         return total
 
     def remove_namespaces(self) -> None:

@@ -22,7 +22,8 @@ from tiering.engine.tier_calls import Hooks, guarded
 from tiering.eviction.retention import RetentionHint
 from tiering.tiers.admission import AdmissionConfig, TierAdmission
 
-_BACKGROUND = ReqContext("background")  # the request of cascades no request waits on: write-backs, deferred ones
+BACKGROUND = ReqContext("background")
+"""The request of cascades no request waits on: write-backs, deferred ones, a stop's drain."""
 
 
 class Cascades:
@@ -87,7 +88,7 @@ class Cascades:
         if self.waiting_tiers:
             for tier_idx in list(self.waiting_tiers):
                 admission = self.admission[tier_idx]
-                self._cascade([tier_idx], admission.admit_waiting(self._readable), _BACKGROUND)
+                self._cascade([tier_idx], admission.admit_waiting(self._readable), BACKGROUND)
                 if not admission.waiting:
                     self.waiting_tiers.discard(tier_idx)
 
@@ -131,8 +132,13 @@ class Cascades:
         ref_count = self._primary.ref_count
         coldest = self._primary.coldest(admission.writeback_window)
         candidates = admission.writeback_candidates(coldest, lambda key: ref_count(key) == 0)
-        self._cascade([tier_idx], admission.admit(candidates), _BACKGROUND)
+        self._cascade([tier_idx], admission.admit(candidates), BACKGROUND)
         admission.forget(lambda key: ref_count(key) is not None)
+
+    def write(self, tier_idx: int, keys: list[OffloadKey]) -> None:
+        """Copy `keys` (resident, readable) to tier `tier_idx` past its admission's rules,
+        counted in flight like any cascade (`tiering.engine.drain`)."""
+        self._cascade([tier_idx], self.admission[tier_idx].forced(keys), BACKGROUND)
 
     def _readable(self, key: OffloadKey) -> bool:
         """Whether `key` is resident in the primary tier and not being written."""

@@ -32,6 +32,7 @@ from tiering.contract.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareS
 from tiering.contract.offloading import OffloadingManager
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.engine.cascades import Cascades
+from tiering.engine.drain import SHUTDOWN_DRAIN_S, drain
 from tiering.engine.jobs import JOB_DEADLINE_S, Job, JobTable
 from tiering.engine.load_tiers import allowed_tiers, tier_places
 from tiering.engine.lookups import RequestLookups
@@ -68,6 +69,7 @@ class TieringOffloadingManager(OffloadingManager):
         job_deadline_s: float | None = JOB_DEADLINE_S,
         clock: Callable[[], float] = time.monotonic,
         reset_scope: str = "all",
+        shutdown_drain_s: float = SHUTDOWN_DRAIN_S,
     ):
         """
         Args:
@@ -93,6 +95,8 @@ class TieringOffloadingManager(OffloadingManager):
             clock: seconds, monotonic: when jobs are due (tests move it by hand).
             reset_scope: ``all``: `reset_cache` also starts new generations of the secondary
                 tiers; ``cpu``: they keep their blocks (weights that never change).
+            shutdown_drain_s: seconds `shutdown` may spend writing the blocks only the primary
+                tier holds to the lasting tiers (`tiering.engine.drain`); 0: none.
 
         Raises:
             ValueError: more admission configs than tiers, or a tier's medium or locality is not vLLM's (`tier_places`).
@@ -100,7 +104,7 @@ class TieringOffloadingManager(OffloadingManager):
         """
         self.primary_tier = primary_tier
         self.secondary_tiers = list(secondary_tiers or ())
-        self.reset_scope = reset_scope
+        self.reset_scope, self.shutdown_drain_s = reset_scope, shutdown_drain_s
         self.tier_names = unique_names([getattr(tier, "name", tier.tier_type) for tier in self.secondary_tiers])
         self.tier_places = tier_places(self.secondary_tiers, self.tier_names)
         self.block_tokens = block_tokens
@@ -301,19 +305,10 @@ class TieringOffloadingManager(OffloadingManager):
             {name: stats}`` with a ``tenants`` config), each ``stats`` shaped ``{"counters":
             {...}, "gauges": {...}, "histograms": {...}}`` (see `tiering.stats`). ``primary``
             and each tier (by `tier_names`) is its own `get_stats()` plus the lookups counted
-            per request (``hit_blocks``, and ``hit_tokens`` when `block_tokens` is set; see
-            `tiering.engine.lookups`); each secondary tier adds its admission's counters
-            (``cascades_admitted``, ``cascades_deferred``, ``cascades_dropped``,
-            ``cascades_filtered``, ``cascades_retained``) and gauges (``rows_in_flight``,
-            ``cascades_waiting``), and the promotions its `RecomputeGate` declined
-            (``promotions_declined``). ``manager`` has the request-level counters
-            (``requested_blocks``, ``requested_tokens``, ``lookups_repeated``), the requests
-            open (``requests_open``), jobs submitted, jobs and promotions in flight, and the
-            ``promotion_seconds`` histogram (from the lookup that queued a promotion to its
-            blocks being loadable). ``tenants``, with a ``tenants`` config, has per tenant (the
-            `TenantsConfig.metric_tenants` most active by name, the rest as ``other``) the CPU
-            tier's ``hits``, ``misses``, ``blocks_stored`` and ``bytes_stored`` counters and
-            ``blocks``, ``bytes`` and ``share_blocks`` gauges.
+            per request (`tiering.engine.lookups`); each secondary tier adds its admission's
+            counters and gauges and its `RecomputeGate`'s declines. ``manager`` has the
+            request-level counters, the jobs and promotions, and the ``promotion_seconds``
+            histogram; ``tenants`` the CPU tier's counters and gauges per tenant.
         """
         requests = self._requests
         primary = self.primary_tier.get_stats()
@@ -409,12 +404,16 @@ class TieringOffloadingManager(OffloadingManager):
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Shut every secondary tier (which reports its jobs in flight as failed), release
-        the primary tier and its shared memory. Later calls do nothing."""
+        """Write the blocks only the primary tier holds to the lasting tiers, for at most
+        `shutdown_drain_s` (`tiering.engine.drain`), shut every secondary tier (which reports
+        its jobs in flight as failed), release the primary tier and its shared memory. Later
+        calls do nothing."""
         if self._shut_down:
             return
         self._shut_down = True
         self.promotions.drop_queued()
+        tiers, names = self.secondary_tiers, self.tier_names
+        drain(self.primary_tier, tiers, names, self.cascades, self._poll_finished, self.shutdown_drain_s)
         for tier in self.secondary_tiers:
             guarded(tier, "shutdown", None)
         self._poll_finished()

@@ -122,6 +122,7 @@ HELP = {
     "jobs_in_flight": "Jobs submitted and not reported yet.",
     "probe_answers": "Existence probes in flight and absences remembered (at most 65,536; the oldest go first).",
     "healthy": "1 while I/O flows, 0 while the tier's circuit breaker is open.",
+    "recovering": "1 while a tier lists or indexes the blocks its store held at start (lookups miss them until then).",
     "loop_alive": "1 while the tier's event loop thread runs; 0 once it died (the log says why): the tier misses.",
     "rows_reading": "CPU-tier rows pinned by readers now (GPU loads and cascades in flight).",
     "rows_writing": "CPU-tier rows reserved for writes in flight now (GPU stores and promotions).",

@@ -188,6 +188,10 @@ class TierAdmission:
         self.counters["cascades_retained"] += len(keys)
         return self._started(list(keys))
 
+    def forced(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """`keys`, taken whatever the rules say (a stop's drain); in flight until `finished`."""
+        return self._started(keys)
+
     def _room(self, wanted: int) -> int:
         return max(0, self.max_rows - self.rows_in_flight) if self.rows_in_flight else wanted
 

@@ -93,10 +93,14 @@ class SecondaryTierManager(ABC):
             (`tiering.contract.mediums`): `STORAGE` unless a subclass says otherwise.
         locality: `LOCAL` (this machine, the default) or `REMOTE` (over the network, or
             shared with other engines).
+        lasting: whether its blocks outlive the engine (True, the default; False for a tier
+            in the engine's memory): a graceful stop writes the blocks only the CPU tier holds
+            to the first lasting tier (`tiering.engine.drain`).
     """
 
     medium: str = STORAGE
     locality: str = LOCAL
+    lasting: bool = True
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str):
         """
@@ -170,6 +174,11 @@ class SecondaryTierManager(ABC):
         tier without this hook keeps its blocks across resets (the manager logs it at each
         reset)."""
         return
+
+    def capacity_blocks(self, key: OffloadKey) -> int | None:
+        """Optional: how many blocks the size of `key`'s this tier holds at most; None (the
+        default): no bound known. A stop's drain writes no more than that to it."""
+        return None
 
     def has_pending_work(self) -> bool:
         """Whether a submitted job has not been reported by `get_finished` yet."""

@@ -50,7 +50,9 @@ class TierCounters:
             elif worth_logging(count):
                 logger.warning("tier %s: %s failed (%d so far): %r", self.name, reason, count, error)
 
-    def snapshot(self, index: BlockIndex, probe_answers: int, health: TierHealth, loop_alive: bool) -> TierStats:
+    def snapshot(
+        self, index: BlockIndex, probe_answers: int, health: TierHealth, loop_alive: bool, recovering: bool
+    ) -> TierStats:
         """See `BlockStoreTier.get_stats`."""
         retention = index.retention
         counters = {
@@ -74,6 +76,7 @@ class TierCounters:
             "probe_answers": probe_answers,
             "healthy": health.healthy,
             "loop_alive": loop_alive,
+            "recovering": recovering,
             "state": health.state.value,
         }
         histograms = {"store_seconds": self.stores.seconds.snapshot(), "load_seconds": self.loads.seconds.snapshot()}

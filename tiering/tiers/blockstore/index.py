@@ -153,6 +153,27 @@ class BlockIndex:
             self.events.add(evicted, removed=True)
         return evicted
 
+    def add_recovered(self, items: Iterable[tuple[OffloadKey, int]]) -> list[OffloadKey]:
+        """Hold objects a previous run left (`tiering.tiers.blockstore.recovery`), `items`
+        newest first, each as the least recent: older than every key held. Keys held already
+        (stored or found since) are skipped. Returns the keys that do not fit the limit,
+        whose objects are to be deleted (older than every key held, they are the victims)."""
+        entries, limit, unfit, added = self._entries, self.limit(), [], []
+        for key, size in items:
+            if key in entries:
+                continue
+            if limit is not None and self.used_bytes + size > limit:
+                unfit.append(key)
+                continue
+            entries[key] = Entry(size, stored=True, found=True)
+            entries.move_to_end(key, last=False)
+            self.used_bytes += size
+            added.append(key)
+        self._forget_beyond_max()
+        if self.events is not None:
+            self.events.add(added, removed=False)
+        return unfit
+
     def deleted(self, keys: Iterable[OffloadKey]) -> None:
         """The deletes of these evicted keys are over (done or failed): their objects no
         longer count against the room."""

@@ -1,18 +1,23 @@
 """What a block-store tier is built from: its stores (one per namespace), sealed where the
-settings ask, and the index sized for it.
+settings ask, the index sized for it, and the opening of its store on the loop.
 
 Thread: the thread that builds the engine.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from tiering.tiers.blockstore.index import BlockIndex
 from tiering.tiers.blockstore.settings import BlockStoreSettings
 from tiering.tiers.blockstore.store import BlockStore
+from tiering.tiers.blockstore.worker import BlockWorker
 from tiering.tiers.object_format import object_size
+from tiering.tiers.runtime import AsyncRuntime
 from tiering.tiers.seal import Seal
+
+logger = logging.getLogger(__name__)
 
 
 def store_maker(
@@ -61,3 +66,22 @@ def new_index(
     return BlockIndex(
         name, settings.capacity_bytes, clock=clock, max_keys=settings.index_max_blocks, max_retained=max_retained
     )
+
+
+def open_worker(name: str, worker: BlockWorker, runtime: AsyncRuntime, timeout_s: float) -> None:
+    """Open tier `name`'s records and store on the loop (`BlockWorker.open`), up to `timeout_s`;
+    on failure `runtime` is released.
+
+    Raises:
+        TimeoutError: it did not open in time.
+        OSError, TieringError: the store's own errors while opening, or `ForeignManifestError`.
+    """
+    sealed = f", sealing objects ({worker.store.seal!r})" if worker.store.seal else ""
+    logger.info("tier %s: opening %r%s; recovering the blocks it holds meanwhile", name, worker.store, sealed)
+    try:
+        runtime.run_sync(worker.open, timeout_s=timeout_s)
+    except BaseException as exc:
+        runtime.release()
+        if isinstance(exc, TimeoutError):
+            raise TimeoutError(f"tier {name}: {worker.store!r} did not open in {timeout_s} s") from None
+        raise

@@ -34,6 +34,7 @@ FAILURE_REASONS = (
     "probe",
     "ping",
     "delete",
+    "recover",
     "start",
     "internal",
 )
@@ -126,6 +127,15 @@ class ProbeDone(Outcome):
 
     keys: list[OffloadKey]
     found: set[OffloadKey] = field(default_factory=set)
+
+
+@dataclass(kw_only=True)
+class RecoverDone(Outcome):
+    """The recovery of what the store held (`BlockStore.recover`): `found`, (key, object
+    bytes) oldest first, is set on the loop thread as soon as the listing ends, before the
+    outcome is handed over (`tiering.tiers.blockstore.recovery`); empty if it failed."""
+
+    found: list[tuple[OffloadKey, int]] | None = None
 
 
 @dataclass(kw_only=True)

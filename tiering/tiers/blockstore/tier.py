@@ -3,9 +3,9 @@
 Scheduler thread: every method here. It keeps the `BlockIndex` (keys, capacity, LRU
 eviction, readers), the health breaker and the stats; submitting a job is bookkeeping plus
 one `AsyncRuntime.submit` (a deque append), and the step's jobs start at `on_schedule_end`,
-which wakes the loop once. Nothing blocks except `drain` and `shutdown`.
-
-The loop half is `tiering.tiers.blockstore.worker.BlockWorker`; they meet in the `Outbox` only.
+which wakes the loop once. Nothing blocks except `drain` and `shutdown`. The loop half is
+`tiering.tiers.blockstore.worker.BlockWorker`; they meet in the `Outbox` only. What the store
+held at start is recovered while the tier serves (`tiering.tiers.blockstore.recovery`).
 
 Deletes of evicted objects are deferred to the end of the step and sent as one batch; a key
 evicted and stored again within the step is not deleted at all (the put replaces the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Coroutine
 from functools import partial
 from typing import Any
 
@@ -37,8 +37,10 @@ from tiering.tiers.blockstore.applying import apply_load, apply_store
 from tiering.tiers.blockstore.counters import TierCounters
 from tiering.tiers.blockstore.existence import ExistenceChecks
 from tiering.tiers.blockstore.generations import Records
-from tiering.tiers.blockstore.opening import new_index, store_maker
+from tiering.tiers.blockstore.index import BlockIndex
+from tiering.tiers.blockstore.opening import new_index, open_worker, store_maker
 from tiering.tiers.blockstore.outbox import LoadDone, Outbox, Outcome, StoreDone
+from tiering.tiers.blockstore.recovery import Recovery
 from tiering.tiers.blockstore.settings import BlockStoreSettings
 from tiering.tiers.blockstore.store import BlockStore
 from tiering.tiers.blockstore.worker import BlockWorker
@@ -73,7 +75,7 @@ class BlockStoreTier(SecondaryTierManager):
         settings: BlockStoreSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        """Open the store and rebuild the index from what it holds (blocks the caller).
+        """Open the store (blocks the caller) and start recovering what it holds, while it serves.
 
         Args:
             offloading_spec, primary_kv_view, tier_type: as for every `SecondaryTierManager`.
@@ -86,7 +88,7 @@ class BlockStoreTier(SecondaryTierManager):
         Raises:
             ValueError: `capacity_bytes` cannot hold one block; `integrity` is set and the store
                 does not support it, or its keys cannot be read (`tiering.tiers.seal.read_keys`).
-            OSError, TimeoutError: the store could not be opened or recovered in time.
+            OSError, TimeoutError: the store could not be opened in time.
             TieringError: the store's own errors while opening, or `ForeignManifestError`.
         """
         super().__init__(offloading_spec, primary_kv_view, tier_type)
@@ -111,20 +113,12 @@ class BlockStoreTier(SecondaryTierManager):
         self._batch_blocks = batch_blocks = max(1, settings.batch_bytes // max(1, self.row_bytes))
         runtime = self.context.runtime or AsyncRuntime(f"tiering-{self.name}")
         self._runtime = runtime.acquire()
-        self._worker = BlockWorker(
-            self.name,
-            self._records,
-            rows,
-            self._outbox,
-            settings.max_concurrency,
-            settings.op_timeout_s,
-            batch_blocks,
-            self._runtime,
-        )
-        self.locality = self.store.locality  # every generation's store is of one config
+        self._worker = BlockWorker(self.name, self._records, rows, self._outbox, settings, batch_blocks, self._runtime)
+        self.locality, self.lasting = self.store.locality, self.store.lasting  # every generation's: one config
         self._new_index = partial(new_index, self.name, settings, self.row_bytes, self.store.header_align, clock)
         self._index = self._new_index()
-        self._open_and_recover()
+        self._recovery: Recovery | None = None
+        self._open()
 
     @property
     def store(self) -> BlockStore:
@@ -137,6 +131,7 @@ class BlockStoreTier(SecondaryTierManager):
         outcomes no longer touch the index. Never blocks; nothing after shutdown."""
         if self._closed:
             return
+        self._recovery = None  # what the old generation held is moot
         self._epoch += 1
         self._index = self._index.replaced_by(self._new_index())
         self._existence = ExistenceChecks(self.settings.negative_ttl_s, self._clock)
@@ -144,28 +139,32 @@ class BlockStoreTier(SecondaryTierManager):
         open_next = partial(self._records.open_next, self.settings.open_timeout_s)
         self._runtime.submit(partial(self._worker.start_switch, open_next))  # at the step's end
 
-    def _open_and_recover(self) -> None:
-        """Open the store on the loop and index what it holds; on failure the runtime is
-        released and the tier closed.
+    def _open(self) -> None:
+        """Open the store (`open_worker`; on failure the tier is closed) and start listing
+        what it holds (`tiering.tiers.blockstore.recovery`).
 
         Raises:
             OSError, TimeoutError, TieringError: as `__init__`.
         """
-        timeout_s = self.settings.open_timeout_s
-        sealed = f", sealing objects ({self.store.seal!r})" if self.store.seal else ""
-        logger.info("tier %s: opening %r%s and recovering the blocks it holds", self.name, self.store, sealed)
         try:
-            recovered = self._runtime.run_sync(self._worker.open, timeout_s=timeout_s)
-        except BaseException as exc:
+            open_worker(self.name, self._worker, self._runtime, self.settings.open_timeout_s)
+        except BaseException:
             self._closed = True
-            self._runtime.release()
-            if isinstance(exc, TimeoutError):
-                raise TimeoutError(f"tier {self.name}: {self.store!r} did not open in {timeout_s} s") from None
             raise
-        for key, size in recovered:
-            self._add_stored(key, size)
-        self._flush()
-        logger.info("tier %s: recovered %d blocks (%d bytes)", self.name, len(self._index), self.used_bytes)
+        self._recovery = Recovery(self.name, lambda keys: self._evicted.update(dict.fromkeys(keys)))
+        self._submit(self._worker.start_recover, self._recovery.done, self.settings.open_timeout_s)
+        self._runtime.flush()
+
+    def wait_recovered(self, timeout_s: float | None = None) -> bool:
+        """Block until every block the store held is indexed (or `timeout_s` passes); returns
+        whether it is. For tools and tests: never from a scheduler step (`drain`'s rules)."""
+        if self._recovery is not None and self.drain(timeout_s):
+            self._index_recovered(everything=True)
+        return self._recovery is None
+
+    def _index_recovered(self, everything: bool = False) -> None:
+        if self._recovery is not None and self._recovery.index_next(self._index, self._outbox.doorbell, everything):
+            self._recovery = None
 
     # -- SecondaryTierManager ---------------------------------------------------------------
 
@@ -244,6 +243,7 @@ class BlockStoreTier(SecondaryTierManager):
         """Results of the jobs finished since the last call; applies their outcomes to the
         index. Never blocks."""
         results = []
+        self._index_recovered()
         for outcome in self._outbox.take():
             current = outcome.epoch == self._epoch  # else of a generation before a reset: not in the index
             self._counters.failed(outcome)
@@ -261,8 +261,9 @@ class BlockStoreTier(SecondaryTierManager):
                 case outbox.ProbeDone():
                     self.health.record(len(outcome.keys) - outcome.errors, outcome.errors)
                     for key in self._existence.answered(outcome.keys, outcome.found) if current else ():
-                        if key not in self._index:
-                            self._add_stored(key, self.object_bytes(key))
+                        if key not in self._index:  # found again while its delete was pending: kept
+                            self._evicted.pop(key, None)
+                            self._evicted.update(dict.fromkeys(self._index.add_stored(key, self.object_bytes(key))))
                 case StoreDone():
                     if current:
                         apply_store(self._index, self._counters, outcome, self.store.evicts_itself)
@@ -297,9 +298,10 @@ class BlockStoreTier(SecondaryTierManager):
     def get_stats(self) -> TierStats:
         """Counters (lookups by answer, blocks and bytes stored and loaded, seconds busy, evictions,
         jobs succeeded and failed, failures by reason, events dropped), gauges (blocks and bytes held,
-        capacity, jobs in flight, probes remembered, health) and histograms of store and load job
+        capacity, jobs in flight, probes remembered, health, recovery running) and histograms of store and load job
         durations (submission to the end of the I/O). Cheap; scheduler thread."""
-        return self._counters.snapshot(self._index, len(self._existence), self.health, self._runtime.alive)
+        alive, recovering = self._runtime.alive, self._recovery is not None
+        return self._counters.snapshot(self._index, len(self._existence), self.health, alive, recovering)
 
     @property
     def _serving(self) -> bool:
@@ -350,26 +352,26 @@ class BlockStoreTier(SecondaryTierManager):
             Exception: the store's own errors (as `BlockStore.delete_many`); the tier is shut
                 down anyway.
         """
-        if self._closed:
-            return
-        try:
+        if not self._closed:
             self.drain(self.settings.shutdown_timeout_s)
-            for remove in (self.store.remove_namespace, self._records.remove):
-                self._runtime.run_sync(remove, timeout_s=self.settings.open_timeout_s)
-            self._index = self._index.replaced_by(self._new_index())
-        finally:
-            self.shutdown()
+            self._shutdown_after(self.store.remove_namespace, self._records.remove)
 
     def abandon(self) -> None:
         """`shutdown`, after `BlockStore.undo_open` and `Records.remove` (each up to ``open_timeout_s``;
         a failure is logged): the engine failed to start, nothing was stored. Nothing after shutdown."""
-        if self._closed:
-            return
         try:
-            for undo in (self.store.undo_open, self._records.remove):
-                self._runtime.run_sync(undo, timeout_s=self.settings.open_timeout_s)
+            if not self._closed:
+                self._shutdown_after(self.store.undo_open, self._records.remove)
         except Exception as exc:
             logger.warning("tier %s: could not remove what opening it created: %s", self.name, describe(exc))
+
+    def _shutdown_after(self, *calls: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run `calls` on the loop, one after the other, each up to ``open_timeout_s``, forget
+        every block, then shut down (also if a call raises)."""
+        try:
+            for call in calls:
+                self._runtime.run_sync(call, timeout_s=self.settings.open_timeout_s)
+            self._index = self._index.replaced_by(self._new_index())
         finally:
             self.shutdown()
 
@@ -401,25 +403,16 @@ class BlockStoreTier(SecondaryTierManager):
             size = self._object_bytes[len(key)] = object_size(len(key), self.row_bytes, self.store.header_align)
         return size
 
-    @property
-    def num_blocks(self) -> int:
-        """Keys held or being stored."""
-        return len(self._index)
+    def capacity_blocks(self, key: OffloadKey) -> int | None:
+        """Objects of `key`'s size the tier holds at most now (its capacity, or what fits a
+        full device); None: no capacity."""
+        limit = self._index.limit()
+        return None if limit is None else limit // self.object_bytes(key)
 
     @property
-    def used_bytes(self) -> int:
-        """Object bytes held or being stored."""
-        return self._index.used_bytes
-
-    @property
-    def capacity_bytes(self) -> int | None:
-        """The configured limit in bytes, or None."""
-        return self._index.capacity_bytes
-
-    @property
-    def room_bytes(self) -> int | None:
-        """While the device is full: the bytes it was found to hold; else None."""
-        return self._index.room_bytes
+    def index(self) -> BlockIndex:
+        """The current generation's `BlockIndex` (keys held or being stored, bytes, capacity), read-only."""
+        return self._index
 
     # -- internals --------------------------------------------------------------------------
 
@@ -440,11 +433,9 @@ class BlockStoreTier(SecondaryTierManager):
         self._flush_deletes()
         self._runtime.flush()
 
-    def _add_stored(self, key: OffloadKey, size: int) -> None:
-        self._evicted.pop(key, None)  # found again (a probe): keep the object
-        self._evicted.update(dict.fromkeys(self._index.add_stored(key, size)))
-
     def _flush_deletes(self) -> None:  # the step's deletes of evicted objects, as one job
         if self._evicted:
+            if self._recovery is not None:
+                self._recovery.evicted.update(self._evicted)
             self._submit(self._worker.start_delete, outbox.DeletesDone(keys=list(self._evicted)))
             self._evicted.clear()

@@ -48,8 +48,10 @@ from tiering.tiers.blockstore.outbox import (
     Outcome,
     PingDone,
     ProbeDone,
+    RecoverDone,
     StoreDone,
 )
+from tiering.tiers.blockstore.settings import BlockStoreSettings
 from tiering.tiers.blockstore.store import BlockStore
 from tiering.tiers.object_format import ObjectHeader, open_payloads
 from tiering.tiers.runtime import AsyncRuntime
@@ -68,8 +70,7 @@ class BlockWorker:
             by `start_switch`).
         rows: the primary rows, a 2-D uint8 array ``(num_blocks, row_bytes)``.
         outbox: where outcomes go.
-        max_concurrency: store calls in flight at once.
-        op_timeout_s: seconds a store call may take.
+        settings: the tier's; ``max_concurrency`` store calls in flight at once, each up to ``op_timeout_s``.
         batch_blocks: blocks per `put_many`/`get_many` call.
         runtime: the tier's runtime, told when each job starts and ends (so its loop
             polls for work while jobs run, see `AsyncRuntime.job_started`).
@@ -81,8 +82,7 @@ class BlockWorker:
         records: Records,
         rows: np.ndarray,
         outbox: Outbox,
-        max_concurrency: int,
-        op_timeout_s: float,
+        settings: BlockStoreSettings,
         batch_blocks: int,
         runtime: AsyncRuntime,
     ):
@@ -92,9 +92,9 @@ class BlockWorker:
         self._row_bytes = rows.shape[1]
         self._flat_rows = rows.data.cast("B") if rows.flags.c_contiguous else None  # rows as slices, cheaply
         self._outbox = outbox
-        self._store_lane = asyncio.Semaphore(max_concurrency)
-        self._load_lane = asyncio.Semaphore(max_concurrency)
-        self._calls = StoreCalls(op_timeout_s, outbox)
+        self._store_lane = asyncio.Semaphore(settings.max_concurrency)
+        self._load_lane = asyncio.Semaphore(settings.max_concurrency)
+        self._calls = StoreCalls(settings.op_timeout_s, outbox)
         self.deletes = Deletes(self._calls)
         self._batch_blocks = batch_blocks
         self._runtime = runtime
@@ -113,22 +113,20 @@ class BlockWorker:
         """The block store of the current generation."""
         return self._current.store
 
-    async def open(self) -> list[tuple[OffloadKey, int]]:
+    async def open(self) -> None:
         """Open the records (`Records.open`) and the store of the current generation they
-        name, read what it holds, and start serving in the runtime's task group.
+        name, and start serving in the runtime's task group (what the store holds is read by
+        `start_recover`).
 
-        Returns:
-            (key, object bytes) of every object found, oldest first.
         Raises:
-            Exception: whatever opening or recovering the store raised (it is closed again,
-                and what its opening created is removed: `BlockStore.undo_open`).
+            Exception: whatever opening the store raised (it is closed again, and what its
+                opening created is removed: `BlockStore.undo_open`).
         """
         await self._current.records.open()
         self._current.store = self._current.records.store()
         try:
             await self.store.open()
             try:
-                recovered = await self.store.recover()
                 await self._runtime.task_group.start(self._serve)
             except BaseException:
                 with anyio.CancelScope(shield=True):
@@ -138,7 +136,6 @@ class BlockWorker:
             with anyio.CancelScope(shield=True):
                 await self._current.records.close(remove=True)
             raise
-        return recovered
 
     async def stop(self) -> None:
         """Cancel every task (each still puts its outcome, as failed) and close the store."""
@@ -187,6 +184,10 @@ class BlockWorker:
 
     def start_probe(self, done: ProbeDone) -> None:
         self._start(done, lambda: partial(self._probe, done=done))
+
+    def start_recover(self, done: RecoverDone, timeout_s: float) -> None:
+        """List what the store holds (`BlockStore.recover`, up to `timeout_s`) into ``done.found``."""
+        self._start(done, lambda: partial(self._recover, done=done, timeout_s=timeout_s))
 
     def start_ping(self, done: PingDone) -> None:
         self._start(done, lambda: partial(self._ping, done=done))
@@ -413,6 +414,14 @@ class BlockWorker:
                 done.failed("probe", found)
             elif found:
                 done.found.add(key)
+
+    async def _recover(self, store: BlockStore, done: RecoverDone, timeout_s: float) -> None:
+        try:
+            with anyio.fail_after(timeout_s):
+                done.found = await store.recover()
+        except Exception as exc:
+            done.found = []
+            done.failed("recover", exc, sick=False)
 
     async def _ping(self, store: BlockStore, done: PingDone) -> None:
         outcome = await self._calls.call((), self._load_lane, store.ping)

@@ -1,0 +1,110 @@
+"""Restarts that keep the cache warm: a graceful stop drains what only the CPU tier holds to
+the lasting tiers, and a tier serves while it recovers what its store held."""
+
+import logging
+
+import anyio
+import numpy as np
+
+from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
+from tiering import BlockStoreSettings, BlockStoreTier, JobMetadata
+from tiering.backends import MemoryBlockStore
+from tiering.tiers.admission import AdmissionConfig
+from tiering.tiers.object_format import object_size
+
+WRITE_BACK = AdmissionConfig(write="back")
+
+
+def file_tier(root, **options):
+    return {"type": "file", "root_dir": str(root), "layout": "files", **options}
+
+
+def offered(engine, count):
+    """Which of blocks 0..count-1 a lookup finds (each promoted, then loadable)."""
+    answers = engine.lookup_until_done(*range(count), steps=20)
+    return {i for i, found in enumerate(answers) if found}
+
+
+def test_a_graceful_stop_writes_every_block_only_the_cpu_tier_held(engine_factory, tmp_path):
+    """The issue's case: 256 blocks in a 1,024-row CPU tier, a write-back file tier, one step, a
+    graceful stop. The write-back wrote the 128 coldest; the drain writes the other 128."""
+    first = engine_factory(file_tier(tmp_path), num_blocks=1024, admission=[WRITE_BACK])
+    first.store(*range(256))  # one step: its write-back takes the window's 128 coldest blocks
+    first.close()
+    second = engine_factory(file_tier(tmp_path), num_blocks=1024)
+    assert offered(second, 256) == set(range(256))
+    assert second.loaded_bytes(0, 255) == [block_bytes(key(0), ROW), block_bytes(key(255), ROW)]
+
+
+def test_without_the_drain_a_stop_loses_what_only_the_cpu_tier_held(engine_factory, tmp_path):
+    first = engine_factory(file_tier(tmp_path), num_blocks=1024, admission=[WRITE_BACK])
+    first.store(*range(256))
+    first.settle()  # the write-back's copies land
+    first.manager.shutdown_drain_s = 0
+    first.close()
+    second = engine_factory(file_tier(tmp_path), num_blocks=1024)
+    assert offered(second, 256) == set(range(128))  # the write-back's window only
+
+
+def test_the_drain_writes_the_hottest_blocks_and_never_past_the_tier_capacity(engine_factory, tmp_path, caplog):
+    capacity = 100 * object_size(len(key(0)), ROW, align=4096)
+    config = file_tier(tmp_path, capacity_bytes=capacity)
+    first = engine_factory(config, num_blocks=1024, admission=[AdmissionConfig(write="back", writeback_window=64)])
+    first.store(*range(256))  # stored in order: 255 is the hottest
+    first.settle()  # the write-back's copies land: the tier holds 0..63
+    with caplog.at_level(logging.INFO, logger="tiering.engine.drain"):
+        first.close()
+    assert "wrote 100 to file of the 192 blocks only the CPU tier held" in caplog.text
+    assert "92 left (lost at exit)" in caplog.text
+    second = engine_factory(config, num_blocks=1024)
+    assert offered(second, 256) == set(range(156, 256))
+
+
+def test_blocks_a_lasting_tier_holds_are_not_written_again(engine_factory, tmp_path, caplog):
+    first = engine_factory(file_tier(tmp_path), num_blocks=64)  # write-through: the tier has every block
+    first.store(*range(32))
+    with caplog.at_level(logging.INFO, logger="tiering.engine.drain"):
+        first.close()
+    assert "wrote 0 to file of the 0 blocks only the CPU tier held" in caplog.text or "wrote none" in caplog.text
+
+
+class SlowListing(MemoryBlockStore):
+    """A store whose listing at start waits until `listed` is set and then names `LISTED`,
+    oldest first: a large tier still being scanned."""
+
+    LISTED = tuple((key(i), object_size(len(key(i)), ROW)) for i in range(10))
+
+    def __init__(self, fingerprint):
+        super().__init__(fingerprint)
+        self.listed = anyio.Event()
+
+    async def recover(self):
+        await self.listed.wait()
+        return list(self.LISTED)
+
+
+def test_lookups_answer_while_the_tier_recovers_and_recovered_blocks_are_the_oldest():
+    view = RegionStandIn(8, ROW).create_kv_memoryview()
+    settings = BlockStoreSettings(capacity_bytes=8 * SlowListing.LISTED[0][1])
+    tier = BlockStoreTier(None, view, "slow", SlowListing, settings)
+    try:
+        # the listing has not ended: every lookup answers at once, a miss
+        assert [tier.lookup(k, CTX) for k in keys(*range(10))] == [False] * 10
+        assert tier.get_stats()["gauges"]["recovering"] is True
+        stored = JobMetadata(1, keys(9, 20), np.array([0, 1], dtype=np.int64), False, CTX)
+        tier.submit_store(stored)  # stores go on: block 9 (listed too) and 20
+        tier.on_schedule_end()
+        while not (results := tier.get_finished()):  # `drain` would wait for the listing too
+            tier.drain(0.01)
+        assert [r.success for r in results] == [True]
+        tier._runtime.submit(tier.store.listed.set)
+        tier.on_schedule_end()
+        assert tier.wait_recovered(10)
+        assert tier.get_stats()["gauges"]["recovering"] is False
+        # 8 fit: the two stored here and the 6 newest listed (3..8); 0, 1 and 2 are deleted
+        assert [tier.lookup(k, CTX) for k in keys(*range(10), 20)] == [False] * 3 + [True] * 8
+        assert tier.index.used_bytes == 8 * SlowListing.LISTED[0][1]
+        assert tier.index.stored_keys()[:2] == keys(3, 4)  # the oldest listed go first
+    finally:
+        tier._runtime.submit(tier.store.listed.set)
+        tier.shutdown()
