@@ -42,6 +42,7 @@ from tiering.benchmarks.loadgen.workload import WORKLOADS, read_trace, synthetic
 from tiering.benchmarks.serve.fleet import FLEET_CONFIGURATIONS, SHARED_TIERS, Fleet, run_fleet, shared_backing
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
 from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary, summarize
+from tiering.benchmarks.serve.restart import LASTING, run_restarts, split
 from tiering.benchmarks.serve.routing import ROUTINGS, WEIGHTS, weights_arg
 from tiering.benchmarks.serve.run import CONFIGURATIONS, Setup, run_configuration, s3_server
 from tiering.benchmarks.serve.server import CONNECTORS
@@ -157,6 +158,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "configuration alike: 'continuation' (retain 5 min while the conversation has a later turn, release at its "
         "last), 'ttl:SECONDS' (every request retains), 'none' (default)",
     )
+    parser.add_argument(
+        "--restart-at",
+        type=rate_arg,
+        metavar="SECONDS",
+        help="stop the server gracefully at this time of the replay, start it again over its tiers and time the "
+        "first 50 requests after, against a cold restart and none (configurations d, f or g; default d)",
+    )
     parser.add_argument("--work-dir", type=Path, help="the model, tiers and server logs (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--output", type=Path, help="write the results as JSON")
@@ -164,6 +172,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quiet", action="store_true", help="only warnings and errors")
     args = parser.parse_args(argv)
     known = FLEET_CONFIGURATIONS if args.replicas > 1 else CONFIGURATIONS
+    if args.restart_at is not None:
+        if args.replicas > 1:
+            parser.error("--restart-at: one server only (a fleet's restart is not measured yet)")
+        known = {name: CONFIGURATIONS[name] for name in LASTING}
+        args.configurations = args.configurations or "d"
     names = list(known) if args.configurations is None else _names(args.configurations, known)
     if names is None:
         listed = ", ".join(f"{name} ({what})" for name, what in known.items())
@@ -224,6 +237,14 @@ def _server_runs(args: argparse.Namespace, setup: Setup, work: Workload, runs: l
             yield run_configuration(
                 name, setup, work.prompts, work.arrivals_s, args.max_tokens, args.max_concurrency, endpoint, work.hints
             )
+
+
+def _restart_runs(args: argparse.Namespace, setup: Setup, work: Workload) -> Iterator[dict]:
+    """Each configuration with no restart, a warm and a cold one (`tiering.benchmarks.serve.restart`)."""
+    for name in args.configurations:
+        yield from run_restarts(
+            name, setup, work.prompts, work.arrivals_s, args.restart_at, args.max_tokens, args.max_concurrency, None
+        )
 
 
 def _fleet_runs(args: argparse.Namespace, setup: Setup, work: Workload) -> Iterator[dict]:
@@ -293,7 +314,17 @@ def main(argv: list[str] | None = None) -> int:
             return build_report(runs, reusable, inputs)
 
         workload = Workload(token_prompts, arrivals, conversations(requests), hints)
-        runner = _fleet_runs(args, setup, workload) if args.replicas > 1 else _server_runs(args, setup, workload, runs)
+        if args.restart_at is not None:
+            try:
+                split(arrivals, args.restart_at)  # before any server starts
+            except ValueError as exc:
+                print(f"tiering-bench serve: {exc}", file=sys.stderr)
+                return 2
+            runner = _restart_runs(args, setup, workload)
+        elif args.replicas > 1:
+            runner = _fleet_runs(args, setup, workload)
+        else:
+            runner = _server_runs(args, setup, workload, runs)
         for run in runner:
             runs.append(run)
             _log_summary(run["name"], summarize(run, reusable))
