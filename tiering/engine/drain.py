@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from tiering.contract.keys import OffloadKey
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.engine.cascades import BACKGROUND, Cascades
-from tiering.engine.tier_calls import guarded
+from tiering.engine.tier_calls import guarded, overrides
 from tiering.tiers.base import SecondaryTierManager
 
 logger = logging.getLogger(__name__)
@@ -90,14 +90,14 @@ def drain(
                 cascades.write(idx, [key for key in wave if primary.ref_count(key) == 0])
                 guarded(tiers[idx], "on_schedule_end", None)  # a tier starts a step's jobs there
         busy = [idx for idx in range(len(tiers)) if cascades.admission[idx].rows_in_flight]
-        remaining = deadline - clock()
-        if (not busy and not any(waves.values())) or remaining <= 0:
+        if (not busy and not any(waves.values())) or clock() >= deadline:
             break
         waited = False
-        for idx in busy:
-            waited |= overrides_drain(tiers[idx]) and guarded(tiers[idx], "drain", False, max(0.0, remaining))
+        for idx in busy:  # a tier's `drain` returns once its jobs are over (or at the deadline)
+            if overrides(tiers[idx], "drain"):
+                waited |= guarded(tiers[idx], "drain", False, max(0.0, deadline - clock()))
         if not waited:
-            time.sleep(min(_POLL_S, max(0.0, remaining)))
+            time.sleep(min(_POLL_S, max(0.0, deadline - clock())))
         poll()
     report = DrainReport(len(candidates), seconds=clock() - start)
     for idx, keys in given.items():
@@ -110,11 +110,6 @@ def drain(
         report.left,
     )
     return report
-
-
-def overrides_drain(tier: SecondaryTierManager) -> bool:
-    """Whether `tier` has a `drain` of its own (one that waits for its jobs)."""
-    return getattr(type(tier), "drain", None) is not SecondaryTierManager.drain
 
 
 def _held_only_by_primary(
