@@ -415,4 +415,5 @@ class FileBlockStore(BlockStore):
     async def recover(self) -> list[tuple[OffloadKey, int]]:
         if self._log is not None:
             return await self._run(self._log.recover)
-        return await self._run(file_io.scan, self._open_ns, self.directory, self.fingerprint, self.seal)
+        args = (self._open_ns, self.directory, self.fingerprint, self.seal, self.block_bytes)
+        return await self._run(file_io.scan, *args)

@@ -45,6 +45,7 @@ from tiering.tiers.object_format import (
     check_length,
     encode_object,
     header_size,
+    object_size,
     parse_header,
     verify_payload,
 )
@@ -234,27 +235,40 @@ def _quarantine(ns: Namespace, dir_fd: int, name: str) -> None:
     logger.warning("file tier: moved an unusable %s to %s/ for inspection", name, QUARANTINE)
 
 
-def scan(ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None) -> list[tuple[OffloadKey, int]]:
-    """Objects in the namespace, oldest first; removes temporaries older than
+def scan(
+    ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None, block_bytes: int | None = None
+) -> list[tuple[OffloadKey, int]]:
+    """Objects in the namespace, oldest first (by last write); removes temporaries older than
     `TEMPORARY_GRACE_S`, regular files that are not whole objects of ours, and objects whose
     seal `seal` does not open (sealed by a key dropped from `integrity`, or planted: a
     namespace is one deployment's, and nothing else would ever give their space back).
-    Never follows a link."""
+    Without a seal, given the rows' `block_bytes`, an object named by its key's hex is known
+    by its name and size (one `stat`, no open): its header is checked when it is loaded, as
+    every load's is. Never follows a link."""
     found: list[tuple[float, OffloadKey, int]] = []
     removed = unopened = 0
     now = time.time()
     progress = RecoveryProgress(f"file tier {directory}")
+    sizes: dict[int, int] = {}  # object bytes by key length
     for dir_fd in ns.shards:
+        progress.add(len(found) - progress.count)
         with os.scandir(dir_fd) as entries:
             for entry in entries:
-                progress.add()
                 if not entry.is_file(follow_symlinks=False):
                     continue  # a link, directory or FIFO: never loaded; a load or put sets it aside
                 try:
                     temporary = entry.name.endswith(TMP_SUFFIX)
                     if temporary and _written_since(entry, now - TEMPORARY_GRACE_S):
                         continue  # perhaps another engine's write in flight (or renamed by now)
-                    recovered = None if temporary else _check_header(dir_fd, entry.name, fingerprint, seal)
+                    if temporary:
+                        recovered = None
+                    elif seal is None and block_bytes is not None and (key := _named_key(entry.name)) is not None:
+                        size = sizes.get(len(key))
+                        if size is None:
+                            size = sizes[len(key)] = object_size(len(key), block_bytes, ALIGN)
+                        recovered = _sized(entry, key, size)
+                    else:
+                        recovered = _check_header(dir_fd, entry.name, fingerprint, seal)
                 except ForgedObjectError:
                     with contextlib.suppress(FileNotFoundError):  # removed meanwhile
                         os.unlink(entry.name, dir_fd=dir_fd)
@@ -276,6 +290,23 @@ def scan(ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None) 
         )
     found.sort(key=lambda item: item[0])
     return [(key, size) for _, key, size in found]
+
+
+def _named_key(name: str) -> OffloadKey | None:
+    """The key a file named by its hex holds, or None (a hashed name, or not a key's)."""
+    try:
+        return OffloadKey(bytes.fromhex(name))
+    except ValueError:
+        return None
+
+
+def _sized(entry: os.DirEntry[str], key: OffloadKey, size: int) -> tuple[float, OffloadKey, int] | None:
+    """(mtime, key, bytes) of the file `entry` if it has an object's `size`, else None."""
+    try:
+        info = entry.stat(follow_symlinks=False)
+    except OSError:
+        return None
+    return (info.st_mtime, key, size) if info.st_size == size and stat.S_ISREG(info.st_mode) else None
 
 
 def _written_since(entry: os.DirEntry[str], since: float) -> bool:

@@ -7,8 +7,9 @@ import anyio
 import numpy as np
 
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
-from tiering import BlockStoreSettings, BlockStoreTier, JobMetadata
+from tiering import BlockStoreSettings, BlockStoreTier, Doorbell, JobMetadata
 from tiering.backends import MemoryBlockStore
+from tiering.tiers.blockstore import recovery
 from tiering.tiers.admission import AdmissionConfig
 from tiering.tiers.object_format import object_size
 
@@ -108,3 +109,37 @@ def test_lookups_answer_while_the_tier_recovers_and_recovered_blocks_are_the_old
     finally:
         tier._runtime.submit(tier.store.listed.set)
         tier.shutdown()
+
+
+def test_what_was_found_is_indexed_a_slice_per_poll_the_newest_first(monkeypatch):
+    monkeypatch.setattr(recovery, "SLICE_BLOCKS", 3)
+    tier = BlockStoreTier(None, RegionStandIn(8, ROW).create_kv_memoryview(), "slow", SlowListing)
+    doorbell = Doorbell()
+    tier.attach_doorbell(doorbell)
+    try:
+        tier._runtime.submit(tier.store.listed.set)
+        tier.on_schedule_end()
+        assert tier.drain(10)  # the listing is over; nothing is indexed until the tier is polled
+        polls = []
+        while doorbell.rung:  # as the manager polls a tier: only after a ring
+            doorbell.rung = False
+            tier.get_finished()
+            polls.append([i for i in range(10) if tier.lookup(key(i), CTX)])
+        assert polls == [[7, 8, 9], [4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9], list(range(10))]
+        assert tier.get_stats()["gauges"]["recovering"] is False
+    finally:
+        tier.shutdown()
+
+
+def test_a_tier_without_keys_knows_its_files_by_name_and_size_and_checks_each_when_loaded(engine_factory, tmp_path):
+    first = engine_factory(file_tier(tmp_path), num_blocks=8)
+    first.store(0, 1, 2)
+    torn, garbage = first.tier.store.path(key(1)), first.tier.store.path(key(2))
+    first.close()
+    torn.write_bytes(torn.read_bytes()[:-5])  # not an object's size: removed at start
+    garbage.write_bytes(bytes(garbage.stat().st_size))  # an object's name and size: indexed, never loaded
+    second = engine_factory(file_tier(tmp_path), num_blocks=8)
+    assert not torn.exists() and len(second.tier.index) == 2
+    assert second.lookup_until_done(0, 1, 2) == [True, False, False]
+    assert second.tier.failures["load_corrupt"] == 1 and not garbage.exists()
+    assert second.loaded_bytes(0) == [block_bytes(key(0), ROW)]
