@@ -97,9 +97,12 @@ def _ms(value: float | None) -> str:
 def print_summary(report: dict[str, Any], console: Console) -> None:
     """One row per configuration (and per replica of a fleet): TTFT (all requests, and those
     with a reusable prefix) p50/p90/p99 in ms, throughput, where the prompt tokens came from,
-    and how many of a secondary tier's were blocks another replica stored (`found_tokens`)."""
+    and how many of a secondary tier's were blocks it found in its store (`found_tokens`):
+    another replica's, or stored before a restart."""
     table = Table(box=box.MARKDOWN, title="TTFT ms p50 / p90 / p99")
-    headers = ("", "TTFT all", "TTFT reusable", "req/s", "out tok/s", "computed", "served from", "another replica's")
+    restarts = any("restart" in run for run in report["configurations"].values())
+    found = "stored before the restart" if restarts else "another replica's"
+    headers = ("", "TTFT all", "TTFT reusable", "req/s", "out tok/s", "computed", "served from", found)
     for header in headers:
         table.add_column(header, justify="left" if header in ("", "served from") else "right")
     for name, run in report["configurations"].items():

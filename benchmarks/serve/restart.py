@@ -92,6 +92,7 @@ def run_restarts(
         return [outcome.as_dict() | {"index": i} for outcome, i in zip(outcomes, indexes, strict=True)]
 
     for restart, description in RESTARTS.items():
+        restarted = restart != "none"
         own = dataclasses.replace(setup, work_dir=setup.work_dir / f"restart-{restart}")
         own.work_dir.mkdir(parents=True, exist_ok=True)
         options = server_options(name, own, s3_endpoint)
@@ -119,7 +120,8 @@ def run_restarts(
                 server.stop(signal.SIGTERM)
         yield {
             "name": f"{name} {restart}",
-            "description": f"{CONFIGURATIONS[name]}, {description} at {restart_at_s:g} s",
+            "restart": restart,
+            "description": f"{CONFIGURATIONS[name]}, {description}" + (f" at {restart_at_s:g} s" if restarted else ""),
             "wall_s": wall_s,
             "outcomes": outcomes,
             "vllm": counters,
