@@ -62,6 +62,7 @@ def test_an_engine_of_another_config_is_never_offered_the_blocks(tmp_path, varia
     reader_config = VARIANTS[variant](dataclasses.replace(writer_config, engine_id=f"reader-{uuid.uuid4().hex[:8]}"))
     spec, manager = engine(reader_config)
     try:
+        assert manager.secondary_tiers[0].wait_recovered(30)  # what the directory holds is indexed
         assert manager.secondary_tiers[0].lookup(block, ReqContext("r")) is (variant == "control")
     finally:
         spec.shutdown()
