@@ -71,8 +71,25 @@ def drain(
     jobs that ended.
 
     Returns:
-        What it did, or None where there is nothing to do (no lasting tier, `seconds` 0).
+        What it did, or None where there is nothing to do (no lasting tier, `seconds` 0) or
+        it failed: never raises (the failure is logged, and the stop goes on without it).
     """
+    try:
+        return _drain(primary, tiers, names, cascades, poll, seconds, clock)
+    except Exception:
+        logger.exception("shutdown: the drain failed; stopping without it")
+        return None
+
+
+def _drain(
+    primary: CPUPrimaryTierOffloadingManager,
+    tiers: Sequence[SecondaryTierManager],
+    names: Sequence[str],
+    cascades: Cascades,
+    poll: Callable[[], None],
+    seconds: float,
+    clock: Callable[[], float],
+) -> DrainReport | None:
     lasting = [idx for idx, tier in enumerate(tiers) if getattr(tier, "lasting", True)]
     if seconds <= 0 or not lasting:
         return None

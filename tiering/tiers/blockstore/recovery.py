@@ -49,11 +49,6 @@ class Recovery:
         self._indexed = 0
         self._deleted = 0
 
-    @property
-    def listed(self) -> bool:
-        """Whether the listing has ended (its blocks may not all be indexed yet)."""
-        return self.done.found is not None
-
     def index_next(self, index: BlockIndex, doorbell: Doorbell | None, everything: bool = False) -> bool:
         """Index the next `SLICE_BLOCKS` blocks found (all of them, `everything`), once the
         listing has ended, and ring `doorbell` while more are left (the next poll goes on);

@@ -156,8 +156,9 @@ class BlockStoreTier(SecondaryTierManager):
         self._runtime.flush()
 
     def wait_recovered(self, timeout_s: float | None = None) -> bool:
-        """Block until every block the store held is indexed (or `timeout_s` passes); returns
-        whether it is. For tools and tests: never from a scheduler step (`drain`'s rules)."""
+        """Block until every block the store held is indexed (or `timeout_s` seconds pass;
+        None: no limit); returns whether it is. The scheduler thread, for tools and tests,
+        never from inside a step. Raises RuntimeError from the loop thread (as `drain`)."""
         if self._recovery is not None and self.drain(timeout_s):
             self._index_recovered(everything=True)
         return self._recovery is None
@@ -405,7 +406,7 @@ class BlockStoreTier(SecondaryTierManager):
 
     def capacity_blocks(self, key: OffloadKey) -> int | None:
         """Objects of `key`'s size the tier holds at most now (its capacity, or what fits a
-        full device); None: no capacity."""
+        full device); None: no capacity. Scheduler thread; never raises."""
         limit = self._index.limit()
         return None if limit is None else limit // self.object_bytes(key)
 
