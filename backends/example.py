@@ -53,8 +53,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
             ValueError: the job has not one block id per key.
         """
         _check_lengths(job_metadata)
-        for key in job_metadata.keys:
-            self.blocks[key] = True
+        self.blocks.update(dict.fromkeys(job_metadata.keys, True))
         self.completed_jobs.append(JobResult(job_metadata.job_id, True))
         self.doorbell.ring()
 

@@ -292,3 +292,13 @@ def test_the_resident_index_follows_the_policy_through_any_calls(policy, ctx):
         ranked = dict(manager._order.policy("").items())
         assert {k: b.ref_cnt for k, b in manager._resident.items()} == {k: b.ref_cnt for k, b in ranked.items()}
         assert all(manager.lookup(key(i), ctx) == (key(i) in ranked) for i in range(12))
+
+
+def test_rows_are_reused_most_recently_freed_first_and_start_as_writes_in_flight(manager, ctx):
+    assert store(manager, ctx, 0, 1).store_spec.block_ids.tolist() == [0, 1]
+    out = manager.prepare_store(keys(2, 3, 4), ctx)  # an eviction frees row 0: it goes first
+    assert out.store_spec.block_ids.tolist() == [0, 2, 3] and out.evicted_keys == keys(0)
+    assert [manager.lookup(k, ctx) for k in keys(2, 3, 4)] == [None] * 3  # row 0's status was reset
+    manager.complete_store(keys(2, 3, 4), ctx, success=False)  # rows 0, 2, 3 freed, in that order
+    assert manager.prepare_store(keys(5, 6), ctx).store_spec.block_ids.tolist() == [3, 2]
+    assert manager.ref_count(key(5)) == manager.ref_count(key(6)) == -1 and manager.ref_count(key(1)) == 0

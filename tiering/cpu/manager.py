@@ -254,11 +254,10 @@ class CPUOffloadingManager(OffloadingManager):
             self._rows.free([block.block_id for _, block in victims], evicted=True)
             self._counters["evictions"] += len(victims)
             self._emit(evicted, removed=True)
-        block_ids = [self._rows.allocate() for _ in keys_to_store]
+        block_ids, blocks = self._rows.allocate(len(keys_to_store))
         self._rows_writing += len(block_ids)
-        for key, block_id in zip(keys_to_store, block_ids, strict=True):
-            block = resident[key] = BlockStatus(block_id)
-            order.insert(key, block, tenant)
+        resident.update(zip(keys_to_store, blocks, strict=False))
+        order.insert_all(keys_to_store, blocks, tenant)
         access.inserted.update(keys_to_store)
         return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted)
 

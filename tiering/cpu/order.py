@@ -58,9 +58,9 @@ class EvictionOrder:
         """Blocks holding a deadline."""
         return 0 if self._retention is None else len(self._retention)
 
-    def insert(self, key: OffloadKey, block: BlockStatus, tenant: str) -> None:
-        """`key` got a row: ranked as the most recent."""
-        self._policy.insert(key, block)
+    def insert_all(self, keys: list[OffloadKey], blocks: list[BlockStatus], tenant: str) -> None:
+        """`keys` got rows (`blocks`, in order): ranked as the most recent, the last most."""
+        self._policy.insert_all(keys, blocks)
 
     def remove(self, key: OffloadKey) -> None:
         """`key` lost its row without being evicted (a failed write)."""

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 from tiering.contract.keys import OffloadKey
 from tiering.cpu.row_states import READY, RowStates
+from tiering.eviction.policies import BlockStatus
 
 
 class Rows:
@@ -25,6 +26,9 @@ class Rows:
 
     def __init__(self, num_rows: int):
         self.num_rows = num_rows
+        # Each row's status, made once with the rows (as their memory is): a store allocates
+        # nothing per block and gives the garbage collector no new object to track.
+        self._statuses = [BlockStatus(row) for row in range(num_rows)]
         self.row_states: RowStates | None = None  # the primary tier's, shared with the workers
         self._free: list[int] = []
         self._used = 0  # ids below this were handed out before
@@ -32,16 +36,25 @@ class Rows:
         self.pending_pins: dict[OffloadKey, list[str]] = {}  # a write in flight -> requests pinning it
         self.orphans: dict[tuple[str, OffloadKey], int] = {}  # (request, key) -> row of a failed write it pins
 
-    def allocate(self) -> int:
-        """A free row: the most recently freed one first, then rows never used. (vLLM hands
-        out never-used rows first. Reusing a row that was just written keeps the tier's
-        touched memory, its page faults and its resident set as small as the working set
-        allows, and no row is better than another for what it holds.) The caller checks
-        that one is free."""
-        if self._free:
-            return self._free.pop()
-        self._used += 1
-        return self._used - 1
+    def allocate(self, n: int) -> tuple[list[int], list[BlockStatus]]:
+        """`n` free rows and their statuses, each a write in flight (ref count -1): the most
+        recently freed rows first, then rows never used. (vLLM hands out never-used rows
+        first. Reusing a row that was just written keeps the tier's touched memory, its page
+        faults and its resident set as small as the working set allows, and no row is better
+        than another for what it holds.) The caller checks that `n` are free."""
+        free, taken = self._free, min(n, len(self._free))
+        reused = free[len(free) - taken :]
+        del free[len(free) - taken :]
+        reused.reverse()
+        if taken < n:
+            start = self._used
+            self._used += n - len(reused)
+            reused.extend(range(start, self._used))
+        statuses = self._statuses
+        blocks = [statuses[row] for row in reused]
+        for block in blocks:
+            block.ref_cnt = -1
+        return reused, blocks
 
     def free(self, rows: list[int], evicted: bool = False) -> None:
         """Make `rows` free; a row a failed promotion left ``FAILED`` is ``READY`` again

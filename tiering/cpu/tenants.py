@@ -220,16 +220,16 @@ class TenantShares:
             counters = self.counters.setdefault(OTHER, Counter())
         counters[name] += amount
 
-    def insert(self, key: OffloadKey, block: BlockStatus, tenant: str) -> None:
-        """`key` got a row for `tenant` (as `tenant_of` named it): ranked by its policy as
-        the most recent."""
+    def insert_all(self, keys: list[OffloadKey], blocks: list[BlockStatus], tenant: str) -> None:
+        """`keys` got rows (`blocks`, in order) for `tenant` (as `tenant_of` named it): ranked
+        by its policy as the most recent, the last most."""
         if tenant not in self.counters:  # forgotten between its lookup and its store
             tenant = OTHER
             self.counters.setdefault(OTHER, Counter())
-        self.owner[key] = tenant
-        self.held[tenant] += 1
+        self.owner.update(dict.fromkeys(keys, tenant))
+        self.held[tenant] += len(keys)
         self._idle.pop(tenant, None)
-        self.policy(tenant).insert(key, block)
+        self.policy(tenant).insert_all(keys, blocks)
 
     def remove(self, key: OffloadKey) -> None:
         """`key` lost its row without being evicted (a failed write)."""

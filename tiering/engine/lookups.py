@@ -64,8 +64,8 @@ class RequestLookups:
         self.requested_blocks = 0
         self.lookups_repeated = 0
         self.hit_blocks: Counter[str] = Counter()
-        self._hits_past_group_0: Counter[bytes] = Counter()  # by the key's 4 group bytes; group 0 is the rest
-        self._misses: Counter[bytes] = Counter()  # first answers False, by the key's 4 group bytes
+        self._hits_past_group_0: Counter[int] = Counter()  # by group index; group 0's are the rest
+        self._misses: Counter[int] = Counter()  # first answers False, by group index
 
     def __len__(self) -> int:
         """Requests remembered: they looked up or stored a block, and are not finished."""
@@ -82,22 +82,22 @@ class RequestLookups:
             asked[key] = answer is True
             if answer is True:
                 self.hit_blocks[source or PRIMARY_NAME] += 1
-                if key[-4:] != _GROUP_0:
-                    self._hits_past_group_0[key[-4:]] += 1
+                if not key.endswith(_GROUP_0):
+                    self._hits_past_group_0[get_offload_group_idx(key)] += 1
             elif answer is False:
-                self._misses[key[-4:]] += 1
+                self._misses[get_offload_group_idx(key)] += 1
             return
         self.lookups_repeated += 1
         if answer is True and not hit:
             asked[key] = True
             self.hit_blocks[self._source(key) or PRIMARY_NAME] += 1
-            if key[-4:] != _GROUP_0:
-                self._hits_past_group_0[key[-4:]] += 1
+            if not key.endswith(_GROUP_0):
+                self._hits_past_group_0[get_offload_group_idx(key)] += 1
 
     @property
     def hit_blocks_by_group(self) -> dict[int, int]:
         """``hit_blocks`` of every tier by KV-cache group index (groups with hits only)."""
-        others = {get_offload_group_idx(OffloadKey(group)): count for group, count in self._hits_past_group_0.items()}
+        others = dict(self._hits_past_group_0)
         first = sum(self.hit_blocks.values()) - sum(others.values())
         return {0: first, **others} if first else others
 
@@ -105,7 +105,7 @@ class RequestLookups:
     def hits_ended_by_group(self) -> dict[int, int]:
         """First lookups of a (request, block) answered a miss, by KV-cache group index
         (groups with misses only)."""
-        return {get_offload_group_idx(OffloadKey(group)): count for group, count in self._misses.items()}
+        return dict(self._misses)
 
     def by_group(self) -> dict[str, dict[str, int]]:
         """``hit_blocks_by_group`` and ``hits_ended_by_group``, as `get_stats` counters
@@ -121,10 +121,12 @@ class RequestLookups:
     def stored(self, req_id: str, keys: Iterable[OffloadKey]) -> None:
         """Count the blocks of a store for request `req_id` it never looked up. Never raises."""
         asked = self._request(req_id)
-        for key in keys:
-            if key not in asked:
-                asked[key] = False
-                self.requested_blocks += 1
+        before = len(asked)
+        if before:
+            asked.update((key, False) for key in keys if key not in asked)
+        else:  # no lookup yet: every key is new
+            asked.update(dict.fromkeys(keys, False))
+        self.requested_blocks += len(asked) - before
 
     def finished(self, req_id: str) -> dict[OffloadKey, bool]:
         """Forget the request (it will not be looked up again); returns its blocks, each

@@ -56,6 +56,21 @@ class ARCCachePolicy(CachePolicy):
         else:
             self._t1[key] = block
 
+    def insert_all(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+        if self._ghost_hits(keys):
+            super().insert_all(keys, blocks)
+        else:  # the rule: all of them enter T1
+            t1 = self._t1  # (a loop of item sets: OrderedDict.update takes longer)
+            for key, block in zip(keys, blocks, strict=False):
+                t1[key] = block
+
+    def _ghost_hits(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
+        """Those of `keys` in a ghost list (a set operation per list, in C: the ghosts are
+        many, a request's keys few)."""
+        b1, b2 = self._b1, self._b2
+        hits = b1.keys() & keys if b1 else set()
+        return hits | (b2.keys() & keys) if b2 else hits
+
     def remove(self, key: OffloadKey) -> BlockStatus | None:
         block = self._t1.pop(key, None)
         return block if block is not None else self._t2.pop(key, None)
@@ -70,10 +85,11 @@ class ARCCachePolicy(CachePolicy):
             b2.move_to_end(key)
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
-        b1, b2 = self._b1, self._b2
-        for key in reversed(keys):
-            if key in b1 or key in b2:
-                self._adapt_to_ghost_hit(key)
+        hits = self._ghost_hits(keys)
+        if hits:
+            for key in reversed(keys):
+                if key in hits:
+                    self._adapt_to_ghost_hit(key)
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
         t1, t2 = self._t1, self._t2

@@ -71,7 +71,7 @@ class ARCSCachePolicy(ARCCachePolicy):
 
     def _count(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2 = self._t1, self._t2
-        for key, count in zip(reversed(keys), reversed(self.sketch.add_many(keys)), strict=True):
+        for key, count in zip(reversed(keys), reversed(self.sketch.add_many(keys)), strict=False):
             into, other = (t2, t1) if count >= 2 else (t1, t2)
             if key in into:
                 into.move_to_end(key)

@@ -60,6 +60,13 @@ class CachePolicy(ABC):
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         """Add a block that is not resident, as the most recent."""
 
+    def insert_all(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+        """`insert` each of `keys` (none resident, no key twice) with its block, in order: the
+        last ends most recent. The default calls `insert` for each; a policy overrides it
+        where a batch costs less (the CPU tier reserves a request's rows in one call)."""
+        for key, block in zip(keys, blocks, strict=False):
+            self.insert(key, block)
+
     @abstractmethod
     def remove(self, key: OffloadKey) -> BlockStatus | None:
         """Drop `key` without remembering it as evicted; returns its block or None."""

@@ -229,5 +229,5 @@ class TierAdmission:
         return self._service.seconds_for(self.rows_in_flight)
 
     def _behind(self) -> bool:
-        limit, backlog = self.config.max_backlog_s, self.backlog_s
-        return limit is not None and backlog is not None and backlog > limit
+        limit, service = self.config.max_backlog_s, self._service  # (`backlog_s`, inline: once per cascade)
+        return limit is not None and service.rate > 0 and service.in_flight / service.rate > limit
