@@ -215,7 +215,7 @@ def test_complete_store_cascades_at_once_to_every_tier(policy, ctx):
         assert not job.is_promotion and list(job.keys) == keys(0, 1)
         assert job.block_ids.tolist() == out.store_spec.block_ids.tolist()
     assert tiers[0].submitted[0].job_id != tiers[1].submitted[0].job_id
-    assert manager.primary_tier.ref_count(key(0)) == 2  # one read reference per tier
+    assert manager.primary_tier.ref_count(key(0)) == 1  # one read reference for the cascade
 
 
 def test_failed_store_cascades_nothing(policy, ctx):
@@ -231,6 +231,8 @@ def test_cascade_releases_its_reference_whether_or_not_it_succeeded(policy, ctx)
     manager, _ = build(policy, tiers)
     store(manager, ctx, 0)
     tiers[0].finish(success=True)
+    manager.on_schedule_end()
+    assert manager.primary_tier.ref_count(key(0)) == 1  # until every tier reports
     tiers[1].finish(success=False)
     manager.on_schedule_end()
     assert manager.primary_tier.ref_count(key(0)) == 0
@@ -421,6 +423,22 @@ def test_reset_cache_voids_jobs_in_flight_and_every_row_comes_back(policy, ctx):
     assert (gauges["rows_reading"], gauges["rows_writing"], gauges["rows_quarantined"]) == (0, 0, 0)
     assert manager.get_stats()["tiers"]["manual"]["gauges"]["rows_in_flight"] == 0
     assert primary.lookup(key(7), ctx) is False  # the voided promotion loaded nothing
+
+
+def test_a_cascade_half_reported_at_a_reset_gives_its_rows_back_when_its_last_tier_reports(policy, ctx):
+    tiers = [ManualTier("a"), ManualTier("b")]
+    manager, _ = build(policy, tiers)
+    primary = manager.primary_tier
+    store(manager, ctx, 0, 1)  # one cascade, its rows pinned once for both tiers
+    tiers[0].finish()
+    manager.on_schedule_end()
+    manager.reset_cache()
+    assert primary.num_free_blocks == primary.num_blocks - 2  # tier b may still read them
+    tiers[1].finish()
+    manager.on_schedule_end()
+    assert primary.num_free_blocks == primary.num_blocks and not manager.has_pending_work()
+    gauges = primary.get_stats()["gauges"]
+    assert (gauges["rows_reading"], gauges["rows_quarantined"]) == (0, 0)
 
 
 def test_a_job_its_tier_never_reports_fails_at_its_deadline_and_the_request_recomputes(policy, ctx, caplog):

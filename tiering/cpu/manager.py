@@ -154,7 +154,7 @@ class CPUOffloadingManager(OffloadingManager):
         keys: Collection[OffloadKey],
         caller: str,
         counter: str,
-        readers: int = 1,
+        counted: int = 1,
         pending_ok: Container[OffloadKey] = (),
         req_id: str = "",
     ) -> CPULoadStoreSpec:
@@ -166,8 +166,8 @@ class CPUOffloadingManager(OffloadingManager):
             if block.ref_cnt == 0:
                 self._rows_reading += 1
             if block.ref_cnt >= 0:
-                block.ref_cnt += readers
-        self._counters[counter] += len(blocks) * readers
+                block.ref_cnt += 1
+        self._counters[counter] += len(blocks) * counted
         return CPULoadStoreSpec([block.block_id for block in blocks])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

@@ -82,14 +82,13 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         self.row_states = create_row_states() if create_row_states is not None else None
 
     def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext, readers: int = 1) -> CPULoadStoreSpec:
-        """Pin rows for a cascade: as `prepare_load`, counted as read by tiers. `readers`:
-        how many tiers read the rows (each releases its own with `complete_read`), pinned in
-        one pass.
+        """Pin rows for a cascade (one reader, released by one `complete_read` once every tier
+        is done), as `prepare_load`; counted as read by `readers` tiers.
 
         Raises:
             KeyError: as `prepare_load`.
         """
-        return self._pin(keys, "prepare_read", "blocks_read_by_tiers", readers)
+        return self._pin(keys, "prepare_read", "blocks_read_by_tiers", counted=readers)
 
     complete_read = CPUOffloadingManager.complete_load
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from tiering.contract.keys import OffloadKey, ReqContext
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
-from tiering.engine.jobs import Job, Submit
+from tiering.engine.jobs import Job, JobTable
 from tiering.engine.tier_calls import Hooks, guarded
 from tiering.eviction.retention import RetentionHint
 from tiering.tiers.admission import AdmissionConfig, TierAdmission
@@ -35,10 +35,10 @@ class Cascades:
         num_tiers: int,
         admission: Sequence[AdmissionConfig | None] | None,
         hooks: Hooks,
-        submit: Submit,
+        jobs: JobTable,
     ):
         """`admission`: per tier, in order, its config (None, or a shorter list: the
-        defaults); `submit` sends a store job to a tier (`JobTable.submit`).
+        defaults); `jobs`: where store jobs are sent.
 
         Raises:
             ValueError: more admission configs than tiers.
@@ -50,7 +50,7 @@ class Cascades:
         rows, tiers = primary.num_blocks, max(1, num_tiers)
         self.admission = [TierAdmission(config or AdmissionConfig(), rows, tiers) for config in configs]
         self._primary = primary
-        self._submit = submit
+        self._jobs = jobs
         self._retaining = hooks["retain"]
         self._releasing = hooks["release"]
         self.write_back_tiers = [idx for idx, admission in enumerate(self.admission) if admission.write_back]
@@ -114,11 +114,14 @@ class Cascades:
                     guarded(tier, "retain", (), written, hint.retain_s)
 
     def ended(self, job: Job, success: bool) -> None:
-        """A store job ended (its I/O is over): unpin its rows; a voided one's rows were
-        emptied by `reset_cache` and are freed by the caller."""
-        if not job.voided:
-            self._primary.complete_read(job.keys, job.req_context)
+        """A store job ended (its I/O is over): the cascade's last one unpins its rows; a
+        voided one's rows were emptied by `reset_cache` and are freed by the caller."""
         self.admission[job.tier_idx].finished(job.keys, success and not job.voided)
+        pin = job.pin
+        assert pin is not None  # (every store job has one)
+        pin.jobs_left -= 1
+        if not pin.jobs_left and not job.voided:  # (a job that ends after a reset is voided)
+            self._primary.complete_read(job.keys, job.req_context)
 
     def tier_stats(self, tier_idx: int) -> tuple[dict[str, int], dict[str, int]]:
         """The tier's admission counters and its ``rows_in_flight`` and ``cascades_waiting``
@@ -147,9 +150,8 @@ class Cascades:
 
     def _cascade(self, tier_idxs: list[int], keys: list[OffloadKey], req_context: ReqContext) -> None:
         """Copy `keys` (resident, admitted) to each tier of `tier_idxs`: their rows are pinned
-        once, one reader per tier, and stay pinned until every tier reports."""
+        once for all of them, until every tier reports."""
         if keys:
             spec = self._primary.prepare_read(keys, req_context, readers=len(tier_idxs))
-            for tier_idx in tier_idxs:
-                self._submit(tier_idx, keys, spec.block_ids, False, req_context, 0.0)
+            self._jobs.submit_store(tier_idxs, keys, spec.block_ids, req_context)
             self.submitted += len(tier_idxs)

@@ -35,7 +35,17 @@ JOB_DEADLINE_S = 120.0
 store's ``op_timeout_s``: a tier whose calls time out reports long before)."""
 
 
-@dataclass
+class CascadePin:
+    """The primary rows of a cascade to several tiers, pinned once for all of its store jobs:
+    `jobs_left` counts those not ended yet; the last one to end unpins the rows."""
+
+    __slots__ = ("jobs_left",)
+
+    def __init__(self, jobs: int):
+        self.jobs_left = jobs
+
+
+@dataclass(slots=True)
 class Job:
     """A job submitted to a secondary tier and not reported yet (or held past its report)."""
 
@@ -44,13 +54,11 @@ class Job:
     is_promotion: bool
     req_context: ReqContext
     tier_idx: int
+    due: float  # the job fails here after this (`JobTable.clock` seconds)
     queued_at: float = 0.0  # a promotion's first lookup, perf_counter seconds (unused for cascades)
-    due: float = float("inf")  # the job fails here after this (`JobTable.clock` seconds)
+    pin: CascadePin | None = None  # a cascade's, shared by its jobs (None for a promotion)
     voided: bool = False  # by reset_cache: its keys are gone and its rows held until it ends
 
-
-Submit = Callable[[int, list[OffloadKey], np.ndarray, bool, ReqContext, float], None]
-"""`JobTable.submit`'s signature: (tier index, keys, rows, is_promotion, request, queued_at)."""
 
 Polled = tuple[int, SecondaryTierManager, bool]  # (tier index, tier, has `take_released_jobs`)
 
@@ -103,29 +111,38 @@ class JobTable:
         self._ringing = [entry for entry in polled if entry[0] in ringing]
         self.every_step = [entry for entry in polled if entry[0] not in ringing]
 
-    def submit(
-        self,
-        tier_idx: int,
-        keys: list[OffloadKey],
-        block_ids: np.ndarray,
-        is_promotion: bool,
-        req_context: ReqContext,
-        queued_at: float = 0.0,
+    def submit_store(
+        self, tier_idxs: list[int], keys: list[OffloadKey], block_ids: np.ndarray, req_context: ReqContext
     ) -> None:
-        """Send a job to tier `tier_idx`: a load (`is_promotion`) or a store of `keys`, whose
-        primary rows are `block_ids` (1-D int64, one per key, in order). `queued_at`: a
-        promotion's first lookup, `time.perf_counter` seconds. Scheduler thread; never
-        raises: a job the tier rejects (raises) ends failed at once."""
+        """Send a store job of `keys` (a cascade) to each tier of `tier_idxs`; their primary
+        rows, `block_ids` (1-D int64, one per key, in order), were pinned once for all of
+        them (their jobs share a `CascadePin`). Scheduler thread; never raises: a job the tier
+        rejects (raises) ends failed at once."""
+        rows, due, pin = block_ids.tolist(), self._due(), CascadePin(len(tier_idxs))
+        for tier_idx in tier_idxs:
+            self._send(Job(keys, rows, False, req_context, tier_idx, due, pin=pin), block_ids)
+
+    def submit_load(
+        self, tier_idx: int, keys: list[OffloadKey], block_ids: np.ndarray, req_context: ReqContext, queued_at: float
+    ) -> None:
+        """Send a load job of `keys` (a promotion) to tier `tier_idx`, into the primary rows
+        `block_ids` (1-D int64, one per key, in order). `queued_at`: the promotion's first
+        lookup, `time.perf_counter` seconds. Scheduler thread; never raises, as `submit_store`."""
+        self._send(Job(keys, block_ids.tolist(), True, req_context, tier_idx, self._due(), queued_at), block_ids)
+
+    def _due(self) -> float:
+        return self.clock() + self.deadline_s if self.deadline_s is not None else float("inf")
+
+    def _send(self, job: Job, block_ids: np.ndarray) -> None:
         job_id = next(self._ids)
-        due = self.clock() + self.deadline_s if self.deadline_s is not None else float("inf")
-        self.jobs[job_id] = Job(keys, block_ids.tolist(), is_promotion, req_context, tier_idx, queued_at, due)
-        tier = self._tiers[tier_idx]
-        job = JobMetadata(job_id, keys, block_ids, is_promotion, req_context)
+        self.jobs[job_id] = job
+        tier = self._tiers[job.tier_idx]
+        metadata = JobMetadata(job_id, job.keys, block_ids, job.is_promotion, job.req_context)
         try:
-            if is_promotion:
-                tier.submit_load(job)
+            if job.is_promotion:
+                tier.submit_load(metadata)
             else:
-                tier.submit_store(job)
+                tier.submit_store(metadata)
         except Exception:
             logger.exception("tier %s: job %d rejected; counted as failed", tier.tier_type, job_id)
             self._finish(job_id, success=False)

@@ -118,7 +118,7 @@ class TieringOffloadingManager(OffloadingManager):
         self.jobs = JobTable(
             self.secondary_tiers, self.tier_names, self._hooks, job_deadline_s, clock, self._ended, self._released
         )
-        self.cascades = Cascades(primary_tier, len(self.secondary_tiers), admission, self._hooks, self.jobs.submit)
+        self.cascades = Cascades(primary_tier, len(self.secondary_tiers), admission, self._hooks, self.jobs)
         self._timeline = RequestTimeline(request_log) if request_log is not None else None
         self.promotions = Promotions(
             primary_tier,

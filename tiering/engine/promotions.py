@@ -191,7 +191,7 @@ class Promotions:
             for (tier_idx, _), queued in self.queued.items():
                 self.gates[tier_idx].submitted(len(queued.keys))
                 block_ids = np.array(queued.block_ids, dtype=np.int64)
-                self._jobs.submit(tier_idx, queued.keys, block_ids, True, queued.req_context, queued.queued_at)
+                self._jobs.submit_load(tier_idx, queued.keys, block_ids, queued.req_context, queued.queued_at)
                 self.counters["promotions_submitted"] += 1
             self.queued.clear()
         return bool(trials)
