@@ -248,9 +248,9 @@ class CPUOffloadingManager(OffloadingManager):
                 shared = self.tenants is not None
                 self._refusals.refuse(refused_counter, len(unique), shared, self._rows_writing, self._rows_reading)
                 return None
-            for key, _ in victims:
+            evicted = [key for key, _ in victims]
+            for key in evicted:
                 del resident[key]
-                evicted.append(key)
             self._rows.free([block.block_id for _, block in victims], evicted=True)
             self._counters["evictions"] += len(victims)
             self._emit(evicted, removed=True)

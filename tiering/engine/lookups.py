@@ -65,7 +65,8 @@ class RequestLookups:
         self.lookups_repeated = 0
         self.hit_blocks: Counter[str] = Counter()
         self._hits_past_group_0: Counter[int] = Counter()  # by group index; group 0's are the rest
-        self._misses: Counter[int] = Counter()  # first answers False, by group index
+        self._misses = 0  # first answers False
+        self._misses_past_group_0: Counter[int] = Counter()  # by group index; group 0's are the rest
 
     def __len__(self) -> int:
         """Requests remembered: they looked up or stored a block, and are not finished."""
@@ -85,7 +86,9 @@ class RequestLookups:
                 if not key.endswith(_GROUP_0):
                     self._hits_past_group_0[get_offload_group_idx(key)] += 1
             elif answer is False:
-                self._misses[get_offload_group_idx(key)] += 1
+                self._misses += 1
+                if not key.endswith(_GROUP_0):
+                    self._misses_past_group_0[get_offload_group_idx(key)] += 1
             return
         self.lookups_repeated += 1
         if answer is True and not hit:
@@ -97,15 +100,13 @@ class RequestLookups:
     @property
     def hit_blocks_by_group(self) -> dict[int, int]:
         """``hit_blocks`` of every tier by KV-cache group index (groups with hits only)."""
-        others = dict(self._hits_past_group_0)
-        first = sum(self.hit_blocks.values()) - sum(others.values())
-        return {0: first, **others} if first else others
+        return _by_group(sum(self.hit_blocks.values()), self._hits_past_group_0)
 
     @property
     def hits_ended_by_group(self) -> dict[int, int]:
         """First lookups of a (request, block) answered a miss, by KV-cache group index
         (groups with misses only)."""
-        return dict(self._misses)
+        return _by_group(self._misses, self._misses_past_group_0)
 
     def by_group(self) -> dict[str, dict[str, int]]:
         """``hit_blocks_by_group`` and ``hits_ended_by_group``, as `get_stats` counters
@@ -136,3 +137,9 @@ class RequestLookups:
 
     def _request(self, req_id: str) -> dict[OffloadKey, bool]:
         return per_request(self._requests, req_id, dict, self._max_requests)
+
+
+def _by_group(total: int, past_group_0: Counter[int]) -> dict[int, int]:
+    """`total` by group index, given the counts of the groups past 0 (groups counted only)."""
+    first = total - sum(past_group_0.values())
+    return {0: first, **past_group_0} if first else dict(past_group_0)

@@ -10,7 +10,7 @@ from collections.abc import Collection, Container, Iterator, Sequence
 from itertools import islice
 
 from tiering.contract.keys import OffloadKey
-from tiering.eviction.base import BlockStatus, CachePolicy, evictable, register_cache_policy
+from tiering.eviction.base import BlockStatus, CachePolicy, evictable, oldest_evictable, register_cache_policy
 
 
 @register_cache_policy("arc")
@@ -168,7 +168,7 @@ class ARCCachePolicy(CachePolicy):
             blocks, ghosts = self._t2, self._b2
         else:
             return None
-        victims = list(islice(evictable(blocks, protected), n))
+        victims = oldest_evictable(blocks, n, protected)
         if len(victims) < n:
             return None
         for key, _ in victims:

@@ -160,6 +160,18 @@ def evictable(blocks: OrderedDict[OffloadKey, BlockStatus], protected: Container
     return ((k, b) for k, b in blocks.items() if b.ref_cnt == 0 and k not in protected)
 
 
+def oldest_evictable(
+    blocks: OrderedDict[OffloadKey, BlockStatus], n: int, protected: Container[OffloadKey]
+) -> list[tuple[OffloadKey, BlockStatus]]:
+    """The first `n` of `evictable` (fewer if there are not as many). The oldest `n` entries
+    are checked first, without a generator: most often they are the answer."""
+    oldest = list(islice(blocks.items(), n))
+    for key, block in oldest:
+        if block.ref_cnt or key in protected:
+            return list(islice(evictable(blocks, protected), n))
+    return oldest
+
+
 _POLICIES: dict[str, type[CachePolicy]] = {}
 
 

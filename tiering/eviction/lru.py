@@ -10,7 +10,7 @@ from collections.abc import Collection, Container, Iterator, Sequence
 from itertools import islice
 
 from tiering.contract.keys import OffloadKey
-from tiering.eviction.base import BlockStatus, CachePolicy, evictable, register_cache_policy
+from tiering.eviction.base import BlockStatus, CachePolicy, oldest_evictable, register_cache_policy
 
 
 @register_cache_policy("lru")
@@ -52,7 +52,7 @@ class LRUCachePolicy(CachePolicy):
         self._blocks.move_to_end(key, last=False)
 
     def candidates(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]]:
-        return list(islice(evictable(self._blocks, protected), n))
+        return oldest_evictable(self._blocks, n, protected)
 
     def evict_candidates(self, chosen: list[tuple[OffloadKey, BlockStatus]]) -> list[tuple[OffloadKey, BlockStatus]]:
         for key, _ in chosen:
