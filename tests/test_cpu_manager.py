@@ -131,6 +131,13 @@ def test_prepare_load_errors_change_nothing(manager, ctx):
     assert manager.ref_count(key(0)) == 0
     with pytest.raises(KeyError, match=r"complete_load: key .* is ref count 0"):
         manager.complete_load(keys(0), ctx)
+    store(manager, ctx, 2)
+    manager.prepare_load(keys(0), ctx)
+    with pytest.raises(KeyError, match=r"complete_load: key .* is ref count 0"):
+        manager.complete_load(keys(0, 2), ctx)  # 2 has no reader: 0 keeps its own
+    with pytest.raises(KeyError, match=r"complete_load: key .* is ref count 0"):
+        manager.complete_load(keys(0, 0), ctx)  # one reader, released once only
+    assert manager.ref_count(key(0)) == 1 and manager.get_stats()["gauges"]["rows_reading"] == 1
 
 
 @pytest.mark.parametrize("container", [list, set, reversed], ids=["list", "set", "reversed"])

@@ -13,6 +13,7 @@ from tiering.contract.keys import OffloadKey, ReqContext, RequestOffloadingConte
 from tiering.contract.mediums import LOCAL, CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.contract.offloading import OffloadingManager
 from tiering.cpu.order import EvictionOrder
+from tiering.cpu.readers import add_readers, release_readers, undo_readers
 from tiering.cpu.refusals import Refusals
 from tiering.cpu.request_access import RequestAccesses
 from tiering.cpu.row_states import RowStates
@@ -158,15 +159,17 @@ class CPUOffloadingManager(OffloadingManager):
         pending_ok: Container[OffloadKey] = (),
         req_id: str = "",
     ) -> CPULoadStoreSpec:
-        blocks = self._blocks(keys, caller, min_ref_cnt=0, pending_ok=pending_ok)
-        pending = [key for key, block in zip(keys, blocks, strict=True) if block.ref_cnt == -1] if pending_ok else ()
-        for key in pending:  # a promotion's row, pinned before it lands
-            self._rows.pin_early(key, req_id)
-        for block in blocks:
-            if block.ref_cnt == 0:
-                self._rows_reading += 1
-            if block.ref_cnt >= 0:
-                block.ref_cnt += 1
+        blocks = self._blocks(keys, caller)
+        first, writing = add_readers(blocks)
+        if writing:  # a write in flight: each must be in `pending_ok`, else nothing is pinned
+            pending = [key for key, block in zip(keys, blocks, strict=True) if block.ref_cnt == -1]
+            refused = [key for key in pending if key not in pending_ok]
+            if refused:
+                undo_readers(blocks)
+                raise KeyError(f"{caller}: key {refused[0].hex()} is ref count -1")
+            for key in pending:  # a promotion's row, pinned before it lands
+                self._rows.pin_early(key, req_id)
+        self._rows_reading += first
         self._counters[counter] += len(blocks) * counted
         return CPULoadStoreSpec([block.block_id for block in blocks])
 
@@ -193,13 +196,9 @@ class CPUOffloadingManager(OffloadingManager):
             if early:
                 pinned_early = set(early)
                 keys = [key for key in keys if key not in pinned_early]
-        blocks = self._blocks(keys, "complete_load", min_ref_cnt=1)
+        self._rows_reading -= release_readers(self._blocks(keys, "complete_load"), keys, "complete_load")
         for key in early:
             rows.unpin_early(key, req_context.req_id)
-        for block in blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self._rows_reading -= 1
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Reserve rows for the keys not yet resident, evicting idle blocks if needed.
@@ -288,13 +287,13 @@ class CPUOffloadingManager(OffloadingManager):
         stored: list[OffloadKey] = []
         for key in keys:
             block = resident.get(key)
-            if block is None or block.ref_cnt != -1:
-                continue
-            block.ref_cnt = 0
-            if pending_pins and (pins := pending_pins.pop(key, None)):
-                block.ref_cnt = len(pins)
+            if block is not None and block.ref_cnt == -1:
+                block.ref_cnt = 0
+                stored.append(key)
+        for key in stored if pending_pins else ():  # loads pinned them early: their readers count now
+            if pins := pending_pins.pop(key, None):
+                resident[key].ref_cnt = len(pins)
                 self._rows_reading += 1
-            stored.append(key)
         self._counters[counter] += len(stored)
         self._rows_writing -= len(stored)
         self._emit(stored, removed=False)
@@ -426,23 +425,17 @@ class CPUOffloadingManager(OffloadingManager):
         """The policy that ranks the blocks of `req_context`'s request (its tenant's)."""
         return self._order.policy(self._order.tenant_of(req_context))
 
-    def _blocks(
-        self, keys: Collection[OffloadKey], caller: str, min_ref_cnt: int, pending_ok: Container[OffloadKey] = ()
-    ) -> list[BlockStatus]:
-        """The resident blocks of `keys`, each with a ref count of at least `min_ref_cnt`, or
-        of -1 (a write in flight) for the keys in `pending_ok`.
+    def _blocks(self, keys: Collection[OffloadKey], caller: str) -> list[BlockStatus]:
+        """The resident blocks of `keys`, in order, whatever their ref counts.
 
         Raises:
-            KeyError: a key is not resident, or its ref count is lower.
+            KeyError: a key is not resident.
         """
-        get, blocks = self._resident.get, []
-        for key in keys:
-            block = get(key)
-            if block is None or (block.ref_cnt < min_ref_cnt and not (block.ref_cnt == -1 and key in pending_ok)):
-                state = "not resident" if block is None else f"ref count {block.ref_cnt}"
-                raise KeyError(f"{caller}: key {key.hex()} is {state}")
-            blocks.append(block)
-        return blocks
+        resident = self._resident
+        try:
+            return [resident[key] for key in keys]
+        except KeyError as missing:
+            raise KeyError(f"{caller}: key {missing.args[0].hex()} is not resident") from None
 
     def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
         if keys and self._events is not None:

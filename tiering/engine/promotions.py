@@ -250,9 +250,10 @@ class Promotions:
         if keys is None:
             self._sources.clear()
             self.pending.keys.clear()
-        else:
+        elif self._sources:  # (none until a promotion lands: a GPU store then costs nothing here)
+            sources = self._sources
             for key in keys:
-                self._sources.pop(key, None)
+                sources.pop(key, None)
 
     def gauges(self) -> dict[str, Any]:
         """``promotions_queued`` (blocks) and ``promotion_rows`` (rows held) for `get_stats`."""
