@@ -32,7 +32,8 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     """
 
     def __init__(self, block_ids: Sequence[int] | np.ndarray):
-        self.block_ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        self.block_ids = ids if ids.ndim == 1 else ids.reshape(-1)  # (a reshape costs more than the copy)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.block_ids.tolist()!r})"

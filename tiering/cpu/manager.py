@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Container, Iterable
+from operator import attrgetter, itemgetter
 
 from tiering.contract.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.contract.mediums import LOCAL, CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
@@ -22,6 +23,8 @@ from tiering.cpu.tenants import TenantShares
 from tiering.eviction.policies import BlockStatus, CachePolicy
 from tiering.eviction.retention import RETENTION_MAX_FRACTION, Either, hint_of
 from tiering.stats import TierStats, lookup_counters, new_lookup_counts
+
+_KEY, _BLOCK, _BLOCK_ID = itemgetter(0), itemgetter(1), attrgetter("block_id")  # (mapped in C, on hot paths)
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -171,7 +174,7 @@ class CPUOffloadingManager(OffloadingManager):
                 self._rows.pin_early(key, req_id)
         self._rows_reading += first
         self._counters[counter] += len(blocks) * counted
-        return CPULoadStoreSpec([block.block_id for block in blocks])
+        return CPULoadStoreSpec(list(map(_BLOCK_ID, blocks)))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Record a use of the resident `keys` now; the first one ends up the most recent.
@@ -224,7 +227,8 @@ class CPUOffloadingManager(OffloadingManager):
         tenant = order.tenant_of(req_context)
         policy = order.policy(tenant)
         unique = dict.fromkeys(keys)
-        keys_to_store = [key for key in unique if key not in resident]
+        # (set operations run in C: a store of new blocks, the common case, needs no loop)
+        keys_to_store = list(unique) if resident.keys().isdisjoint(unique) else [k for k in unique if k not in resident]
         ready: list[OffloadKey] = []
         seen = keys_to_store  # the request's accesses: new or ready keys, in the order of `keys`
         if len(keys_to_store) < len(unique):
@@ -233,7 +237,7 @@ class CPUOffloadingManager(OffloadingManager):
         access = self._accesses.of(req_context.req_id)
         if policy.learns_from_store_misses and keys_to_store:
             store_missed = access.store_missed
-            first_misses = [key for key in keys_to_store if key not in store_missed]
+            first_misses = [key for key in keys_to_store if key not in store_missed] if store_missed else keys_to_store
             if first_misses:  # before `insert` takes them off ARC's ghost lists
                 policy.on_store_miss(first_misses)
                 store_missed.update(first_misses)
@@ -247,10 +251,10 @@ class CPUOffloadingManager(OffloadingManager):
                 shared = self.tenants is not None
                 self._refusals.refuse(refused_counter, len(unique), shared, self._rows_writing, self._rows_reading)
                 return None
-            evicted = [key for key, _ in victims]
+            evicted = list(map(_KEY, victims))
             for key in evicted:
                 del resident[key]
-            self._rows.free([block.block_id for _, block in victims], evicted=True)
+            self._rows.free(list(map(_BLOCK_ID, map(_BLOCK, victims))), evicted=True)
             self._counters["evictions"] += len(victims)
             self._emit(evicted, removed=True)
         block_ids, blocks = self._rows.allocate(len(keys_to_store))

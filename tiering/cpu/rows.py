@@ -50,8 +50,7 @@ class Rows:
             start = self._used
             self._used += n - len(reused)
             reused.extend(range(start, self._used))
-        statuses = self._statuses
-        blocks = [statuses[row] for row in reused]
+        blocks = list(map(self._statuses.__getitem__, reused))
         for block in blocks:
             block.ref_cnt = -1
         return reused, blocks
