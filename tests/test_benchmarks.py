@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tiering.benchmarks import file_recovery, file_tier, loadgen, s3_tier, scheduler_cost, valkey_tier
+from tiering.benchmarks import file_recovery, file_tier, loadgen, s3_tier, scale, scheduler_cost, valkey_tier
 
 
 def test_scheduler_cost(capsys):
@@ -142,3 +142,13 @@ def test_a_restart_splits_the_replay_at_its_time_and_measures_fifty_requests_aft
     assert before == list(range(20)) and after == list(range(20, 20 + AFTER_RESTART))
     with pytest.raises(ValueError, match=r"--restart-at 500: the requests arrive from 0 to 99.5 s"):
         split(arrivals, 500)
+
+
+def test_scale(capsys):
+    scale.main(["--rows", "64,128", "--objects", "64,128", "--repeats", "1"])
+    out = capsys.readouterr().out
+    for row in ("CPU tier, lru", "CPU tier, arc", "tier index", "segments' map", "128"):
+        assert row in out
+    with pytest.raises(SystemExit):
+        scale.main(["--rows", "8"])
+    assert "each count must be at least 16" in capsys.readouterr().err
