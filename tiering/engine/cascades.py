@@ -67,13 +67,15 @@ class Cascades:
         admits them; write-back tiers only count them."""
         cascades = []
         for tier_idx, admission in enumerate(self.admission):
-            admission.stored(keys)
+            if admission.counts_reuse:
+                admission.stored(keys)
             if not admission.write_back:
                 cascades.append((tier_idx, admission.admit(keys)))
                 if admission.waiting:
                     self.waiting_tiers.add(tier_idx)
-        if len(cascades) > 1 and all(admitted == cascades[0][1] for _, admitted in cascades):
-            self._cascade([tier_idx for tier_idx, _ in cascades], cascades[0][1], req_context)  # rows pinned once
+        first = cascades[0][1] if cascades else []
+        if len(cascades) > 1 and all(admitted == first for _, admitted in cascades):
+            self._cascade([tier_idx for tier_idx, _ in cascades], first, req_context)  # rows pinned once
         else:
             for tier_idx, admitted in cascades:
                 self._cascade([tier_idx], admitted, req_context)

@@ -107,7 +107,7 @@ class ARCCachePolicy(CachePolicy):
     ) -> None:
         t1, t2 = self._t1, self._t2
         for key in reversed(keys):
-            if key in reused:
+            if reused and key in reused:  # (most requests reuse nothing: no lookup then)
                 if key in t1:
                     t2[key] = t1.pop(key)
                 elif key in t2:

@@ -86,6 +86,7 @@ class TierAdmission:
 
     Attributes:
         write_back: whether the tier is written back (see `writeback_candidates`).
+        counts_reuse: whether `stored` counts anything (a reuse filter, ``min_reuse`` > 1).
         rows_in_flight: primary rows pinned by this tier's unreported cascades.
         counters: ``cascades_admitted``, ``cascades_deferred`` (over the bound, made to
             wait), ``cascades_dropped`` (never copied: behind, or waited in vain),
@@ -114,6 +115,7 @@ class TierAdmission:
         self.counters = {f"cascades_{name}": 0 for name in counted}
         self.waiting: dict[OffloadKey, None] = {}
         self._sketch = CountMinSketch(_SKETCH_WIDTH, config.reuse_window) if config.min_reuse > 1 else None
+        self.counts_reuse = self._sketch is not None
         self.write_back = config.write == "back"
         self.writeback_window = config.writeback_window or max(1, primary_rows // 8)
         self._written: set[OffloadKey] = set()  # write-back: held by the tier (or being written)
