@@ -266,11 +266,13 @@ def test_primary_tier_aliases_name_the_secondary_direction(ctx):
     out = primary.prepare_write(keys(0), ctx)  # a promotion reserves a row
     assert primary.lookup(key(0), ctx) is None
     primary.complete_write(out.keys_to_store, ctx)
-    spec = primary.prepare_read(keys(0), ctx)  # a cascade pins it
-    assert spec.block_ids.tolist() == out.store_spec.block_ids.tolist()
+    reading = primary.prepare_read(keys(0), ctx)  # a cascade pins it
+    assert reading.spec.block_ids.tolist() == out.store_spec.block_ids.tolist()
     assert primary.ref_count(key(0)) == 1
-    primary.complete_read(keys(0), ctx)
+    primary.complete_read(reading)
     assert primary.ref_count(key(0)) == 0
+    with pytest.raises(KeyError, match=r"complete_read: key .* is ref count 0"):
+        primary.complete_read(reading)  # released twice
 
 
 @pytest.mark.parametrize("policy", POLICIES)

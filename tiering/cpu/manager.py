@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Container, Iterable
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 
 from tiering.contract.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.contract.mediums import LOCAL, CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.contract.offloading import OffloadingManager
 from tiering.cpu.order import EvictionOrder
-from tiering.cpu.readers import add_readers, release_readers, undo_readers
+from tiering.cpu.readers import BLOCK_ID, add_readers, release_readers, undo_readers
 from tiering.cpu.refusals import Refusals
 from tiering.cpu.request_access import RequestAccesses
 from tiering.cpu.row_states import RowStates
@@ -24,7 +24,7 @@ from tiering.eviction.policies import BlockStatus, CachePolicy
 from tiering.eviction.retention import RETENTION_MAX_FRACTION, Either, hint_of
 from tiering.stats import TierStats, lookup_counters, new_lookup_counts
 
-_KEY, _BLOCK, _BLOCK_ID = itemgetter(0), itemgetter(1), attrgetter("block_id")  # (mapped in C, on hot paths)
+_KEY, _BLOCK = itemgetter(0), itemgetter(1)  # (mapped in C, on hot paths)
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -149,9 +149,9 @@ class CPUOffloadingManager(OffloadingManager):
             KeyError: a key is not resident, or its write is in flight and it is not in
                 `pending_ok`; nothing is pinned.
         """
-        spec = self._pin(keys, "prepare_load", "blocks_loaded", pending_ok=pending_ok, req_id=req_context.req_id)
+        blocks = self._pin(keys, "prepare_load", "blocks_loaded", pending_ok=pending_ok, req_id=req_context.req_id)
         self._accesses.of(req_context.req_id).observe(keys, ready=keys)
-        return spec
+        return CPULoadStoreSpec(list(map(BLOCK_ID, blocks)))
 
     def _pin(
         self,
@@ -161,7 +161,8 @@ class CPUOffloadingManager(OffloadingManager):
         counted: int = 1,
         pending_ok: Container[OffloadKey] = (),
         req_id: str = "",
-    ) -> CPULoadStoreSpec:
+    ) -> list[BlockStatus]:
+        """Add a reader to each row of `keys` (see `prepare_load`); returns their statuses."""
         blocks = self._blocks(keys, caller)
         first, writing = add_readers(blocks)
         if writing:  # a write in flight: each must be in `pending_ok`, else nothing is pinned
@@ -174,7 +175,7 @@ class CPUOffloadingManager(OffloadingManager):
                 self._rows.pin_early(key, req_id)
         self._rows_reading += first
         self._counters[counter] += len(blocks) * counted
-        return CPULoadStoreSpec(list(map(_BLOCK_ID, blocks)))
+        return blocks
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Record a use of the resident `keys` now; the first one ends up the most recent.
@@ -254,7 +255,7 @@ class CPUOffloadingManager(OffloadingManager):
             evicted = list(map(_KEY, victims))
             for key in evicted:
                 del resident[key]
-            self._rows.free(list(map(_BLOCK_ID, map(_BLOCK, victims))), evicted=True)
+            self._rows.free(list(map(BLOCK_ID, map(_BLOCK, victims))), evicted=True)
             self._counters["evictions"] += len(victims)
             self._emit(evicted, removed=True)
         block_ids, blocks = self._rows.allocate(len(keys_to_store))

@@ -13,6 +13,7 @@ from typing import Protocol
 from tiering.contract.keys import OffloadKey, ReqContext
 from tiering.contract.mediums import CPULoadStoreSpec, PrepareStoreOutput
 from tiering.cpu.manager import CPUOffloadingManager
+from tiering.cpu.readers import BLOCK_ID, Reading, release_readers
 from tiering.cpu.row_states import FAILED, PENDING, READY, RowStates
 from tiering.cpu.tenants import TenantsConfig, TenantShares
 from tiering.eviction.retention import RETENTION_MAX_FRACTION
@@ -81,16 +82,24 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         create_row_states = getattr(mmap_region, "create_row_states", None)
         self.row_states = create_row_states() if create_row_states is not None else None
 
-    def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext, readers: int = 1) -> CPULoadStoreSpec:
+    def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext, readers: int = 1) -> Reading:
         """Pin rows for a cascade (one reader, released by one `complete_read` once every tier
         is done), as `prepare_load`; counted as read by `readers` tiers.
 
         Raises:
             KeyError: as `prepare_load`.
         """
-        return self._pin(keys, "prepare_read", "blocks_read_by_tiers", counted=readers)
+        blocks = self._pin(keys, "prepare_read", "blocks_read_by_tiers", counted=readers)
+        return Reading(keys, blocks, CPULoadStoreSpec(list(map(BLOCK_ID, blocks))))
 
-    complete_read = CPUOffloadingManager.complete_load
+    def complete_read(self, reading: Reading) -> None:
+        """Release the rows `prepare_read` pinned (never after `reset_cache`: a reset voids
+        them). Scheduler thread.
+
+        Raises:
+            KeyError: a row has no reader left (released twice); nothing is released.
+        """
+        self._rows_reading -= release_readers(reading.blocks, reading.keys, "complete_read")
 
     def prepare_write(
         self,

@@ -11,9 +11,27 @@ Thread: the scheduler thread only (through `CPUOffloadingManager`).
 from __future__ import annotations
 
 from collections.abc import Collection
+from operator import attrgetter
 
 from tiering.contract.keys import OffloadKey
+from tiering.contract.mediums import CPULoadStoreSpec
 from tiering.eviction.base import BlockStatus
+
+BLOCK_ID = attrgetter("block_id")
+"""A `BlockStatus`'s row (to map over statuses in C, on hot paths)."""
+
+
+class Reading:
+    """Rows pinned for the secondary tiers to read (a cascade): `spec`, their ids in the order
+    of `keys`, and their statuses, which `CPUPrimaryTierOffloadingManager.complete_read`
+    releases without looking the keys up again (the rows stay theirs while pinned)."""
+
+    __slots__ = ("blocks", "keys", "spec")
+
+    def __init__(self, keys: Collection[OffloadKey], blocks: list[BlockStatus], spec: CPULoadStoreSpec):
+        self.keys = keys
+        self.blocks = blocks
+        self.spec = spec
 
 
 def add_readers(blocks: list[BlockStatus]) -> tuple[int, bool]:

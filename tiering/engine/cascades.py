@@ -123,7 +123,7 @@ class Cascades:
         assert pin is not None  # (every store job has one)
         pin.jobs_left -= 1
         if not pin.jobs_left and not job.voided:  # (a job that ends after a reset is voided)
-            self._primary.complete_read(job.keys, job.req_context)
+            self._primary.complete_read(pin.reading)
 
     def tier_stats(self, tier_idx: int) -> tuple[dict[str, int], dict[str, int]]:
         """The tier's admission counters and its ``rows_in_flight`` and ``cascades_waiting``
@@ -154,6 +154,6 @@ class Cascades:
         """Copy `keys` (resident, admitted) to each tier of `tier_idxs`: their rows are pinned
         once for all of them, until every tier reports."""
         if keys:
-            spec = self._primary.prepare_read(keys, req_context, readers=len(tier_idxs))
-            self._jobs.submit_store(tier_idxs, keys, spec.block_ids, req_context)
+            reading = self._primary.prepare_read(keys, req_context, readers=len(tier_idxs))
+            self._jobs.submit_store(tier_idxs, keys, reading, req_context)
             self.submitted += len(tier_idxs)

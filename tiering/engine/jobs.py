@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiering.contract.keys import OffloadKey, ReqContext
+from tiering.cpu.readers import Reading
 from tiering.engine.tier_calls import Hooks, attached, guarded
 from tiering.tiers.base import Doorbell, JobId, JobMetadata, SecondaryTierManager
 
@@ -36,13 +37,14 @@ store's ``op_timeout_s``: a tier whose calls time out reports long before)."""
 
 
 class CascadePin:
-    """The primary rows of a cascade to several tiers, pinned once for all of its store jobs:
-    `jobs_left` counts those not ended yet; the last one to end unpins the rows."""
+    """The primary rows of a cascade to several tiers, pinned once for all of its store jobs
+    (`reading`): `jobs_left` counts those not ended yet; the last one to end unpins the rows."""
 
-    __slots__ = ("jobs_left",)
+    __slots__ = ("jobs_left", "reading")
 
-    def __init__(self, jobs: int):
+    def __init__(self, jobs: int, reading: Reading):
         self.jobs_left = jobs
+        self.reading = reading
 
 
 @dataclass(slots=True)
@@ -112,13 +114,14 @@ class JobTable:
         self.every_step = [entry for entry in polled if entry[0] not in ringing]
 
     def submit_store(
-        self, tier_idxs: list[int], keys: list[OffloadKey], block_ids: np.ndarray, req_context: ReqContext
+        self, tier_idxs: list[int], keys: list[OffloadKey], reading: Reading, req_context: ReqContext
     ) -> None:
         """Send a store job of `keys` (a cascade) to each tier of `tier_idxs`; their primary
-        rows, `block_ids` (1-D int64, one per key, in order), were pinned once for all of
-        them (their jobs share a `CascadePin`). Scheduler thread; never raises: a job the tier
-        rejects (raises) ends failed at once."""
-        rows, due, pin = block_ids.tolist(), self._due(), CascadePin(len(tier_idxs))
+        rows, `reading` (`CPUPrimaryTierOffloadingManager.prepare_read`), were pinned once for
+        all of them (their jobs share a `CascadePin`). Scheduler thread; never raises: a job
+        the tier rejects (raises) ends failed at once."""
+        block_ids = reading.spec.block_ids
+        rows, due, pin = block_ids.tolist(), self._due(), CascadePin(len(tier_idxs), reading)
         for tier_idx in tier_idxs:
             self._send(Job(keys, rows, False, req_context, tier_idx, due, pin=pin), block_ids)
 
