@@ -1,12 +1,13 @@
 """`Cascades`: the primary tier's blocks copied to the secondary tiers.
 
 A block stored from the GPU is cascaded at once, as one store job per tier; the cascade
-holds one read reference on each block's row until the last of its tiers reports. Each tier's `TierAdmission`
-decides which blocks it gets (a bound on the rows it pins, shedding while it is behind, a
-reuse filter); the others stay in the primary tier only, or wait for room and go at a
-step's end. A write-back tier gets the primary tier's coldest blocks instead, at the end of
-a step that changed the primary tier. A request's retention hint writes its blocks to a
-tier that lacks them where the retention is long enough (`AdmissionConfig.retained_write_s`).
+holds one read reference on each block's row until the last of its tiers reports. Each
+tier's `TierAdmission` decides which blocks it gets (a bound on the rows it pins, shedding
+while it is behind, a reuse filter); the others stay in the primary tier only, or wait for
+room and go at a step's end. A write-back tier gets the primary tier's coldest blocks
+instead, at the end of a step that changed the primary tier. A request's retention hint
+writes its blocks to a tier that lacks them where the retention is long enough
+(`AdmissionConfig.retained_write_s`).
 
 Thread: the scheduler thread only (owned by `TieringOffloadingManager`).
 """
