@@ -1,6 +1,7 @@
 """Each benchmark runs end to end on tiny sizes, so none of them rots unnoticed."""
 
 import json
+import os
 
 import pytest
 
@@ -152,3 +153,29 @@ def test_scale(capsys):
     with pytest.raises(SystemExit):
         scale.main(["--rows", "8"])
     assert "each count must be at least 16" in capsys.readouterr().err
+
+
+def test_the_disk_floor_reads_whole_pieces_of_data_and_skips_holes(tmp_path):
+    from tiering.benchmarks.serve import floor
+
+    piece = 8192
+    tier = tmp_path / "file-tier" / "shard"
+    tier.mkdir(parents=True)
+    (tier / "one-block").write_bytes(b"x" * piece)
+    with open(tier / "segment", "wb") as segment:  # a piece, a hole of four, a piece and a half
+        segment.write(b"y" * piece)
+        segment.seek(5 * piece)
+        segment.write(b"z" * (piece + piece // 2))
+    (tmp_path / "file-tier" / "short").write_bytes(b"w" * 100)
+    fds: list[int] = []
+    try:
+        offsets = sorted(offset for _, offset in floor._pieces(tmp_path / "file-tier", piece, fds))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert offsets == [0, 0, 5 * piece]  # the holes and the half piece are no pieces
+    floors = floor.disk_floors(tmp_path / "file-tier", piece, {1, 3})
+    assert floors is not None and set(floors) == {1, 3} and all(seconds > 0 for seconds in floors.values())
+    assert floor.disk_floors(tmp_path / "file-tier" / "shard", 1 << 20, {1}) is None  # no whole piece
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        floor.disk_floors(tmp_path, 1000, {1})

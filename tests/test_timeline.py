@@ -57,6 +57,7 @@ def test_a_promoted_prefix_shows_its_deferred_steps_promotion_and_load(tmp_path)
         "blocks_pending": 0,
         "rows_wait_s": None,
         "promotions": {"file": pytest.approx(0.25)},
+        "promoted_blocks": {"file": 2},
         "finished": pytest.approx(10.31),
     }
     assert missed["req_id"] == "req-2" and missed["load_prepared"] is None and missed["blocks_loaded"] == 0

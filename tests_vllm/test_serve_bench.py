@@ -76,4 +76,8 @@ def test_every_configuration_serves_the_trace_and_the_report_adds_up(tmp_path):
     assert any(o["engine"] and o["engine"]["promotion_s"].get("file") for o in runs["d"]["outcomes"])
     # behind the engine's connector, d's file-tier hits load in the step they are found
     assert any(o["engine"] and o["engine"]["blocks_pending"] for o in runs["d"]["outcomes"])
+    # d's promotions come with the disk's floor: a raw O_DIRECT read of as many blocks, same directory
+    floored = [o["engine"] for o in runs["d"]["outcomes"] if o["engine"] and o["engine"]["promoted_blocks"]]
+    assert floored and all(parts["disk_floor_s"] > 0 for parts in floored)
+    assert runs["d"]["summary"]["disk_floor_p50_s"] > 0 and runs["d"]["summary"]["floor_requests"] == len(floored)
     assert all(o["engine"] is None for name in "ab" for o in runs[name]["outcomes"])  # no engine, no log

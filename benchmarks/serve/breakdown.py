@@ -13,7 +13,10 @@ For a request that loaded blocks from the engine, from its arrival (all in secon
   found, behind the engine's connector; 0 otherwise), and ``blocks_pending``: how many;
 - ``after_load_s``: from then to the first token (the step that computes the rest of
   the prompt, and the scheduling before it);
-- ``promotion_s``: per tier, from the first lookup to the promotion's report.
+- ``promotion_s``: per tier, from the first lookup to the promotion's report, and
+  ``promoted_blocks``: the blocks promoted for it, all tiers together;
+- ``disk_floor_s``: for a configuration with a file tier, the fastest raw read of the bytes
+  it promoted on the same disk (`tiering.benchmarks.serve.floor`), None without promotions.
 """
 
 from __future__ import annotations
@@ -67,4 +70,6 @@ def breakdown(outcome: dict[str, Any], entry: dict[str, Any] | None) -> dict[str
         "after_load_s": due + outcome["ttft_s"] - entry["load_completed"],
         "blocks_loaded": entry["blocks_loaded"],
         "promotion_s": entry["promotions"],
+        "promoted_blocks": sum(entry.get("promoted_blocks", {}).values()),
+        "disk_floor_s": None,
     }

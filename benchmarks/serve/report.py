@@ -24,7 +24,9 @@ def summarize(run: dict[str, Any], reusable: list[int], block_tokens: int = 0) -
     over the requests that loaded blocks from the engine (``loaded_requests``);
     ``copy_gbps``: the worker's loads into vLLM's cache, GB/s; ``found_tokens``: prompt
     tokens of blocks a secondary tier found in its store rather than stored itself (another
-    replica's, in a shared tier), given `block_tokens` (tokens per offloaded block); a fleet's
+    replica's, in a shared tier), given `block_tokens` (tokens per offloaded block);
+    ``disk_floor_p50_s`` and ``promoted_blocks_p50``: the medians over the requests with a
+    disk floor (``floor_requests``; `tiering.benchmarks.serve.floor`), else None; a fleet's
     run adds each replica's own summary under ``replicas``."""
     outcomes = run["outcomes"]
     done = [o for o in outcomes if o["error"] is None]
@@ -34,6 +36,7 @@ def summarize(run: dict[str, Any], reusable: list[int], block_tokens: int = 0) -
     loaded = [o for o in done if o.get("engine")]
     load_seconds = counters.get("load_seconds")
     found = sum(counters.get("engine", {}).get("found_blocks_loaded", {}).values())
+    floored = [o["engine"] for o in loaded if o["engine"].get("disk_floor_s") is not None]
     summary = {
         "requests": len(outcomes),
         "failed": len(outcomes) - len(done),
@@ -51,6 +54,9 @@ def summarize(run: dict[str, Any], reusable: list[int], block_tokens: int = 0) -
         "breakdown_p50": {f: float(np.median([o["engine"][f] for o in loaded])) for f in FIELDS} if loaded else None,
         "copy_gbps": counters["load_bytes"] / load_seconds / 1e9 if load_seconds else None,
         "found_tokens": found * block_tokens,
+        "floor_requests": len(floored),
+        "disk_floor_p50_s": _median([e["disk_floor_s"] for e in floored]),
+        "promoted_blocks_p50": _median([e["promoted_blocks"] for e in floored]),
     }
     if "replicas" in run:
         summary["replicas"] = [
@@ -71,6 +77,10 @@ def observed_prefill_rate(run: dict[str, Any]) -> float | None:
     also waited behind others); None if there is none."""
     rates = [o["prompt_tokens"] / o["ttft_s"] for o in run["outcomes"] if o["ttft_s"] and not o["cached_tokens"]]
     return max(rates, default=None)
+
+
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
@@ -117,6 +127,9 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     loads = {name: summary for name, summary in summaries.items() if summary["loaded_requests"]}
     if loads:
         console.print(_breakdown_table(loads))
+    for name, summary in summaries.items():
+        if summary["disk_floor_p50_s"] is not None and "b" in summaries:
+            console.print(_over_the_floor(name, summary, summaries["b"]))
 
 
 def _summary_row(name: str, summary: dict[str, Any]) -> tuple[str, ...]:
@@ -149,6 +162,7 @@ def _breakdown_table(summaries: dict[str, dict[str, Any]]) -> Table:
         "of it waiting for promotions (blocks)",
         "after load",
         "copy GB/s",
+        "disk floor (blocks)",
     )
     for header in headers:
         table.add_column(header, justify="left" if not header else "right")
@@ -167,8 +181,31 @@ def _breakdown_table(summaries: dict[str, dict[str, Any]]) -> Table:
             f"{_ms(parts['rows_wait_s'])} ({parts['blocks_pending']:g})",
             _ms(parts["after_load_s"]),
             "-" if gbps is None else f"{gbps:.2f}",
+            "-"
+            if summary["disk_floor_p50_s"] is None
+            else f"{_ms(summary['disk_floor_p50_s'])} ({summary['promoted_blocks_p50']:g})",
         )
     return table
+
+
+def _over_the_floor(name: str, summary: dict[str, Any], baseline: dict[str, Any]) -> str:
+    """How far `name`'s TTFT p50 of requests with a reusable prefix sits above b's plus the
+    disk's floor (`tiering.benchmarks.serve.floor`)."""
+    ttft, base, floor = (
+        summary["ttft_reusable_s"]["p50"],
+        baseline["ttft_reusable_s"]["p50"],
+        summary["disk_floor_p50_s"],
+    )
+    if ttft is None or base is None:
+        return f"{name}: no request with a reusable prefix to set against b's"
+    bound = base + floor
+    return (
+        f"{name}: TTFT p50 of requests with a reusable prefix {ttft * 1000:.1f} ms; b's {base * 1000:.1f} ms plus the "
+        "disk's floor "
+        f"(a raw O_DIRECT read of {summary['promoted_blocks_p50']:g} promoted blocks in the same directory, "
+        f"{floor * 1000:.1f} ms) is {bound * 1000:.1f} ms: {name} is {abs(ttft - bound) * 1000:.1f} ms "
+        f"{'over' if ttft > bound else 'under'} it"
+    )
 
 
 def plot(report: dict[str, Any], path: str) -> None:

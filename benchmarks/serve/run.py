@@ -30,6 +30,7 @@ from typing import Any
 
 from tiering.benchmarks.serve.breakdown import breakdown, read_request_log
 from tiering.benchmarks.serve.client import Outcome, replay
+from tiering.benchmarks.serve.floor import ALIGN, disk_floors
 from tiering.benchmarks.serve.server import ServerOptions, VllmServer
 
 logger = logging.getLogger("tiering.bench")
@@ -43,6 +44,8 @@ CONFIGURATIONS = {
     "f": "engine: CPU tier + slow file tier",
     "g": "engine: CPU tier + slow file tier, load or recompute",
 }
+FILE_TIER_DIR = "file-tier"  # d's, under the work directory
+
 SOURCES = ("device", "host", "disk", "external_unspecified")
 """vLLM's sources of cached prompt tokens: its own cache, then the connector's (host: the
 CPU tier, disk: the file tier, external_unspecified: other tiers such as S3)."""
@@ -99,7 +102,7 @@ def server_options(name: str, setup: Setup, s3_endpoint: str | None) -> ServerOp
     slow = {"type": "faulty", "inner": {"type": "file", "root_dir": str(setup.work_dir / f"slow-{name}")}}
     tiers = {
         "c": [],
-        "d": [{"type": "file", "root_dir": str(setup.work_dir / "file-tier")}],
+        "d": [{"type": "file", "root_dir": str(setup.work_dir / FILE_TIER_DIR)}],
         "e": [{"type": "s3", "bucket": "kv-bench", "endpoint_url": s3_endpoint, "create_bucket": True}],
         "f": [{**slow, "latency_s": setup.slow_latency_s}],
         "g": [{**slow, "latency_s": setup.slow_latency_s}],
@@ -186,6 +189,8 @@ def run_configuration(
     results = [outcome.as_dict() for outcome in outcomes]
     for result in results:
         result["engine"] = breakdown(result, entries.get(result["index"]))
+    if name == "d":
+        _add_disk_floors(results, setup)
     failed = sum(outcome.error is not None for outcome in outcomes)
     if failed:
         logger.warning("configuration %s: %d requests failed, first: %s", name, failed, _first_error(outcomes))
@@ -197,6 +202,19 @@ def run_configuration(
         "vllm": counters,
         "recompute_tokens_per_s": setup.recompute_tokens_per_s if name == "g" else None,
     }
+
+
+def _add_disk_floors(results: list[dict[str, Any]], setup: Setup) -> None:
+    """Each result that promoted blocks gets the disk's floor for their bytes (a block and its
+    header page each), read from the file tier's directory the server just left."""
+    parts = [result["engine"] for result in results if result["engine"] and result["engine"]["promoted_blocks"]]
+    block_bytes = setup.block_size * setup.kv_bytes_per_token
+    floors = disk_floors(setup.work_dir / FILE_TIER_DIR, block_bytes + ALIGN, {p["promoted_blocks"] for p in parts})
+    if floors is None:
+        logger.warning("configuration d: no disk floor (the file tier's directory takes no O_DIRECT reads)")
+        return
+    for part in parts:
+        part["disk_floor_s"] = floors[part["promoted_blocks"]]
 
 
 def _first_error(outcomes: list[Outcome]) -> str | None:

@@ -227,7 +227,7 @@ class Promotions:
             if promoted:
                 self.seconds.observe(seconds)
                 if self._timeline is not None:
-                    self._timeline.promoted(job.req_context.req_id, self._tier_names[job.tier_idx])
+                    self._timeline.promoted(job.req_context.req_id, self._tier_names[job.tier_idx], len(promoted))
 
     def source(self, key: OffloadKey) -> str | None:
         """See `TieringOffloadingManager.promotion_source`."""

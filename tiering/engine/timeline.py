@@ -15,7 +15,9 @@ of scheduler steps (`on_schedule_end` calls):
   answered in the step they were found, behind the engine's vLLM connector), and
   ``rows_wait_s``: how long the worker's load waited for them to land (null if it did not);
 - ``promotions``: per secondary tier, the seconds from the request's first lookup of a
-  block of that tier to the promotion job's report (the last one, if several).
+  block of that tier to the promotion job's report (the last one, if several), and
+  ``promoted_blocks``: per secondary tier, how many blocks its promotions brought to the
+  CPU tier.
 
 A field is null when its event did not happen (nothing hit: no load; no lookup: a request
 the GPU prefix cache served whole, which vLLM never asks the engine about). Every finished
@@ -54,6 +56,7 @@ class _Request:
     blocks_pending: int = 0
     rows_wait_s: float | None = None
     promotions: dict[str, float] = field(default_factory=dict)
+    promoted_blocks: dict[str, int] = field(default_factory=dict)
     finished: float | None = None
 
 
@@ -110,11 +113,13 @@ class RequestTimeline:
         if request is not None:
             request.rows_wait_s = max(seconds, request.rows_wait_s or 0.0)
 
-    def promoted(self, req_id: str, tier: str) -> None:
-        """A promotion job `req_id` queued on `tier` (its name) was reported. Never raises."""
+    def promoted(self, req_id: str, tier: str, blocks: int) -> None:
+        """A promotion job `req_id` queued on `tier` (its name) was reported, `blocks` of its
+        blocks now in the CPU tier. Never raises."""
         request = self._requests.get(req_id)
         if request is not None and request.first_lookup is not None:
             request.promotions[tier] = self._clock() - request.first_lookup
+            request.promoted_blocks[tier] = request.promoted_blocks.get(tier, 0) + blocks
 
     def step_ended(self) -> None:
         """One scheduler step (`on_schedule_end`) ended."""
