@@ -16,7 +16,7 @@ from tiering import (
     SharedOffloadRegion,
     canonicalize_kv_caches,
 )
-from tiering.worker import batch_copy, copy_kernel, cpu_gpu, direction, transfers
+from tiering.worker import batch_copy, copiers, copy_kernel, cpu_gpu, direction, transfers
 
 DEVICES = [
     "cpu",
@@ -82,7 +82,7 @@ def host_copy(request, monkeypatch):
     one kernel (where Triton is installed)."""
     monkeypatch.setattr(direction, "RUN_PAGE_BYTES", 0 if request.param == "runs" else 1 << 30)
     if request.param == "runs":
-        monkeypatch.setattr(cpu_gpu, "cuda_copier", batch_copy.copy_engine_copier)
+        monkeypatch.setattr(cpu_gpu, "cuda_copier", copiers.copy_engine_copier)
     elif has_triton():
         monkeypatch.setattr(cpu_gpu, "cuda_copier", lambda: copy_kernel.KernelCopier(None))
     return request.param
@@ -425,7 +425,7 @@ def test_the_kernel_copier_takes_small_aligned_batches_and_hands_the_rest_on():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not has_triton(), reason="needs a CUDA device and Triton")
 def test_under_cuda_the_default_copier_is_the_kernel_compiled_ahead_with_the_engines_behind_it():
-    copier = batch_copy.cuda_copier()
+    copier = copiers.cuda_copier()
     assert isinstance(copier, copy_kernel.KernelCopier) and copy_kernel._kernel.cache_info().currsize == 1
     large = batch_copy.CopyBatch(*(np.array([v], dtype=np.int64) for v in (4096, 8192, 1 << 20)))
-    assert copier.takes(large) is (batch_copy.copy_engine_copier() is None)
+    assert copier.takes(large) is (copiers.copy_engine_copier() is None)

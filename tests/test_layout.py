@@ -113,16 +113,23 @@ def test_no_module_runs_past_450_lines():
 
 
 def module_imports(path: Path) -> set[str]:
-    """The tiering modules `path` imports when it is imported: its top-level imports,
-    those under ``if TYPE_CHECKING:`` left out (a name imported from a package is its
-    submodule when there is one)."""
-    imported = set()
-    for node in ast.parse(path.read_text()).body:
+    """The tiering modules `path` imports, at its top or inside its functions (an import in a
+    function is a dependency all the same, only a later one), those under
+    ``if TYPE_CHECKING:`` left out (a name imported from a package is its submodule when
+    there is one)."""
+    imported: set[str] = set()
+    nodes: list[ast.AST] = [ast.parse(path.read_text())]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            nodes.extend(node.orelse)
+            continue
         if isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module)
             imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+        nodes.extend(ast.iter_child_nodes(node))
     return {name for name in imported if name.startswith("tiering.")}
 
 

@@ -5,6 +5,7 @@
 - `transfers`: `TransferResult`, `OffloadingHandler`, a job's plan of page copies;
 - `batch_copy`: a job as one batch of pointer copies (one driver call, or memmoves);
 - `copy_kernel`: a batch of small copies as one GPU kernel launch (Triton);
+- `copiers`: which of those a CUDA worker uses;
 - `canonical`: KV tensors as pages.
 
 Thread: the worker processes' (a copy thread or CUDA stream per direction). Needs torch.

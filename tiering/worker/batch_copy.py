@@ -7,7 +7,7 @@ whole batch in one call:
 - under CUDA, one driver call per job and direction: vLLM's own ``swap_blocks_batch``
   (`cuMemcpyBatchAsync` on CUDA 12.8 or later) where vLLM is installed, else
   ``cuMemcpyBatchAsync`` through ``cuda-bindings`` (the ``cuda`` extra), else none and the
-  handler copies run by run as before (`cuda_copier`);
+  handler copies run by run as before (`tiering.worker.copiers` chooses);
 - on the CPU device, `HostCopier` runs the same arrays with one ``memmove`` per copy, so the
   pointer arithmetic the GPU path uses is exercised on every machine.
 
@@ -20,14 +20,11 @@ Thread: the handler's (the worker thread, a launcher thread, or the host copy th
 from __future__ import annotations
 
 import ctypes
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -172,46 +169,3 @@ class CudaBindingsCopier:
         error = result[0]
         if error != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemcpyBatchAsync of {count} copies failed: {error!r}")
-
-
-def cuda_copier() -> BatchCopier | None:
-    """The best copier this process has under CUDA: batches of small copies as one kernel
-    launch where Triton is installed (`tiering.worker.copy_kernel`), the others (or all, without
-    Triton) through the copy engines: vLLM's ``swap_blocks_batch``, else cuda-bindings'
-    ``cuMemcpyBatchAsync`` (a driver of CUDA 12.8 or later); None: no batch call at all
-    (copy run by run). The kernel is compiled and run once here, on the current device; where
-    that fails (a warning says why) the copy engines take every batch."""
-    engines = copy_engine_copier()
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return engines
-    from tiering.worker.copy_kernel import KernelCopier
-
-    kernel = KernelCopier(engines)
-    try:
-        kernel.warm_up()
-    except Exception as exc:  # Triton's errors have no common base: any failure means "don't use it"
-        logger.warning("the copy kernel cannot run here (%r): GPU copies go to the copy engines", exc)
-        return engines
-    return kernel
-
-
-def copy_engine_copier() -> BatchCopier | None:
-    """vLLM's ``swap_blocks_batch``, else cuda-bindings' ``cuMemcpyBatchAsync``, else None."""
-    try:
-        from vllm import _custom_ops
-
-        return VllmCopier(_custom_ops.swap_blocks_batch)
-    except (ImportError, AttributeError):
-        pass
-    try:
-        from cuda.bindings import driver
-
-        error, version = driver.cuDriverGetVersion()
-        if error == driver.CUresult.CUDA_SUCCESS and version >= 12080 and hasattr(driver, "cuMemcpyBatchAsync"):
-            return CudaBindingsCopier(driver)
-        logger.info("CUDA driver %s has no cuMemcpyBatchAsync: GPU copies run one call per run of pages", version)
-    except ImportError:
-        logger.info("neither vLLM nor cuda-bindings is installed: GPU copies run one call per run of pages")
-    return None

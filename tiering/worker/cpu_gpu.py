@@ -50,8 +50,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiering.worker.batch_copy import BatchCopier, HostCopier, cuda_copier
+from tiering.worker.batch_copy import BatchCopier, HostCopier
 from tiering.worker.canonical import CanonicalKVCaches
+from tiering.worker.copiers import cuda_copier
 from tiering.worker.direction import DirectionHandler
 from tiering.worker.transfers import OffloadingHandler, TransferResult
 
