@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
-from tiering.benchmarks.s3_server import MotoServer
+from tiering.testing.s3_server import MotoServer
 
 ROWS, ROW_BYTES = 64, 4096
 CREDENTIALS = {

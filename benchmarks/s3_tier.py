@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         endpoint, bucket = args.endpoint_url, args.bucket
         if endpoint is None:
-            from tiering.benchmarks.s3_server import MotoServer
+            from tiering.testing.s3_server import MotoServer
 
             for name, value in (
                 ("AWS_ACCESS_KEY_ID", "bench"),

@@ -133,12 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         if args.addresses is None:
-            from tiering.benchmarks.valkey_server import ValkeyCluster, ValkeyServer
+            from tiering.testing.valkey_server import ValkeyCluster, ValkeyServer
 
             local = ValkeyCluster(primaries=3) if args.cluster else ValkeyServer()
             stack.callback(local.stop)
             local.start()
-            addresses = local.addresses if args.cluster else [local.address]
+            addresses = local.addresses if isinstance(local, ValkeyCluster) else [local.address]
         else:
             addresses = args.addresses.split(",")
         where = f"{'cluster' if args.cluster else 'server'} {addresses[0]}"

@@ -6,8 +6,8 @@ import pytest
 
 from tests import helpers
 from tiering import ReqContext
-from tiering.benchmarks.s3_server import MotoServer
-from tiering.benchmarks.valkey_server import ValkeyCluster, ValkeyServer
+from tiering.testing.s3_server import MotoServer
+from tiering.testing.valkey_server import ValkeyCluster, ValkeyServer
 
 # Test credentials for the local S3 server, and no other source of them: no config files,
 # no instance metadata service (botocore would otherwise try an address off this machine).

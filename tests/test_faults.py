@@ -15,8 +15,8 @@ from tests import region_worker
 from tests.helpers import CTX, ROW, ManualClock, RegionStandIn, block_bytes, key, keys
 from tiering import BlockStoreSettings, BlockStoreTier, JobMetadata, SecondaryTierFactory
 from tiering.backends import FileBlockStore, file_io
-from tiering.benchmarks.s3_server import MotoServer
 from tiering.testing.block_store import FINGERPRINT, read_verified
+from tiering.testing.s3_server import MotoServer
 
 
 def make_tier(config, num_blocks=8):

@@ -13,8 +13,8 @@ import pytest
 
 from tests.helpers import CTX, ROW, block_bytes, keys
 from tiering import KVLayout
-from tiering.benchmarks.s3_server import MotoServer
 from tiering.contract.identity import KVGroupShape, ParallelShape
+from tiering.testing.s3_server import MotoServer
 from tiering.tiers.blockstore.generations import MANIFEST_BYTES, record_namespace
 from tiering.tiers.context import TierContext
 

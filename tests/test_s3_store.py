@@ -10,9 +10,9 @@ import pytest
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
 from tiering import ConfigError, SecondaryTierFactory, parse_config
 from tiering.backends.s3 import S3BlockStore
-from tiering.benchmarks.s3_server import MotoServer, free_port
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, opened
+from tiering.testing.s3_server import MotoServer, free_port
 
 
 @pytest.fixture

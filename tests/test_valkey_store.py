@@ -15,10 +15,10 @@ from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, keys
 from tiering import JobMetadata, SecondaryTierFactory, TierConfigError
 from tiering.backends.valkey import ValkeyBlockStore
 from tiering.benchmarks import loadgen
-from tiering.benchmarks.s3_server import free_port
-from tiering.benchmarks.valkey_server import TlsFront, ValkeyCluster, ValkeyServer
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, key
+from tiering.testing.s3_server import free_port
+from tiering.testing.valkey_server import TlsFront, ValkeyCluster, ValkeyServer
 
 
 def valkey_config(target, key_prefix, **extra):

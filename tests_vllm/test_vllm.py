@@ -373,7 +373,7 @@ def test_a_released_prefix_is_evicted_before_an_older_one(model, baseline, hint)
 
 
 def test_an_s3_tier_serves_promotions_the_same_way(model, baseline, monkeypatch):
-    from tiering.benchmarks.s3_server import MotoServer
+    from tiering.testing.s3_server import MotoServer
 
     credentials = {
         "AWS_ACCESS_KEY_ID": "test",
@@ -403,7 +403,7 @@ def test_an_s3_tier_serves_promotions_the_same_way(model, baseline, monkeypatch)
 
 
 def test_a_second_engine_gets_its_prefix_from_the_valkey_cluster_the_first_one_filled(model, baseline):
-    from tiering.benchmarks.valkey_server import ValkeyCluster
+    from tiering.testing.valkey_server import ValkeyCluster
 
     cluster = ValkeyCluster(primaries=3)
     cluster.start()

