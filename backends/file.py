@@ -114,10 +114,8 @@ bytes."""
 
 SEGMENT_READ_THREADS = 4
 """Segments are read by at most this many threads: a call reads a whole batch (blocks side
-by side) in one request, and a device serves a few large requests faster than
-many (this VM's disk, O_DIRECT: 1 MiB reads at 1.7-2.0 GB/s four at a time, 1.2-1.6 sixteen
-at a time; 64 KiB blocks in segments read 1.22-1.57 GB/s by four threads, 1.17-1.24 by
-sixteen, leaving out runs a garbage collection slowed)."""
+by side) in one request, and a device serves a few large requests faster than many (the
+measurements: docs/results.md, "The measurements behind the constants")."""
 
 
 class FileOptions(BaseModel):

@@ -311,3 +311,11 @@ def test_rows_are_reused_most_recently_freed_first_and_start_as_writes_in_flight
     manager.complete_store(keys(2, 3, 4), ctx, success=False)  # rows 0, 2, 3 freed, in that order
     assert manager.prepare_store(keys(5, 6), ctx).store_spec.block_ids.tolist() == [3, 2]
     assert manager.ref_count(key(5)) == manager.ref_count(key(6)) == -1 and manager.ref_count(key(1)) == 0
+
+
+def test_a_write_in_flight_is_named_for_the_adapter():
+    manager, ctx = CPUOffloadingManager(num_blocks=4), ReqContext("r")
+    manager.prepare_store([key(1)], ctx)
+    assert manager.write_in_flight(key(1)) and not manager.write_in_flight(key(2))
+    manager.complete_store([key(1)], ctx)
+    assert not manager.write_in_flight(key(1))

@@ -116,14 +116,17 @@ class CPUOffloadingManager(OffloadingManager):
         return self.num_blocks - self._rows_writing - self._rows_reading - len(self._rows.quarantined)
 
     def coldest(self, n: int) -> list[OffloadKey]:
-        """Up to `n` resident blocks in the order the policy would evict them, busy ones
-        included. Scheduler thread."""
+        """Up to `n` resident blocks, busy ones too, as the policy would evict them (oldest first)."""
         return self._order.coldest(n)
 
     def ref_count(self, key: OffloadKey) -> int | None:
         """The ref count of `key`'s row, or None if the key is not resident."""
         block = self._resident.get(key)
         return None if block is None else block.ref_cnt
+
+    def write_in_flight(self, key: OffloadKey) -> bool:
+        """Whether a write into `key`'s row (a GPU store or a promotion) is in flight."""
+        return (block := self._resident.get(key)) is not None and block.ref_cnt < 0
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """True if `key` is stored, None while its write is in flight, False otherwise."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
-from tiering.contract.keys import OffloadKey
+from tiering.contract.keys import OffloadKey, get_offload_group_idx
 
 _T = TypeVar("_T")
 
@@ -72,7 +72,7 @@ class RequestAccess:
         if position is not None:
             positions = {key: position(key) for key in keys}
             if None not in positions.values():
-                keys.sort(key=lambda key: (positions[key], key[-4:]))  # big-endian group index
+                keys.sort(key=lambda key: (positions[key], get_offload_group_idx(key)))
         return keys
 
 

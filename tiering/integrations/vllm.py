@@ -290,7 +290,7 @@ class _Manager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: Any) -> LookupResult:
         answer = self.manager.lookup(_ours(key), req_context)
-        if answer is None and self.manager.primary_tier.ref_count(_ours(key)) == -1:
+        if answer is None and self.manager.primary_tier.write_in_flight(_ours(key)):
             return LookupResult.HIT_PENDING
         return _LOOKUP[answer]
 

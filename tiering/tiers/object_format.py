@@ -66,10 +66,8 @@ _NO_TAG = bytes(TAG_BYTES)
 CRC_RELEASES_GIL_FROM = 256 << 10
 """A payload of this many bytes or more has its CRC32C computed with the GIL released (the
 `crc32c` package's own default releases it from 32 KiB). Below it the CRC takes a few
-microseconds, less than handing the GIL to another thread and waiting to get it back: the
-file tier read 64 KiB blocks in segments from the page cache at 1.17-1.51 GB/s with the GIL
-released, 1.45-1.94 holding it (8 runs each, by 16 and by 4 reading threads); 2 MiB blocks
-read faster releasing it (5.6-6.4 GB/s against 4.7-5.7), 256 KiB blocks the same either way."""
+microseconds, less than handing the GIL to another thread and waiting to get it back (the
+measurements: docs/results.md, "The measurements behind the constants")."""
 
 
 def layout_fingerprint(description: str) -> bytes:

@@ -52,8 +52,7 @@ POLL_S = 0.0005  # while busy, the loop looks at the inbox this often, seconds
 POLL_IDLE_S = 0.05  # and goes back to waiting for a ring after this long without work
 INBOX_SLICE = 16
 """The loop runs at most this many queued callbacks before the tasks they started take a step:
-the first jobs of a large step reach their stores while the rest are still being started
-(128 promotions handed over at once: their first read began 5-6 ms after the first start). A
+the first jobs of a large step reach their stores while the rest are still being started. A
 block-store tier's store (or load) jobs queued within one slice start together."""
 _DEATH_CHECK_S = 0.1  # a blocking call looks this often whether the loop thread died
 

@@ -19,13 +19,12 @@ Each direction is a FIFO of transfers, finished in order and polled without bloc
   `tiering.worker.direction.RUN_PAGE_BYTES` as the same pointer batch the GPU gets, run by `HostCopier` (one
   ``memmove`` per run of consecutive pages), smaller pages through numpy views
   `tiering.worker.direction.GATHER_PAGES` at a time by index (one gather and one scatter instead of a call per
-  page). One thread, not two: under ``vllm serve`` a second one for loads slowed them
-  from 4.0 to 3.3 GB/s, fighting the model's threads for the same cores. A ``torch`` copy
-  would fork its OpenMP threads for every run, next to the model's own (bound to the same
-  cores, and spinning between steps), and pay torch's dispatch per run: with 32 KiB pages
-  that ran at 0.7-1.0 GB/s under ``vllm serve`` where this runs at 4 GB/s. Same
-  API, same ordering, real bytes; tests and the load generator use it on machines without
-  a GPU.
+  page). One thread, not two: a second one for loads fights the model's threads for the
+  same cores. A ``torch`` copy would fork its OpenMP threads for every run, next to the
+  model's own (bound to the same cores, and spinning between steps), and pay torch's
+  dispatch per run (the measurements: docs/results.md, "The measurements behind the
+  constants"). Same API, same ordering, real bytes; tests and the load generator use it on
+  machines without a GPU.
 
 CUDA copies run under `torch.inference_mode`, so inference tensors (vLLM's KV caches) and
 normal tensors are copied alike, whatever mode the calling thread is in; numpy's writes
