@@ -40,8 +40,8 @@ from tiering import (
     TieringOffloadingManager,
     make_offload_key,
 )
+from tiering.engine.admission import AdmissionConfig
 from tiering.options import parse_size
-from tiering.tiers.admission import AdmissionConfig
 
 UNBOUNDED = {"max_rows_in_flight": 1 << 40, "max_backlog_s": None}
 REQUEST_BLOCKS = 16

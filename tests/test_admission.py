@@ -5,8 +5,8 @@ import pytest
 
 from tests.helpers import CTX, ROW, ManualClock, ManualTier, RegionStandIn, keys
 from tiering import ConfigError, CPUPrimaryTierOffloadingManager, TieringOffloadingManager, parse_config
+from tiering.engine.admission import AdmissionConfig, TierAdmission
 from tiering.eviction.sketch import CountMinSketch
-from tiering.tiers.admission import AdmissionConfig, TierAdmission
 
 UNBOUNDED = AdmissionConfig(max_rows_in_flight=1 << 30, max_backlog_s=None)
 

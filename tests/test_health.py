@@ -1,7 +1,7 @@
 import pytest
 
 from tests.helpers import ManualClock
-from tiering.tiers.health import HealthState, TierHealth
+from tiering.tiers.blockstore.health import HealthState, TierHealth
 
 
 def breaker(**options):

@@ -3,7 +3,7 @@ prefill rate, and what the scheduler sees through the manager."""
 
 from tests.helpers import ManualClock, ManualTier, RegionStandIn, key, keys
 from tiering import CPUPrimaryTierOffloadingManager, ReqContext, TieringOffloadingManager
-from tiering.tiers.recompute import RecomputeGate
+from tiering.engine.recompute import RecomputeGate
 
 
 def measure(gate: RecomputeGate, clock: ManualClock, blocks: int, seconds: float) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys
 from tiering import BlockStoreSettings, BlockStoreTier, Doorbell, JobMetadata
 from tiering.backends import MemoryBlockStore
-from tiering.tiers.admission import AdmissionConfig
+from tiering.engine.admission import AdmissionConfig
 from tiering.tiers.blockstore import recovery
 from tiering.tiers.object_format import object_size
 

@@ -6,9 +6,9 @@ import pytest
 from tests.helpers import ROW, ManualClock, RegionStandIn, key, keys
 from tiering import CPUPrimaryTierOffloadingManager, ReqContext
 from tiering.cpu.tenants import TenantsConfig
+from tiering.engine.admission import AdmissionConfig
 from tiering.eviction.policies import make_cache_policy
 from tiering.eviction.retention import MAX_RETAIN_S, Retention, hint_of, parse_duration
-from tiering.tiers.admission import AdmissionConfig
 from tiering.tiers.blockstore.index import BlockIndex
 from tiering.tiers.object_format import object_size
 

@@ -45,13 +45,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from tiering.cpu.tenants import TenantsConfig
+from tiering.engine.admission import AdmissionConfig
 from tiering.engine.drain import SHUTDOWN_DRAIN_S
 from tiering.engine.jobs import JOB_DEADLINE_S
 from tiering.errors import ConfigError, TierConfigError
 from tiering.eviction.policies import cache_policy_names
 from tiering.eviction.retention import RETENTION_MAX_FRACTION
 from tiering.options import Delay, Seconds, Size, describe_error, join_path, key_path, set_options, validate_options
-from tiering.tiers.admission import AdmissionConfig
 from tiering.tiers.blockstore.store import BlockStore
 from tiering.tiers.context import tier_name_problem, unique_names
 from tiering.tiers.factory import SecondaryTierFactory, check_tier_options

@@ -39,11 +39,11 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from tiering.config import TieringConfig, load_config
 from tiering.contract.keys import make_offload_key
+from tiering.engine.admission import AdmissionConfig, TierAdmission
 from tiering.errors import ConfigError
 from tiering.errors import describe as describe_error
 from tiering.integrations.vllm_config import check_kv_transfer_config
 from tiering.spec import MODEL_PRESETS, KVLayout
-from tiering.tiers.admission import AdmissionConfig, TierAdmission
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
 from tiering.tiers.blockstore.namespaces import Found, remove, survey, unused
 from tiering.tiers.blockstore.opening import store_maker

@@ -26,9 +26,9 @@ from tiering.contract.identity import EngineIdentity, KVGroupShape, ParallelShap
 from tiering.contract.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.cpu.shared_region import SharedOffloadRegion
+from tiering.engine.admission import AdmissionConfig
 from tiering.engine.manager import TieringOffloadingManager
 from tiering.errors import ConfigError, TierConfigError, describe, describe_bind_error
-from tiering.tiers.admission import AdmissionConfig
 from tiering.tiers.base import SecondaryTierManager
 from tiering.tiers.context import TierContext
 from tiering.tiers.factory import SecondaryTierFactory

@@ -8,7 +8,7 @@
 - ``e``: a CPU tier and an S3 tier (an S3-compatible server on 127.0.0.1, started here);
 - ``f``: a CPU tier and a file tier made slow on purpose (the ``faulty`` tier's latency on
   every operation);
-- ``g``: the same, with ``recompute_tokens_per_s`` (load or recompute, `tiering.tiers.recompute`).
+- ``g``: the same, with ``recompute_tokens_per_s`` (load or recompute, `tiering.engine.recompute`).
 
 Every configuration gets the same requests at the same arrival times, the same vLLM KV
 cache (but ``b``'s) and its own server, so nothing is shared between them but the model.

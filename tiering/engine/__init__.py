@@ -5,6 +5,9 @@
 - `promotions`: `Promotions`, blocks a lookup found in a secondary tier, loaded into the CPU tier;
 - `cascades`: `Cascades`, stored blocks copied to the secondary tiers (write-back, retained writes);
 - `jobs`: `JobTable`, the jobs in flight, how their ends are heard of, their deadlines;
+- `admission`: `TierAdmission`, which cascades a tier gets (bound, shedding, reuse filter,
+  write-back, retention);
+- `recompute`: `RecomputeGate`, a promotion only when loading beats recomputing;
 - `tier_calls`: calling a tier's optional hooks, its exceptions logged, never raised;
 - `lookups`: `RequestLookups`, blocks counted once per request, hits by the tier that served them;
 - `timeline`: `RequestTimeline`, the request log (a line per request);

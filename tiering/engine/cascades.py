@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 from tiering.contract.keys import OffloadKey, ReqContext
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
+from tiering.engine.admission import AdmissionConfig, TierAdmission
 from tiering.engine.jobs import Job, JobTable
 from tiering.engine.tier_calls import Hooks, guarded
 from tiering.eviction.retention import RetentionHint
-from tiering.tiers.admission import AdmissionConfig, TierAdmission
 
 BACKGROUND = ReqContext("background")
 """The request of cascades no request waits on: write-backs, deferred ones, a stop's drain."""

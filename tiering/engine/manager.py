@@ -6,7 +6,7 @@ It keeps the `OffloadingManager` contract's methods and composes the engine's pa
   them to the secondary tiers at once (`tiering.engine.cascades`);
 - load path: a ``lookup`` that misses the primary tier asks the secondary tiers in order;
   the first that has the block, and loads it sooner than the model would recompute it
-  (`tiering.tiers.recompute`), gets it promoted: a primary row is reserved at once (so a
+  (`tiering.engine.recompute`), gets it promoted: a primary row is reserved at once (so a
   second lookup sees the block in flight and queues nothing), the lookup answers None, and
   the step's promotions are submitted at ``on_schedule_end`` (`tiering.engine.promotions`,
   which also bounds the rows promotions may hold). A promotion never evicts a block that a
@@ -31,6 +31,7 @@ from tiering.contract.keys import OffloadKey, ReqContext, RequestOffloadingConte
 from tiering.contract.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.contract.offloading import OffloadingManager
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
+from tiering.engine.admission import AdmissionConfig
 from tiering.engine.cascades import Cascades
 from tiering.engine.drain import SHUTDOWN_DRAIN_S, drain
 from tiering.engine.jobs import JOB_DEADLINE_S, Job, JobTable
@@ -41,7 +42,6 @@ from tiering.engine.tier_calls import guarded, hooks_of, new_generations
 from tiering.engine.timeline import RequestTimeline
 from tiering.eviction.retention import hint_of
 from tiering.stats import Every
-from tiering.tiers.admission import AdmissionConfig
 from tiering.tiers.base import SecondaryTierManager
 from tiering.tiers.context import PRIMARY_NAME, unique_names
 
@@ -82,7 +82,7 @@ class TieringOffloadingManager(OffloadingManager):
             block_tokens: tokens per block, for the token counters of `get_stats`; None
                 leaves them out (block counts only).
             recompute_tokens_per_s: the model's prefill rate, prompt tokens per second: a
-                block only a tier slower than that holds is a miss (`tiering.tiers.recompute`);
+                block only a tier slower than that holds is a miss (`tiering.engine.recompute`);
                 None (or no `block_tokens`): every block found is promoted.
             request_log: a JSON Lines file of a line per finished request (`tiering.engine.timeline`); None: off.
             max_promotion_rows: primary rows that promotions queued or in flight may hold at
@@ -267,7 +267,7 @@ class TieringOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self) -> None:
         """Process finished jobs, submit the step's promotions, write-backs and the cascades
-        that waited for room (see `tiering.tiers.admission`), then let tiers flush."""
+        that waited for room (see `tiering.engine.admission`), then let tiers flush."""
         jobs, promotions, cascades = self.jobs, self.promotions, self.cascades
         if jobs.doorbell.rung or jobs.every_step:
             self._polled_this_step = True

@@ -25,11 +25,11 @@ from tiering.contract.keys import OffloadKey, ReqContext
 from tiering.cpu import row_states
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.engine.jobs import Job, JobTable
+from tiering.engine.recompute import RecomputeGate
 from tiering.engine.tier_calls import Hooks, attached
 from tiering.engine.timeline import RequestTimeline
 from tiering.stats import Histogram
 from tiering.tiers.base import SecondaryTierManager
-from tiering.tiers.recompute import RecomputeGate
 
 logger = logging.getLogger(__name__)
 

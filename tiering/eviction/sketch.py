@@ -13,7 +13,7 @@ scheduler thread, fixed within a process, and different between processes unless
 ``PYTHONHASHSEED`` is set, so which keys collide (and so an estimate above the true
 count) may change from run to run.
 
-Used by the reuse filter of `tiering.tiers.admission` and by the ``arc-s`` eviction policy.
+Used by the reuse filter of `tiering.engine.admission` and by the ``arc-s`` eviction policy.
 
 Thread: the owner's thread only (the scheduler's).
 """

@@ -1,13 +1,10 @@
-"""The secondary tiers: their contract, how they are built and run, and what keeps a slow or
-failing one from hurting the CPU tier.
+"""The secondary tiers: their contract, how they are built and run, and the stored format.
+(What the engine decides about them, admission and the recompute gate, is `tiering.engine`'s;
+a block-store tier's health, `tiering.tiers.blockstore`'s.)
 
 - `base`: `SecondaryTierManager`, `JobMetadata`, `JobResult`, `Doorbell`: the tier contract;
 - `context`: `TierContext`, what a tier gets from the engine, and tier names;
 - `factory`: `SecondaryTierFactory`, the one registry of tier types;
-- `admission`: which cascades a tier gets (bound, shedding, reuse filter, write-back,
-  retention);
-- `recompute`: `RecomputeGate`, a promotion only when loading beats recomputing;
-- `health`: `TierHealth`, a circuit breaker per tier;
 - `runtime`: `AsyncRuntime`, the event loop thread the tiers share;
 - `object_format`: a stored block: header (key, layout, length, CRC32C or seal) and payload;
 - `seal`: integrity keys, signing and encrypting objects (AES-256-GCM);

@@ -15,7 +15,7 @@ A registered class is either
 
 Reserved keys of every tier config: ``type``, ``name`` (the tier's name in stats, metrics
 and logs; default: the type), ``module_path``, ``class_name``, and ``admission`` (what the
-manager lets through to the tier: `tiering.tiers.admission.AdmissionConfig`). Used at construction time,
+manager lets through to the tier: `tiering.engine.admission.AdmissionConfig`). Used at construction time,
 from any one thread.
 """
 

@@ -2,11 +2,12 @@
 block-store tier takes, and the adapter that turns any block store into a secondary tier.
 
 Modules by thread: `store` (the interface; its coroutines run on the loop), `settings` and
-`opening` (construction), `index`, `existence`, `counters` and `tier` (scheduler thread),
-`worker` (loop thread), `outbox` (the one hand-off between the two).
+`opening` (construction), `index`, `existence`, `health` (a circuit breaker per tier),
+`counters` and `tier` (scheduler thread), `worker` (loop thread), `outbox` (the one hand-off
+between the two).
 
 Imports: `tiering.contract`, `tiering.eviction.retention`, `tiering.cpu.row_states`, the rest
-of `tiering.tiers` below it (`base`, `health`, `runtime`, `object_format`, `seal`), `tiering.errors`,
+of `tiering.tiers` below it (`base`, `runtime`, `object_format`, `seal`), `tiering.errors`,
 `tiering.options`, `tiering.stats`.
 """
 

@@ -10,8 +10,8 @@ from collections import Counter
 
 from tiering.stats import Every, JobTimer, TierStats, lookup_counters, new_lookup_counts, worth_logging
 from tiering.tiers.blockstore import outbox
+from tiering.tiers.blockstore.health import TierHealth
 from tiering.tiers.blockstore.index import BlockIndex
-from tiering.tiers.health import TierHealth
 
 logger = logging.getLogger(__name__)
 

@@ -37,6 +37,7 @@ from tiering.tiers.blockstore.applying import apply_load, apply_store
 from tiering.tiers.blockstore.counters import TierCounters
 from tiering.tiers.blockstore.existence import ExistenceChecks
 from tiering.tiers.blockstore.generations import Records
+from tiering.tiers.blockstore.health import TierHealth
 from tiering.tiers.blockstore.index import BlockIndex
 from tiering.tiers.blockstore.opening import new_index, open_worker, store_maker
 from tiering.tiers.blockstore.outbox import LoadDone, Outbox, Outcome, StoreDone
@@ -45,7 +46,6 @@ from tiering.tiers.blockstore.settings import BlockStoreSettings
 from tiering.tiers.blockstore.store import BlockStore
 from tiering.tiers.blockstore.worker import BlockWorker
 from tiering.tiers.events import TierEvents
-from tiering.tiers.health import TierHealth
 from tiering.tiers.object_format import object_size
 from tiering.tiers.runtime import AsyncRuntime
 
