@@ -102,6 +102,17 @@ def test_run_sync_returns_and_raises(runtime):
         runtime.run_sync(anyio.sleep, 10, timeout_s=0.05)
 
 
+def test_run_sync_runs_after_every_callback_submitted_before_it_flushed_or_not(runtime):
+    ran = []
+    runtime.flush()  # the loop runs
+    runtime.submit(lambda: ran.append("queued"))  # no flush: a polling loop would not be rung either
+
+    async def after():
+        return list(ran)
+
+    assert runtime.run_sync(after) == ["queued"]
+
+
 def test_a_failing_callback_does_not_kill_the_loop(runtime, caplog):
     done = threading.Event()
     runtime.submit(lambda: 1 / 0)

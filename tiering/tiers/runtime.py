@@ -142,7 +142,9 @@ class AsyncRuntime:
             running.loop.call_soon_threadsafe(running.wake.set)
 
     def run_sync(self, func: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout_s: float | None = None) -> T:
-        """Run ``await func(*args)`` on the loop and block until it returns.
+        """Run ``await func(*args)`` on the loop, after every callback submitted before this
+        call (flushed or not: a loop that polls may not have seen them yet), and block until
+        it returns.
 
         Returns what it returns; raises what it raises.
 
@@ -154,7 +156,7 @@ class AsyncRuntime:
         """
         self._check_caller()
         running = self._running or self._start()
-        future = asyncio.run_coroutine_threadsafe(func(*args), running.loop)
+        future = asyncio.run_coroutine_threadsafe(self._after_queued(func, args), running.loop)
         try:
             return self._result(future, timeout_s)
         except BaseException:  # a timeout, or the caller interrupted (SIGTERM, Ctrl-C): stop the coroutine too
@@ -299,9 +301,18 @@ class AsyncRuntime:
                 await asyncio.sleep(0)
                 ran = 0
             ran += 1
-            callback = inbox.popleft()
-            try:
-                callback()
-            except Exception:
-                logger.exception("runtime %s: callback %r failed", self.name, callback)
+            self._run_callback(inbox.popleft())
         self._ring_pending = False
+
+    async def _after_queued(self, func: Callable[..., Coroutine[Any, Any, T]], args: tuple[Any, ...]) -> T:
+        """``await func(*args)`` once every callback queued before it ran (`run_sync`)."""
+        inbox = self._inbox
+        while inbox:
+            self._run_callback(inbox.popleft())
+        return await func(*args)
+
+    def _run_callback(self, callback: Callable[[], None]) -> None:
+        try:
+            callback()
+        except Exception:
+            logger.exception("runtime %s: callback %r failed", self.name, callback)
