@@ -116,9 +116,21 @@ class Cascades:
                 if written:
                     guarded(tier, "retain", (), written, hint.retain_s)
 
-    def ended(self, job: Job, success: bool) -> None:
-        """A store job ended (its I/O is over): the cascade's last one unpins its rows; a
-        voided one's rows were emptied by `reset_cache` and are freed by the caller."""
+    def ended(self, job: Job, success: bool, held: bool) -> None:
+        """A store job was reported (`JobOwner.ended`): over, unless its tier's late I/O may
+        still read the rows (`held`: they stay pinned until `released`)."""
+        if not held:
+            self._over(job, success)
+
+    def released(self, job: Job) -> None:
+        """A held store job's late I/O returned: the job is over, failed."""
+        self._over(job, False)
+
+    def _over(self, job: Job, success: bool) -> None:
+        """A store job's I/O is over: the cascade's last one unpins its rows; a voided one's
+        rows were emptied by `reset_cache`, and are freed."""
+        if job.voided:
+            self._primary.release_rows(job.rows)
         self.admission[job.tier_idx].finished(job.keys, success and not job.voided)
         pin = job.pin
         assert pin is not None  # (every store job has one)
@@ -156,5 +168,5 @@ class Cascades:
         once for all of them, until every tier reports."""
         if keys:
             reading = self._primary.prepare_read(keys, req_context, readers=len(tier_idxs))
-            self._jobs.submit_store(tier_idxs, keys, reading, req_context)
+            self._jobs.submit_store(self, tier_idxs, keys, reading, req_context)
             self.submitted += len(tier_idxs)

@@ -2,7 +2,8 @@
 
 A job is one tier's store (a cascade) or load (a promotion) of a request's blocks. The
 table submits it, hears of it ending (a tier that rings the `Doorbell` is polled only after
-a ring, so an idle step asks no tier anything) and passes each end to its owner. A tier
+a ring, so an idle step asks no tier anything) and reports each end to the job's owner
+(`JobOwner`: `Cascades` for stores, `Promotions` for loads). A tier
 that raises is logged and its job counted as failed; no backend exception reaches the
 scheduler.
 
@@ -21,6 +22,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -47,6 +49,17 @@ class CascadePin:
         self.reading = reading
 
 
+class JobOwner(Protocol):
+    """Who submitted a job and hears of its end (scheduler thread)."""
+
+    def ended(self, job: Job, success: bool, held: bool) -> None:
+        """The tier reported `job` (or it failed at its deadline). `held`: it failed while
+        its I/O may still use the rows; `released` follows once that I/O is over."""
+
+    def released(self, job: Job) -> None:
+        """A held job's I/O is over: its rows are the engine's again."""
+
+
 @dataclass(slots=True)
 class Job:
     """A job submitted to a secondary tier and not reported yet (or held past its report)."""
@@ -57,6 +70,7 @@ class Job:
     req_context: ReqContext
     tier_idx: int
     due: float  # the job fails here after this (`JobTable.clock` seconds)
+    owner: JobOwner  # hears of its end
     queued_at: float = 0.0  # a promotion's first lookup, perf_counter seconds (unused for cascades)
     pin: CascadePin | None = None  # a cascade's, shared by its jobs (None for a promotion)
     voided: bool = False  # by reset_cache: its keys are gone and its rows held until it ends
@@ -68,9 +82,9 @@ Polled = tuple[int, SecondaryTierManager, bool]  # (tier index, tier, has `take_
 class JobTable:
     """Jobs in flight (`jobs`, in submission order) and held past their report (`held`).
 
-    Each job's end is passed to `ended(job, success, held)`; `held` is True when the tier
-    reported it failed while its I/O may still use the rows (or it failed at its deadline),
-    and `released(job)` follows once that I/O is over.
+    Each job's end goes to its owner (`JobOwner.ended`, then `JobOwner.released` for a held
+    one); `changed` turns True at each (the owner's rows, readers or blocks may have
+    changed), for the manager to reset.
     """
 
     def __init__(
@@ -80,8 +94,6 @@ class JobTable:
         hooks: Hooks,
         deadline_s: float | None,
         clock: Callable[[], float],
-        ended: Callable[[Job, bool, bool], None],
-        released: Callable[[Job], None],
     ):
         """
         Args:
@@ -89,12 +101,10 @@ class JobTable:
             hooks: which tiers implement the optional hooks (`tier_calls.hooks_of`).
             deadline_s: seconds a tier has to report a job; None: no deadline.
             clock: seconds, monotonic: when jobs are due.
-            ended, released: the owner's callbacks (see the class).
         """
         self._tiers = tiers
         self._tier_names = tier_names
-        self._ended = ended
-        self._released = released
+        self.changed = False
         self.deadline_s = deadline_s
         self.clock = clock
         self._ids = itertools.count()
@@ -114,7 +124,7 @@ class JobTable:
         self.every_step = [entry for entry in polled if entry[0] not in ringing]
 
     def submit_store(
-        self, tier_idxs: list[int], keys: list[OffloadKey], reading: Reading, req_context: ReqContext
+        self, owner: JobOwner, tier_idxs: list[int], keys: list[OffloadKey], reading: Reading, req_context: ReqContext
     ) -> None:
         """Send a store job of `keys` (a cascade) to each tier of `tier_idxs`; their primary
         rows, `reading` (`CPUPrimaryTierOffloadingManager.prepare_read`), were pinned once for
@@ -123,15 +133,22 @@ class JobTable:
         block_ids = reading.spec.block_ids
         rows, due, pin = block_ids.tolist(), self._due(), CascadePin(len(tier_idxs), reading)
         for tier_idx in tier_idxs:
-            self._send(Job(keys, rows, False, req_context, tier_idx, due, pin=pin), block_ids)
+            self._send(Job(keys, rows, False, req_context, tier_idx, due, owner, pin=pin), block_ids)
 
     def submit_load(
-        self, tier_idx: int, keys: list[OffloadKey], block_ids: np.ndarray, req_context: ReqContext, queued_at: float
+        self,
+        owner: JobOwner,
+        tier_idx: int,
+        keys: list[OffloadKey],
+        block_ids: np.ndarray,
+        req_context: ReqContext,
+        queued_at: float,
     ) -> None:
         """Send a load job of `keys` (a promotion) to tier `tier_idx`, into the primary rows
         `block_ids` (1-D int64, one per key, in order). `queued_at`: the promotion's first
         lookup, `time.perf_counter` seconds. Scheduler thread; never raises, as `submit_store`."""
-        self._send(Job(keys, block_ids.tolist(), True, req_context, tier_idx, self._due(), queued_at), block_ids)
+        job = Job(keys, block_ids.tolist(), True, req_context, tier_idx, self._due(), owner, queued_at)
+        self._send(job, block_ids)
 
     def _due(self) -> float:
         return self.clock() + self.deadline_s if self.deadline_s is not None else float("inf")
@@ -172,14 +189,14 @@ class JobTable:
             for result in results:
                 if result.job_id not in self.jobs and (tier_idx, result.job_id) in self.held:
                     if not result.rows_in_use:  # failed at its deadline; now its I/O is over
-                        self._released(self.held.pop((tier_idx, result.job_id)))
+                        self._release(self.held.pop((tier_idx, result.job_id)))
                     continue
                 self._finish(result.job_id, result.success, tier_idx if result.rows_in_use else None)
             if releases:
                 for job_id in guarded(tier, "take_released_jobs", []):
                     job = self.held.pop((tier_idx, job_id), None)
                     if job is not None:
-                        self._released(job)
+                        self._release(job)
 
     def _finish(self, job_id: JobId, success: bool, held_by: int | None = None) -> None:
         """End a job. `held_by`: the index of the tier whose late I/O may still use the
@@ -188,11 +205,16 @@ class JobTable:
         if job is None:
             logger.warning("job %d reported again or never submitted; ignored", job_id)
             return
+        held = False
         if held_by is not None and not success:
             self.held[(held_by, job_id)] = job
-            self._ended(job, success, True)
-        else:
-            self._ended(job, success, False)
+            held = True
+        self.changed = True
+        job.owner.ended(job, success, held)
+
+    def _release(self, job: Job) -> None:
+        self.changed = True
+        job.owner.released(job)
 
     def expire_overdue(self) -> None:
         """Fail the jobs past their deadline (see the module docstring), oldest first: jobs

@@ -34,7 +34,7 @@ from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.engine.admission import AdmissionConfig
 from tiering.engine.cascades import Cascades
 from tiering.engine.drain import SHUTDOWN_DRAIN_S, drain
-from tiering.engine.jobs import JOB_DEADLINE_S, Job, JobTable
+from tiering.engine.jobs import JOB_DEADLINE_S, JobTable
 from tiering.engine.load_tiers import allowed_tiers, tier_places
 from tiering.engine.lookups import RequestLookups
 from tiering.engine.promotions import PromotionRows, Promotions
@@ -115,9 +115,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._hooks = hooks_of(self.secondary_tiers)
         for _, tier in self._hooks["enable_events"] if enable_events else ():
             guarded(tier, "enable_events", None)
-        self.jobs = JobTable(
-            self.secondary_tiers, self.tier_names, self._hooks, job_deadline_s, clock, self._ended, self._released
-        )
+        self.jobs = JobTable(self.secondary_tiers, self.tier_names, self._hooks, job_deadline_s, clock)
         self.cascades = Cascades(primary_tier, len(self.secondary_tiers), admission, self._hooks, self.jobs)
         self._timeline = RequestTimeline(request_log) if request_log is not None else None
         self.promotions = Promotions(
@@ -276,9 +274,10 @@ class TieringOffloadingManager(OffloadingManager):
             jobs.expire_overdue()
         if (promotions.queued or promotions.trials) and promotions.on_schedule_end(self._step_hits):
             self._primary_changed = True
-        if cascades.waiting_tiers or (self._primary_changed and cascades.write_back_tiers):
-            cascades.on_schedule_end(self._primary_changed)
-        self._primary_changed = False
+        changed = self._primary_changed or jobs.changed  # (a job's end changes rows or readers)
+        if cascades.waiting_tiers or (changed and cascades.write_back_tiers):
+            cascades.on_schedule_end(changed)
+        self._primary_changed = jobs.changed = False
         for _, tier in self._hooks["on_schedule_end"]:
             guarded(tier, "on_schedule_end", None)
         if self._listeners:
@@ -428,21 +427,3 @@ class TieringOffloadingManager(OffloadingManager):
     def _poll_finished(self) -> None:
         self._polled_this_step = True
         self.jobs.poll()
-
-    def _ended(self, job: Job, success: bool, held: bool) -> None:
-        """`JobTable`'s report of a job's end (see `JobTable`): a held cascade's rows stay
-        pinned until `_released`."""
-        self._primary_changed = True
-        if job.is_promotion:
-            self.promotions.ended(job, success, held)
-        elif not held:
-            self._released(job, success)
-
-    def _released(self, job: Job, success: bool = False) -> None:
-        """A job's I/O is over: free its rows (a promotion held past its report, or any job
-        voided by `reset_cache`), or unpin them (a cascade)."""
-        self._primary_changed = True
-        if job.is_promotion or job.voided:
-            self.primary_tier.release_rows(job.rows)
-        if not job.is_promotion:
-            self.cascades.ended(job, success)

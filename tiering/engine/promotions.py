@@ -191,7 +191,7 @@ class Promotions:
             for (tier_idx, _), queued in self.queued.items():
                 self.gates[tier_idx].submitted(len(queued.keys))
                 block_ids = np.array(queued.block_ids, dtype=np.int64)
-                self._jobs.submit_load(tier_idx, queued.keys, block_ids, queued.req_context, queued.queued_at)
+                self._jobs.submit_load(self, tier_idx, queued.keys, block_ids, queued.req_context, queued.queued_at)
                 self.counters["promotions_submitted"] += 1
             self.queued.clear()
         return bool(trials)
@@ -228,6 +228,11 @@ class Promotions:
                 self.seconds.observe(seconds)
                 if self._timeline is not None:
                     self._timeline.promoted(job.req_context.req_id, self._tier_names[job.tier_idx], len(promoted))
+
+    def released(self, job: Job) -> None:
+        """A held load job's late I/O returned (`JobOwner.released`): its quarantined rows
+        are free again."""
+        self._primary.release_rows(job.rows)
 
     def source(self, key: OffloadKey) -> str | None:
         """See `TieringOffloadingManager.promotion_source`."""
