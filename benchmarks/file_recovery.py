@@ -37,8 +37,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tiering import BlockStoreTier, JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
-from tiering.backends.file_io import ALIGN
-from tiering.backends.file_segment_io import SUFFIX, padded
+from tiering.backends.file.objects import ALIGN
+from tiering.backends.file.segment_io import SUFFIX, padded
 
 CTX = ReqContext("bench")
 ROW_BYTES = 4096  # a small block: a million objects is 8 GiB on disk in either layout

@@ -36,8 +36,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tiering import CPUOffloadingManager, OffloadKey, ReqContext, make_offload_key
-from tiering.backends.file_segment_io import Entry, Segment
-from tiering.backends.file_segments import SEGMENT_BYTES
+from tiering.backends.file.segment_io import Entry, Segment
+from tiering.backends.file.segments import SEGMENT_BYTES
 from tiering.tiers.blockstore.index import BlockIndex
 
 BATCH = 16  # blocks per store, as a scheduler step stores a request's new blocks

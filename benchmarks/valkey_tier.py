@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiering import make_offload_key
-from tiering.backends.valkey_client import parse_address
+from tiering.backends.valkey.client import parse_address
 from tiering.benchmarks.file_tier import aligned_rows
 from tiering.benchmarks.tier_jobs import add_job_arguments, interleaved, run_tier_jobs
 from tiering.options import parse_size

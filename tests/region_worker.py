@@ -73,7 +73,8 @@ def write_blocks_forever(root_dir, fingerprint, block_bytes):
     """Write blocks through the file store's own write path, in its own namespace, until killed."""
     from tests.helpers import block_bytes as payload_of
     from tests.helpers import key
-    from tiering.backends import file_dirs, file_io
+    from tiering.backends.file import dirs as file_dirs
+    from tiering.backends.file import objects as file_io
 
     namespace = file_dirs.open_namespace(Path(root_dir), fingerprint.hex())
     for i in range(1_000_000):

@@ -14,7 +14,8 @@ import pytest
 from tests import region_worker
 from tests.helpers import CTX, ROW, ManualClock, RegionStandIn, block_bytes, key, keys
 from tiering import BlockStoreSettings, BlockStoreTier, JobMetadata, SecondaryTierFactory
-from tiering.backends import FileBlockStore, file_io
+from tiering.backends import FileBlockStore
+from tiering.backends.file import objects as file_io
 from tiering.testing.block_store import FINGERPRINT, read_verified
 from tiering.testing.s3_server import MotoServer
 

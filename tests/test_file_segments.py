@@ -10,8 +10,11 @@ import pytest
 
 from tests.helpers import key
 from tiering import CorruptObjectError, ObjectNotFoundError
-from tiering.backends import FileBlockStore, file_segment_fds, file_segment_io, file_segments
-from tiering.backends.file_io import ALIGN
+from tiering.backends import FileBlockStore
+from tiering.backends.file import segment_fds as file_segment_fds
+from tiering.backends.file import segment_io as file_segment_io
+from tiering.backends.file import segments as file_segments
+from tiering.backends.file.objects import ALIGN
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, buffer, opened, payload
 

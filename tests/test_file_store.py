@@ -7,8 +7,10 @@ import pytest
 
 from tests.helpers import key
 from tiering import ObjectNotFoundError
-from tiering.backends import FileBlockStore, file_dirs, file_io
-from tiering.backends.file_io import ALIGN
+from tiering.backends import FileBlockStore
+from tiering.backends.file import dirs as file_dirs
+from tiering.backends.file import objects as file_io
+from tiering.backends.file.objects import ALIGN
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, KEY, NEW_KEY, buffer, opened, payload
 from tiering.tiers.seal import Seal
@@ -201,7 +203,7 @@ async def test_undoing_an_open_removes_only_empty_directories_it_created(tmp_pat
 
 
 def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monkeypatch):
-    from tiering.backends import file_io
+    from tiering.backends.file import objects as file_io
 
     namespace = file_dirs.open_namespace(tmp_path, FINGERPRINT.hex())
     opened_flags = []

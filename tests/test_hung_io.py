@@ -263,7 +263,7 @@ def test_a_call_stuck_in_a_file_tier_never_keeps_the_process_from_exiting(tmp_pa
 import threading
 import numpy as np
 from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
-from tiering.backends import file_io
+from tiering.backends.file import objects as file_io
 
 rows = memoryview(bytearray(4 * 4096)).cast("B", (4, 4096))
 config = {{"type": "file", "root_dir": {str(tmp_path)!r}, "layout": "files", "op_timeout_s": 0.2,

@@ -90,7 +90,7 @@ def settle(llm, done, tries: int = 300) -> None:
 def block_files(root: Path) -> list[Path]:
     """Every file of a file tier's `root` but those of identities' records (a namespace that
     holds a manifest: `tiering.tiers.blockstore.generations`)."""
-    from tiering.backends.file_dirs import object_name
+    from tiering.backends.file.dirs import object_name
     from tiering.tiers.blockstore.generations import MANIFEST_KEY
 
     records = {path.parents[1] for path in root.rglob(object_name(MANIFEST_KEY))}
@@ -100,7 +100,7 @@ def block_files(root: Path) -> list[Path]:
 def object_pages(root: Path) -> list[tuple[Path, int]]:
     """(file, offset) of every stored block's header under a file tier's `root`, in either
     layout: a header fills a page of its own and starts with the object format's magic."""
-    from tiering.backends.file_io import ALIGN
+    from tiering.backends.file.objects import ALIGN
     from tiering.tiers.object_format import MAGIC
 
     found = []
@@ -113,7 +113,7 @@ def object_pages(root: Path) -> list[tuple[Path, int]]:
 def corrupt_payloads(root: Path) -> None:
     """Flip the first byte of every page under a file tier's `root` that is not an object's
     header: every payload changes, every header stays valid (either layout)."""
-    from tiering.backends.file_io import ALIGN
+    from tiering.backends.file.objects import ALIGN
 
     headers = set(object_pages(root))
     for path in block_files(root):

@@ -1,8 +1,8 @@
 """The ``file`` tier: blocks under a directory, one file per block written atomically (what
 follows describes that layout) or, for small blocks, many per segment file (``layout``, see
-`FileOptions` and `tiering.backends.file_segments`).
+`FileOptions` and `tiering.backends.file.segments`).
 
-Loop thread: `FileBlockStore`'s coroutines; its pool's threads run `file_io`. `check_root_dir`
+Loop thread: `FileBlockStore`'s coroutines; its pool's threads run `objects`. `check_root_dir`
 and `FileOptions` run where the config is loaded.
 
 Layout: ``<root_dir>/<layout fingerprint hex>/<shard>/<name>``, where the shard is the first
@@ -25,7 +25,7 @@ padded to 4096 bytes so payloads stay aligned; a filesystem that refuses O_DIREC
 at open) falls back to buffered I/O with one log line, and a row that is not page-aligned
 is moved buffered. Files are the same in both modes.
 
-Each operation (or batch) is one function of `tiering.backends.file_io` run in one hop on the
+Each operation (or batch) is one function of `tiering.backends.file.objects` run in one hop on the
 tier's own thread pool (``run_in_executor``): open, vectored write or read, close, rename,
 all in the worker thread, so a block costs one executor hop instead of one per system call
 (aiofiles, one hop per call on a shared executor, would cost four or more per block and
@@ -55,12 +55,12 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 import anyio
 from pydantic import AfterValidator, BaseModel
 
-from tiering.backends import file_dirs, file_io, file_segments
+from tiering.backends.file import dirs, objects, segments
+from tiering.backends.file.pool import DaemonThreadPool
 from tiering.contract.keys import OffloadKey
 from tiering.contract.mediums import LOCAL, REMOTE
 from tiering.options import STRICT, Count
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
-from tiering.tiers.blockstore.pool import DaemonThreadPool
 from tiering.tiers.blockstore.store import NamespaceUsage
 from tiering.tiers.object_format import ObjectHeader
 
@@ -97,7 +97,7 @@ def check_root_dir(value: str) -> str:
     if not stat.S_ISDIR(info.st_mode):
         raise ValueError(f"{path} is not a directory")
     try:
-        file_dirs.check_root(info, path)
+        dirs.check_root(info, path)
     except PermissionError as exc:
         raise ValueError(exc.strerror) from None
     return value
@@ -130,7 +130,7 @@ class FileOptions(BaseModel):
         direct_io: bypass the page cache with O_DIRECT where the filesystem allows.
         layout: ``auto`` (default), ``files`` (one file per block; engines may share the
             directory) or ``segments`` (many blocks per file, one engine's:
-            `tiering.backends.file_segments`). ``auto`` keeps blocks under
+            `tiering.backends.file.segments`). ``auto`` keeps blocks under
             `SEGMENT_BLOCKS_UNDER` in segments, except where the filesystem cannot punch
             holes, where the namespace already holds one-file objects (an older cache, or
             engines sharing the directory) and where another engine holds its segments: there,
@@ -171,11 +171,11 @@ class FileBlockStore(BlockStore):
 
     Options = FileOptions
     tier_defaults: ClassVar[dict[str, Any]] = {"max_concurrency": 16, "batch_bytes": 16 << 20}
-    verifies_payloads = True  # `file_io.read_object` checks the CRC in the thread that read
+    verifies_payloads = True  # `objects.read_object` checks the CRC in the thread that read
     reads_in_order = True  # `get_many` reads one file after another, in one pool thread
     supports_integrity = True
     lists_locally = True
-    header_align = file_io.ALIGN
+    header_align = objects.ALIGN
 
     @classmethod
     def preflight(cls, options: BaseModel, settings: BlockStoreSettings, connect: bool) -> list[str]:
@@ -199,9 +199,9 @@ class FileBlockStore(BlockStore):
     @classmethod
     async def list_namespaces(cls, options: BaseModel, settings: BlockStoreSettings) -> list[NamespaceUsage]:
         """The namespace directories under `root_dir`: files, bytes, newest modification
-        (`file_dirs.namespace_usage`, in a thread)."""
+        (`dirs.namespace_usage`, in a thread)."""
         assert isinstance(options, FileOptions)
-        return await anyio.to_thread.run_sync(file_dirs.namespace_usage, Path(options.root_dir).expanduser())
+        return await anyio.to_thread.run_sync(dirs.namespace_usage, Path(options.root_dir).expanduser())
 
     @classmethod
     def location(cls, options: Mapping[str, Any]) -> str:
@@ -250,9 +250,9 @@ class FileBlockStore(BlockStore):
         self._io_threads = io_threads
         self._pool: DaemonThreadPool | None = None  # writes, deletes, the scan
         self._read_pool: DaemonThreadPool | None = None  # reads: a promotion never queues behind writes
-        self._ns: file_dirs.Namespace | None = None  # open from `open` to `close`
+        self._ns: dirs.Namespace | None = None  # open from `open` to `close`
         self.layout = layout
-        self._log: file_segments.SegmentLog | None = None  # the segment layout's, from `open` to `close`
+        self._log: segments.SegmentLog | None = None  # the segment layout's, from `open` to `close`
         self._segments_made = False  # `open` made the segments directory
 
     def __repr__(self) -> str:
@@ -260,10 +260,10 @@ class FileBlockStore(BlockStore):
 
     def path(self, key: OffloadKey) -> Path:
         """The file of `key` (for operators and tests: the store itself never uses paths)."""
-        return self.directory / file_dirs.shard(key) / file_dirs.object_name(key)
+        return self.directory / dirs.shard(key) / dirs.object_name(key)
 
     @property
-    def _open_ns(self) -> file_dirs.Namespace:
+    def _open_ns(self) -> dirs.Namespace:
         self.check_open()
         assert self._ns is not None
         return self._ns
@@ -291,9 +291,9 @@ class FileBlockStore(BlockStore):
         # daemon threads: a call stuck in a hung mount never keeps the process from exiting
         self._pool = DaemonThreadPool(self._io_threads, "tiering-file")
         try:
-            self._ns = await self._hop(self._pool, file_dirs.open_namespace, self.root_dir, self.directory.name)
+            self._ns = await self._hop(self._pool, dirs.open_namespace, self.root_dir, self.directory.name)
             await super().open()
-            if self.direct_io and not await self._run(file_dirs.supports_direct_io, self._open_ns):
+            if self.direct_io and not await self._run(dirs.supports_direct_io, self._open_ns):
                 logger.warning("file tier %s: O_DIRECT is not supported here; using buffered I/O", self.directory)
                 self.direct_io = False
             await self._open_segments()
@@ -306,24 +306,24 @@ class FileBlockStore(BlockStore):
 
     async def _open_segments(self) -> None:
         """For ``segments``, or ``auto`` with blocks under `SEGMENT_BLOCKS_UNDER`, open the
-        segment log (`file_segments.open_log`). ``auto`` keeps one file per block, in one log
+        segment log (`segments.open_log`). ``auto`` keeps one file per block, in one log
         line, where the namespace holds one-file objects already (removing segments no engine
-        holds: `file_dirs.remove_unheld`), the filesystem cannot punch holes or another
+        holds: `dirs.remove_unheld`), the filesystem cannot punch holes or another
         engine holds the segments."""
         small = self.block_bytes is not None and self.block_bytes < SEGMENT_BLOCKS_UNDER
         if self.layout == "files" or (self.layout == "auto" and not small):
             return
         ns = self._open_ns
-        path = self.directory / file_dirs.SEGMENTS
-        if self.layout == "auto" and await self._run(file_dirs.holds_objects, ns):
+        path = self.directory / dirs.SEGMENTS
+        if self.layout == "auto" and await self._run(dirs.holds_objects, ns):
             logger.info("file tier %s: holds one file per block already; keeping that layout", self.directory)
-            if await self._run(file_dirs.remove_unheld, ns.fd, path):
+            if await self._run(dirs.remove_unheld, ns.fd, path):
                 logger.warning("file tier %s: removed segments no engine held (their blocks are recomputed)", path)
             return
         self._segments_made = not os.path.lexists(path)
         args = (ns.fd, path, self.fingerprint, self.seal, self.direct_io, self.fsync)
         try:
-            self._log = await self._run(file_segments.open_log, *args)
+            self._log = await self._run(segments.open_log, *args)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EWOULDBLOCK) or self.layout == "segments":
                 raise
@@ -354,7 +354,7 @@ class FileBlockStore(BlockStore):
         ns, self._ns = self._ns, None
         await self.close()
         if ns is not None:
-            await self._hop(None, file_dirs.remove_created, ns, self._segments_made)
+            await self._hop(None, dirs.remove_created, ns, self._segments_made)
 
     async def remove_namespace(self) -> None:
         """Remove the namespace directory with everything in it (symbolic links are removed,
@@ -371,7 +371,7 @@ class FileBlockStore(BlockStore):
                 raise error
             return
         args = (self._open_ns, key, payload, self.fingerprint, self.seal, self.fsync, self.direct_io)
-        await self._run(file_io.write_object, *args)
+        await self._run(objects.write_object, *args)
 
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
         if self._log is not None:
@@ -379,7 +379,7 @@ class FileBlockStore(BlockStore):
                 raise outcome
             return outcome
         args = (self._open_ns, key, into, self.fingerprint, self.seal, self.direct_io)
-        return await self._run(file_io.read_object, *args, read=True)
+        return await self._run(objects.read_object, *args, read=True)
 
     async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
         """All puts in one hop: one after the other in one pool thread, or in segments one
@@ -388,7 +388,7 @@ class FileBlockStore(BlockStore):
             return await self._run(self._log.put_many, items)
         ns = self._open_ns
         calls = [(ns, key, data, self.fingerprint, self.seal, self.fsync, self.direct_io) for key, data in items]
-        return await self._run(file_io.each, file_io.write_object, calls)
+        return await self._run(objects.each, objects.write_object, calls)
 
     async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
         """All gets in one hop: one after the other in one pool thread, or in segments one
@@ -397,21 +397,21 @@ class FileBlockStore(BlockStore):
             return await self._run(self._log.get_many, items, read=True)
         ns = self._open_ns
         calls = [(ns, key, into, self.fingerprint, self.seal, self.direct_io) for key, into in items]
-        return await self._run(file_io.each, file_io.read_object, calls, read=True)
+        return await self._run(objects.each, objects.read_object, calls, read=True)
 
     async def exists(self, key: OffloadKey) -> bool:
         if self._log is not None:
             return self._log.exists(key)
-        return await self._run(file_io.exists, self._open_ns, key, read=True)
+        return await self._run(objects.exists, self._open_ns, key, read=True)
 
     async def delete_many(self, keys: Collection[OffloadKey]) -> None:
         if self._log is not None:
             await self._run(self._log.delete_many, list(keys))
             return
-        await self._run(file_io.delete_all, self._open_ns, list(keys))
+        await self._run(objects.delete_all, self._open_ns, list(keys))
 
     async def recover(self) -> list[tuple[OffloadKey, int]]:
         if self._log is not None:
             return await self._run(self._log.recover)
         args = (self._open_ns, self.directory, self.fingerprint, self.seal, self.block_bytes)
-        return await self._run(file_io.scan, *args)
+        return await self._run(objects.scan, *args)

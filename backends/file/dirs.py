@@ -3,7 +3,7 @@ open from `open_namespace` to `Namespace.close`, made private (mode 0700) where 
 the file name of each block's object.
 
 Worker threads of the tier's pool (and the thread that opens the tier). See
-`tiering.backends.file` for the layout and the safety rules; `tiering.backends.file_io` does
+`tiering.backends.file` for the layout and the safety rules; `tiering.backends.file.objects` does
 the objects' reads and writes inside these directories.
 """
 
@@ -29,7 +29,7 @@ TMP_SUFFIX = ".tmp"
 """The suffix of an object's file while it is written (renamed into place when complete)."""
 SHARDS = [f"{i:02x}" for i in range(256)]
 QUARANTINE = "quarantine"
-SEGMENTS = "segments"  # the segment layout's directory (`tiering.backends.file_segments`)
+SEGMENTS = "segments"  # the segment layout's directory (`tiering.backends.file.segments`)
 MAX_HEX_NAME = 200  # longer hex names (keys over 100 bytes) become hashes: names stay under 255
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link; a FIFO never blocks the open

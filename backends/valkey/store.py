@@ -19,7 +19,7 @@ unless `recover_index`.
 Loop thread: every coroutine of `ValkeyBlockStore`; `ValkeyOptions` and the class methods run
 where the config is loaded. One glide client per tier, created and closed on the runtime's
 loop; glide's core keeps one connection per node, follows slot moves and reconnects.
-Connecting, the config keys and the password are `tiering.backends.valkey_client`'s.
+Connecting, the config keys and the password are `tiering.backends.valkey.client`'s.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import anyio
 from pydantic import BaseModel
 
-from tiering.backends.valkey_client import (
+from tiering.backends.valkey.client import (
     Batch,
     ClusterBatch,
     ClusterScanCursor,

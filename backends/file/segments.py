@@ -15,9 +15,9 @@ length and CRC (or seal) in the thread that read it. Entries are never rewritten
 block's range is punched out of its file (``fallocate(PUNCH_HOLE)``, its disk space freed at
 once) and a segment whose blocks are all deleted is removed; a segment left sparse by deletes
 has its live entries copied to the active one (`SPARSE`), so that it goes too. At most
-`file_segment_fds.MAX_OPEN_SEGMENTS` idle segments keep their descriptors open.
+`segment_fds.MAX_OPEN_SEGMENTS` idle segments keep their descriptors open.
 
-Recovery (`file_segment_recovery`) maps the entries the segments hold. The map of keys to
+Recovery (`segment_recovery`) maps the entries the segments hold. The map of keys to
 entries lives in memory only, so a namespace's segments are one engine's: `open_log` takes
 an exclusive lock on the segments directory, and a second engine fails to open it, naming it.
 """
@@ -33,10 +33,10 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from tiering.backends.file_dirs import private_subdir
-from tiering.backends.file_io import ALIGN, is_aligned
-from tiering.backends.file_segment_fds import OpenSegments
-from tiering.backends.file_segment_io import (
+from tiering.backends.file.dirs import private_subdir
+from tiering.backends.file.objects import ALIGN, is_aligned
+from tiering.backends.file.segment_fds import OpenSegments
+from tiering.backends.file.segment_io import (
     Entry,
     Segment,
     padded,
@@ -48,7 +48,7 @@ from tiering.backends.file_segment_io import (
     scratch_pages,
     walk,
 )
-from tiering.backends.file_segment_recovery import recover
+from tiering.backends.file.segment_recovery import recover
 from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ForgedObjectError, ObjectNotFoundError
 from tiering.tiers.blockstore.store import RecoveryProgress
@@ -369,7 +369,7 @@ class SegmentLog:
     # -- recovery and closing ---------------------------------------------------------------
 
     def recover(self) -> list[tuple[OffloadKey, int]]:
-        """Map the entries the segments on disk hold (`file_segment_recovery.recover`), once;
+        """Map the entries the segments on disk hold (`segment_recovery.recover`), once;
         returns them, oldest first: (key, bytes of its object). Segments left with no entry
         are removed, and appends go to a new segment. Any thread; every other call waits for
         it (and makes it, if nobody has).

@@ -1,4 +1,4 @@
-"""The segment layout's files (`tiering.backends.file_segments`): opening, punching holes, the
+"""The segment layout's files (`tiering.backends.file.segments`): opening, punching holes, the
 vectored reads and writes at an offset, and the walk that lists a segment's entries.
 
 Worker threads of the file tier's pools (plain functions; `Segment`'s counts are guarded by
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tiering.backends.buffers import advance
-from tiering.backends.file_dirs import OPEN_FLAGS
-from tiering.backends.file_io import ALIGN
+from tiering.backends.file.dirs import OPEN_FLAGS
+from tiering.backends.file.objects import ALIGN
 from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ForgedObjectError, is_no_space
 from tiering.tiers.object_format import MAGIC, announced, parse_header
@@ -56,7 +56,7 @@ def punch(fd: int, offset: int, length: int) -> None:
 @dataclass(eq=False)
 class Segment:
     """One segment file, its descriptors open for reads and appends (and with O_DIRECT,
-    `direct_fd`), or -1 while closed (`tiering.backends.file_segment_fds`)."""
+    `direct_fd`), or -1 while closed (`tiering.backends.file.segment_fds`)."""
 
     sequence: int
     fd: int
@@ -65,7 +65,7 @@ class Segment:
     live: int = 0  # entries the map points at
     live_bytes: int = 0  # the bytes those entries take
     users: int = 0  # calls that may read or write it now: it is not removed until they end
-    in_io: int = 0  # system calls using its descriptors now (`file_segment_fds`): not closed meanwhile
+    in_io: int = 0  # system calls using its descriptors now (`segment_fds`): not closed meanwhile
     name: str = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """The file tier's blocking half for objects: every system call on the blocks' files (writes,
 reads, existence, deletes, the scan that recovers them); the directories they live in are
-`tiering.backends.file_dirs`'.
+`tiering.backends.file.dirs`'.
 
 Worker threads of the tier's pool only (each function runs whole in one thread, one hop per
 block or batch). See `tiering.backends.file` for the layout, the safety rules and the I/O
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from tiering.backends.buffers import advance
-from tiering.backends.file_dirs import (
+from tiering.backends.file.dirs import (
     OPEN_FLAGS,
     QUARANTINE,
     TMP_SUFFIX,

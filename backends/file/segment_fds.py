@@ -1,4 +1,4 @@
-"""The segment layout's open descriptors (`tiering.backends.file_segments`): a tier of any
+"""The segment layout's open descriptors (`tiering.backends.file.segments`): a tier of any
 size holds a bounded number.
 
 A segment's descriptors (one, or two with O_DIRECT) are opened when a call needs them and
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from tiering.backends.file_segment_io import Segment, close_segment, open_segment
+from tiering.backends.file.segment_io import Segment, close_segment, open_segment
 
 MAX_OPEN_SEGMENTS = 32
 """Segments besides the active one whose descriptors stay open while idle (the most recently

@@ -1,4 +1,4 @@
-"""Recovery of the segment layout (`tiering.backends.file_segments`): the entries a
+"""Recovery of the segment layout (`tiering.backends.file.segments`): the entries a
 namespace's segments hold when its engine starts.
 
 Recovery walks each segment's data ranges (``SEEK_DATA``): a page that is not a whole entry's
@@ -19,8 +19,8 @@ import logging
 import os
 from dataclasses import dataclass
 
-from tiering.backends.file_segment_fds import OpenSegments
-from tiering.backends.file_segment_io import Entry, Segment, open_segment, punch, sequence_of, walk
+from tiering.backends.file.segment_fds import OpenSegments
+from tiering.backends.file.segment_io import Entry, Segment, open_segment, punch, sequence_of, walk
 from tiering.contract.keys import OffloadKey
 from tiering.tiers.blockstore.store import RecoveryProgress
 from tiering.tiers.seal import Seal
