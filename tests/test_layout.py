@@ -16,6 +16,7 @@ FLOORS = {  # a part may import the parts of lower floors, and itself
     "eviction": 3,
     "cpu": 4,
     "tiers": 5,
+    "backends": 5.5,  # the built-in tiers (the repository's backends/): over the tier contract, as a third party's
     "engine": 6,
     "worker": 6,
     "config": 7,
@@ -76,24 +77,43 @@ def part_of(module: str) -> str:
     return module.split(".")[1] if module.count(".") else "__init__"
 
 
-def test_every_part_imports_only_parts_below_it():
+def package_modules() -> dict[str, Path]:
+    """Every module of the package by dotted name, the repository's backends/ as
+    ``tiering.backends`` (benchmarks/ left out: they drive the whole package)."""
+    modules = {}
+    for root, prefix in ((PACKAGE, ("tiering",)), (ROOT / "backends", ("tiering", "backends"))):
+        for path in root.rglob("*.py"):
+            relative = path.relative_to(root).with_suffix("")
+            if relative.parts[0] in ("backends", "benchmarks") or "__pycache__" in relative.parts:
+                continue  # (links a checkout may have under tiering/)
+            parts = (*prefix, *relative.parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)] = path
+    return modules
+
+
+def test_every_part_imports_only_parts_below_it_and_backends_only_through_the_registry():
     upward = []
-    for path in PACKAGE.rglob("*.py"):
-        relative = path.relative_to(PACKAGE).with_suffix("")
-        if relative.parts[0] in ("backends", "benchmarks") or "__pycache__" in relative.parts:
-            continue
-        module = ".".join(("tiering", *relative.parts))
-        part = part_of(module) if len(relative.parts) > 1 or relative.name != "__init__" else "__init__"
+    for module, path in package_modules().items():
+        part = part_of(module) if path.name != "__init__.py" or path.parent != PACKAGE else "__init__"
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             for name in names:
-                if not name.startswith("tiering.") or name.startswith(("tiering.backends", "tiering.benchmarks")):
+                if not name.startswith("tiering.") or name.startswith("tiering.benchmarks"):
                     continue
                 target = part_of(name)
-                if target != part and FLOORS[target] >= FLOORS[part]:
+                if target == "backends" and part != "backends":
+                    upward.append(f"{module} imports {name} (tiers are found through the registry)")
+                elif target != part and FLOORS[target] >= FLOORS[part]:
                     upward.append(f"{module} imports {name}")
     assert upward == []
+
+
+def test_every_backend_folder_says_what_it_holds():
+    for init in [ROOT / "backends" / "__init__.py", *(ROOT / "backends").glob("*/__init__.py")]:
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "Thread" in docstring, f"{init}: say what it holds and its threads"
+        assert init.parent.name == "backends" or "Imports:" in docstring, f"{init}: say what it may import"
 
 
 MAX_MODULE_LINES = 450
@@ -134,13 +154,8 @@ def module_imports(path: Path) -> set[str]:
 
 
 def test_no_two_modules_import_each_other_directly_or_through_others():
-    modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        relative = path.relative_to(PACKAGE).with_suffix("")
-        if relative.parts[0] in ("backends", "benchmarks") or "__pycache__" in relative.parts:
-            continue
-        if relative.name != "__init__":  # a package's re-exports are not its modules' dependencies
-            modules[".".join(("tiering", *relative.parts))] = path
+    # a package's re-exports are not its modules' dependencies
+    modules = {name: path for name, path in package_modules().items() if path.name != "__init__.py"}
     graph = {name: module_imports(path) & modules.keys() for name, path in modules.items()}
     cycles, state = [], dict.fromkeys(graph, 0)  # 0 unseen, 1 on the path, 2 done
 
