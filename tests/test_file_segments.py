@@ -27,7 +27,7 @@ def segment_path(store, entry) -> str:
 
 def read_raw(store, k) -> bytes:
     """The entry of `k` as its segment holds it: header page and payload, no padding."""
-    entry = store._log._map[k]
+    entry = store._layout._map[k]
     with open(segment_path(store, entry), "rb") as f:
         f.seek(entry.offset)
         return f.read(ALIGN + entry.payload_len)
@@ -36,7 +36,7 @@ def read_raw(store, k) -> bytes:
 def write_raw(store, k, raw: bytes) -> None:
     """Make `raw` the entry of `k`, in place (an entry of its size first if `k` has none), as
     recovery would find it: the map takes the length it announces."""
-    log = store._log
+    log = store._layout
     size = max(len(raw) - ALIGN, 1)
     if k not in log._map:
         assert log.put_many([(k, memoryview(bytearray(size)))]) == [None]
@@ -117,7 +117,7 @@ async def test_a_torn_tail_is_not_listed_and_a_torn_payload_never_loads(store_ki
     store = await opened(store_kit)
     try:
         assert await store.put_many([(key(i), payload(BLOCK)) for i in range(4)]) == [None] * 4
-        torn = store._log._map[key(1)]
+        torn = store._layout._map[key(1)]
         path = segment_path(store, torn)
     finally:
         await store.close()
@@ -141,7 +141,7 @@ async def test_garbage_and_foreign_layout_pages_are_skipped_and_what_follows_fou
     store = await opened(store_kit)
     try:
         assert await store.put_many([(key(i), payload(BLOCK)) for i in range(3)]) == [None] * 3
-        first = store._log._map[key(0)]
+        first = store._layout._map[key(0)]
         path = segment_path(store, first)
     finally:
         await store.close()
@@ -177,7 +177,7 @@ async def test_a_look_alike_header_inside_a_payload_never_takes_a_block_from_rec
         carrier[ALIGN : 2 * ALIGN] = look_alike  # the carrier's second payload page
         assert await store.put(key(1), memoryview(carrier)) is None
         assert await store.put(key(2), payload(BLOCK, seed=5)) is None  # what the look-alike would span
-        torn = store._log._map[key(1)]
+        torn = store._layout._map[key(1)]
         path = segment_path(store, torn)
     finally:
         await store.close()
@@ -189,7 +189,7 @@ async def test_a_look_alike_header_inside_a_payload_never_takes_a_block_from_rec
         into = buffer(BLOCK)
         await store.get(key(0), into)
         assert into == payload(BLOCK, seed=3)
-        assert list(found) == [key(0), key(2)] and store._log.headers_rejected == 1  # the look-alike, counted
+        assert list(found) == [key(0), key(2)] and store._layout.headers_rejected == 1  # the look-alike, counted
     finally:
         await store.close()
 
@@ -201,7 +201,7 @@ async def test_deletes_give_the_space_back_and_remove_segments_left_empty(store_
     try:
         for start in (0, 4):
             assert await store.put_many([(key(i), payload(BLOCK)) for i in range(start, start + 4)]) == [None] * 4
-        first = store._log._map[key(0)]
+        first = store._layout._map[key(0)]
         allocated = os.stat(segment_path(store, first)).st_blocks
         await store.delete_many([key(0), key(1)])
         assert os.stat(segment_path(store, first)).st_blocks <= allocated - 2 * BLOCK // 512
@@ -239,7 +239,7 @@ async def test_auto_keeps_small_blocks_in_segments(tmp_path, layout, block_bytes
     store.block_bytes = block_bytes
     await store.open()
     try:
-        assert (store._log is not None) is segments
+        assert isinstance(store._layout, file_segments.SegmentLog) is segments
         assert store.layout == ("segments" if segments else "files")
     finally:
         await store.close()
@@ -419,7 +419,7 @@ async def test_a_tier_of_a_tebibyte_holds_a_bounded_number_of_descriptors(tmp_pa
     await store.open()
     before = open_descriptors()
     try:
-        log = store._log
+        log = store._layout
         log.segment_bytes = 1  # a segment per append
         for i in range(16_384):
             assert log.put_many([(key(i), payload(ALIGN, seed=i % 250 + 1))]) == [None]
@@ -448,7 +448,7 @@ async def test_a_segment_left_sparse_is_compacted_so_one_long_lived_block_does_n
     good. Deletes that leave a segment sparse copy its live entries to the active one."""
     store = await opened(store_kit)
     try:
-        log = store._log
+        log = store._layout
         log.segment_bytes = 16 * (ALIGN + BLOCK)  # 16 blocks a segment
         for batch in range(4):
             assert log.put_many([(key(16 * batch + i), payload(BLOCK, seed=16 * batch + i + 1)) for i in range(16)])

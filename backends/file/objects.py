@@ -22,7 +22,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -344,3 +344,56 @@ def _check_header(
     if info.st_size != header.size + header.payload_len:
         return None
     return info.st_mtime, header.key, info.st_size
+
+
+class OneFilePerBlock:
+    """The ``files`` `tiering.backends.file.store.Layout`: one file per block in the
+    namespace's shard directories; each call runs whole in one pool thread.
+
+    Args:
+        ns: the open namespace; directory: its path (for log lines).
+        fingerprint, seal: the tier's layout fingerprint and seal, as objects carry them.
+        fsync: `fsync` each file before it is renamed into place.
+        direct: O_DIRECT for buffers that are page-aligned in memory and length.
+        block_bytes: the rows' size: lets `scan` know a plain object by its name and size.
+    """
+
+    name = "files"
+    max_read_threads: int | None = None  # as many as the tier has
+    exists_needs_io = True
+
+    def __init__(
+        self,
+        ns: Namespace,
+        directory: Path,
+        fingerprint: bytes,
+        seal: Seal | None,
+        fsync: bool,
+        direct: bool,
+        block_bytes: int | None,
+    ):
+        self._ns, self._directory = ns, directory
+        self._fingerprint, self._seal, self._fsync, self._direct = fingerprint, seal, fsync, direct
+        self._block_bytes = block_bytes
+
+    def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
+        """One block after the other: None for each written, or the exception it raised."""
+        fingerprint, seal, fsync, direct = self._fingerprint, self._seal, self._fsync, self._direct
+        return each(write_object, [(self._ns, key, data, fingerprint, seal, fsync, direct) for key, data in items])
+
+    def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
+        """One block after the other (`read_object`): its header, or the exception it raised."""
+        fingerprint, seal, direct = self._fingerprint, self._seal, self._direct
+        return each(read_object, [(self._ns, key, into, fingerprint, seal, direct) for key, into in items])
+
+    def exists(self, key: OffloadKey) -> bool:
+        return exists(self._ns, key)
+
+    def delete_many(self, keys: Sequence[OffloadKey]) -> None:
+        delete_all(self._ns, list(keys))
+
+    def recover(self) -> list[tuple[OffloadKey, int]]:
+        return scan(self._ns, self._directory, self._fingerprint, self._seal, self._block_bytes)
+
+    def close(self) -> None:
+        """Nothing to close: the namespace is the store's."""

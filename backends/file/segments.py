@@ -65,8 +65,14 @@ that share of a segment's bytes is written twice."""
 _ZEROS = memoryview(bytes(ALIGN))  # what pads an entry to its next page
 
 
+SEGMENT_READ_THREADS = 4
+"""Segments are read by at most this many threads: a call reads a whole batch (blocks side by
+side) in one request, and a device serves a few large requests faster than many."""
+
+
 class SegmentLog:
-    """The segments of one namespace and the map of their entries (see the module's doc).
+    """The segments of one namespace and the map of their entries (see the module's doc): the
+    ``segments`` `tiering.backends.file.store.Layout`.
 
     Args:
         dir_fd: the open segments directory, locked (see `open_log`; closed by `close`).
@@ -74,6 +80,10 @@ class SegmentLog:
         direct: use O_DIRECT for payloads that are page-aligned in memory and length.
         fsync: `fdatasync` a segment after each append, before its blocks are listed.
     """
+
+    name = "segments"
+    max_read_threads: int | None = SEGMENT_READ_THREADS
+    exists_needs_io = False  # the map answers
 
     def __init__(
         self,

@@ -50,7 +50,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, Protocol, TypeVar
 
 import anyio
 from pydantic import AfterValidator, BaseModel
@@ -112,10 +112,27 @@ costs three system calls to read and four to write, which at 64 KiB cost more th
 bytes."""
 
 
-SEGMENT_READ_THREADS = 4
-"""Segments are read by at most this many threads: a call reads a whole batch (blocks side
-by side) in one request, and a device serves a few large requests faster than many (the
-measurements: docs/results.md, "The measurements behind the constants")."""
+class Layout(Protocol):
+    """How a namespace holds its blocks, behind one interface: `objects.OneFilePerBlock`
+    (``files``) or `segments.SegmentLog` (``segments``). Every method is a blocking call that
+    runs whole in one pool thread (`exists` may run on the loop where `exists_needs_io` is
+    False)."""
+
+    name: str
+    max_read_threads: int | None  # reads run on at most this many threads (None: the tier's)
+    exists_needs_io: bool
+
+    def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]: ...
+
+    def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]: ...
+
+    def exists(self, key: OffloadKey) -> bool: ...
+
+    def delete_many(self, keys: Sequence[OffloadKey]) -> None: ...
+
+    def recover(self) -> list[tuple[OffloadKey, int]]: ...
+
+    def close(self) -> None: ...
 
 
 class FileOptions(BaseModel):
@@ -125,7 +142,7 @@ class FileOptions(BaseModel):
         root_dir: the directory holding the tier's files (required; see `check_root_dir`).
         io_threads: threads of each of the tier's two pools, one for writes and deletes, one
             for reads (default: the tier's `max_concurrency`; segments are read by at most
-            `SEGMENT_READ_THREADS`).
+            `segments.SEGMENT_READ_THREADS`).
         fsync: `fsync` every file before it becomes visible (durable across power loss).
         direct_io: bypass the page cache with O_DIRECT where the filesystem allows.
         layout: ``auto`` (default), ``files`` (one file per block; engines may share the
@@ -252,7 +269,7 @@ class FileBlockStore(BlockStore):
         self._read_pool: DaemonThreadPool | None = None  # reads: a promotion never queues behind writes
         self._ns: dirs.Namespace | None = None  # open from `open` to `close`
         self.layout = layout
-        self._log: segments.SegmentLog | None = None  # the segment layout's, from `open` to `close`
+        self._layout: Layout | None = None  # from `open` to `close`
         self._segments_made = False  # `open` made the segments directory
 
     def __repr__(self) -> str:
@@ -296,44 +313,48 @@ class FileBlockStore(BlockStore):
             if self.direct_io and not await self._run(dirs.supports_direct_io, self._open_ns):
                 logger.warning("file tier %s: O_DIRECT is not supported here; using buffered I/O", self.directory)
                 self.direct_io = False
-            await self._open_segments()
-            self.layout = "files" if self._log is None else "segments"
-            reads = self._io_threads if self._log is None else min(self._io_threads, SEGMENT_READ_THREADS)
+            log = await self._open_segments()
+            ns = self._open_ns
+            args = (self.fingerprint, self.seal, self.fsync, self.direct_io, self.block_bytes)
+            self._layout = log or objects.OneFilePerBlock(ns, self.directory, *args)
+            self.layout = self._layout.name
+            reads = min(self._io_threads, self._layout.max_read_threads or self._io_threads)
             self._read_pool = DaemonThreadPool(reads, "tiering-file-read")
         except OSError as exc:
             await self.undo_open()
             raise type(exc)(exc.errno, f"file tier: cannot use {self.directory}: {exc.strerror}") from exc
 
-    async def _open_segments(self) -> None:
-        """For ``segments``, or ``auto`` with blocks under `SEGMENT_BLOCKS_UNDER`, open the
-        segment log (`segments.open_log`). ``auto`` keeps one file per block, in one log
-        line, where the namespace holds one-file objects already (removing segments no engine
-        holds: `dirs.remove_unheld`), the filesystem cannot punch holes or another
-        engine holds the segments."""
+    async def _open_segments(self) -> segments.SegmentLog | None:
+        """For ``segments``, or ``auto`` with blocks under `SEGMENT_BLOCKS_UNDER`, the
+        opened segment log (`segments.open_log`); None: one file per block. ``auto`` keeps
+        one file per block, in one log line, where the namespace holds one-file objects
+        already (removing segments no engine holds: `dirs.remove_unheld`), the filesystem
+        cannot punch holes or another engine holds the segments."""
         small = self.block_bytes is not None and self.block_bytes < SEGMENT_BLOCKS_UNDER
         if self.layout == "files" or (self.layout == "auto" and not small):
-            return
+            return None
         ns = self._open_ns
         path = self.directory / dirs.SEGMENTS
         if self.layout == "auto" and await self._run(dirs.holds_objects, ns):
             logger.info("file tier %s: holds one file per block already; keeping that layout", self.directory)
             if await self._run(dirs.remove_unheld, ns.fd, path):
                 logger.warning("file tier %s: removed segments no engine held (their blocks are recomputed)", path)
-            return
+            return None
         self._segments_made = not os.path.lexists(path)
         args = (ns.fd, path, self.fingerprint, self.seal, self.direct_io, self.fsync)
         try:
-            self._log = await self._run(segments.open_log, *args)
+            return await self._run(segments.open_log, *args)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EWOULDBLOCK) or self.layout == "segments":
                 raise
             logger.warning("file tier %s: %s; one file per block instead", self.directory, exc.strerror)
+            return None
 
     async def close(self) -> None:
         await super().close()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        if self._layout is not None:
+            self._layout.close()
+            self._layout = None
         for pool in (self._pool, self._read_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -365,53 +386,37 @@ class FileBlockStore(BlockStore):
         """
         await self._run(shutil.rmtree, self.directory)
 
+    @property
+    def _open_layout(self) -> Layout:
+        self.check_open()
+        assert self._layout is not None
+        return self._layout
+
     async def put(self, key: OffloadKey, payload: memoryview) -> None:
-        if self._log is not None:
-            if (error := (await self.put_many([(key, payload)]))[0]) is not None:
-                raise error
-            return
-        args = (self._open_ns, key, payload, self.fingerprint, self.seal, self.fsync, self.direct_io)
-        await self._run(objects.write_object, *args)
+        if (error := (await self.put_many([(key, payload)]))[0]) is not None:
+            raise error
 
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
-        if self._log is not None:
-            if isinstance(outcome := (await self.get_many([(key, into)]))[0], Exception):
-                raise outcome
-            return outcome
-        args = (self._open_ns, key, into, self.fingerprint, self.seal, self.direct_io)
-        return await self._run(objects.read_object, *args, read=True)
+        if isinstance(outcome := (await self.get_many([(key, into)]))[0], Exception):
+            raise outcome
+        return outcome
 
     async def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
         """All puts in one hop: one after the other in one pool thread, or in segments one
         vectored write."""
-        if self._log is not None:
-            return await self._run(self._log.put_many, items)
-        ns = self._open_ns
-        calls = [(ns, key, data, self.fingerprint, self.seal, self.fsync, self.direct_io) for key, data in items]
-        return await self._run(objects.each, objects.write_object, calls)
+        return await self._run(self._open_layout.put_many, items)
 
     async def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
         """All gets in one hop: one after the other in one pool thread, or in segments one
         vectored read per run of blocks stored side by side."""
-        if self._log is not None:
-            return await self._run(self._log.get_many, items, read=True)
-        ns = self._open_ns
-        calls = [(ns, key, into, self.fingerprint, self.seal, self.direct_io) for key, into in items]
-        return await self._run(objects.each, objects.read_object, calls, read=True)
+        return await self._run(self._open_layout.get_many, items, read=True)
 
     async def exists(self, key: OffloadKey) -> bool:
-        if self._log is not None:
-            return self._log.exists(key)
-        return await self._run(objects.exists, self._open_ns, key, read=True)
+        layout = self._open_layout
+        return await self._run(layout.exists, key, read=True) if layout.exists_needs_io else layout.exists(key)
 
     async def delete_many(self, keys: Collection[OffloadKey]) -> None:
-        if self._log is not None:
-            await self._run(self._log.delete_many, list(keys))
-            return
-        await self._run(objects.delete_all, self._open_ns, list(keys))
+        await self._run(self._open_layout.delete_many, list(keys))
 
     async def recover(self) -> list[tuple[OffloadKey, int]]:
-        if self._log is not None:
-            return await self._run(self._log.recover)
-        args = (self._open_ns, self.directory, self.fingerprint, self.seal, self.block_bytes)
-        return await self._run(objects.scan, *args)
+        return await self._run(self._open_layout.recover)
