@@ -119,6 +119,23 @@ def test_every_backend_folder_says_what_it_holds():
 MAX_MODULE_LINES = 450
 
 
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_runs_past_80_lines():
+    long = []
+    for folder in ("tiering", "backends", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.relative_to(ROOT).parts[:2] in (("tiering", "backends"), ("tiering", "benchmarks")):
+                continue  # links a checkout may have (see package_tree)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(ROOT)}: {node.name}, {lines} lines")
+    assert long == [], "split these into steps with names"
+
+
 def test_no_module_runs_past_450_lines():
     long = []
     for folder in ("tiering", "backends", "benchmarks"):

@@ -77,6 +77,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    for add in (_workload_arguments, _configuration_arguments, _server_arguments, _output_arguments):
+        add(parser)
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    return args
+
+
+def _workload_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="Mooncake JSONL trace")
     source.add_argument("--workload", choices=WORKLOADS, help="a built-in synthetic workload instead (seed 0)")
@@ -94,6 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1.0,
         help="seconds per trace second (default 1: the trace's own pace; 2: half its speed; 0: all at once)",
     )
+
+
+def _configuration_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--configurations",
         help=f"comma-separated, default all: one server, {', '.join(CONFIGURATIONS)}; with --replicas, "
@@ -120,6 +131,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         + ", ".join(f"{where}={weight:g}" for where, weight in WEIGHTS.items())
         + ")",
     )
+
+
+def _server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-shape", choices=sorted(SHAPES), default="bench", help="the local model (default bench)"
     )
@@ -165,12 +179,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="stop the server gracefully at this time of the replay, start it again over its tiers and time the "
         "first 50 requests after, against a cold restart and none (configurations d, f or g; default d)",
     )
+
+
+def _output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", type=Path, help="the model, tiers and server logs (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--output", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, help="write the TTFT CDF as PNG")
     parser.add_argument("--quiet", action="store_true", help="only warnings and errors")
-    args = parser.parse_args(argv)
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The rules between options (each broken one a usage error), and the configurations
+    resolved to names."""
     known = FLEET_CONFIGURATIONS if args.replicas > 1 else CONFIGURATIONS
     if args.restart_at is not None:
         if args.replicas > 1:
@@ -184,7 +205,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.configurations = names
     if "g" in names and not args.recompute_tokens_per_s and ("a" not in names or names.index("a") > names.index("g")):
         parser.error("configuration g needs --recompute-tokens-per-s, or configuration a before it to measure it")
-    return args
 
 
 def _setup(args: argparse.Namespace, model: Path, kv_bytes_per_token: int, work_dir: Path) -> Setup:
