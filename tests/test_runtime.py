@@ -113,6 +113,20 @@ def test_run_sync_runs_after_every_callback_submitted_before_it_flushed_or_not(r
     assert runtime.run_sync(after) == ["queued"]
 
 
+def test_run_sync_and_a_wakeup_draining_the_same_inbox_run_each_callback_once_in_order(runtime):
+    ran = []
+    runtime.run_sync(anyio.sleep, 0)  # the loop runs
+    for i in range(3 * INBOX_SLICE):  # the wake-up's drain pauses after each slice; run_sync's drains the rest
+        runtime.submit(lambda i=i: ran.append(i))
+    runtime.flush()
+
+    async def after():
+        return list(ran)
+
+    assert runtime.run_sync(after) == list(range(3 * INBOX_SLICE))
+    assert runtime.run_sync(after) == list(range(3 * INBOX_SLICE)) and runtime.alive
+
+
 def test_a_failing_callback_does_not_kill_the_loop(runtime, caplog):
     done = threading.Event()
     runtime.submit(lambda: 1 / 0)

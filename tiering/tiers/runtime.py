@@ -300,6 +300,7 @@ class AsyncRuntime:
             if ran == INBOX_SLICE:
                 await asyncio.sleep(0)
                 ran = 0
+                continue  # (a `run_sync` may have drained the rest meanwhile)
             ran += 1
             self._run_callback(inbox.popleft())
         self._ring_pending = False
