@@ -274,10 +274,11 @@ class TieringOffloadingManager(OffloadingManager):
             jobs.expire_overdue()
         if (promotions.queued or promotions.trials) and promotions.on_schedule_end(self._step_hits):
             self._primary_changed = True
-        changed = self._primary_changed or jobs.changed  # (a job's end changes rows or readers)
-        if cascades.waiting_tiers or (changed and cascades.write_back_tiers):
-            cascades.on_schedule_end(changed)
-        self._primary_changed = jobs.changed = False
+        if cascades.waiting_tiers or cascades.write_back_tiers:
+            changed, jobs.changed = self._primary_changed or jobs.changed, False  # (a job's end moves rows, readers)
+            if cascades.waiting_tiers or changed:
+                cascades.on_schedule_end(changed)
+        self._primary_changed = False
         for _, tier in self._hooks["on_schedule_end"]:
             guarded(tier, "on_schedule_end", None)
         if self._listeners:
