@@ -14,6 +14,7 @@ Thread: the caller's; it starts its own reading threads.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import statistics
@@ -37,6 +38,8 @@ def disk_floors(directory: Path, piece_bytes: int, counts: set[int]) -> dict[int
 
     Raises:
         ValueError: `piece_bytes` is not a positive multiple of 4096.
+        OSError: a file under `directory` cannot be opened or its data ranges found (other
+            than O_DIRECT refused).
     """
     if piece_bytes <= 0 or piece_bytes % ALIGN:
         raise ValueError(f"piece_bytes must be a positive multiple of {ALIGN}, got {piece_bytes}")
@@ -44,7 +47,9 @@ def disk_floors(directory: Path, piece_bytes: int, counts: set[int]) -> dict[int
     try:
         try:
             pieces = _pieces(directory, piece_bytes, fds)
-        except OSError:  # EINVAL: no O_DIRECT here
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # (EINVAL: no O_DIRECT on this filesystem)
+                raise
             return None
         if not pieces or not counts:
             return None if not pieces else {}
@@ -78,7 +83,9 @@ def _data_offsets(fd: int, piece_bytes: int) -> list[int]:
     while at < end:
         try:
             start = os.lseek(fd, at, os.SEEK_DATA)
-        except OSError:  # ENXIO: only a hole from here
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # (ENXIO: only a hole from here)
+                raise
             break
         stop = os.lseek(fd, start, os.SEEK_HOLE)
         first = -(-start // ALIGN) * ALIGN

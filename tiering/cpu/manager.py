@@ -125,7 +125,7 @@ class CPUOffloadingManager(OffloadingManager):
         return None if block is None else block.ref_cnt
 
     def write_in_flight(self, key: OffloadKey) -> bool:
-        """Whether a write into `key`'s row (a GPU store or a promotion) is in flight."""
+        """Whether a write into `key`'s row (a GPU store or a promotion) is in flight. Scheduler thread."""
         return (block := self._resident.get(key)) is not None and block.ref_cnt < 0
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
