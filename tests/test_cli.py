@@ -2,8 +2,6 @@
 flags and start-up cost."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -91,18 +89,6 @@ def test_sizes_take_kubernetes_units_and_say_which_units_are_decimal():
         parse_size("lots")
 
 
-def test_help_and_version_import_no_torch():
-    code = (
-        "import sys\nfrom tiering.benchmarks.loadgen import main\n"
-        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-        "print('torch' in sys.modules)"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.stdout.strip().endswith("False") and "--log-level" in done.stdout and "--quiet" in done.stdout
-    version = subprocess.run([sys.executable, "-m", "tiering.benchmarks.loadgen.cli", "--version"], capture_output=True)
-    assert version.stdout.decode().startswith("tiering-bench (kv-tiering) ")
-
-
 def test_the_spec_and_the_manager_are_context_managers(tmp_path):
     from tiering import KVLayout
     from tiering.cpu.shared_region import region_path
@@ -112,23 +98,6 @@ def test_the_spec_and_the_manager_are_context_managers(tmp_path):
         assert isinstance(manager, TieringOffloadingManager)
         assert region_path("ctx-test").exists()
     assert not region_path("ctx-test").exists()
-
-
-def test_errors_read_without_errno_prefixes_and_name_the_busy_port(tmp_path, capsys):
-    import socket
-
-    from tiering.benchmarks.loadgen import cli
-
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        assert cli.main(["--metrics-port", str(port), "--max-requests", "5"]) == 2
-    err = capsys.readouterr().err
-    assert f"--metrics-port: 127.0.0.1:{port} is in use by another process" in err and "[Errno" not in err
-    unreadable = tmp_path / "engine.yaml"
-    assert cli.main(["--config", str(unreadable), "--max-requests", "5"]) == 2
-    assert "[Errno" not in capsys.readouterr().err
 
 
 def test_an_s3_endpoint_from_the_environment_is_named_as_such(monkeypatch):

@@ -1,6 +1,7 @@
 """The package's layout is its architecture: docs/architecture.md's tree lists exactly its
 folders and modules, few modules sit at the top, every folder imports only folders below it
-(the order of the tree), no two modules import each other, and no module is too long to read."""
+(the order of the tree), no two modules import each other, no module is too long to read, and
+the engine's tests import nothing from the benchmarks."""
 
 import ast
 import re
@@ -189,3 +190,14 @@ def test_no_two_modules_import_each_other_directly_or_through_others():
         if state[name] == 0:
             visit(name, [name])
     assert cycles == []
+
+
+def test_the_engines_tests_import_nothing_from_the_benchmarks():
+    """tests/ tests the engine; the benchmarks' and the load generator's tests are in tests_bench/."""
+    tests = sorted((ROOT / "tests").glob("*.py"))
+    assert tests, "tests/ holds no test modules"
+    offenders = {
+        path.name: sorted(name for name in module_imports(path) if name.startswith("tiering.benchmarks"))
+        for path in tests
+    }
+    assert {name: imports for name, imports in offenders.items() if imports} == {}

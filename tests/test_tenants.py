@@ -1,5 +1,6 @@
 """Tenants' shares of the CPU tier: who is evicted for whom, counters, config."""
 
+import hashlib
 import re
 
 import numpy as np
@@ -7,8 +8,7 @@ import pytest
 
 from tests.helpers import ROW as HELPER_ROW
 from tests.helpers import block_bytes, keys, metrics_text
-from tiering import ConfigError, CPUOffloadingManager, ReqContext
-from tiering.benchmarks.loadgen.run import block_key
+from tiering import ConfigError, CPUOffloadingManager, ReqContext, make_offload_key
 from tiering.config import parse_config
 from tiering.cpu.tenants import TenantsConfig, TenantShares
 
@@ -201,7 +201,10 @@ def tier_config(kind, request, tmp_path):
 
 
 def tenant_keys(tenant, *ids):
-    return [block_key(i, tenant) for i in ids]
+    """Keys of block ids `ids` of a request of `tenant`: vLLM mixes a request's cache_salt into
+    its block hashes, so the same tokens of two tenants never share a key."""
+    salted = (hashlib.blake2b(i.to_bytes(8, "big"), digest_size=16, key=tenant.encode()).digest() for i in ids)
+    return [make_offload_key(block_hash, 0) for block_hash in salted]
 
 
 def store_as(engine, tenant, ids):

@@ -2,7 +2,6 @@
 3-node cluster started by the fixtures, and servers of a test's own for the faults."""
 
 import contextlib
-import json
 import ssl
 import sys
 import time
@@ -14,7 +13,6 @@ import trustme
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, keys
 from tiering import JobMetadata, SecondaryTierFactory, TierConfigError
 from tiering.backends.valkey import ValkeyBlockStore
-from tiering.benchmarks import loadgen
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, key
 from tiering.testing.s3_server import free_port
@@ -390,23 +388,6 @@ def test_a_second_engine_finds_the_first_ones_blocks_by_probes_without_recovery(
     assert len(second.tier.index) == 0  # nothing listed at start
     assert second.lookup_until_done(0, 1, 2, 3, steps=10) == [True, True, True, False]
     assert second.tier.get_stats()["counters"]["lookups_deferred"] >= 4  # each key probed once
-
-
-def test_tiering_bench_credits_the_shared_tier_with_the_hits_another_engine_stored(valkey_server, key_prefix, tmp_path):
-    config = tmp_path / "engine.yaml"
-    config.write_text(
-        f"cpu_bytes_to_use: 2MiB\nsecondary_tiers:\n  - type: valkey\n    addresses: [{valkey_server.address}]\n"
-        f"    key_prefix: {key_prefix}\n"
-    )
-    reports = []
-    for run in ("first", "second"):  # two engines, one after the other, on one server
-        output = tmp_path / f"{run}.json"
-        args = ["--config", str(config), "--max-requests", "60", "--warm-start", "--verify", "--quiet"]
-        assert loadgen.main([*args, "--output", str(output)]) == 0
-        reports.append(json.loads(output.read_text()))
-    first, second = (report["hit_rate"] for report in reports)
-    assert second["valkey"] > first["valkey"] and second["total"] > first["total"]
-    assert reports[1]["tiers"]["valkey"]["stats"]["counters"]["lookups_deferred"] > 0  # found by probes
 
 
 @pytest.fixture

@@ -697,3 +697,20 @@ def test_a_gzip_trace_reads_as_its_text_and_a_cut_one_is_refused_in_one_line(tmp
     packed.write_bytes(gzip.compress(text.encode())[:-10])
     with pytest.raises(ValueError, match=r"t\.jsonl\.gz: not a whole gzip file"):
         read_trace(packed)
+
+
+def test_tiering_bench_credits_the_shared_tier_with_the_hits_another_engine_stored(valkey_server, key_prefix, tmp_path):
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        f"cpu_bytes_to_use: 2MiB\nsecondary_tiers:\n  - type: valkey\n    addresses: [{valkey_server.address}]\n"
+        f"    key_prefix: {key_prefix}\n"
+    )
+    reports = []
+    for run in ("first", "second"):  # two engines, one after the other, on one server
+        output = tmp_path / f"{run}.json"
+        args = ["--config", str(config), "--max-requests", "60", "--warm-start", "--verify", "--quiet"]
+        assert cli.main([*args, "--output", str(output)]) == 0
+        reports.append(json.loads(output.read_text()))
+    first, second = (report["hit_rate"] for report in reports)
+    assert second["valkey"] > first["valkey"] and second["total"] > first["total"]
+    assert reports[1]["tiers"]["valkey"]["stats"]["counters"]["lookups_deferred"] > 0  # found by probes

@@ -1,0 +1,33 @@
+"""The load generator's command line: help without torch, errors without errno prefixes."""
+
+import subprocess
+import sys
+
+
+def test_help_and_version_import_no_torch():
+    code = (
+        "import sys\nfrom tiering.benchmarks.loadgen import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip().endswith("False") and "--log-level" in done.stdout and "--quiet" in done.stdout
+    version = subprocess.run([sys.executable, "-m", "tiering.benchmarks.loadgen.cli", "--version"], capture_output=True)
+    assert version.stdout.decode().startswith("tiering-bench (kv-tiering) ")
+
+
+def test_errors_read_without_errno_prefixes_and_name_the_busy_port(tmp_path, capsys):
+    import socket
+
+    from tiering.benchmarks.loadgen import cli
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["--metrics-port", str(port), "--max-requests", "5"]) == 2
+    err = capsys.readouterr().err
+    assert f"--metrics-port: 127.0.0.1:{port} is in use by another process" in err and "[Errno" not in err
+    unreadable = tmp_path / "engine.yaml"
+    assert cli.main(["--config", str(unreadable), "--max-requests", "5"]) == 2
+    assert "[Errno" not in capsys.readouterr().err
