@@ -2,8 +2,9 @@
 aiobotocore client (botocore's default timeouts), side by side, on a local moto server that
 is stopped with SIGSTOP (alive, listening, silent), and how soon blocks load again once it
 is resumed. Also: how long building a tier against an endpoint that never answers takes to
-fail.
+fail. Needs the ``bench-s3`` extra (aiobotocore and moto):
 
+    pip install -c constraints.txt -e '.[bench-s3]'
     python -m tiering.benchmarks.s3_outage [--limit-s 60] [--outage-s 75]
 """
 
@@ -19,7 +20,14 @@ import time
 import numpy as np
 
 from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
+from tiering.benchmarks.extras import missing_extra
 from tiering.testing.s3_server import MotoServer
+
+try:
+    import aiobotocore  # noqa: F401
+    import moto  # noqa: F401
+except ModuleNotFoundError as missing:
+    raise missing_extra("bench-s3", missing) from None
 
 ROWS, ROW_BYTES = 64, 4096
 CREDENTIALS = {

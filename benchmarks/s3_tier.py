@@ -11,7 +11,9 @@ an untimed round, best kept:
 
 Without ``--endpoint-url`` it starts a local moto server (``moto[server]``); pass the URL of a
 real S3-compatible server to measure that instead (credentials from the AWS chain).
+Needs the ``bench-s3`` extra (aiobotocore and moto):
 
+    pip install -c constraints.txt -e '.[bench-s3]'
     python -m tiering.benchmarks.s3_tier --total-mib 128
 """
 
@@ -25,10 +27,17 @@ import time
 import uuid
 
 import numpy as np
-from aiobotocore.session import get_session
-from botocore.config import Config
 from rich.console import Console
 from rich.table import Table
+
+from tiering.benchmarks.extras import missing_extra
+
+try:
+    import moto  # noqa: F401  (the local server)
+    from aiobotocore.session import get_session
+    from botocore.config import Config
+except ModuleNotFoundError as missing:
+    raise missing_extra("bench-s3", missing) from None
 
 from tiering import make_offload_key
 from tiering.benchmarks.file_tier import aligned_rows

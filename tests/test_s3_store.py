@@ -12,7 +12,8 @@ from tiering import ConfigError, SecondaryTierFactory, parse_config
 from tiering.backends.s3 import S3BlockStore
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, opened
-from tiering.testing.s3_server import MotoServer, free_port
+from tiering.testing.processes import free_port
+from tiering.testing.s3_server import MotoServer
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from tiering import JobMetadata, SecondaryTierFactory, TierConfigError
 from tiering.backends.valkey import ValkeyBlockStore
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, key
-from tiering.testing.s3_server import free_port
+from tiering.testing.processes import free_port
 from tiering.testing.valkey_server import TlsFront, ValkeyCluster, ValkeyServer
 
 
@@ -116,6 +116,13 @@ def test_nothing_listening_is_a_clear_connection_error():
     config = {"type": "valkey", "addresses": [f"127.0.0.1:{free_port()}"], "connect_timeout_s": 0.5}
     with pytest.raises(ConnectionError, match=r"valkey tier: server 127.0.0.1:\d+: cannot connect"):
         make_tier(config)
+
+
+def test_a_test_server_that_fails_to_start_says_why_from_its_stderr():
+    server = ValkeyServer(settings={"no-such-directive": "1"})
+    with pytest.raises(RuntimeError, match=r"redis-server on port \d+ exited with status 1: (?s:.*)no-such-directive"):
+        server.start()
+    server.stop()  # nothing left to stop: a no-op
 
 
 def test_a_cluster_configured_as_standalone_is_a_clear_error(valkey_cluster, key_prefix):

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_help_and_version_import_no_torch():
     code = (
@@ -31,3 +33,24 @@ def test_errors_read_without_errno_prefixes_and_name_the_busy_port(tmp_path, cap
     unreadable = tmp_path / "engine.yaml"
     assert cli.main(["--config", str(unreadable), "--max-requests", "5"]) == 2
     assert "[Errno" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("benchmark", "hidden", "extra"),
+    [
+        ("s3_tier", "aiobotocore", "bench-s3"),
+        ("s3_outage", "moto", "bench-s3"),
+        ("valkey_tier", "glide", "bench-valkey"),
+    ],
+)
+def test_a_benchmark_without_its_extra_names_it_in_one_line(benchmark, hidden, extra):
+    code = (
+        f"import runpy, sys\nsys.modules[{hidden!r}] = None  # as if not installed\n"
+        f"runpy.run_module('tiering.benchmarks.{benchmark}', run_name='__main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == (
+        f"this benchmark needs the '{extra}' extra (no module named {hidden!r}): "
+        f"pip install -c constraints.txt -e '.[{extra}]'\n"
+    )

@@ -1,31 +1,18 @@
 """A local S3-compatible server for tests and benchmarks: moto's server mode in a child process
-on loopback (needs the `moto[server]` package, part of the test extra)."""
+on loopback. Needs the `moto[server]` package (in the `test` and `bench-s3` extras) and
+botocore (the `s3` extra) for `MotoServer.client`."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
 import sys
 import time
+from typing import IO
 
-import botocore.session
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM `process` and wait for it; SIGKILL it if it has not exited in `timeout_s`."""
-    process.terminate()
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+from tiering.testing.processes import exit_message, free_port, spawn, stop_process
 
 
 class MotoServer:
@@ -39,16 +26,25 @@ class MotoServer:
         self.environment = environment or {}
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         self._process: subprocess.Popen | None = None
+        self._stderr: IO[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> None:
+        """Start the server and wait until it accepts connections.
+
+        Raises:
+            RuntimeError: moto is not installed, or the server exited (its stderr's end is in
+                the message) or did not listen in `timeout_s`.
+        """
+        if importlib.util.find_spec("moto") is None:
+            raise RuntimeError("no moto: the local S3 server needs moto[server] (the 'test' or 'bench-s3' extra)")
         command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
-        self._process = subprocess.Popen(
-            command, env={**os.environ, **self.environment}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        self._process, self._stderr = spawn(command, {**os.environ, **self.environment})
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"moto server exited with {self._process.returncode}")
+                message = exit_message("moto server", self._process, self._stderr)
+                self.stop()
+                raise RuntimeError(message)
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                 return
@@ -69,12 +65,18 @@ class MotoServer:
         return self._process.pid
 
     def stop(self) -> None:
+        """Stop the server; later calls do nothing."""
         if self._process is not None:
             stop_process(self._process)
             self._process = None
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
 
     def client(self):
         """A synchronous botocore S3 client, for test set-up and raw object access."""
+        import botocore.session
+
         return botocore.session.get_session().create_client(
             "s3", endpoint_url=self.endpoint_url, region_name="us-east-1"
         )

@@ -28,8 +28,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
-from tiering.testing.s3_server import free_port, stop_process
+from tiering.testing.processes import exit_message, free_port, spawn, stop_process
 
 CLUSTER_SLOTS = 16384
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000 (so its port is <= 55535)
@@ -85,6 +86,7 @@ class ValkeyServer:
         self.settings = settings or {}
         self._dir = tempfile.mkdtemp(prefix="kvt-valkey-")
         self._process: subprocess.Popen | None = None
+        self._stderr: IO[bytes] | None = None
 
     @property
     def address(self) -> str:
@@ -126,7 +128,9 @@ class ValkeyServer:
         command = [server_binary()]
         for name, value in settings.items():
             command += [f"--{name}", value]
-        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self._stderr is not None:
+            self._stderr.close()
+        self._process, self._stderr = spawn(command)
         try:
             self._wait_ready(timeout_s)
         except BaseException:
@@ -138,8 +142,10 @@ class ValkeyServer:
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._process is None or self._process.poll() is not None:
-                raise RuntimeError(f"redis-server on port {self.port} exited")
+            if self._process is not None and self._stderr is not None and self._process.poll() is not None:
+                raise RuntimeError(exit_message(f"redis-server on port {self.port}", self._process, self._stderr))
+            if self._process is None:
+                raise RuntimeError(f"redis-server on port {self.port} was stopped")
             try:
                 self.admin().ping()
                 return
@@ -180,9 +186,13 @@ class ValkeyServer:
     def stop(self) -> None:
         """Stop the server (thawed first) and remove its directory. Later calls do nothing."""
         if self._process is not None:
-            os.kill(self._process.pid, signal.SIGCONT)
+            if self._process.poll() is None:
+                os.kill(self._process.pid, signal.SIGCONT)
             stop_process(self._process)
             self._process = None
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

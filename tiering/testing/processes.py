@@ -1,0 +1,53 @@
+"""The test servers' child processes: a free loopback port, a server started with its stderr
+kept, what a server that exited said, and a stop that always ends the process."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import tempfile
+from typing import IO
+
+STDERR_TAIL_BYTES = 2000  # of a failed server's stderr, in its error
+
+
+def free_port() -> int:
+    """A loopback port free at the time of the call."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(command: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, IO[bytes]]:
+    """Start `command` (`env`: its whole environment; None: this process's) with stdout
+    discarded and stderr kept in an anonymous temporary file, for `exit_message`.
+
+    Returns:
+        The process and its stderr file (the caller closes it once the process is stopped).
+
+    Raises:
+        OSError: the program cannot be started.
+    """
+    stderr = tempfile.TemporaryFile()  # noqa: SIM115  (closed by the caller, or below)
+    try:
+        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr), stderr
+    except BaseException:
+        stderr.close()
+        raise
+
+
+def exit_message(name: str, process: subprocess.Popen, stderr: IO[bytes]) -> str:
+    """'`name` exited with status N: <the end of its stderr>', for a server that exited."""
+    stderr.seek(0)
+    tail = stderr.read()[-STDERR_TAIL_BYTES:].decode(errors="replace").strip()
+    return f"{name} exited with status {process.returncode}: " + (tail or "(nothing on stderr)")
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM `process` and wait for it; SIGKILL it if it has not exited in `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
