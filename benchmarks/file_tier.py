@@ -55,7 +55,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiering import JobMetadata, OffloadKey, ReqContext, SecondaryTierFactory, make_offload_key
-from tiering.options import parse_size
+from tiering.benchmarks.args import format_size, names_arg, sizes_arg
 
 CTX = ReqContext("bench")
 
@@ -256,26 +256,29 @@ def measure(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure (default: a temp dir)")
-    parser.add_argument("--block-sizes", default="64KiB,2MiB,32MiB", help="comma-separated sizes")
+    parser.add_argument(
+        "--block-sizes", type=sizes_arg, default="64KiB,2MiB,32MiB", help="comma-separated sizes (%(default)s)"
+    )
     parser.add_argument("--total-mib", type=int, default=512, help="data moved per measurement (default 512)")
     parser.add_argument("--concurrency", type=int, default=16, help="threads and operations in flight (default 16)")
     parser.add_argument("--job-blocks", type=int, default=16, help="blocks per job (default 16)")
-    parser.add_argument("--modes", default="buffered,direct", help="comma-separated: buffered, fsync, direct")
+    parser.add_argument(
+        "--modes",
+        type=names_arg(MODES),
+        default="buffered,direct",
+        help="comma-separated: buffered (the page cache), fsync, direct (O_DIRECT) (%(default)s)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs; the best is kept (default 3)")
     parser.add_argument(
-        "--seals", default="", help="comma-separated: signed, encrypted: also run the engine with integrity keys"
+        "--seals",
+        type=names_arg(SEALS),
+        default="",
+        help="comma-separated: signed, encrypted: also run the engine with integrity keys",
     )
     args = parser.parse_args(argv)
     if args.dir is not None and not args.dir.is_dir():
         parser.error(f"--dir: {args.dir} is not a directory (give one on the disk to measure)")
-    try:
-        sizes = [parse_size(size_name) for size_name in args.block_sizes.split(",")]
-    except ValueError as exc:
-        parser.error(f"--block-sizes: {exc}")
-    seals = [seal for seal in args.seals.split(",") if seal]
-    for seal in seals:
-        if seal not in SEALS:
-            parser.error(f"--seals: expected signed or encrypted; got {seal!r}")
+    seals = args.seals
     title = f"File tier GB/s vs a raw thread pool and aiofiles, {args.concurrency} in flight, best of {args.repeats}"
     table = Table(title=title)
     columns = ["block", "mode", "op", "engine", "raw", "vs raw", "check", "aiofiles", "vs it", "handoff us/job"]
@@ -284,8 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     for column in columns:
         table.add_column(column, justify="left" if column in ("block", "mode", "op") else "right")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tiering-bench-") as base:
-        for size_name, size in zip(args.block_sizes.split(","), sizes, strict=True):
-            for mode in args.modes.split(","):
+        for size in args.block_sizes:
+            for mode in args.modes:
                 best = measure(
                     size,
                     args.total_mib << 20,
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
                         best["bytes"] / best[f"{side} {direction}"] for side in ("engine", "raw", "aiofiles")
                     )
                     table.add_row(
-                        size_name,
+                        format_size(size),
                         mode,
                         direction,
                         f"{engine / 1e9:.2f}",

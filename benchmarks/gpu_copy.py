@@ -30,8 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiering import CpuGpuOffloadingHandlers, CPULoadStoreSpec, GPULoadStoreSpec, canonicalize_kv_caches
-
-SIZES = {"64KiB": 64 << 10, "256KiB": 256 << 10, "1MiB": 1 << 20, "2MiB": 2 << 20, "8MiB": 8 << 20}
+from tiering.benchmarks.args import format_size, sizes_arg
 
 
 def _sync(device: torch.device) -> None:
@@ -106,12 +105,16 @@ def time_baseline(device: torch.device, nbytes: int, threads: int, to_host: bool
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--block-sizes", default=",".join(SIZES), help=f"comma-separated from {', '.join(SIZES)}")
+    parser.add_argument(
+        "--block-sizes", type=sizes_arg, default="64KiB,256KiB,1MiB,2MiB,8MiB", help="comma-separated (%(default)s)"
+    )
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement (default 256 MiB)")
     parser.add_argument("--layers", type=int, default=8, help="KV tensors per block (default 8)")
     parser.add_argument("--job-blocks", type=int, default=16, help="blocks per transfer (default 16)")
     parser.add_argument("--repeats", type=int, default=3, help="runs; the best is kept (default 3)")
     args = parser.parse_args(argv)
+    if any(size % args.layers for size in args.block_sizes):
+        parser.error(f"--block-sizes: each must split into --layers {args.layers} equal pages")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     baselines = {"out": (threads, True), "in": (threads, False)} | ({"out1": (1, True)} if device.type == "cpu" else {})
@@ -121,10 +124,10 @@ def main(argv: list[str] | None = None) -> None:
         columns += ["copy_ on 1 thread", "vs it"]
     for column in columns:
         table.add_column(column, justify="left" if column == "block" else "right")
-    for name in args.block_sizes.split(","):
+    for size in args.block_sizes:
         runs = []
         for _ in range(args.repeats + 1):
-            run = time_handlers(device, SIZES[name], args.total_mib << 20, args.layers, args.job_blocks)
+            run = time_handlers(device, size, args.total_mib << 20, args.layers, args.job_blocks)
             for key, (count, to_host) in baselines.items():
                 run[key] = time_baseline(device, int(run["bytes"]), count, to_host)
             runs.append(run)
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         rates = {key: runs[0]["bytes"] / best[key] / 1e9 for key in ("store", "load", *baselines)}
         rates["both"] = runs[0]["both bytes"] / best["both"] / 1e9
         versus = {"store": rates["out"], "load": rates["in"], "both": (rates["out"] + rates["in"]) / 2}
-        row = [name, " / ".join(f"{rates[key]:.2f}" for key in versus), f"{rates['out']:.2f} / {rates['in']:.2f}"]
+        row = [format_size(size), " / ".join(f"{rates[key]:.2f}" for key in versus)]
+        row.append(f"{rates['out']:.2f} / {rates['in']:.2f}")
         row.append(" / ".join(f"{rates[key] / versus[key]:.2f}x" for key in versus))
         if "out1" in baselines:
             row += [

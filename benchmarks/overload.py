@@ -7,12 +7,12 @@ serving engine's scheduler does), the tier's I/O runs on the engine's loop and p
 The engine is a real `TieringOffloadingManager`: a shared-memory CPU tier of `--rows` rows of
 `--block-bytes`, and one secondary tier (`file` in `--dir`, or an emulated device: a
 `memory` tier whose every call sleeps `--device-latency-s`). A step of the scheduler (every
-`--step-s`) stores new blocks at the offered rate (GPU -> CPU, then the cascade) and looks
+`--scheduler-step-s`) stores new blocks at the offered rate (GPU -> CPU, then the cascade) and looks
 up a few blocks only the tier still holds (a promotion, timed from the first lookup to the
 block being loadable).
 
 First the tier's absorbed rate is measured (stores offered far beyond it, unbounded, for a
-few seconds); then the ramp offers `--ramp` multiples of it for `--step-seconds` each. Per
+few seconds); then the ramp offers `--ramp` multiples of it for `--ramp-step-s` each. Per
 step: offered and absorbed GB/s, cascades dropped, GPU stores refused by the CPU tier,
 rows pinned by cascades (peak), promotion p50/p99 and the p99 of every manager call.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import tempfile
 import time
@@ -31,6 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 from tiering import (
     CPUPrimaryTierOffloadingManager,
@@ -40,8 +43,8 @@ from tiering import (
     TieringOffloadingManager,
     make_offload_key,
 )
+from tiering.benchmarks.args import positive_arg, rate_arg, size_arg
 from tiering.engine.admission import AdmissionConfig
-from tiering.options import parse_size
 
 UNBOUNDED = {"max_rows_in_flight": 1 << 40, "max_backlog_s": None}
 REQUEST_BLOCKS = 16
@@ -80,7 +83,7 @@ class Rig:
         manager, args = self.manager, self.args
         before = _counters(manager)
         self.call_s = {}
-        per_step = gbps * 1e9 * args.step_s / args.block_bytes
+        per_step = gbps * 1e9 * args.scheduler_step_s / args.block_bytes
         owed, refused, offered, pinned = 0.0, 0, 0, 0
         promotions: list[float] = []
         waiting: dict[bytes, float] = {}
@@ -103,7 +106,7 @@ class Rig:
             self._promote(waiting, promotions, context)
             self.call(manager.on_schedule_end)
             pinned = max(pinned, manager.cascades.admission[0].rows_in_flight)
-            delay = args.step_s * step - (time.perf_counter() - start)
+            delay = args.scheduler_step_s * step - (time.perf_counter() - start)
             if delay > 0:
                 time.sleep(delay)
         elapsed = time.perf_counter() - start
@@ -154,39 +157,43 @@ def _percentile(values: list[float], q: float, scale: float) -> float | None:
 
 
 def ramp(args: argparse.Namespace, admission: dict[str, Any], directory: str, absorbed: float) -> list[dict]:
+    """One row per offered rate of `args.ramp` (x `absorbed` GB/s)."""
     rig = Rig(args, admission, directory)
     try:
-        return [{"x": x, **rig.run(x * absorbed, args.step_seconds)} for x in args.ramp]
+        return [{"offered_x": x, **rig.run(x * absorbed, args.ramp_step_s)} for x in args.ramp]
     finally:
         rig.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tiering-bench overload", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", help="directory of the file tier (default: a temporary one)")
-    parser.add_argument("--device-latency-s", type=float, default=0.0, help="emulate the device instead")
-    parser.add_argument("--rows", type=int, default=256, help="CPU tier rows")
-    parser.add_argument("--block-bytes", type=int, default=1 << 20)
-    parser.add_argument("--concurrency", type=int, default=8, help="the tier's max_concurrency")
-    parser.add_argument("--tier-bytes", type=parse_size, default=2 << 30, help="the file tier's capacity (2GiB)")
-    parser.add_argument("--step-s", type=float, default=0.01, help="seconds per scheduler step")
-    parser.add_argument("--step-seconds", type=float, default=4.0, help="seconds per ramp step")
-    parser.add_argument("--ramp", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5, 2.0, 3.0])
-    parser.add_argument("--output", help="write the results as JSON here")
-    parser.add_argument("--plot", help="write a plot (PNG) here")
+    parser = argparse.ArgumentParser(
+        prog="tiering-bench overload",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--dir", help="directory of the file tier (None: a temporary one)")
+    parser.add_argument(
+        "--device-latency-s", type=rate_arg, default=0.0, help="> 0: an emulated device of this latency per call"
+    )
+    parser.add_argument("--rows", type=positive_arg, default=256, help="CPU tier rows")
+    parser.add_argument("--block-bytes", type=size_arg, default="1MiB", help="a block's (and a CPU row's) size")
+    parser.add_argument("--concurrency", type=positive_arg, default=8, help="the tier's max_concurrency")
+    parser.add_argument("--tier-bytes", type=size_arg, default="2GiB", help="the file tier's capacity")
+    parser.add_argument("--scheduler-step-s", type=rate_arg, default=0.01, help="seconds between scheduler steps")
+    parser.add_argument("--ramp-step-s", type=rate_arg, default=4.0, help="seconds each offered rate of the ramp runs")
+    parser.add_argument(
+        "--ramp", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5, 2.0, 3.0], help="offered rates, x absorbed"
+    )
+    parser.add_argument("--output", help="write the results as JSON here (None: no file)")
+    parser.add_argument("--plot", help="write a plot (PNG) here (None: no plot)")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
-        os.chmod(directory, 0o700)
-        calibration = Rig(args, UNBOUNDED, directory)
-        try:
-            absorbed = calibration.run(20.0, args.step_seconds)["absorbed_gbps"]
-        finally:
-            calibration.close()
-        results = {
-            "absorbed_gbps": absorbed,
-            "admission": ramp(args, {}, directory, absorbed),
-            "no_admission": ramp(args, UNBOUNDED, directory, absorbed),
-        }
+    refusals = logging.getLogger("tiering.cpu.refusals")
+    level = refusals.level
+    refusals.setLevel(logging.ERROR)  # the run provokes them on purpose: the tables count them
+    try:
+        results = run_all(args)
+    finally:
+        refusals.setLevel(level)
     _print(results)
     if args.output:
         with open(args.output, "w") as out:
@@ -196,29 +203,46 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    """The tier's absorbed rate, then the ramp with and without admission, in one directory."""
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        os.chmod(directory, 0o700)
+        calibration = Rig(args, UNBOUNDED, directory)
+        try:
+            absorbed = calibration.run(20.0, args.ramp_step_s)["absorbed_gbps"]
+        finally:
+            calibration.close()
+        return {
+            "absorbed_gbps": absorbed,
+            "admission": ramp(args, {}, directory, absorbed),
+            "no_admission": ramp(args, UNBOUNDED, directory, absorbed),
+        }
+
+
+COLUMNS = (  # (JSON name, heading with its unit, format)
+    ("offered_x", "offered (x absorbed)", "{:.2f}x"),
+    ("offered_gbps", "offered GB/s", "{:.2f}"),
+    ("absorbed_gbps", "absorbed GB/s", "{:.2f}"),
+    ("cascades_dropped", "cascades dropped (blocks)", "{:,d}"),
+    ("gpu_stores_refused_pct", "GPU stores refused %", "{:.1f}"),
+    ("pinned_rows_peak", "pinned rows (peak)", "{:d}"),
+    ("promotion_p50_ms", "promotion p50 ms", "{:.1f}"),
+    ("promotion_p99_ms", "promotion p99 ms", "{:.1f}"),
+    ("scheduler_call_p99_us", "scheduler call p99 us", "{:.1f}"),
+)
+
+
 def _print(results: dict[str, Any]) -> None:
-    print(f"tier absorbs {results['absorbed_gbps']:.2f} GB/s")
-    columns = [
-        ("x", "{:>5.2f}"),
-        ("offered_gbps", "{:>7.2f}"),
-        ("absorbed_gbps", "{:>7.2f}"),
-        ("cascades_dropped", "{:>8d}"),
-        ("gpu_stores_refused_pct", "{:>7.1f}"),
-        ("pinned_rows_peak", "{:>6d}"),
-        ("promotion_p50_ms", "{:>7.1f}"),
-        ("promotion_p99_ms", "{:>7.1f}"),
-        ("scheduler_call_p99_us", "{:>8.1f}"),
-    ]
-    header = "x offered absorbed dropped refused% pinned prom50ms prom99ms call99us"
-    for mode in ("admission", "no_admission"):
-        print(f"\n{mode}\n{header}")
+    """One table per half of the run; '-' for a value not measured (no promotion in a step)."""
+    console = Console()
+    console.print(f"The tier absorbs {results['absorbed_gbps']:.2f} GB/s (offered far beyond it, unbounded).")
+    for mode, title in (("admission", "with admission (the default)"), ("no_admission", "without admission")):
+        table = Table(title=f"Overload ramp, {title}")
+        for _, heading, _ in COLUMNS:
+            table.add_column(heading, justify="right")
         for row in results[mode]:
-            print(" ".join(_cell(fmt, row[name]) for name, fmt in columns))
-
-
-def _cell(fmt: str, value: float | None) -> str:
-    """`value` in `fmt`, or '-' as wide for a value that was not measured."""
-    return fmt.format(value) if value is not None else "-".rjust(len(fmt.format(0)))
+            table.add_row(*(fmt.format(row[name]) if row[name] is not None else "-" for name, _, fmt in COLUMNS))
+        console.print(table)
 
 
 def _plot(results: dict[str, Any], path: str) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from tiering.benchmarks.args import format_size, sizes_arg
 from tiering.benchmarks.extras import missing_extra
 
 try:
@@ -98,10 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: start a local moto)")
     parser.add_argument("--bucket", default=None, help="bucket to use (default: a new one)")
-    parser.add_argument("--block-sizes", default="2MiB,256KiB", help="comma-separated, e.g. 2MiB,256KiB")
+    parser.add_argument("--block-sizes", type=sizes_arg, default="2MiB,256KiB", help="comma-separated (%(default)s)")
     add_job_arguments(parser, 3, "interleaved runs; the best is kept")
     args = parser.parse_args(argv)
-    sizes = {"2MiB": 2 << 20, "1MiB": 1 << 20, "256KiB": 256 << 10, "64KiB": 64 << 10}
     with contextlib.ExitStack() as stack:
         endpoint, bucket = args.endpoint_url, args.bucket
         if endpoint is None:
@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         for column in ("block", "direction", "engine GB/s", "raw GB/s", "ratio"):
             table.add_column(column, justify="left" if column in ("block", "direction") else "right")
-        for size_name in args.block_sizes.split(","):
+        for size in args.block_sizes:
             best = measure(
-                sizes[size_name],
+                size,
                 args.total_mib << 20,
                 endpoint,
                 bucket,
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
             for direction in ("store", "load"):
                 engine = best["bytes"] / best[f"engine {direction}"]
                 raw = best["bytes"] / best[f"raw {direction}"]
-                table.add_row(size_name, direction, f"{engine / 1e9:.3f}", f"{raw / 1e9:.3f}", f"{engine / raw:.2f}x")
+                rates = (f"{engine / 1e9:.3f}", f"{raw / 1e9:.3f}", f"{engine / raw:.2f}x")
+                table.add_row(format_size(size), direction, *rates)
     Console().print(table)
 
 

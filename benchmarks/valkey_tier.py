@@ -34,6 +34,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from tiering.benchmarks.args import format_size, sizes_arg
 from tiering.benchmarks.extras import missing_extra
 
 try:
@@ -52,7 +53,6 @@ from tiering import make_offload_key
 from tiering.backends.valkey.client import parse_address
 from tiering.benchmarks.file_tier import aligned_rows
 from tiering.benchmarks.tier_jobs import add_job_arguments, interleaved, run_tier_jobs
-from tiering.options import parse_size
 from tiering.tiers.object_format import encode_object
 
 REQUEST_TIMEOUT_S = 5.0  # the tier's default request_timeout_s, on both sides
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--addresses", default=None, help="host:port,... of a server (default: start a local one)")
     parser.add_argument("--cluster", action="store_true", help="a cluster (the local one: 3 nodes)")
-    parser.add_argument("--block-sizes", default="64KiB,2MiB", help="comma-separated, e.g. 64KiB,2MiB")
+    parser.add_argument("--block-sizes", type=sizes_arg, default="64KiB,2MiB", help="comma-separated (%(default)s)")
     add_job_arguments(parser, 5, "interleaved rounds")
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         columns = ("block", "direction", "engine GB/s", "raw GB/s", "best / best", "median of rounds")
         for column in columns:
             table.add_column(column, justify="left" if column in ("block", "direction") else "right")
-        for size_name in args.block_sizes.split(","):
+        for block_size in args.block_sizes:
             size, runs = measure(
-                parse_size(size_name),
+                block_size,
                 args.total_mib << 20,
                 addresses,
                 args.cluster,
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                 best = min(raw) / min(engine)
                 paired = statistics.median(r / e for e, r in zip(engine, raw, strict=True))
                 cells = (f"{size / min(engine) / 1e9:.3f}", f"{size / min(raw) / 1e9:.3f}", f"{best:.2f}x")
-                table.add_row(size_name, direction, *cells, f"{paired:.2f}x")
+                table.add_row(format_size(block_size), direction, *cells, f"{paired:.2f}x")
     Console().print(table)
 
 

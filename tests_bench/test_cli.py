@@ -54,3 +54,34 @@ def test_a_benchmark_without_its_extra_names_it_in_one_line(benchmark, hidden, e
         f"this benchmark needs the '{extra}' extra (no module named {hidden!r}): "
         f"pip install -c constraints.txt -e '.[{extra}]'\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "error"),
+    [
+        (
+            "file_tier",
+            ["--modes", "pagecache"],
+            "--modes: expected names out of buffered, fsync, direct; got pagecache",
+        ),  # noqa: E501
+        ("file_tier", ["--block-sizes", "64KiB,lots"], "--block-sizes: expected a size such as"),
+        ("gpu_copy", ["--block-sizes", "3MiB,2MB", "--layers", "7"], "each must split into --layers 7 equal pages"),
+        ("s3_tier", ["--block-sizes", "2 megs"], "--block-sizes: expected a size such as"),
+        ("valkey_tier", ["--block-sizes", "0"], "--block-sizes: expected a size from 1 byte"),
+        ("overload", ["--block-bytes", "lots"], "--block-bytes: expected a size such as"),
+    ],
+)
+def test_every_benchmark_parses_sizes_and_names_alike_and_refuses_bad_ones_before_any_work(module, argv, error, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"tiering.benchmarks.{module}").main(argv)
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert error in lines[-1] and lines[0].startswith("usage:")  # argparse: the usage, then the error
+
+
+def test_sizes_are_printed_in_binary_units():
+    from tiering.benchmarks.args import format_size, sizes_arg
+
+    assert [format_size(size) for size in sizes_arg("64KiB, 3MiB,2GiB,512")] == ["64 KiB", "3 MiB", "2 GiB", "512 B"]

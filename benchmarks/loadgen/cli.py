@@ -25,8 +25,7 @@ from rich.markup import escape
 
 import tiering
 from tiering import ConfigError, RegionInUseError
-from tiering.benchmarks.loadgen import BENCH_MODULES
-from tiering.benchmarks.loadgen.args import (
+from tiering.benchmarks.args import (
     check_output,
     count_arg,
     natural_arg,
@@ -35,6 +34,7 @@ from tiering.benchmarks.loadgen.args import (
     rate_arg,
     size_arg,
 )
+from tiering.benchmarks.loadgen import BENCH_MODULES
 from tiering.benchmarks.loadgen.replay import Interrupts, run
 from tiering.benchmarks.loadgen.report import print_summary
 from tiering.benchmarks.loadgen.workload import WORKLOADS

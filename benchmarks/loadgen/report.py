@@ -10,6 +10,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from tiering.benchmarks.args import format_size
 from tiering.benchmarks.loadgen.run import RunStats
 from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS
 from tiering.tiers.context import PRIMARY_NAME
@@ -149,9 +150,9 @@ def print_summary(report: dict, console: Console) -> None:
         counters, gauges = tier["stats"]["counters"], tier["stats"]["gauges"]
         tiers.add_row(
             name,
-            _size(tier["store_bytes"]),
+            format_size(tier["store_bytes"]),
             f"{tier['store_gbps']:.2f}",
-            _size(tier["load_bytes"]),
+            format_size(tier["load_bytes"]),
             f"{tier['load_gbps']:.2f}",
             str(tier["evictions"]),
             str(counters.get("jobs_failed", 0)),
@@ -164,7 +165,7 @@ def print_summary(report: dict, console: Console) -> None:
         transfers.add_column(column, justify="left" if column == "direction" else "right", no_wrap=True)
     for name, transfer in report["transfers"].items():
         transfers.add_row(
-            name.replace("_to_", " -> "), _size(transfer["bytes"]), f"{transfer['gbps_while_copying']:.2f}"
+            name.replace("_to_", " -> "), format_size(transfer["bytes"]), f"{transfer['gbps_while_copying']:.2f}"
         )
     console.print(transfers)
     calls = Table(title="Scheduler-thread calls and promotions")
@@ -187,12 +188,12 @@ def _run_table(inputs: dict[str, Any], cpu_blocks: int) -> Table:
     source = inputs["trace"] or f"synthetic {inputs['workload']} workload"
     table.add_row("requests", f"{source}, seed {inputs['seed']}")
     model = f"{inputs['model']} preset" if inputs["model"] else "synthetic layout"
-    table.add_row("block", f"{_size(block_bytes)} ({model}, {BLOCK_TOKENS} tokens)")
+    table.add_row("block", f"{format_size(block_bytes)} ({model}, {BLOCK_TOKENS} tokens)")
     cpu_bytes = cpu_blocks * block_bytes
-    table.add_row("cpu tier", f"{cpu_blocks:,} blocks ({_size(cpu_bytes)}), {config['eviction_policy']}")
+    table.add_row("cpu tier", f"{cpu_blocks:,} blocks ({format_size(cpu_bytes)}), {config['eviction_policy']}")
     for tier in config["secondary_tiers"]:
         capacity = tier.get("capacity_bytes")
-        size = f"up to {_size(capacity)}" if capacity else "no capacity limit"
+        size = f"up to {format_size(capacity)}" if capacity else "no capacity limit"
         table.add_row("secondary tier", f"{tier['name']}: {tier['type']}, {size}")
     gpu = f"{inputs['gpu_blocks']:,} blocks" if inputs["gpu_prefix_cache"] else "off"
     table.add_row("gpu prefix cache", gpu)
@@ -200,14 +201,6 @@ def _run_table(inputs: dict[str, Any], cpu_blocks: int) -> Table:
     table.add_row("pace", f"{scale:g} s per trace second" if scale else "flat out")
     table.add_row("namespace", f"{inputs['namespace']}" + (" (warm start)" if inputs["warm_start"] else ""))
     return table
-
-
-def _size(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024:
-            return f"{count:.0f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TiB"
 
 
 def plot(stats: RunStats, sources: list[str], path: str) -> None:

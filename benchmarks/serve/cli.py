@@ -37,7 +37,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tiering.benchmarks.loadgen.args import check_output, positive_arg, rate_arg, size_arg
+from tiering.benchmarks.args import check_output, positive_arg, rate_arg, size_arg
 from tiering.benchmarks.loadgen.workload import WORKLOADS, read_trace, synthetic, with_hints
 from tiering.benchmarks.serve.fleet import FLEET_CONFIGURATIONS, SHARED_TIERS, Fleet, run_fleet, shared_backing
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model

@@ -1,6 +1,7 @@
-"""What the benchmark CLIs (``tiering-bench``, ``serve``, ``overload``) share on their command
-lines: argument types that reject bad values with one clear line, and the check that an
-output path can be written before a run starts.
+"""What the benchmark CLIs (``tiering-bench`` and its subcommands, the micro-benchmarks) share on
+their command lines: argument types that reject bad values with one clear line before any
+work, sizes printed one way, and the check that an output path can be written before a run
+starts.
 
 Thread: the CLI's.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from tiering.options import parse_size
@@ -21,6 +23,40 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def sizes_arg(text: str) -> list[int]:
+    """Comma-separated sizes such as ``64KiB,2MiB``, bytes each."""
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        sizes = [parse_size(part) for part in parts]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return sizes
+
+
+def names_arg(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argument type for a comma-separated list of names out of `choices` (an empty text
+    is an empty list)."""
+    allowed = tuple(choices)
+
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [name for name in names if name not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"expected names out of {', '.join(allowed)}; got {', '.join(unknown)}")
+        return names
+
+    return parse
+
+
+def format_size(count: float) -> str:
+    """`count` bytes in the largest binary unit that keeps it at or above 1: ``64 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
 
 
 def natural_arg(text: str) -> int:
