@@ -345,6 +345,23 @@ def test_a_run_killed_outright_leaves_files_that_the_next_run_removes(tmp_path):
     assert not any(path.name.endswith(runs.SUFFIX) for path in remaining) and any(root.glob("*/*/*"))
 
 
+def test_the_scratch_directory_of_a_default_run_killed_outright_is_swept_by_the_next(tmp_path):
+    environment = {**os.environ, "TMPDIR": str(tmp_path)}  # the default's file tier goes under the temp dir
+    command = [sys.executable, "-m", "tiering.benchmarks.loadgen.cli", "--workload", "zipf", "--quiet"]
+    process = subprocess.Popen(
+        [*command, "--max-requests", "100000"], env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_for_the_engine(process.pid)
+    while not any(tmp_path.glob("tiering-bench-*/*/*/*")):  # some blocks stored
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(30)
+    (killed,) = (path for path in tmp_path.iterdir() if path.is_dir())
+    assert (tmp_path / (killed.name + runs.SUFFIX)).exists()
+    done = subprocess.run([*command, "--max-requests", "20"], env=environment, capture_output=True, timeout=120)
+    assert done.returncode == 0 and list(tmp_path.iterdir()) == []  # the killed run's and its own, both gone
+
+
 def test_an_interrupt_inside_code_run_from_source_text_keeps_the_exit_status(tmp_path):
     """The signal can land while an import defines a dataclass, whose methods CPython compiles
     from source text; a plain KeyboardInterrupt leaving that code made the process kill itself

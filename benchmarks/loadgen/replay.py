@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import os
 import signal
-import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -142,7 +141,7 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
         ConfigError, ValueError, OSError, RegionInUseError: unusable input or storage.
         EngineFailure: the engine raised while replaying.
     """
-    with tempfile.TemporaryDirectory(prefix="tiering-bench-", ignore_cleanup_errors=True) as scratch:
+    with runs.scratch_directory() as scratch:
         replay = _prepare(args, scratch)
         from tiering.benchmarks.loadgen.engine import SimulatedEngine
 

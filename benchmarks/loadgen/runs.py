@@ -5,7 +5,9 @@ A run replays into a fresh namespace and removes it at the end, but a run killed
 (SIGKILL, a lost machine) leaves it behind. So each run holds an exclusive lock (``flock``)
 on a file beside its namespace, ``<namespace>.tiering-bench-run`` holding its pid, for as
 long as its process lives: the kernel drops the lock however the process ends. A later run
-over the same ``root_dir`` removes every namespace whose lock file it can lock.
+over the same ``root_dir`` removes every namespace whose lock file it can lock. The scratch
+directory a run makes in the temp dir (the built-in default's file tier) is claimed and swept
+the same way.
 
 Thread: the main thread of `tiering-bench`.
 """
@@ -17,6 +19,8 @@ import fcntl
 import logging
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger("tiering.bench")
@@ -40,7 +44,7 @@ class RunClaim:
         path = namespace.with_name(namespace.name + SUFFIX)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # at most a sweep's check of a new, empty file in the way
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
         except BaseException:
@@ -76,6 +80,8 @@ def sweep(root: Path) -> list[Path]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # its run is alive
+            if os.fstat(fd).st_size == 0:
+                continue  # a run claiming it right now (its pid is written under the lock)
             namespace = path.with_name(path.name.removesuffix(SUFFIX))
             try:
                 if namespace.is_dir() and not namespace.is_symlink():
@@ -89,3 +95,23 @@ def sweep(root: Path) -> list[Path]:
     if removed:
         logger.info("removed %d namespace(s) that earlier runs killed before their end left in %s", len(removed), root)
     return removed
+
+
+@contextlib.contextmanager
+def scratch_directory() -> Iterator[str]:
+    """A fresh ``tiering-bench-*`` directory in the temp dir, claimed for this run and removed
+    at its end; the ones runs killed before their end left there are swept first.
+
+    Raises:
+        OSError: the directory or its lock file cannot be created.
+    """
+    root = Path(tempfile.gettempdir())
+    sweep(root)
+    path = Path(tempfile.mkdtemp(prefix="tiering-bench-", dir=root))
+    claim = RunClaim()
+    try:
+        claim.claim(path)
+        yield str(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        claim.release()
