@@ -44,6 +44,18 @@ def test_check_with_a_model_refuses_what_the_engine_would_refuse(tmp_path, capsy
     assert "secondary_tiers[0].capacity_bytes (1,048,576) cannot hold one block: a block takes at least" in err
 
 
+def test_check_puts_what_would_stop_the_engine_last_under_the_header_of_every_config_error(tmp_path, capsys):
+    config = tmp_path / "engine.yaml"
+    config.write_text("cpu_bytes_to_use: 1PiB\nsecondary_tiers: [{type: file, root_dir: /proc/kv-cache}]\n")
+    assert config_main(["check", str(config)]) == 2
+    out, err = capsys.readouterr()
+    assert "cpu tier: 1,125,899,906,842,624 bytes" in out
+    header, *problems = err.splitlines()
+    assert header == "invalid configuration" and len(problems) == 2 and all(line.startswith("  ") for line in problems)
+    assert "cpu_bytes_to_use (1,125,899,906,842,624) is more than /dev/shm has free on this machine" in problems[0]
+    assert "secondary_tiers[0]: root_dir: /proc/kv-cache: cannot create a file in /proc" in problems[1]
+
+
 def test_check_of_a_bad_config_names_the_key_and_exits_2(tmp_path, capsys):
     config = tmp_path / "engine.yaml"
     config.write_text("cpu_bytes_to_use: 8Gi\nsecondary_tiers: [{type: file}]\n")
@@ -142,3 +154,10 @@ def test_check_tries_what_it_cheaply_can_and_with_connect_reaches_the_servers(
     err = capsys.readouterr().err
     assert "secondary_tiers[2]: cannot be reached: " in err and "does not exist" in err
     assert "secondary_tiers[0]" not in err and "secondary_tiers[1]" not in err
+
+
+def test_the_top_level_help_shows_each_commands_options(capsys):
+    with pytest.raises(SystemExit):
+        config_main(["--help"])
+    out = capsys.readouterr().out
+    assert "--connect" in out and "--model" in out and "--unused-for DURATION" in out and "--dry-run" in out

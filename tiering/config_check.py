@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from tiering.tiers.factory import SecondaryTierFactory, block_store_parts
 from tiering.tiers.object_format import object_size
 
 _DURATION = TypeAdapter(timedelta)
+SHM_DIR = "/dev/shm"  # the CPU tier's shared region (`tiering.cpu.shared_region`)
 _KEY_BYTES = len(make_offload_key(bytes(32), 0))  # vLLM's keys: a 32-byte hash and a group index
 
 
@@ -88,11 +90,26 @@ def describe(config: TieringConfig, layout: KVLayout | None) -> tuple[list[str],
                     f"secondary_tiers[{index}].capacity_bytes ({capacity:,}) cannot hold one block: a block "
                     f"takes at least {smallest:,} bytes (a row of {block_bytes:,} and its header)"
                 )
+    free = shm_free_bytes()
+    if free is not None and config.cpu_bytes_to_use > free:
+        problems.append(
+            f"cpu_bytes_to_use ({config.cpu_bytes_to_use:,}) is more than {SHM_DIR} has free on this machine "
+            f"({free:,}): lower it or enlarge {SHM_DIR}"
+        )
     if not config.secondary_tiers:
         lines.append("no secondary tiers")
     if config.metrics is not None:
         lines.append(f"metrics: http://{config.metrics.address}:{config.metrics.port}/metrics")
     return lines, problems
+
+
+def shm_free_bytes() -> int | None:
+    """The bytes free in `SHM_DIR`, where the CPU tier's region goes; None if it cannot be read."""
+    try:
+        info = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
 
 
 def _admission(config: AdmissionConfig, rows: int | None, tiers: int) -> str:
@@ -181,7 +198,11 @@ def _options(options: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tiering-config", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="tiering-config",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="validate a configuration and print the resolved engine")
     check.add_argument("file", nargs="?", help="the YAML configuration")
@@ -206,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds, 7d, 36h, P2W ...: not written for this long",
     )
     prune.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    parser.epilog = "".join(command.format_usage() for command in (check, prune))
+    parser.epilog += "tiering-config COMMAND --help explains each option."
     args = parser.parse_args(argv)
     if args.command == "prune":
         return _prune(args.file, args.unused_for, args.dry_run)
@@ -226,9 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         lines += more
     if not problems:
         lines += survey_tiers(config, identity, args.connect)[0]
-    print("\n".join(lines + notes))
-    for problem in problems:
-        print(f"{config.source}: {problem}: the engine would not start", file=sys.stderr)
+    print("\n".join(lines + notes), flush=True)
+    if problems:  # last, worded as every other configuration error
+        lines = [f"{config.source}: {problem}: the engine would not start" for problem in problems]
+        print("invalid configuration\n  " + "\n  ".join(lines), file=sys.stderr)
     return 2 if problems else 0
 
 
