@@ -77,6 +77,7 @@ def write_blocks_forever(root_dir, fingerprint, block_bytes):
     from tiering.backends.file import objects as file_io
 
     namespace = file_dirs.open_namespace(Path(root_dir), fingerprint.hex())
+    namespace.make_shards()
     for i in range(1_000_000):
         k = key(i)
         file_io.write_object(namespace, k, memoryview(payload_of(k, block_bytes)), fingerprint, None, False, False)

@@ -361,6 +361,17 @@ async def test_a_batch_that_fills_the_disk_keeps_the_blocks_written_whole(small_
 
 
 @pytest.mark.asyncio
+async def test_a_segment_namespace_holds_its_segments_and_no_shard_or_quarantine_directory(tmp_path):
+    store = FileBlockStore(tmp_path, FINGERPRINT, 2, layout="segments")
+    await store.open()
+    try:
+        await store.put(key(1), payload(BLOCK))
+        assert sorted(path.name for path in store.directory.iterdir()) == ["segments"]
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
 async def test_undoing_an_open_removes_the_segments_directory_it_made_and_nothing_else(tmp_path):
     earlier = FileBlockStore(tmp_path, FINGERPRINT, 2)  # one file per block: no segments directory
     await earlier.open()

@@ -206,6 +206,7 @@ def test_aligned_rows_bypass_the_page_cache_and_others_fall_back(tmp_path, monke
     from tiering.backends.file import objects as file_io
 
     namespace = file_dirs.open_namespace(tmp_path, FINGERPRINT.hex())
+    namespace.make_shards()
     opened_flags = []
     real_open = os.open
 

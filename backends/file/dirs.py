@@ -1,5 +1,6 @@
-"""The file tier's directories: a namespace of 256 shard directories and a quarantine, kept
-open from `open_namespace` to `Namespace.close`, made private (mode 0700) where created, and
+"""The file tier's directories: a namespace of 256 shard directories and a quarantine (made
+for the one-file-per-block layout only: `Namespace.make_shards`), kept open from
+`open_namespace` to `Namespace.close`, made private (mode 0700) where created, and
 the file name of each block's object.
 
 Worker threads of the tier's pool (and the thread that opens the tier). See
@@ -57,9 +58,10 @@ def shard_index(key: OffloadKey) -> int:
 
 class Namespace:
     """A namespace directory, open with its 256 shard directories and its quarantine (258
-    descriptors) from `open_namespace` to `close`: an operation on a block opens nothing but
-    the block's file. A directory replaced while open is not followed: the tier keeps using
-    the one it opened (another of this user's processes would have to do it). A shard
+    descriptors, once `make_shards` has run; -1 for each not there before) from
+    `open_namespace` to `close`: an operation on a block opens nothing but the block's file.
+    A directory replaced while open is not followed: the tier keeps using the one it opened
+    (another of this user's processes would have to do it). A shard
     directory removed while open (or the whole namespace) is made again by the first store
     into it (`reopen_shard`); the blocks it held are gone, each a miss when loaded."""
 
@@ -75,6 +77,20 @@ class Namespace:
     def shard_fd(self, key: OffloadKey) -> int:
         """The open descriptor of `key`'s shard directory (valid until `close`)."""
         return self.shards[shard_index(key)]
+
+    def make_shards(self) -> None:
+        """Make and open the shard and quarantine directories not there at `open_namespace`
+        (the one-file-per-block layout's; the segment layout needs none). A pool thread.
+
+        Raises:
+            OSError: a directory cannot be made or opened.
+        """
+        assert self.path is not None
+        for index, shard in enumerate(SHARDS):
+            if self.shards[index] < 0:
+                self.shards[index] = private_subdir(self.fd, shard, self.path / shard)
+        if self.quarantine < 0:
+            self.quarantine = private_subdir(self.fd, QUARANTINE, self.path / QUARANTINE)
 
     def reopen_shard(self, key: OffloadKey, stale_fd: int) -> int:
         """The descriptor of `key`'s shard directory, made and opened again after a store
@@ -113,8 +129,8 @@ class Namespace:
 
 def open_namespace(root: Path, name: str) -> Namespace:
     """Make `root` (missing parents too, 0700), check it is private, and open its private
-    subdirectory `name` with the shard and quarantine directories (creating what is missing).
-    The caller closes the result (`Namespace.close`).
+    subdirectory `name` (made if missing) with the shard and quarantine directories it holds
+    (`Namespace.make_shards` makes the others). The caller closes the result (`Namespace.close`).
 
     Raises:
         PermissionError: `root` or a directory under it belongs to another user or is
@@ -123,12 +139,15 @@ def open_namespace(root: Path, name: str) -> Namespace:
     """
     created = _make_private_parents(root)
     existed = os.path.lexists(root / name)
-    namespace = Namespace(_private_subdir_at(root, name), [], -1, root / name)
+    namespace = Namespace(_private_subdir_at(root, name), [-1] * len(SHARDS), -1, root / name)
     namespace.created = created if existed else [*created, root / name]
     try:
-        for shard in SHARDS:
-            namespace.shards.append(private_subdir(namespace.fd, shard, root / name / shard))
-        namespace.quarantine = private_subdir(namespace.fd, QUARANTINE, root / name / QUARANTINE)
+        present = set(os.listdir(namespace.fd))
+        for index, shard in enumerate(SHARDS):
+            if shard in present:
+                namespace.shards[index] = private_subdir(namespace.fd, shard, root / name / shard)
+        if QUARANTINE in present:
+            namespace.quarantine = private_subdir(namespace.fd, QUARANTINE, root / name / QUARANTINE)
     except BaseException:
         namespace.close()
         raise
@@ -137,12 +156,12 @@ def open_namespace(root: Path, name: str) -> Namespace:
 
 def holds_objects(ns: Namespace) -> bool:
     """Whether any shard directory of `ns` holds an entry (one file per block's objects, or
-    their temporaries): 256 directory reads, at most (a pool thread).
+    their temporaries): a read of each shard directory there, at most (a pool thread).
 
     Raises:
         OSError: a shard directory cannot be read.
     """
-    for dir_fd in ns.shards:
+    for dir_fd in (fd for fd in ns.shards if fd >= 0):
         with os.scandir(dir_fd) as entries:
             if next(entries, None) is not None:
                 return True

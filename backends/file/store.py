@@ -316,6 +316,8 @@ class FileBlockStore(BlockStore):
             log = await self._open_segments()
             ns = self._open_ns
             args = (self.fingerprint, self.seal, self.fsync, self.direct_io, self.block_bytes)
+            if log is None:
+                await self._run(ns.make_shards)
             self._layout = log or objects.OneFilePerBlock(ns, self.directory, *args)
             self.layout = self._layout.name
             reads = min(self._io_threads, self._layout.max_read_threads or self._io_threads)

@@ -51,7 +51,7 @@ exit status:
   0  ok
   1  a loaded block failed verification (a wrong byte)
   2  bad input: a config, trace, option or storage that cannot be used
-  3  the engine failed while replaying
+  3  the engine failed while replaying, or its hit rate exceeded the repeated-prefix bound
   130  interrupted by Ctrl-C (143: by SIGTERM): the partial results were still written
 """
 logger = logging.getLogger("tiering.bench")

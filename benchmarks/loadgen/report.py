@@ -187,14 +187,15 @@ def _run_table(inputs: dict[str, Any], cpu_blocks: int) -> Table:
     config, block_bytes = inputs["config"], inputs["bytes_per_block"]
     source = inputs["trace"] or f"synthetic {inputs['workload']} workload"
     table.add_row("requests", f"{source}, seed {inputs['seed']}")
-    model = f"{inputs['model']} preset" if inputs["model"] else "synthetic layout"
-    table.add_row("block", f"{format_size(block_bytes)} ({model}, {BLOCK_TOKENS} tokens)")
+    model = inputs["model"] or "a made-up model (--model: a preset)"
+    table.add_row("block", f"{format_size(block_bytes)}: {BLOCK_TOKENS} tokens of {model}")
     cpu_bytes = cpu_blocks * block_bytes
     table.add_row("cpu tier", f"{cpu_blocks:,} blocks ({format_size(cpu_bytes)}), {config['eviction_policy']}")
     for tier in config["secondary_tiers"]:
         capacity = tier.get("capacity_bytes")
         size = f"up to {format_size(capacity)}" if capacity else "no capacity limit"
-        table.add_row("secondary tier", f"{tier['name']}: {tier['type']}, {size}")
+        named = tier["type"] if tier["name"] == tier["type"] else f"{tier['name']} ({tier['type']})"
+        table.add_row("secondary tier", f"{named}, {size}")
     gpu = f"{inputs['gpu_blocks']:,} blocks" if inputs["gpu_prefix_cache"] else "off"
     table.add_row("gpu prefix cache", gpu)
     scale = inputs["time_scale"]
