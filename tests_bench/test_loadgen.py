@@ -590,7 +590,7 @@ def test_the_summary_reads_whole_at_80_columns_in_a_pipe(capsys, monkeypatch, tm
         "synthetic multi-turn workload, seed 0",
         "cpu tier ",
         "blocks (1 MiB), lru",
-        "memory, no capacity limit",
+        "(memory), no capacity limit",
     ):
         assert fact in run, fact
 
