@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from tiering.eviction.retention import parse_duration
 from tiering.options import parse_size
 
 
@@ -57,6 +58,38 @@ def format_size(count: float) -> str:
             return f"{count:.0f} {unit}"
         count /= 1024
     return f"{count:.1f} TiB"
+
+
+HINTS = "none, continuation, release or retain:DURATION (5m, 1h, 24h or seconds, as a client's hint takes it)"
+"""What every benchmark's ``--hints`` takes (`parse_hints`)."""
+
+
+def parse_hints(text: str) -> tuple[str, float | None]:
+    """A ``--hints`` value: ``("none" | "continuation" | "release", None)`` or ``("retain",
+    seconds)``; the retention hints of `tiering.eviction.retention`, the duration parsed as a
+    client's is.
+
+    Raises:
+        ValueError: not one of `HINTS`.
+    """
+    if text in ("none", "continuation", "release"):
+        return text, None
+    kind, _, duration = text.partition(":")
+    if kind == "retain" and duration:
+        try:
+            return "retain", parse_duration(duration)
+        except ValueError as exc:
+            raise ValueError(f"retain:DURATION: {exc}") from None
+    raise ValueError(f"expected {HINTS}; got {text!r}")
+
+
+def hints_arg(text: str) -> str:
+    """A ``--hints`` value, checked (`parse_hints`), as given."""
+    try:
+        parse_hints(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def natural_arg(text: str) -> int:

@@ -32,7 +32,7 @@ A fourth table gives the cost of handing one job to an async tier on the schedul
 meanwhile), against a bare `AsyncRuntime.submit` and against one
 `asyncio.run_coroutine_threadsafe` per job to a loop thread.
 
-    python -m tiering.benchmarks.scheduler_cost --blocks 20000 [--policy arc-s] [--hints retain]
+    python -m tiering.benchmarks.scheduler_cost --blocks 20000 [--policy arc-s] [--hints retain:1h]
         [--eviction-repeats 2]
 """
 
@@ -62,6 +62,7 @@ from tiering import (
     TieringOffloadingManager,
     make_offload_key,
 )
+from tiering.benchmarks.args import HINTS, parse_hints
 from tiering.contract.mediums import LOCAL, STORAGE
 from tiering.eviction.policies import cache_policy_names
 from tiering.tiers.blockstore.applying import apply_store
@@ -77,8 +78,27 @@ and hold in the eviction rows."""
 EVICTION_SIZES = (("CPU tier", 20_000), ("CPU tier", 131_072), ("tier index", 100_000), ("tier index", 1_000_000))
 """The eviction table's rows: where, and how many rows or blocks the tier holds."""
 STORE_ROW = "request of a batch: store + complete, per block"
-HINTS = {"none": None, "retain": {"kv_tiering": {"retain": "1h"}}, "release": {"kv_tiering": {"release": True}}}
-"""The ``kv_transfer_params`` of every request under each ``--hints``."""
+
+
+def transfer_params(hints: str) -> dict | None:
+    """The ``kv_transfer_params`` every request sends under ``--hints`` (`parse_hints`;
+    ``continuation`` needs conversations: `tiering-bench` replays them).
+
+    Raises:
+        ValueError: not such a value, or ``continuation``.
+    """
+    mode, seconds = parse_hints(hints)
+    if mode == "continuation":
+        raise ValueError("continuation needs conversations: tiering-bench --hints continuation replays them")
+    return None if mode == "none" else {"kv_tiering": {"retain": seconds} if mode == "retain" else {"release": True}}
+
+
+def _hints_arg(text: str) -> str:
+    try:
+        transfer_params(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _keys(start: int, count: int) -> list[OffloadKey]:
@@ -104,15 +124,15 @@ def time_engine(
     num_blocks: int, batch: int, policy: str, hints: str = "none", events: bool = False
 ) -> dict[str, float]:
     """Seconds per block (store) or per call (the others) of the real engine, its requests
-    sending `HINTS[hints]`, with KV events (`events`: the store row's time includes taking
-    them each step)."""
+    sending `transfer_params(hints)`, with KV events (`events`: the store row's time includes
+    taking them each step)."""
     engine = Engine(num_blocks, policy, events)
-    manager = engine.manager
+    manager, params = engine.manager, transfer_params(hints)
     stored, missing = _keys(0, num_blocks), _keys(num_blocks, num_blocks)
     try:
         elapsed = 0.0
         for i in range(0, num_blocks, batch):
-            chunk, request = stored[i : i + batch], ReqContext(f"bench-{i}", kv_transfer_params=HINTS[hints])
+            chunk, request = stored[i : i + batch], ReqContext(f"bench-{i}", kv_transfer_params=params)
             start = time.perf_counter()
             manager.on_new_request(request)
             out = manager.prepare_store(chunk, request)
@@ -358,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         "--policy", choices=cache_policy_names(), default="lru", help="the CPU tier's eviction policy (default lru)"
     )
     parser.add_argument(
-        "--hints", choices=HINTS, default="none", help="the retention hint every request sends (default none)"
+        "--hints", type=_hints_arg, default="none", help=f"the retention hint every request sends: {HINTS} (none)"
     )
     parser.add_argument(
         "--eviction-repeats",

@@ -63,12 +63,14 @@ def test_a_benchmark_without_its_extra_names_it_in_one_line(benchmark, hidden, e
             "file_tier",
             ["--modes", "pagecache"],
             "--modes: expected names out of buffered, fsync, direct; got pagecache",
-        ),  # noqa: E501
+        ),
         ("file_tier", ["--block-sizes", "64KiB,lots"], "--block-sizes: expected a size such as"),
         ("gpu_copy", ["--block-sizes", "3MiB,2MB", "--layers", "7"], "each must split into --layers 7 equal pages"),
         ("s3_tier", ["--block-sizes", "2 megs"], "--block-sizes: expected a size such as"),
         ("valkey_tier", ["--block-sizes", "0"], "--block-sizes: expected a size from 1 byte"),
         ("overload", ["--block-bytes", "lots"], "--block-bytes: expected a size such as"),
+        ("scheduler_cost", ["--hints", "continuation"], "--hints: continuation needs conversations"),
+        ("scheduler_cost", ["--hints", "retain:5x"], "--hints: retain:DURATION: expected a duration such as"),
     ],
 )
 def test_every_benchmark_parses_sizes_and_names_alike_and_refuses_bad_ones_before_any_work(module, argv, error, capsys):

@@ -677,28 +677,40 @@ def test_hints_derived_from_the_trace_retain_a_continuing_conversation_and_relea
     alone = Request(2, 1024, 1, (9, 8))
     hinted = with_hints([first, later, alone], "continuation")
     assert [r.hint for r in hinted] == [{"retain": CONTINUATION_TTL_S}, {"release": True}, {"release": True}]
-    assert [r.hint for r in with_hints([first, alone], "ttl:60")] == [{"retain": 60.0}, {"retain": 60.0}]
+    assert [r.hint for r in with_hints([first, alone], "retain:1m")] == [{"retain": 60.0}, {"retain": 60.0}]
+    assert [r.hint for r in with_hints([first], "release")] == [{"release": True}]
     assert with_hints([first], "none") == [first]
-    for bad in ("ttl:soon", "ttl:-5", "always"):
-        with pytest.raises(ValueError, match="--hints"):
+    for bad in ("retain:soon", "retain:-5", "ttl:60", "always"):
+        with pytest.raises(ValueError, match="expected"):
             with_hints([first], bad)
 
 
-def test_continuation_hints_lift_the_hit_rate_and_retaining_everything_costs_little(tmp_path):
+def test_continuation_hints_lift_the_hit_rate_and_retaining_everything_costs_little(tmp_path, capsys):
     """A small CPU tier on the conversation trace's head: told which conversations continue,
     it keeps them and drops the finished ones; told to keep everything for a day, the cap on
     retained rows keeps it close to no hints at all."""
     config = tmp_path / "engine.yaml"
     config.write_text("cpu_bytes_to_use: 4MiB\neviction_policy: lru\n")  # 1,024 blocks of 4 KiB
-    rates = {}
-    for hints in ("none", "continuation", "ttl:86400"):
+    rates, retention, summaries = {}, {}, {}
+    for hints in ("none", "continuation", "retain:24h"):
         output = tmp_path / f"{hints.replace(':', '-')}.json"
         argv = ["--config", str(config), "--trace", str(TRACE), "--max-requests", "2000", "--block-bytes", "4KiB"]
         argv += ["--gpu-cache-blocks", "0"]
         assert cli.main([*argv, "--hints", hints, "--quiet", "--output", str(output)]) == 0
-        rates[hints] = json.loads(output.read_text())["hit_rate"]["cpu"]
+        report = json.loads(output.read_text())
+        rates[hints], retention[hints] = report["hit_rate"]["cpu"], report["cpu_tier"]["retention"]
+        summaries[hints] = capsys.readouterr().out
     assert rates["continuation"] > rates["none"] + 0.02, rates
-    assert rates["ttl:86400"] >= rates["none"] - 0.02, rates
+    assert rates["retain:24h"] >= rates["none"] - 0.02, rates
+    # what the hints did shows in the report and the JSON
+    assert set(retention["none"].values()) == {0} and "cpu tier: deadlines given" not in summaries["none"]
+    assert retention["continuation"]["retentions"] > 0 and retention["continuation"]["retentions_released"] > 0
+    assert retention["retain:24h"]["retentions_dropped"] > 0 and retention["retain:24h"]["retentions_released"] == 0
+    assert "retention hints    continuation: retain 5m" in summaries["continuation"]
+    assert (
+        "every request sends retain:24h" in summaries["retain:24h"]
+        and "cpu tier: deadlines given up" in summaries["retain:24h"]
+    )
 
 
 def test_a_gzip_trace_reads_as_its_text_and_a_cut_one_is_refused_in_one_line(tmp_path):

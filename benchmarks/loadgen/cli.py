@@ -28,6 +28,7 @@ from tiering import ConfigError, RegionInUseError
 from tiering.benchmarks.args import (
     check_output,
     count_arg,
+    hints_arg,
     natural_arg,
     port_arg,
     positive_arg,
@@ -116,11 +117,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--hints",
+        type=hints_arg,
         default="none",
-        metavar="MODE",
-        help="retention hints the requests send (tiering.eviction.retention): 'continuation' (retain 5 min while the "
-        "conversation has a later turn, release at its last), 'ttl:SECONDS' (every request retains), 'none' "
-        "(default); deadlines follow the trace's clock",
+        metavar="HINTS",
+        help="retention hints the requests send (tiering.eviction.retention): 'continuation' (retain 5m while the "
+        "conversation has a later turn, release at its last), 'retain:DURATION' (every request retains: 5m, 1h, "
+        "300), 'release' (every request releases), 'none' (default); deadlines follow the trace's clock",
     )
     parser.add_argument("--verify", action="store_true", help="check every loaded byte")
     parser.add_argument("--output", type=Path, help="write the results as JSON")

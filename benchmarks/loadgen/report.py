@@ -18,10 +18,18 @@ from tiering.tiers.context import PRIMARY_NAME
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # 2: prefix_hit_rate, each tier's cascades_dropped and cascades_filtered; 3: interrupted;
 # 4: tiers' store_gbps/load_gbps over their busy time (store_busy_s, load_busy_s), `engine`;
-# 5: hit_rate_by_tenant (requests that name a tenant, as with --flood)
+# 5: hit_rate_by_tenant (requests that name a tenant, as with --flood); 6: cpu_tier (its
+# retention counts and stats)
+RETENTION_COUNTS = {  # (the CPU tier's counter or gauge, what the summary calls it)
+    "retentions": "deadlines given",
+    "retentions_released": "blocks released",
+    "retentions_expired": "deadlines expired",
+    "retentions_dropped": "deadlines given up",
+    "retained_blocks": "blocks retained at the end",
+}
 
 
 def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, float], inputs: dict[str, Any]) -> dict:
@@ -73,12 +81,26 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
         "verify_failures": stats.verify_failures,
         "store_refused_blocks": stats.store_refused_blocks,
         "failed_jobs": stats.failed_loads + sum(sum(t["failures"].values()) for t in tiers.values()),
+        "cpu_tier": {"retention": _retention(engine_stats["primary"]), "stats": engine_stats["primary"]},
         "tiers": tiers,
         "engine": _engine_counts(engine_stats),
         "transfers": transfers,
         "latency_us": {name: _percentiles(samples, 1e3) for name, samples in sorted(stats.calls_ns.items())},
         "promotion_latency_ms": _percentiles(stats.promotion_s, 1e-3),
     }
+
+
+HINT_WORDS = {
+    "none": "none",
+    "continuation": "continuation: retain 5m while a conversation goes on, release at its last turn",
+    "release": "every request releases its blocks",
+}
+
+
+def _retention(primary: dict[str, Any]) -> dict[str, int]:
+    """The CPU tier's retention counts (`RETENTION_COUNTS`), from its stats."""
+    values = {**primary["counters"], **primary["gauges"]}
+    return {name: int(values.get(name, 0)) for name in RETENTION_COUNTS}
 
 
 def _hit_rates(tokens: Counter, sources: list[str]) -> dict[str, float]:
@@ -134,6 +156,9 @@ def print_summary(report: dict, console: Console) -> None:
     hits.add_row("blocks not stored (no room in the CPU tier)", str(report["store_refused_blocks"]))
     if report["realtime_factor"] is not None:
         hits.add_row("replay speed vs the trace's clock", f"{report['realtime_factor']:.1f}x")
+    if report["inputs"]["hints"] != "none":
+        for name, label in RETENTION_COUNTS.items():
+            hits.add_row(f"cpu tier: {label}", f"{report['cpu_tier']['retention'][name]:,}")
     console.print(hits)
     if report["hit_rate_by_tenant"]:
         tenants = Table(title="Hit rate by tenant (tokens)", box=box.SIMPLE)
@@ -200,6 +225,7 @@ def _run_table(inputs: dict[str, Any], cpu_blocks: int) -> Table:
     table.add_row("gpu prefix cache", gpu)
     scale = inputs["time_scale"]
     table.add_row("pace", f"{scale:g} s per trace second" if scale else "flat out")
+    table.add_row("retention hints", HINT_WORDS.get(inputs["hints"], f"every request sends {inputs['hints']}"))
     table.add_row("namespace", f"{inputs['namespace']}" + (" (warm start)" if inputs["warm_start"] else ""))
     return table
 

@@ -21,6 +21,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from tiering.benchmarks.args import parse_hints
+
 BLOCK_TOKENS = 512  # tokens per block id in the Mooncake traces
 WORKLOADS = ("multi-turn", "long-doc", "zipf", "shared-prefix")
 REPLAY_TENANT, FLOOD_TENANT = "replay", "flood"  # the two tenants of `with_flood`
@@ -153,32 +155,26 @@ def synthetic(name: str, num_requests: int, seed: int = 0) -> list[Request]:
     ]
 
 
-HINTS = ("none", "continuation", "ttl:SECONDS")
 CONTINUATION_TTL_S = 300.0
 """The retention a request whose conversation continues asks for under ``--hints continuation``."""
 
 
-def with_hints(requests: list[Request], mode: str) -> list[Request]:
-    """`requests` with the hints a client would send (`HINTS`): ``continuation``, retain for
-    `CONTINUATION_TTL_S` a request whose prompt a later request extends (the user is still
-    typing: its conversation has another turn), release the others (the last turn);
-    ``ttl:SECONDS``, every request retains for SECONDS; ``none``, no hint.
+def with_hints(requests: list[Request], hints: str) -> list[Request]:
+    """`requests` with the hints a client would send (`tiering.benchmarks.args.parse_hints`):
+    ``continuation``, retain for `CONTINUATION_TTL_S` a request whose prompt a later request
+    extends (the user is still typing: its conversation has another turn), release the others
+    (the last turn); ``retain:DURATION``, every request retains; ``release``, every request
+    releases; ``none``, no hint.
 
     Raises:
-        ValueError: an unknown mode, or SECONDS not a positive number.
+        ValueError: `hints` is not such a value.
     """
+    mode, seconds = parse_hints(hints)
     if mode == "none":
         return requests
-    if mode.startswith("ttl:"):
-        try:
-            seconds = float(mode.removeprefix("ttl:"))
-        except ValueError:
-            seconds = 0.0
-        if not 0 < seconds < float("inf"):
-            raise ValueError(f"--hints ttl:SECONDS takes a positive number of seconds, got {mode!r}")
-        return [dataclasses.replace(request, hint={"retain": seconds}) for request in requests]
     if mode != "continuation":
-        raise ValueError(f"--hints: expected one of {', '.join(HINTS)}, got {mode!r}")
+        hint = {"retain": seconds} if mode == "retain" else {"release": True}
+        return [dataclasses.replace(request, hint=hint) for request in requests]
     later: set[int] = set()  # a hash of every prefix of a later request's full blocks
     continues = [False] * len(requests)
     for index in range(len(requests) - 1, -1, -1):

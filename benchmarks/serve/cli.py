@@ -37,7 +37,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tiering.benchmarks.args import check_output, positive_arg, rate_arg, size_arg
+from tiering.benchmarks.args import check_output, hints_arg, positive_arg, rate_arg, size_arg
 from tiering.benchmarks.loadgen.workload import WORKLOADS, read_trace, synthetic, with_hints
 from tiering.benchmarks.serve.fleet import FLEET_CONFIGURATIONS, SHARED_TIERS, Fleet, run_fleet, shared_backing
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
@@ -166,11 +166,11 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--hints",
+        type=hints_arg,
         default="none",
-        metavar="MODE",
+        metavar="HINTS",
         help="retention hints the requests send in their body's kv_transfer_params (tiering.eviction.retention), every "
-        "configuration alike: 'continuation' (retain 5 min while the conversation has a later turn, release at its "
-        "last), 'ttl:SECONDS' (every request retains), 'none' (default)",
+        "configuration alike, as tiering-bench --hints: 'continuation', 'retain:DURATION', 'release', 'none' (default)",
     )
     parser.add_argument(
         "--restart-at",
