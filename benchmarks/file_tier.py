@@ -10,8 +10,11 @@ file fsynced), ``direct`` (O_DIRECT, the tier's default).
   CRC32C of the payload into a 4 KiB header, open a temporary name + `os.pwritev` of header
   and payload (+ `fsync`) + close + rename; and open + `os.preadv` into header and row +
   close + CRC check; the same bytes in the same place, with the same open flags;
+- rounds: the lowest and highest ratio of the engine's run to raw's run of the same round
+  (side by side), beside the ratio of the best runs: how much the machine moved them;
 - check: the share of raw's time that goes to the CRC32C (raw run again without it): a
-  checked read or write cannot come closer than that to an unchecked one on this machine;
+  checked read or write cannot come closer than that to an unchecked one on this machine
+  ("noise" where the checked run was the faster);
 - aiofiles: the same per-block steps as raw, written with aiofiles (open, write, fsync and
   rename, then open and readinto, each awaited on an event loop whose executor has the same
   number of threads): the library the mission first named for this tier, measured instead of
@@ -218,8 +221,9 @@ def measure(
     job_blocks: int,
     repeats: int,
     seals: list[str] = [],  # noqa: B006 - read only
-) -> dict[str, float]:
-    """Best seconds of each measurement over `repeats` interleaved runs.
+) -> tuple[int, dict[str, list[float]]]:
+    """Bytes moved per measurement, and the seconds of each measurement in each of `repeats`
+    interleaved runs (in run order).
 
     One untimed round of each comes first, and the order alternates: on VMs the first
     touch of page-cache memory is far slower than reusing pages just freed, which would
@@ -239,18 +243,35 @@ def measure(
     ]
     for seal in seals:
         sides.append((f"engine {seal}", functools.partial(engine_sealed, seal=seal)))
-    best: dict[str, float] = {}
+    runs: dict[str, list[float]] = {}
     for repeat in range(-1, repeats):
         for name, run in sides if repeat % 2 == 0 else sides[::-1]:
             directory = base / f"{name}-{repeat}"
             try:
                 for op, seconds in run(directory).items():
                     if repeat >= 0:
-                        best[f"{name} {op}"] = min(best.get(f"{name} {op}", float("inf")), seconds)
+                        runs.setdefault(f"{name} {op}", []).append(seconds)
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
-    best["bytes"] = num_blocks * block_bytes
-    return best
+    return num_blocks * block_bytes, runs
+
+
+def row_cells(moved: int, runs: dict[str, list[float]], direction: str, seals: list[str]) -> list[str]:
+    """One table row's cells after block, mode and op: GB/s are of each side's best run; the
+    spread is of the ratio of the engine's and raw's runs of the same round; a CRC share
+    below zero (a checked run faster than an unchecked one) is noise and printed so."""
+    best = {name: min(seconds) for name, seconds in runs.items()}
+    engine, raw, via_aiofiles = (moved / best[f"{side} {direction}"] for side in ("engine", "raw", "aiofiles"))
+    paired = [r / e for e, r in zip(runs[f"engine {direction}"], runs[f"raw {direction}"], strict=True)]
+    share = 1 - best[f"raw unchecked {direction}"] / best[f"raw {direction}"]
+    cells = [f"{engine / 1e9:.2f}", f"{raw / 1e9:.2f}", f"{engine / raw:.2f}x"]
+    cells += [f"{min(paired):.2f}-{max(paired):.2f}x", f"{share:.0%}" if share >= 0 else "noise"]
+    cells += [f"{via_aiofiles / 1e9:.2f}", f"{engine / via_aiofiles:.2f}x"]
+    cells.append(f"{best[f'engine {direction} handoff per job'] * 1e6:.1f}")
+    for seal in seals:
+        sealed = moved / best[f"engine {seal} {direction}"]
+        cells += [f"{sealed / 1e9:.2f}", f"{sealed / engine:.2f}x"]
+    return cells
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -281,7 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     seals = args.seals
     title = f"File tier GB/s vs a raw thread pool and aiofiles, {args.concurrency} in flight, best of {args.repeats}"
     table = Table(title=title)
-    columns = ["block", "mode", "op", "engine", "raw", "vs raw", "check", "aiofiles", "vs it", "handoff us/job"]
+    columns = ["block", "mode", "op", "engine", "raw", "vs raw", "rounds", "check", "aiofiles", "vs it"]
+    columns.append("handoff us/job")
     for seal in seals:
         columns += [seal, "vs engine"]
     for column in columns:
@@ -289,40 +311,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tiering-bench-") as base:
         for size in args.block_sizes:
             for mode in args.modes:
-                best = measure(
-                    size,
-                    args.total_mib << 20,
-                    Path(base),
-                    args.concurrency,
-                    mode,
-                    args.job_blocks,
-                    args.repeats,
-                    seals,
+                moved, runs = measure(
+                    size, args.total_mib << 20, Path(base), args.concurrency, mode, args.job_blocks, args.repeats, seals
                 )
                 for direction in ("store", "load"):
-                    engine, raw, via_aiofiles = (
-                        best["bytes"] / best[f"{side} {direction}"] for side in ("engine", "raw", "aiofiles")
-                    )
-                    table.add_row(
-                        format_size(size),
-                        mode,
-                        direction,
-                        f"{engine / 1e9:.2f}",
-                        f"{raw / 1e9:.2f}",
-                        f"{engine / raw:.2f}x",
-                        f"{1 - best[f'raw unchecked {direction}'] / best[f'raw {direction}']:.0%}",
-                        f"{via_aiofiles / 1e9:.2f}",
-                        f"{engine / via_aiofiles:.2f}x",
-                        f"{best[f'engine {direction} handoff per job'] * 1e6:.1f}",
-                        *[
-                            cell
-                            for seal in seals
-                            for sealed in [best["bytes"] / best[f"engine {seal} {direction}"]]
-                            for cell in (f"{sealed / 1e9:.2f}", f"{sealed / engine:.2f}x")
-                        ],
-                    )
+                    table.add_row(format_size(size), mode, direction, *row_cells(moved, runs, direction, seals))
     console = Console()
-    Console(width=max(console.width, 120 + 22 * len(seals))).print(table)  # ten columns or more: wider than 80
+    Console(width=max(console.width, 132 + 22 * len(seals))).print(table)  # eleven columns or more: wider than 80
 
 
 if __name__ == "__main__":

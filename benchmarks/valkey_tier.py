@@ -11,7 +11,8 @@ round, best kept:
 
 Two ratios: best engine run over best raw run, and the median over rounds of the ratio of
 the two runs of a round (side by side, so the machine's slow and fast moments cancel; on a
-shared VM the raw loop's runs spread 3x, and the best of such a spread flatters it).
+shared VM the raw loop's runs spread 3x, and the best of such a spread flatters it), with
+the lowest and highest of those ratios: how much the machine moved them.
 
 Without ``--addresses`` it starts a local redis-server (``--cluster``: a 3-node cluster) from
 the ``valkey`` extra; pass ``host:port`` of a real server or cluster node to measure that.
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         where = f"{'cluster' if args.cluster else 'server'} {addresses[0]}"
         title = f"Valkey tier vs bare valkey-glide on {where}, {args.concurrency} in flight, {args.repeats} rounds"
         table = Table(title=title)
-        columns = ("block", "direction", "engine GB/s", "raw GB/s", "best / best", "median of rounds")
+        columns = ("block", "direction", "engine GB/s", "raw GB/s", "best / best", "median of rounds", "rounds")
         for column in columns:
             table.add_column(column, justify="left" if column in ("block", "direction") else "right")
         for block_size in args.block_sizes:
@@ -169,9 +170,10 @@ def main(argv: list[str] | None = None) -> None:
             for direction in ("store", "load"):
                 engine, raw = runs[f"engine {direction}"], runs[f"raw {direction}"]
                 best = min(raw) / min(engine)
-                paired = statistics.median(r / e for e, r in zip(engine, raw, strict=True))
+                paired = [r / e for e, r in zip(engine, raw, strict=True)]
                 cells = (f"{size / min(engine) / 1e9:.3f}", f"{size / min(raw) / 1e9:.3f}", f"{best:.2f}x")
-                table.add_row(format_size(block_size), direction, *cells, f"{paired:.2f}x")
+                spread = (f"{statistics.median(paired):.2f}x", f"{min(paired):.2f}-{max(paired):.2f}x")
+                table.add_row(format_size(block_size), direction, *cells, *spread)
     Console().print(table)
 
 
