@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
                 cells = (f"{size / min(engine) / 1e9:.3f}", f"{size / min(raw) / 1e9:.3f}", f"{best:.2f}x")
                 spread = (f"{statistics.median(paired):.2f}x", f"{min(paired):.2f}-{max(paired):.2f}x")
                 table.add_row(format_size(block_size), direction, *cells, *spread)
-    Console().print(table)
+    console = Console()
+    Console(width=max(console.width, 100)).print(table)  # seven columns: wider than 80
 
 
 if __name__ == "__main__":

@@ -83,3 +83,45 @@ def test_every_option_the_pages_give_a_tool_is_one_it_takes(head):
         {(page, option) for page, h, options in CALLS if h == head for option in options if option not in text}
     )
     assert unknown == []
+
+
+# What each tool the pages call needs installed first, beyond Python 3.11 and a clone: the
+# expensive commands are run by hand (their numbers are the pages'); the cheap ones are also
+# run as written by tests_bench/test_docs_numbers.py.
+BENCH = "README's first set-up command: .venv with '.[bench]'"
+NEEDS = {
+    ("tiering-bench",): BENCH,
+    ("tiering-bench", "overload"): BENCH,
+    ("tiering-bench", "serve"): "README's third set-up command: .venv-vllm",
+    ("tiering-config", "check"): "any install of the package",
+    ("-m", "tiering.benchmarks.scheduler_cost"): BENCH,
+    ("-m", "tiering.benchmarks.scale"): BENCH,
+    ("-m", "tiering.benchmarks.file_tier"): BENCH,
+    ("-m", "tiering.benchmarks.file_recovery"): BENCH,
+    ("-m", "tiering.benchmarks.gpu_copy"): BENCH + " (on a GPU machine: a CUDA build of torch)",
+    ("-m", "tiering.benchmarks.s3_tier"): "pip install -c constraints.txt -e '.[bench-s3]'",
+    ("-m", "tiering.benchmarks.s3_outage"): "pip install -c constraints.txt -e '.[bench-s3]'",
+    ("-m", "tiering.benchmarks.valkey_tier"): "pip install -c constraints.txt -e '.[bench-valkey]'",
+    ("-m", "tiering.testing.valkey_server"): "pip install -c constraints.txt -e '.[bench-valkey]'",
+}
+
+
+def test_every_tool_the_pages_call_says_what_it_needs_installed():
+    assert sorted({head for _, head, _ in CALLS} - NEEDS.keys()) == []  # a new tool on a page: say what it needs
+
+
+def test_a_command_that_needs_an_extra_has_its_install_line_above_it_and_serve_runs_in_the_vllm_venv():
+    missing = []
+    for page in PAGES:
+        for block in re.findall(r"```sh\n(.*?)\n```", page.read_text(), flags=re.S):
+            lines = block.replace("\\\n", " ").splitlines()
+            for number, line in enumerate(lines):
+                for head, need in NEEDS.items():
+                    called = " ".join(head)
+                    if called not in line or line.lstrip().startswith(("pip", ".venv/bin/pip")):
+                        continue
+                    if need.startswith("pip install") and not any(need in above for above in lines[:number]):
+                        missing.append((page.name, line[:80], need))
+                    if head == ("tiering-bench", "serve") and ".venv-vllm/bin/tiering-bench" not in line:
+                        missing.append((page.name, line[:80], need))
+    assert missing == []
