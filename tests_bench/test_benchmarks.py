@@ -184,3 +184,19 @@ def test_the_disk_floor_reads_whole_pieces_of_data_and_skips_holes(tmp_path):
     assert floor.disk_floors(tmp_path / "file-tier" / "shard", 1 << 20, {1}) is None  # no whole piece
     with pytest.raises(ValueError, match="multiple of 4096"):
         floor.disk_floors(tmp_path, 1000, {1})
+
+
+def test_versus_vllm_measures_our_side_with_the_calls_it_gives_vllms():
+    from tiering.benchmarks.versus_vllm import sched
+
+    results = sched.measure("ours", "arc")
+    assert list(results) == list(sched.CALLS) and all(value > 0 for value in results.values())
+
+
+def test_versus_vllm_says_why_when_pip_cannot_fetch_the_wheel(tmp_path, monkeypatch, capsys):
+    from tiering.benchmarks.versus_vllm import __main__ as versus_vllm
+
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index to fetch from: pip fails at once, offline
+    assert versus_vllm.main(["--cache", str(tmp_path), "--rounds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("versus_vllm: pip download vllm==0.33.0 failed: ")
