@@ -99,6 +99,7 @@ NEEDS = {
     ("-m", "tiering.benchmarks.file_tier"): BENCH,
     ("-m", "tiering.benchmarks.file_recovery"): BENCH,
     ("-m", "tiering.benchmarks.gpu_copy"): BENCH + " (on a GPU machine: a CUDA build of torch)",
+    ("-m", "tiering.benchmarks.versus_vllm"): BENCH + " (it fetches the vllm==0.33.0 wheel with pip, no dependencies)",
     ("-m", "tiering.benchmarks.s3_tier"): "pip install -c constraints.txt -e '.[bench-s3]'",
     ("-m", "tiering.benchmarks.s3_outage"): "pip install -c constraints.txt -e '.[bench-s3]'",
     ("-m", "tiering.benchmarks.valkey_tier"): "pip install -c constraints.txt -e '.[bench-valkey]'",
