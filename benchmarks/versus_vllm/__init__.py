@@ -5,8 +5,9 @@ quotes, rerunnable from this repository.
   downloaded), unzips its pure-Python ``vllm/v1/kv_offload`` package unchanged, and stands in
   for the vLLM internals it imports that no measured call reaches (a logger, config types);
 - `sched`: the scheduler-thread cost of each manager call, one side per child process;
-- `cli`: ``python -m tiering.benchmarks.versus_vllm``: runs the sides interleaved and prints
-  ours over vLLM's.
+- `files`: the file tier's GB/s against a raw pool, one side per child process;
+- ``python -m tiering.benchmarks.versus_vllm sched|files`` (`__main__`): runs the sides
+  interleaved and prints ours over vLLM's.
 
 Thread: a command-line tool; each side runs in a child process of its own.
 """

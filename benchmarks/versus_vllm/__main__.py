@@ -1,10 +1,12 @@
 """``python -m tiering.benchmarks.versus_vllm``: ours beside vLLM 0.33's own KV offloading.
 
-    python -m tiering.benchmarks.versus_vllm --rounds 7
+    python -m tiering.benchmarks.versus_vllm sched --rounds 7
+    python -m tiering.benchmarks.versus_vllm files --rounds 3 --dir /path/on/the/disk
 
-Fetches vLLM's wheel once (`tree`), then runs `sched` for each side and policy in a child
-process of its own, the sides interleaved and their order swapped every other round, and
-prints each call's median microseconds and ours over vLLM's: the median of the rounds'
+Fetches vLLM's wheel once (`tree`), then runs each side in a child process of its own
+(`sched`: the scheduler-thread cost of each manager call, per policy; `files`: the file
+tier's GB/s against a raw pool, per block size and open mode), the sides interleaved and their
+order swapped every other round, and prints ours over vLLM's: the median of the rounds'
 ratios, with the lowest and highest.
 """
 
@@ -16,19 +18,21 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from tiering.benchmarks.args import names_arg, positive_arg
+from tiering.benchmarks.args import format_size, names_arg, positive_arg, sizes_arg
 from tiering.benchmarks.versus_vllm import sched, tree
 
 SIDES = ("ours", "vllm")
+FILE_BLOCKS = {64 << 10: 2048, 2 << 20: 256}  # blocks per run of each size: 128 and 512 MiB
 
 
-def run_side(side: str, policy: str, repeats: int, vllm_tree: Path) -> dict[str, float]:
-    """One child process's medians (`sched.main`); vLLM's side imports from `vllm_tree`.
+def run_side(side: str, module: str, arguments: list[str], vllm_tree: Path) -> dict[str, float]:
+    """One child process's JSON (`sched.main`, `files`); vLLM's side imports from `vllm_tree`.
 
     Raises:
         RuntimeError: the child failed (its stderr's end in the message).
@@ -36,11 +40,63 @@ def run_side(side: str, policy: str, repeats: int, vllm_tree: Path) -> dict[str,
     environment = dict(os.environ)
     if side == "vllm":
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(vllm_tree), environment.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "tiering.benchmarks.versus_vllm.sched", side, policy, str(repeats)]
+    command = [sys.executable, "-m", f"tiering.benchmarks.versus_vllm.{module}", side, *arguments]
     done = subprocess.run(command, capture_output=True, text=True, env=environment)
     if done.returncode != 0:
-        raise RuntimeError(f"{side} {policy}: {done.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"{side} {' '.join(arguments)}: {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout)
+
+
+def interleaved(rounds: int, cases: list[tuple[str, list[str]]], module: str, vllm_tree: Path) -> dict:
+    """Every case's results for each side, over `rounds` rounds, sides swapped every other round."""
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for round_ in range(rounds):
+        for name, arguments in cases:
+            for side in SIDES if round_ % 2 == 0 else SIDES[::-1]:
+                runs.setdefault((side, name), []).append(run_side(side, module, arguments, vllm_tree))
+    return runs
+
+
+def spread(ratios: list[float]) -> str:
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
+
+
+def sched_table(args: argparse.Namespace, vllm_tree: Path) -> Table:
+    cases = [(policy, [policy, str(args.repeats)]) for policy in args.policies]
+    runs = interleaved(args.rounds, cases, "sched", vllm_tree)
+    table = Table(title=f"Scheduler-thread cost, ours and vLLM {tree.VLLM_VERSION}'s, {args.rounds} rounds (us)")
+    for column in ("policy", "call", "ours", f"vLLM {tree.VLLM_VERSION}", "ours / vLLM (lowest-highest)"):
+        table.add_column(column, justify="left" if column in ("policy", "call") else "right")
+    for policy in args.policies:
+        for call in sched.CALLS:
+            mine, theirs = ([run[call] for run in runs[(side, policy)]] for side in SIDES)
+            ratios = [m / t for m, t in zip(mine, theirs, strict=True)]
+            medians = (f"{statistics.median(mine):.2f}", f"{statistics.median(theirs):.2f}")
+            table.add_row(policy, call, *medians, spread(ratios))
+    return table
+
+
+def files_table(args: argparse.Namespace, vllm_tree: Path) -> Table:
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="versus-vllm-") as scratch:
+        cases = [
+            (f"{size} {mode}", [mode, str(size), str(FILE_BLOCKS.get(size, max(16, (256 << 20) // size))), scratch])
+            for size in args.block_sizes
+            for mode in args.modes
+        ]
+        runs = interleaved(args.rounds, cases, "files", vllm_tree)
+    title = f"File tier over a raw pool, ours and vLLM {tree.VLLM_VERSION}'s fs tier, {args.rounds} rounds"
+    table = Table(title=title)
+    columns = ("block", "mode", "op", "ours / raw", f"vLLM {tree.VLLM_VERSION} / raw", "ours / vLLM (lowest-highest)")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("block", "mode", "op") else "right")
+    for name, _ in cases:
+        size, mode = name.split()
+        for op in ("store", "load"):
+            mine, theirs = ([run[f"raw {op}"] / run[op] for run in runs[(side, name)]] for side in SIDES)
+            ratios = [m / t for m, t in zip(mine, theirs, strict=True)]
+            cells = (f"{statistics.median(mine):.2f}x", f"{statistics.median(theirs):.2f}x", spread(ratios))
+            table.add_row(format_size(int(size)), mode, op, *cells)
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,30 +105,26 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--rounds", type=positive_arg, default=7, help="interleaved rounds of every side and policy")
-    parser.add_argument("--repeats", type=positive_arg, default=3, help="fresh managers per child (median kept)")
-    parser.add_argument("--policies", type=names_arg(("lru", "arc")), default="lru,arc", help="eviction policies")
     parser.add_argument("--cache", type=Path, default=tree.default_cache(), help="where vLLM's wheel is kept")
+    commands = parser.add_subparsers(dest="command", required=True)
+    cost = commands.add_parser("sched", help="the scheduler-thread cost of each manager call")
+    cost.add_argument("--rounds", type=positive_arg, default=7, help="interleaved rounds of every side and policy")
+    cost.add_argument("--repeats", type=positive_arg, default=3, help="fresh managers per child (median kept)")
+    cost.add_argument("--policies", type=names_arg(("lru", "arc")), default="lru,arc", help="eviction policies")
+    files = commands.add_parser("files", help="the file tier's GB/s against a raw pool")
+    files.add_argument("--dir", type=Path, required=True, help="a directory on the disk to measure (not tmpfs)")
+    files.add_argument("--rounds", type=positive_arg, default=3, help="interleaved rounds of every side and case")
+    files.add_argument("--block-sizes", type=sizes_arg, default="2MiB,64KiB", help="block sizes")
+    files.add_argument("--modes", type=names_arg(("direct", "buffered")), default="direct,buffered", help="open modes")
     args = parser.parse_args(argv)
+    if args.command == "files" and not args.dir.is_dir():
+        parser.error(f"--dir: {args.dir} is not a directory")
     try:
         vllm_tree = tree.build(args.cache)
+        table = (sched_table if args.command == "sched" else files_table)(args, vllm_tree)
     except RuntimeError as exc:
         print(f"versus_vllm: {exc}", file=sys.stderr)
         return 2
-    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
-    for round_ in range(args.rounds):
-        for policy in args.policies:
-            for side in SIDES if round_ % 2 == 0 else SIDES[::-1]:
-                runs.setdefault((side, policy), []).append(run_side(side, policy, args.repeats, vllm_tree))
-    table = Table(title=f"Scheduler-thread cost, ours and vLLM {tree.VLLM_VERSION}'s, {args.rounds} rounds (us)")
-    for column in ("policy", "call", "ours", f"vLLM {tree.VLLM_VERSION}", "ours / vLLM (lowest-highest)"):
-        table.add_column(column, justify="left" if column in ("policy", "call") else "right")
-    for policy in args.policies:
-        for call in sched.CALLS:
-            mine, theirs = ([run[call] for run in runs[(side, policy)]] for side in SIDES)
-            ratios = [m / t for m, t in zip(mine, theirs, strict=True)]
-            spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
-            table.add_row(policy, call, f"{statistics.median(mine):.2f}", f"{statistics.median(theirs):.2f}", spread)
     Console(width=max(Console().width, 100)).print(table)
     return 0
 
