@@ -103,19 +103,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tiering.benchmarks.versus_vllm",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--cache", type=Path, default=tree.default_cache(), help="where vLLM's wheel is kept")
     commands = parser.add_subparsers(dest="command", required=True)
-    cost = commands.add_parser("sched", help="the scheduler-thread cost of each manager call")
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    cost = commands.add_parser("sched", help="the scheduler-thread cost of each call", formatter_class=defaults)
     cost.add_argument("--rounds", type=positive_arg, default=7, help="interleaved rounds of every side and policy")
     cost.add_argument("--repeats", type=positive_arg, default=3, help="fresh managers per child (median kept)")
     cost.add_argument("--policies", type=names_arg(("lru", "arc")), default="lru,arc", help="eviction policies")
-    files = commands.add_parser("files", help="the file tier's GB/s against a raw pool")
+    files = commands.add_parser("files", help="the file tier's GB/s against a raw pool", formatter_class=defaults)
     files.add_argument("--dir", type=Path, required=True, help="a directory on the disk to measure (not tmpfs)")
     files.add_argument("--rounds", type=positive_arg, default=3, help="interleaved rounds of every side and case")
     files.add_argument("--block-sizes", type=sizes_arg, default="2MiB,64KiB", help="block sizes")
     files.add_argument("--modes", type=names_arg(("direct", "buffered")), default="direct,buffered", help="open modes")
+    parser.epilog = "".join(command.format_usage() for command in (cost, files))
     args = parser.parse_args(argv)
     if args.command == "files" and not args.dir.is_dir():
         parser.error(f"--dir: {args.dir} is not a directory")
