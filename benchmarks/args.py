@@ -83,13 +83,22 @@ def parse_hints(text: str) -> tuple[str, float | None]:
     raise ValueError(f"expected {HINTS}; got {text!r}")
 
 
-def hints_arg(text: str) -> str:
-    """A ``--hints`` value, checked (`parse_hints`), as given."""
-    try:
-        parse_hints(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+def checked(check: Callable[[str], object]) -> Callable[[str], str]:
+    """An argument type taking a text that `check` accepts, as given (`check` raising
+    ValueError makes argparse's one-line error)."""
+
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return parse
+
+
+hints_arg = checked(parse_hints)
+"""A ``--hints`` value, checked (`parse_hints`), as given."""
 
 
 def natural_arg(text: str) -> int:

@@ -62,7 +62,7 @@ from tiering import (
     TieringOffloadingManager,
     make_offload_key,
 )
-from tiering.benchmarks.args import HINTS, parse_hints
+from tiering.benchmarks.args import HINTS, checked, parse_hints
 from tiering.contract.mediums import LOCAL, STORAGE
 from tiering.eviction.policies import cache_policy_names
 from tiering.tiers.blockstore.applying import apply_store
@@ -91,14 +91,6 @@ def transfer_params(hints: str) -> dict | None:
     if mode == "continuation":
         raise ValueError("continuation needs conversations: tiering-bench --hints continuation replays them")
     return None if mode == "none" else {"kv_tiering": {"retain": seconds} if mode == "retain" else {"release": True}}
-
-
-def _hints_arg(text: str) -> str:
-    try:
-        transfer_params(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def _keys(start: int, count: int) -> list[OffloadKey]:
@@ -378,7 +370,10 @@ def main(argv: list[str] | None = None) -> None:
         "--policy", choices=cache_policy_names(), default="lru", help="the CPU tier's eviction policy (default lru)"
     )
     parser.add_argument(
-        "--hints", type=_hints_arg, default="none", help=f"the retention hint every request sends: {HINTS} (none)"
+        "--hints",
+        type=checked(transfer_params),
+        default="none",
+        help=f"the retention hint every request sends: {HINTS} (none)",
     )
     parser.add_argument(
         "--eviction-repeats",
