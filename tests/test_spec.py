@@ -127,9 +127,9 @@ def test_a_failed_start_removes_the_directories_it_created_and_nothing_else(tmp_
     with pytest.raises(ConfigError, match=r"e.yaml: secondary_tiers\[2\].root_dir: .*blocked is not a directory"):
         TieringOffloadingSpec(config, layout, instance()).get_manager()
     assert not (tmp_path / "new").exists()  # what this start created, root_dir's parents too
-    # what it found stays: the blocks' namespace (256 shards, quarantine, segments) and the
-    # identity's records (256 shards, quarantine, the manifest)
-    assert sorted(kept.rglob("*")) == before and len(before) == 2 * 259
+    # what it found stays: the blocks' namespace (its segments directory: small blocks) and the
+    # identity's records (one file per block: 256 shards, quarantine, the manifest)
+    assert sorted(kept.rglob("*")) == before and len(before) == 2 + 259
 
 
 def test_worker_handlers_fill_the_rows_the_scheduler_cascades(tmp_path):
