@@ -32,7 +32,7 @@ def test_every_configuration_serves_the_trace_and_the_report_adds_up(tmp_path):
         "--work-dir",
         str(tmp_path / "work"),
         "--hints",
-        "ttl:3600",  # in every request's body
+        "retain:1h",  # in every request's body
     ]
     assert main([*argv, "--output", str(output), "--plot", str(plot)]) == 0
 
