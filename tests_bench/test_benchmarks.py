@@ -208,3 +208,12 @@ def test_versus_vllm_moves_and_checks_the_blocks_of_our_file_tier_against_the_ra
     results = files.measure("ours", "buffered", 64 << 10, 48, tmp_path / "ours")
     assert set(results) == {"store", "load", "raw store", "raw load"} and all(s > 0 for s in results.values())
     assert not (tmp_path / "ours").exists()  # its scratch removed
+
+
+def test_versus_vllm_offers_our_manager_stores_over_a_file_tier_step_by_step(tmp_path):
+    from tiering.benchmarks.versus_vllm import overload
+
+    results = overload.measure("ours", 0.05, 0.2, tmp_path / "ours")  # about 2 blocks of 4 MiB
+    assert set(results) == {"step p50 us", "step p99 us", "refused", "written GB/s", "not cascaded"}
+    assert results["refused"] == 0 and results["step p99 us"] >= results["step p50 us"] > 0
+    assert not (tmp_path / "ours").exists()

@@ -2,12 +2,14 @@
 
     python -m tiering.benchmarks.versus_vllm sched --rounds 7
     python -m tiering.benchmarks.versus_vllm files --rounds 3 --dir /path/on/the/disk
+    python -m tiering.benchmarks.versus_vllm overload --rounds 3 --dir /path/on/the/disk
 
 Fetches vLLM's wheel once (`tree`), then runs each side in a child process of its own
 (`sched`: the scheduler-thread cost of each manager call, per policy; `files`: the file
-tier's GB/s against a raw pool, per block size and open mode), the sides interleaved and their
-order swapped every other round, and prints ours over vLLM's: the median of the rounds'
-ratios, with the lowest and highest.
+tier's GB/s against a raw pool, per block size and open mode; `overload`: stores offered
+beyond what a file tier writes), the sides interleaved and their order swapped every other
+round, and prints ours over vLLM's: the median of the rounds' ratios, with the lowest and
+highest (for `overload`, each side's medians).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tiering.benchmarks.args import format_size, names_arg, positive_arg, sizes_arg
+from tiering.benchmarks.args import format_size, names_arg, positive_arg, rate_arg, sizes_arg
 from tiering.benchmarks.versus_vllm import sched, tree
 
 SIDES = ("ours", "vllm")
@@ -38,7 +40,7 @@ def run_side(side: str, module: str, arguments: list[str], vllm_tree: Path) -> d
         RuntimeError: the child failed (its stderr's end in the message).
     """
     environment = dict(os.environ)
-    if side == "vllm":
+    if side.startswith("vllm"):
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(vllm_tree), environment.get("PYTHONPATH")]))
     command = [sys.executable, "-m", f"tiering.benchmarks.versus_vllm.{module}", side, *arguments]
     done = subprocess.run(command, capture_output=True, text=True, env=environment)
@@ -47,12 +49,14 @@ def run_side(side: str, module: str, arguments: list[str], vllm_tree: Path) -> d
     return json.loads(done.stdout)
 
 
-def interleaved(rounds: int, cases: list[tuple[str, list[str]]], module: str, vllm_tree: Path) -> dict:
+def interleaved(
+    rounds: int, cases: list[tuple[str, list[str]]], module: str, vllm_tree: Path, sides: tuple[str, ...] = SIDES
+) -> dict:
     """Every case's results for each side, over `rounds` rounds, sides swapped every other round."""
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     for round_ in range(rounds):
         for name, arguments in cases:
-            for side in SIDES if round_ % 2 == 0 else SIDES[::-1]:
+            for side in sides if round_ % 2 == 0 else sides[::-1]:
                 runs.setdefault((side, name), []).append(run_side(side, module, arguments, vllm_tree))
     return runs
 
@@ -99,6 +103,27 @@ def files_table(args: argparse.Namespace, vllm_tree: Path) -> Table:
     return table
 
 
+OVERLOAD_SIDES = ("ours", "vllm", "vllm+bp")
+
+
+def overload_table(args: argparse.Namespace, vllm_tree: Path) -> Table:
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="versus-vllm-") as scratch:
+        cases = [("ramp", [str(args.gbps), str(args.seconds), scratch])]
+        runs = interleaved(args.rounds, cases, "overload", vllm_tree, OVERLOAD_SIDES)
+    title = (
+        f"{args.gbps:g} GB/s of 4 MiB stores offered to a file tier, {args.seconds:g} s, ours and vLLM "
+        f"{tree.VLLM_VERSION}'s (+bp: its backpressure detector), medians of {args.rounds} rounds"
+    )
+    table = Table(title=title)
+    names = ("step p50 us", "step p99 us", "refused", "written GB/s", "not cascaded")
+    for column in ("side", *names):
+        table.add_column(column, justify="left" if column == "side" else "right")
+    for side in OVERLOAD_SIDES:
+        medians = {name: statistics.median(run[name] for run in runs[(side, "ramp")]) for name in names}
+        table.add_row(side, *(f"{value:.2f}" if "GB/s" in name else f"{value:,.0f}" for name, value in medians.items()))
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tiering.benchmarks.versus_vllm",
@@ -117,13 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     files.add_argument("--rounds", type=positive_arg, default=3, help="interleaved rounds of every side and case")
     files.add_argument("--block-sizes", type=sizes_arg, default="2MiB,64KiB", help="block sizes")
     files.add_argument("--modes", type=names_arg(("direct", "buffered")), default="direct,buffered", help="open modes")
-    parser.epilog = "".join(command.format_usage() for command in (cost, files))
+    ramp = commands.add_parser("overload", help="stores offered beyond a file tier's speed", formatter_class=defaults)
+    ramp.add_argument("--dir", type=Path, required=True, help="a directory on the disk to measure (not tmpfs)")
+    ramp.add_argument("--rounds", type=positive_arg, default=3, help="interleaved rounds of every side")
+    ramp.add_argument("--gbps", type=rate_arg, default=2.0, help="GB/s of stores offered")
+    ramp.add_argument("--seconds", type=rate_arg, default=10.0, help="seconds of each run")
+    parser.epilog = "".join(command.format_usage() for command in (cost, files, ramp))
     args = parser.parse_args(argv)
-    if args.command == "files" and not args.dir.is_dir():
+    if args.command in ("files", "overload") and not args.dir.is_dir():
         parser.error(f"--dir: {args.dir} is not a directory")
     try:
         vllm_tree = tree.build(args.cache)
-        table = (sched_table if args.command == "sched" else files_table)(args, vllm_tree)
+        table = {"sched": sched_table, "files": files_table, "overload": overload_table}[args.command](args, vllm_tree)
     except RuntimeError as exc:
         print(f"versus_vllm: {exc}", file=sys.stderr)
         return 2

@@ -69,8 +69,11 @@ def ours(view: memoryview, directory: Path, direct: bool) -> tuple[Any, Callable
     return tier, submitter(tier.submit_store, False), submitter(tier.submit_load, True), tier.get_finished
 
 
-def vllm(view: memoryview, directory: Path, direct: bool) -> tuple[Any, Callable, Callable, Callable]:
-    """vLLM 0.33's fs tier, built as its factory would for one group of 16-token blocks."""
+def vllm(
+    view: memoryview, directory: Path, direct: bool, detector: Any = None
+) -> tuple[Any, Callable, Callable, Callable]:
+    """vLLM 0.33's fs tier, built as its factory would for one group of 16-token blocks (with
+    `detector`, a backpressure detector, if given)."""
     from vllm.v1.kv_offload import config as c
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -89,7 +92,7 @@ def vllm(view: memoryview, directory: Path, direct: bool) -> tuple[Any, Callable
     )
     events = SimpleNamespace(enable_kv_cache_events=False)
     spec = SimpleNamespace(config=config, blocks_per_chunk=1, kv_events_config=events)
-    tier = FileSystemTierManager(spec, view, "fs", str(directory), THREADS, THREADS)
+    tier = FileSystemTierManager(spec, view, "fs", str(directory), THREADS, THREADS, backpressure_detector=detector)
     tier._use_o_direct = direct and tier._use_o_direct  # buffered: as if the filesystem refused O_DIRECT
     context = ReqContext("bench")
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
 import statistics
 import sys
 import time
@@ -38,10 +39,11 @@ CALLS = ("store", "hit", "miss", "idle step", "evicting store")
 
 
 class Region:
-    """The CPU tier's rows in process memory, for both sides (``create_kv_memoryview``)."""
+    """The CPU tier's rows in page-aligned process memory, as a shared region's are, for both
+    sides (``create_kv_memoryview``)."""
 
-    def __init__(self, rows: int):
-        self._rows = np.zeros((rows, 64), np.uint8)
+    def __init__(self, rows: int, row_bytes: int = 64):
+        self._rows = np.frombuffer(mmap.mmap(-1, rows * row_bytes), dtype=np.uint8).reshape(rows, row_bytes)
 
     def create_kv_memoryview(self) -> memoryview:
         return self._rows.data
