@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,19 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from tiering.integrations import VLLM_CONNECTOR, VLLM_SPEC
+from tiering.testing.processes import free_port
 
 CONNECTORS = {
     "KVTieringConnector": VLLM_CONNECTOR,
     "OffloadingConnector": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
 }
 """The connectors the engine runs behind: its own (loads feed the step that schedules them) and vLLM's."""
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 free now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass
