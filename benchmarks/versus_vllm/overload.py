@@ -40,9 +40,9 @@ def ours(directory: Path) -> tuple[Any, Any, dict[str, Any]]:
     tier = SecondaryTierFactory.create_secondary_tier(config, primary.get_kv_memoryview(), None)
     manager = TieringOffloadingManager(primary, [tier])
 
-    def counts() -> tuple[int, int]:
-        counters = tier.get_stats()["counters"]
-        return counters.get("bytes_stored", 0), counters.get("cascades_dropped", 0)
+    def counts() -> tuple[int, int]:  # the tier's counters with its admission's (the manager's view)
+        (counters,) = (stats["counters"] for stats in manager.get_stats()["tiers"].values())
+        return counters.get("bytes_stored", 0), counters["cascades_dropped"]
 
     return manager, manager.on_schedule_end, {"context": ReqContext, "counts": counts}
 
