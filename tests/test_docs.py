@@ -126,3 +126,13 @@ def test_a_command_that_needs_an_extra_has_its_install_line_above_it_and_serve_r
                     if head == ("tiering-bench", "serve") and ".venv-vllm/bin/tiering-bench" not in line:
                         missing.append((page.name, line[:80], need))
     assert missing == []
+
+
+def test_every_block_that_calls_a_project_tool_is_an_sh_block_so_these_checks_see_it():
+    untagged = []
+    for page in PAGES:
+        for language, block in re.findall(r"```(\w*)\n(.*?)\n```", page.read_text(), flags=re.S):
+            first_words = {line.split()[0] for line in block.splitlines() if line.split()}
+            if language != "sh" and any(TOOL.match(word) or word.startswith(".venv") for word in first_words):
+                untagged.append((page.name, block.splitlines()[0][:60]))
+    assert untagged == []
