@@ -125,6 +125,20 @@ def test_a_test_server_that_fails_to_start_says_why_from_its_stderr():
     server.stop()  # nothing left to stop: a no-op
 
 
+def test_a_servers_exit_message_reads_only_the_end_of_a_long_stderr():
+    import sys
+
+    from tiering.testing.processes import STDERR_TAIL_BYTES, exit_message, spawn
+
+    script = "import sys; sys.stderr.write('x' * 10_000_000 + 'the last words'); sys.exit(3)"
+    process, stderr = spawn([sys.executable, "-c", script])
+    with stderr:
+        process.wait()
+        message = exit_message("talker", process, stderr)
+    assert message.startswith("talker exited with status 3: x") and message.endswith("the last words")
+    assert len(message) < STDERR_TAIL_BYTES + 100
+
+
 def test_a_cluster_configured_as_standalone_is_a_clear_error(valkey_cluster, key_prefix):
     config = {"type": "valkey", "addresses": valkey_cluster.addresses[:1], "key_prefix": key_prefix}
     with pytest.raises(OSError, match="is a cluster node: set cluster_mode: true"):

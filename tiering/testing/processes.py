@@ -3,6 +3,7 @@ kept, what a server that exited said, and a stop that always ends the process.""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import tempfile
@@ -38,8 +39,8 @@ def spawn(command: list[str], env: dict[str, str] | None = None) -> tuple[subpro
 
 def exit_message(name: str, process: subprocess.Popen, stderr: IO[bytes]) -> str:
     """'`name` exited with status N: <the end of its stderr>', for a server that exited."""
-    stderr.seek(0)
-    tail = stderr.read()[-STDERR_TAIL_BYTES:].decode(errors="replace").strip()
+    stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - STDERR_TAIL_BYTES))  # a long-lived server's log is long
+    tail = stderr.read().decode(errors="replace").strip()
     return f"{name} exited with status {process.returncode}: " + (tail or "(nothing on stderr)")
 
 
