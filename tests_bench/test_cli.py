@@ -87,3 +87,14 @@ def test_sizes_are_printed_in_binary_units():
     from tiering.benchmarks.args import format_size, sizes_arg
 
     assert [format_size(size) for size in sizes_arg("64KiB, 3MiB,2GiB,512")] == ["64 KiB", "3 MiB", "2 GiB", "512 B"]
+
+
+def test_the_test_servers_the_benchmarks_start_import_without_pytest():
+    code = (
+        "import sys\nsys.modules['pytest'] = sys.modules['pytest_asyncio'] = None  # as in a bench-* venv\n"
+        "import tiering.testing.processes, tiering.testing.s3_server, tiering.testing.valkey_server\n"
+        "import tiering.testing\ntry:\n    tiering.testing.BlockStoreSuite\n"
+        "except ImportError:\n    print('suites need pytest')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", "suites need pytest\n")
