@@ -267,7 +267,7 @@ def test_primary_tier_aliases_name_the_secondary_direction(ctx):
     assert primary.lookup(key(0), ctx) is None
     primary.complete_write(out.keys_to_store, ctx)
     reading = primary.prepare_read(keys(0), ctx)  # a cascade pins it
-    assert reading.spec.block_ids.tolist() == out.store_spec.block_ids.tolist()
+    assert reading.rows == reading.block_ids.tolist() == out.store_spec.block_ids.tolist()
     assert primary.ref_count(key(0)) == 1
     primary.complete_read(reading)
     assert primary.ref_count(key(0)) == 0

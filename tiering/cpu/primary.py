@@ -11,9 +11,9 @@ from collections.abc import Collection, Container
 from typing import Protocol
 
 from tiering.contract.keys import OffloadKey, ReqContext
-from tiering.contract.mediums import CPULoadStoreSpec, PrepareStoreOutput
+from tiering.contract.mediums import PrepareStoreOutput
 from tiering.cpu.manager import CPUOffloadingManager
-from tiering.cpu.readers import BLOCK_ID, Reading, release_readers
+from tiering.cpu.readers import Reading, release_readers
 from tiering.cpu.row_states import FAILED, PENDING, READY, RowStates
 from tiering.cpu.tenants import TenantsConfig, TenantShares
 from tiering.eviction.retention import RETENTION_MAX_FRACTION
@@ -90,7 +90,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
             KeyError: as `prepare_load`.
         """
         blocks = self._pin(keys, "prepare_read", "blocks_read_by_tiers", counted=readers)
-        return Reading(keys, blocks, CPULoadStoreSpec(list(map(BLOCK_ID, blocks))))
+        return Reading(keys, blocks)
 
     def complete_read(self, reading: Reading) -> None:
         """Release the rows `prepare_read` pinned (never after `reset_cache`: a reset voids

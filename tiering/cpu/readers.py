@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from operator import attrgetter
 
+import numpy as np
+
 from tiering.contract.keys import OffloadKey
-from tiering.contract.mediums import CPULoadStoreSpec
 from tiering.eviction.base import BlockStatus
 
 BLOCK_ID = attrgetter("block_id")
@@ -22,16 +23,18 @@ BLOCK_ID = attrgetter("block_id")
 
 
 class Reading:
-    """Rows pinned for the secondary tiers to read (a cascade): `spec`, their ids in the order
-    of `keys`, and their statuses, which `CPUPrimaryTierOffloadingManager.complete_read`
-    releases without looking the keys up again (the rows stay theirs while pinned)."""
+    """Rows pinned for the secondary tiers to read (a cascade): `rows`, their ids in the order
+    of `keys` (and `block_ids`, the same as a 1-D int64 array, for the tiers' jobs), and their
+    statuses, which `CPUPrimaryTierOffloadingManager.complete_read` releases without looking
+    the keys up again (the rows stay theirs while pinned)."""
 
-    __slots__ = ("blocks", "keys", "spec")
+    __slots__ = ("block_ids", "blocks", "keys", "rows")
 
-    def __init__(self, keys: Collection[OffloadKey], blocks: list[BlockStatus], spec: CPULoadStoreSpec):
+    def __init__(self, keys: Collection[OffloadKey], blocks: list[BlockStatus]):
         self.keys = keys
         self.blocks = blocks
-        self.spec = spec
+        self.rows: list[int] = list(map(BLOCK_ID, blocks))
+        self.block_ids = np.array(self.rows, dtype=np.int64)
 
 
 def add_readers(blocks: list[BlockStatus]) -> tuple[int, bool]:

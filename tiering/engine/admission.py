@@ -145,6 +145,8 @@ class TierAdmission:
         """The leading blocks of a cascade of `keys` this tier takes now (they count as in
         flight until `finished`). Of the rest, those over the bound wait (a write-through
         tier's, see `admit_waiting`), the others are counted as dropped or filtered."""
+        if self._sketch is None and not self._behind() and self._room(len(keys)) >= len(keys):
+            return self._started(list(keys))  # every block, the rule while the tier keeps up
         wanted = list(keys)
         if self._sketch is not None:
             sketch, min_reuse = self._sketch, self.config.min_reuse

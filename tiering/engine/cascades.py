@@ -74,9 +74,8 @@ class Cascades:
                 cascades.append((tier_idx, admission.admit(keys)))
                 if admission.waiting:
                     self.waiting_tiers.add(tier_idx)
-        first = cascades[0][1] if cascades else []
-        if len(cascades) > 1 and all(admitted == first for _, admitted in cascades):
-            self._cascade([tier_idx for tier_idx, _ in cascades], first, req_context)  # rows pinned once
+        if len(cascades) > 1 and all(len(admitted) == len(keys) for _, admitted in cascades):  # (each takes all)
+            self._cascade([tier_idx for tier_idx, _ in cascades], keys, req_context)  # rows pinned once
         else:
             for tier_idx, admitted in cascades:
                 self._cascade([tier_idx], admitted, req_context)

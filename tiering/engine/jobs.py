@@ -130,10 +130,9 @@ class JobTable:
         rows, `reading` (`CPUPrimaryTierOffloadingManager.prepare_read`), were pinned once for
         all of them (their jobs share a `CascadePin`). Scheduler thread; never raises: a job
         the tier rejects (raises) ends failed at once."""
-        block_ids = reading.spec.block_ids
-        rows, due, pin = block_ids.tolist(), self._due(), CascadePin(len(tier_idxs), reading)
+        due, pin = self._due(), CascadePin(len(tier_idxs), reading)
         for tier_idx in tier_idxs:
-            self._send(Job(keys, rows, False, req_context, tier_idx, due, owner, pin=pin), block_ids)
+            self._send(Job(keys, reading.rows, False, req_context, tier_idx, due, owner, pin=pin), reading.block_ids)
 
     def submit_load(
         self,

@@ -43,6 +43,7 @@ class ARCCachePolicy(CachePolicy):
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
         self.target_t1_size = 0.0
+        self._no_ghost_hits: Sequence[OffloadKey] | None = None  # keys `on_store_miss` found in no ghost list
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
         block = self._t1.get(key)
@@ -57,7 +58,11 @@ class ARCCachePolicy(CachePolicy):
             self._t1[key] = block
 
     def insert_all(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
-        if self._ghost_hits(keys):
+        # The CPU tier inserts the very keys it just reported to `on_store_miss` (a request's
+        # first store, the rule): their ghost lists were checked there, and the evictions in
+        # between add only resident keys to them.
+        checked, self._no_ghost_hits = self._no_ghost_hits, None
+        if keys is not checked and self._ghost_hits(keys):
             super().insert_all(keys, blocks)
         else:  # the rule: all of them enter T1
             t1 = self._t1  # (a loop of item sets: OrderedDict.update takes longer)
@@ -86,6 +91,7 @@ class ARCCachePolicy(CachePolicy):
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         hits = self._ghost_hits(keys)
+        self._no_ghost_hits = None if hits else keys
         if hits:
             for key in reversed(keys):
                 if key in hits:
@@ -106,6 +112,13 @@ class ARCCachePolicy(CachePolicy):
         self, keys: Sequence[OffloadKey], inserted: Collection[OffloadKey], reused: Collection[OffloadKey]
     ) -> None:
         t1, t2 = self._t1, self._t2
+        if not reused and len(inserted) == len(keys):  # it only stored (`keys` holds `inserted`): no lookups
+            for key in reversed(keys):
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+            return
         for key in reversed(keys):
             if reused and key in reused:  # (most requests reuse nothing: no lookup then)
                 if key in t1:
