@@ -40,10 +40,14 @@ CALLS = ("store", "hit", "miss", "idle step", "evicting store")
 
 class Region:
     """The CPU tier's rows in page-aligned process memory, as a shared region's are, for both
-    sides (``create_kv_memoryview``)."""
+    sides (``create_kv_memoryview``), holding bytes as a GPU store leaves them. (Rows never
+    written read as the kernel's zero page: a tier that checks what it writes maps that one
+    page into every row it reads, and its O_DIRECT writes from them then run far below the
+    disk's rate; a tier that never reads the rows does not pay that. Real rows never do.)"""
 
     def __init__(self, rows: int, row_bytes: int = 64):
         self._rows = np.frombuffer(mmap.mmap(-1, rows * row_bytes), dtype=np.uint8).reshape(rows, row_bytes)
+        self._rows[:] = (np.arange(row_bytes) % 251 + 1).astype(np.uint8)
 
     def create_kv_memoryview(self) -> memoryview:
         return self._rows.data
