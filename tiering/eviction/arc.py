@@ -141,7 +141,6 @@ class ARCCachePolicy(CachePolicy):
         victims = self._evict_from_one_list(n, protected)
         if victims is None:  # from both lists: `_victims` chooses block by block
             return super().evict(n, protected)
-        self._trim_ghosts()
         return victims
 
     def candidates(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus, bool]]:
@@ -184,6 +183,8 @@ class ARCCachePolicy(CachePolicy):
         victims = oldest_evictable(blocks, n, protected)
         if len(victims) < n:
             return None
+        for _ in range(len(ghosts) + n - self.capacity):  # room first, as `_trim_ghosts` would after:
+            ghosts.popitem(last=False)  # an OrderedDict that keeps its size does not resize (a third cheaper)
         for key, _ in victims:
             del blocks[key]
             ghosts[key] = None
