@@ -77,6 +77,25 @@ def test_a_promotion_reaches_the_store_in_up_to_four_concurrent_calls_and_a_stor
     assert engine.loaded_bytes(*range(8)) == [block_bytes(k, ROW) for k in keys(*range(8))]
 
 
+class CPUBoundStore(BatchRecordingStore):
+    """A memory store that says its calls keep a CPU busy each: two at once at most."""
+
+    calls_at_once = 2
+
+
+def test_a_store_of_cpu_bound_calls_gets_a_steps_blocks_in_no_more_calls_than_it_runs_at_once(engine_factory):
+    tier = {"type": "cpu_bound", "module_path": __name__, "class_name": "CPUBoundStore", "batch_bytes": ROW}
+    engine = engine_factory(tier, num_blocks=16, reset_scope="cpu")  # the reset empties the CPU tier only
+    engine.store(*range(8))  # a block a call would be eight calls: two, larger than batch_bytes
+    engine.store(8, 9)  # two calls of batch_bytes each fit
+    assert engine.tier.store.puts == [4, 4, 1, 1]
+    engine.rows[:] = 0
+    engine.manager.reset_cache()
+    assert engine.lookup_until_done(*range(10)) == [True] * 10
+    assert sum(engine.tier.store.gets) == 10
+    assert engine.loaded_bytes(*range(10)) == [block_bytes(k, ROW) for k in keys(*range(10))]
+
+
 class InOrderStore(BatchRecordingStore):
     """A memory store that says it reads a call's items one after another, and records the
     first key of each call and the most calls it ran at once."""

@@ -11,6 +11,7 @@ from tiering.backends import FileBlockStore
 from tiering.backends.file import dirs as file_dirs
 from tiering.backends.file import objects as file_io
 from tiering.backends.file.objects import ALIGN
+from tiering.backends.file.store import CALLS_PER_CPU
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, KEY, NEW_KEY, buffer, opened, payload
 from tiering.tiers.seal import Seal
@@ -118,6 +119,23 @@ async def test_a_long_recovery_logs_its_progress(store_kit, monkeypatch, caplog)
         await reopened.close()
     line = rf"file tier {re.escape(str(store.directory))}: recovering, 3 objects looked at in \d+ s"
     assert re.search(line, caplog.text)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("layout", ["files", "segments"])
+async def test_buffered_one_file_calls_run_two_per_cpu_at_once(store_kit, layout, tmp_path):
+    """Buffered calls of the one-file layout keep a CPU busy each (a copy and a CRC per
+    block): the store asks for no more at once than `CALLS_PER_CPU` per CPU it may use. With
+    O_DIRECT (the disk's queue) and in segments (Python and system calls) the tier's cut
+    stands."""
+    store = await opened(store_kit) if layout == "files" else FileBlockStore(tmp_path, FINGERPRINT, 4, layout=layout)
+    try:
+        if layout == "segments":
+            await store.open()
+        cpu_bound = layout == "files" and not store.direct_io
+        assert store.calls_at_once == (CALLS_PER_CPU * len(os.sched_getaffinity(0)) if cpu_bound else None)
+    finally:
+        await store.close()
 
 
 @pytest.mark.asyncio

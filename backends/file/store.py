@@ -110,6 +110,13 @@ SEGMENT_BLOCKS_UNDER = 1 << 20
 """``layout: auto`` keeps blocks smaller than this in segments: per block, the one-file layout
 costs three system calls to read and four to write, which at 64 KiB cost more than the
 bytes."""
+CALLS_PER_CPU = 2
+"""A buffered call of the one-file layout keeps a CPU busy (a copy and a CRC per block, the
+page cache at the other end): the store runs at most this many such calls per CPU the process
+may use at once (`BlockStore.calls_at_once`). More only take turns on the same CPUs, each a
+hop and a thread handing the GIL around. Segments keep the tier's calls: their small blocks
+cost Python and system calls, which more calls overlap. The measurements: docs/results.md,
+"The measurements behind the constants"."""
 
 
 class Layout(Protocol):
@@ -319,6 +326,8 @@ class FileBlockStore(BlockStore):
             if log is None:
                 await self._run(ns.make_shards)
             self._layout = log or objects.OneFilePerBlock(ns, self.directory, *args)
+            if log is None and not self.direct_io:
+                self.calls_at_once = CALLS_PER_CPU * len(os.sched_getaffinity(0))
             self.layout = self._layout.name
             reads = min(self._io_threads, self._layout.max_read_threads or self._io_threads)
             self._read_pool = DaemonThreadPool(reads, "tiering-file-read")

@@ -39,16 +39,20 @@ def cut(
     row_bytes: int,
     spread: int = 1,
     reads_in_order: bool = False,
+    calls_at_once: int | None = None,
 ) -> tuple[list[Sequence[Block]], float]:
     """`blocks` cut into store calls, in order, and how many of them may run at once
     (``math.inf``: all).
 
     Args:
         blocks: the blocks of the jobs started together.
-        batch_blocks: blocks per call at most (``batch_bytes`` over `row_bytes`).
+        batch_blocks: blocks per call at most (``batch_bytes`` over `row_bytes`), unless
+            `calls_at_once` asks for fewer calls.
         row_bytes: bytes of one block.
         spread: `LOAD_SPREAD` for a promotion that is the tier's only load in flight, else 1.
         reads_in_order: the store's `reads_in_order`.
+        calls_at_once: the store's `calls_at_once`: when not spread, the blocks go out in
+            at most this many calls, each larger than ``batch_bytes`` if need be.
     """
     size, at_once = batch_blocks, math.inf
     if spread > 1:
@@ -57,6 +61,8 @@ def cut(
             size, at_once = min(size, least), spread
         else:
             size = min(size, max(least, -(-len(blocks) // spread)))
+    elif calls_at_once is not None:
+        size = max(size, -(-len(blocks) // calls_at_once))
     return [blocks[start : start + size] for start in range(0, len(blocks), size)], at_once
 
 

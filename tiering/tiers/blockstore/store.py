@@ -102,6 +102,12 @@ class BlockStore(ABC):
             at a time, so that its rows land (and are copied to the GPU) call after call
             instead of all at the end; a store that reads a call's items concurrently gets
             fewer, larger calls.
+        calls_at_once: None, or how many of its calls can run at once to any gain, because
+            each keeps a CPU busy (the file store's buffered calls: a copy and a CRC per
+            block). The adapter then sends the blocks of jobs started together (unless a
+            promotion is spread) in no more calls than this, each larger than ``batch_bytes``
+            if need be: more calls would only take turns on the same CPUs, and cost a hop
+            each. Set by `open` or before.
         lasting: False for a store whose objects die with the engine (the ``memory`` store):
             it keeps no records of generations (`tiering.tiers.blockstore.generations`).
         lists_locally: True where `list_namespaces` reaches nothing remote (the file
@@ -126,6 +132,7 @@ class BlockStore(ABC):
     evicts_itself: ClassVar[bool] = False
     verifies_payloads: ClassVar[bool] = False
     reads_in_order: ClassVar[bool] = False
+    calls_at_once: int | None = None
     supports_integrity: ClassVar[bool] = False
     lasting: ClassVar[bool] = True
     lists_locally: ClassVar[bool] = False

@@ -321,7 +321,10 @@ class BlockWorker:
     ) -> None:
         """`run_batch` over `blocks` cut into calls (`batches.cut`), concurrently; each job is
         finished as the last call with its blocks ends."""
-        batches, at_once = cut(blocks, self._batch_blocks, self._row_bytes, spread, self.store.reads_in_order)
+        store = self.store
+        batches, at_once = cut(
+            blocks, self._batch_blocks, self._row_bytes, spread, store.reads_in_order, store.calls_at_once
+        )
         calls_left: dict[int, int] = {}
         for batch in batches:
             for done in jobs_of(batch):
