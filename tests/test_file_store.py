@@ -128,10 +128,12 @@ async def test_buffered_one_file_calls_run_two_per_cpu_at_once(store_kit, layout
     block): the store asks for no more at once than `CALLS_PER_CPU` per CPU it may use. With
     O_DIRECT (the disk's queue) and in segments (Python and system calls) the tier's cut
     stands."""
-    store = await opened(store_kit) if layout == "files" else FileBlockStore(tmp_path, FINGERPRINT, 4, layout=layout)
+    if layout == "files":
+        store = await opened(store_kit)
+    else:  # buffered, as the one-file case that is capped: only the layout differs
+        store = FileBlockStore(tmp_path, FINGERPRINT, 4, direct_io=False, layout=layout)
+        await store.open()
     try:
-        if layout == "segments":
-            await store.open()
         cpu_bound = layout == "files" and not store.direct_io
         assert store.calls_at_once == (CALLS_PER_CPU * len(os.sched_getaffinity(0)) if cpu_bound else None)
     finally:
