@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from tiering.eviction.retention import parse_duration
-from tiering.options import parse_size
+from tiering.eviction.retention import retention_s
+from tiering.options import DURATION_EXAMPLES, parse_duration, parse_size
 
 
 def size_arg(text: str) -> int:
@@ -34,6 +34,19 @@ def sizes_arg(text: str) -> list[int]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return sizes
+
+
+def duration_arg(text: str) -> float:
+    """A positive duration (`tiering.options.parse_duration`: ``90s``, ``36h``, ``P2W``,
+    seconds), in seconds: the one grammar of durations, as in configs and hints."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+DURATION_HELP = f"a duration: {DURATION_EXAMPLES}"
+"""How a ``duration_arg`` option's help says what it takes."""
 
 
 def names_arg(choices: Iterable[str]) -> Callable[[str], list[str]]:
@@ -60,7 +73,7 @@ def format_size(count: float) -> str:
     return f"{count:.1f} TiB"
 
 
-HINTS = "none, continuation, release or retain:DURATION (5m, 1h, 24h or seconds, as a client's hint takes it)"
+HINTS = "none, continuation, release or retain:DURATION (5m, 1h, P1D or seconds, as a client's hint takes it)"
 """What every benchmark's ``--hints`` takes (`parse_hints`)."""
 
 
@@ -77,7 +90,7 @@ def parse_hints(text: str) -> tuple[str, float | None]:
     kind, _, duration = text.partition(":")
     if kind == "retain" and duration:
         try:
-            return "retain", parse_duration(duration)
+            return "retain", retention_s(duration)
         except ValueError as exc:
             raise ValueError(f"retain:DURATION: {exc}") from None
     raise ValueError(f"expected {HINTS}; got {text!r}")

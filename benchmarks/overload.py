@@ -43,7 +43,7 @@ from tiering import (
     TieringOffloadingManager,
     make_offload_key,
 )
-from tiering.benchmarks.args import positive_arg, rate_arg, size_arg
+from tiering.benchmarks.args import DURATION_HELP, duration_arg, positive_arg, rate_arg, size_arg
 from tiering.engine.admission import AdmissionConfig
 
 UNBOUNDED = {"max_rows_in_flight": 1 << 40, "max_backlog_s": None}
@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=positive_arg, default=8, help="the tier's max_concurrency")
     parser.add_argument("--tier-bytes", type=size_arg, default="2GiB", help="the file tier's capacity")
     parser.add_argument("--scheduler-step-s", type=rate_arg, default=0.01, help="seconds between scheduler steps")
-    parser.add_argument("--ramp-step-s", type=rate_arg, default=4.0, help="seconds each offered rate of the ramp runs")
+    parser.add_argument(
+        "--ramp-step-s", type=duration_arg, default=4.0, help=f"how long each offered rate runs, {DURATION_HELP}"
+    )
     parser.add_argument(
         "--ramp", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5, 2.0, 3.0], help="offered rates, x absorbed"
     )

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
+from tiering.benchmarks.args import DURATION_HELP, duration_arg
 from tiering.benchmarks.extras import missing_extra
 from tiering.testing.s3_server import MotoServer
 
@@ -125,8 +126,10 @@ def silent_endpoint_seconds() -> tuple[float, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--limit-s", type=float, default=60.0, help="give up after this many seconds")
-    parser.add_argument("--outage-s", type=float, default=75.0, help="seconds the endpoint stays frozen")
+    parser.add_argument("--limit-s", type=duration_arg, default=60.0, help=f"give up after this long, {DURATION_HELP}")
+    parser.add_argument(
+        "--outage-s", type=duration_arg, default=75.0, help=f"how long the endpoint stays frozen, {DURATION_HELP}"
+    )
     args = parser.parse_args()
     os.environ.update(CREDENTIALS)
 

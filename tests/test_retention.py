@@ -8,7 +8,7 @@ from tiering import CPUPrimaryTierOffloadingManager, ReqContext
 from tiering.cpu.tenants import TenantsConfig
 from tiering.engine.admission import AdmissionConfig
 from tiering.eviction.policies import make_cache_policy
-from tiering.eviction.retention import MAX_RETAIN_S, Retention, hint_of, parse_duration
+from tiering.eviction.retention import MAX_RETAIN_S, Retention, hint_of, retention_s
 from tiering.tiers.blockstore.index import BlockIndex
 from tiering.tiers.object_format import object_size
 
@@ -47,7 +47,7 @@ def resident(primary, *ids):
 
 
 def test_durations_and_hints_parse_and_a_bad_hint_is_ignored_not_fatal(caplog):
-    assert [parse_duration(v) for v in ("5m", "1h", "24h", "90s", "2d", 300, "1.5h")] == [
+    assert [retention_s(v) for v in ("5m", "1h", "24h", "90s", "2d", 300, "1.5h")] == [
         300.0,
         3600.0,
         86400.0,
@@ -56,10 +56,10 @@ def test_durations_and_hints_parse_and_a_bad_hint_is_ignored_not_fatal(caplog):
         300.0,
         5400.0,
     ]
-    assert parse_duration("30d") == MAX_RETAIN_S
-    for bad in ("soon", -5, 0, True, "5 minutes"):
+    assert retention_s("30d") == MAX_RETAIN_S
+    for bad in ("soon", -5, 0, True, "5 minutes ago"):
         with pytest.raises(ValueError):
-            parse_duration(bad)
+            retention_s(bad)
     assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"retain": "5m"}})).retain_s == 300.0
     assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"release": True}})).release
     assert hint_of(ReqContext("r", kv_transfer_params={"other": 1})) is None
@@ -71,10 +71,10 @@ def test_durations_and_hints_parse_and_a_bad_hint_is_ignored_not_fatal(caplog):
 def test_a_clients_long_hint_is_refused_unparsed_and_logged_in_one_short_line(caplog):
     """A run of blanks made the old pattern backtrack quadratically on the scheduler thread
     (16 KB: seconds; 1 MB: hours): a duration is at most 32 characters, refused unparsed."""
-    assert parse_duration(" 5 m ") == 300.0 and parse_duration("2.5h") == 9000.0
+    assert retention_s(" 5 m ") == 300.0 and retention_s("2.5h") == 9000.0
     for long in ("1" + " " * 1_000_000 + "x", "1" * 33, ["5m"] * 100_000):
         with pytest.raises(ValueError, match=r"at most 32 characters|expected a duration") as refused:
-            parse_duration(long)
+            retention_s(long)
         assert len(str(refused.value)) < 120
         hint = {"kv_tiering": {"retain": long}}
         assert hint_of(ReqContext("r", kv_transfer_params=hint)) is None

@@ -36,8 +36,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel
 
+from tiering.benchmarks.args import DURATION_HELP, duration_arg
 from tiering.config import TieringConfig, load_config
 from tiering.contract.keys import make_offload_key
 from tiering.engine.admission import AdmissionConfig, TierAdmission
@@ -51,7 +52,6 @@ from tiering.tiers.blockstore.opening import store_maker
 from tiering.tiers.factory import SecondaryTierFactory, block_store_parts
 from tiering.tiers.object_format import object_size
 
-_DURATION = TypeAdapter(timedelta)
 SHM_DIR = "/dev/shm"  # the CPU tier's shared region (`tiering.cpu.shared_region`)
 _KEY_BYTES = len(make_offload_key(bytes(32), 0))  # vLLM's keys: a 32-byte hash and a group index
 
@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     prune.add_argument(
         "--unused-for",
         required=True,
-        type=_duration,
+        type=duration_arg,
         metavar="DURATION",
-        help="seconds, 7d, 36h, P2W ...: not written for this long",
+        help=f"not written for this long ({DURATION_HELP})",
     )
     prune.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     parser.epilog = "".join(command.format_usage() for command in (check, prune))
@@ -256,17 +256,6 @@ def main(argv: list[str] | None = None) -> int:
     return 2 if problems else 0
 
 
-def _duration(text: str) -> float:
-    """Seconds of a duration (seconds, ``7d``, ``36h``, ISO 8601's ``P2W``), for argparse."""
-    try:
-        seconds = float(text) if text.replace(".", "", 1).isdigit() else _DURATION.validate_python(text).total_seconds()
-    except ValidationError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (seconds, 7d, 36h, P2W ...)") from None
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive duration")
-    return seconds
-
-
 def _prune(path: str, unused_for_s: float, dry_run: bool) -> int:
     """``tiering-config prune``: remove (or, `dry_run`, list) every lasting tier's namespaces
     not written for `unused_for_s` seconds (`namespaces.unused`); a tier's records stay where
@@ -282,7 +271,10 @@ def _prune(path: str, unused_for_s: float, dry_run: bool) -> int:
     status = 2 if failed else 0
     for name, make, found in surveyed:
         kept_blocks = False  # a namespace that could not be removed: the tier's records stay
-        for item in unused(found, unused_for_s, time.time()):
+        stale = unused(found, unused_for_s, time.time())
+        if not stale:
+            print(f"tier {name}: nothing to remove: no namespace unused for {timedelta(seconds=unused_for_s)}")
+        for item in stale:
             if item.kind == "records" and kept_blocks:
                 # without them the identity would start again at generation 0: a namespace left
                 # here could be offered again

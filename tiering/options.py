@@ -3,7 +3,8 @@
 A block store declares its keys as a pydantic model (`BlockStore.Options`); a tier class
 written from scratch declares them as its constructor's keyword arguments (type hints, with
 their constraints, and defaults).
-Options named ``*_bytes`` are sizes and take strings such as ``"8GiB"``; no float may be NaN
+Options named ``*_bytes`` are sizes and take strings such as ``"8GiB"``; options in seconds
+(``*_s``) also take durations such as ``"30s"``, ``"5m"`` or ``"PT1M"``; no float may be NaN
 or infinite; unknown keys are rejected. The types below give options their ranges. Used at
 construction time, from any one thread.
 """
@@ -14,6 +15,7 @@ import functools
 import inspect
 import math
 import re
+import reprlib
 import typing
 from collections.abc import Mapping
 from typing import Annotated, Any
@@ -53,6 +55,88 @@ def parse_size(value: Any) -> int:
     return value
 
 
+DURATION_EXAMPLES = "300, 90s, 5m, 36h, 14d, 1h30m, PT5M, P2W"
+"""What every duration the project reads takes (`parse_duration`), for messages and help."""
+MAX_DURATION_CHARS = 32
+"""The longest duration given as text: a longer one is refused before it is parsed (a
+client's hint is parsed on the scheduler thread)."""
+_UNIT_S = {
+    **dict.fromkeys(("ms", "msec", "millisecond", "milliseconds"), 0.001),
+    **dict.fromkeys(("s", "sec", "secs", "second", "seconds"), 1.0),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60.0),
+    **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), 3600.0),
+    **dict.fromkeys(("d", "day", "days"), 86400.0),
+    **dict.fromkeys(("w", "wk", "wks", "week", "weeks"), 604800.0),
+}
+_NUMBER = r"(\d+(?:\.\d+)?)"
+_PART = re.compile(r" ?" + _NUMBER + r" ?([a-z]+)")  # a term of "1h30m", "1h 30m", "5 minutes": one blank at most
+_ISO = re.compile(
+    rf"p(?:{_NUMBER}w)?(?:{_NUMBER}d)?(?:t(?=\d)(?:{_NUMBER}h)?(?:{_NUMBER}m)?(?:{_NUMBER}s)?)?"
+)  # ISO 8601 without years and months (their length varies): P2W, P1D, PT1M, P1DT12H, PT0.5S
+_ISO_UNITS_S = (604800.0, 86400.0, 3600.0, 60.0, 1.0)
+
+
+def duration_seconds(value: Any) -> float:
+    """Seconds of a duration: a number of seconds (an int, a float or its text), a text of
+    numbers with units (``90s``, ``5m``, ``5 minutes``, ``36h``, ``14d``, ``2w``, ``1h30m``,
+    ``500ms``) or ISO 8601 (``PT5M``, ``P1D``, ``P2W``; no years or months); at most
+    `MAX_DURATION_CHARS` characters, case-insensitive, parsed in linear time. The one
+    parser of durations: config keys, clients' hints and command lines. Pure; any thread.
+
+    Raises:
+        ValueError: not a finite duration >= 0 (the message shows at most ~40 characters).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"expected a duration such as {DURATION_EXAMPLES}; got {reprlib.repr(value)}")
+    if isinstance(value, str):
+        if len(value) > MAX_DURATION_CHARS:
+            raise ValueError(f"expected a duration of at most {MAX_DURATION_CHARS} characters, got {len(value):,}")
+        seconds = _text_seconds(value.strip().lower())
+        if seconds is None:
+            raise ValueError(f"expected a duration such as {DURATION_EXAMPLES}; got {value!r}")
+    else:
+        seconds = float(value)
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"expected a duration >= 0, got {reprlib.repr(value)}")
+    return seconds
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds of a duration > 0 (`duration_seconds`).
+
+    Raises:
+        ValueError: not a positive duration.
+    """
+    seconds = duration_seconds(value)
+    if seconds <= 0:
+        raise ValueError(f"expected a positive duration, got {reprlib.repr(value)}")
+    return seconds
+
+
+def _text_seconds(text: str) -> float | None:
+    """Seconds of a stripped, lower-case duration text; None if it is not one."""
+    if re.fullmatch(_NUMBER, text):
+        return float(text)
+    if text.startswith("p"):
+        iso = _ISO.fullmatch(text)
+        if iso is None or iso.lastindex is None:
+            return None
+        return sum(float(part) * unit for part, unit in zip(iso.groups(), _ISO_UNITS_S, strict=True) if part)
+    seconds, end = 0.0, 0
+    for part in _PART.finditer(text):
+        unit = _UNIT_S.get(part[2])
+        if part.start() != end or unit is None:
+            return None
+        seconds, end = seconds + float(part[1]) * unit, part.end()
+    return seconds if end == len(text) and end > 0 else None
+
+
+def _duration_text(value: Any) -> Any:
+    """A config value with a duration's text (``"30s"``) turned into seconds; anything else
+    as it is, for the field's own checks."""
+    return duration_seconds(value) if isinstance(value, str) else value
+
+
 Size = Annotated[int, BeforeValidator(parse_size)]
 """Bytes: an integer from 1 to 1 EiB, or a string such as ``"8GiB"`` or ``"512 MB"``."""
 Count = Annotated[int, Field(ge=1)]
@@ -60,12 +144,12 @@ Count = Annotated[int, Field(ge=1)]
 MAX_SECONDS = 86_400.0
 """The longest timeout, period or delay a setting takes (a day): longer is a hang, and waits
 beyond the platform's limits (``threading.TIMEOUT_MAX``, ``time_t``) fail cryptically."""
-Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
-"""A timeout or a period: seconds > 0, a day at most."""
-Delay = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
-"""A delay that may be zero: seconds >= 0, a day at most."""
-Lifetime = Annotated[float, Field(gt=0, le=366 * MAX_SECONDS, allow_inf_nan=False)]
-"""How long something stored may live: seconds > 0, a year at most."""
+Seconds = Annotated[float, BeforeValidator(_duration_text), Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
+"""A timeout or a period: seconds > 0, a day at most, or a duration's text (``"30s"``)."""
+Delay = Annotated[float, BeforeValidator(_duration_text), Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+"""A delay that may be zero: seconds >= 0, a day at most, or a duration's text."""
+Lifetime = Annotated[float, BeforeValidator(_duration_text), Field(gt=0, le=366 * MAX_SECONDS, allow_inf_nan=False)]
+"""How long something stored may live: seconds > 0, a year at most, or a duration's text."""
 Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 """A probability, 0..1."""
 

@@ -26,7 +26,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tiering.benchmarks.args import format_size, names_arg, positive_arg, rate_arg, sizes_arg
+from tiering.benchmarks.args import (
+    DURATION_HELP,
+    duration_arg,
+    format_size,
+    names_arg,
+    positive_arg,
+    rate_arg,
+    sizes_arg,
+)
 from tiering.benchmarks.versus_vllm import sched, tree
 
 SIDES = ("ours", "vllm")
@@ -146,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ramp.add_argument("--dir", type=Path, required=True, help="a directory on the disk to measure (not tmpfs)")
     ramp.add_argument("--rounds", type=positive_arg, default=3, help="interleaved rounds of every side")
     ramp.add_argument("--gbps", type=rate_arg, default=2.0, help="GB/s of stores offered")
-    ramp.add_argument("--seconds", type=rate_arg, default=10.0, help="seconds of each run")
+    ramp.add_argument("--seconds", type=duration_arg, default=10.0, help=f"each run's length, {DURATION_HELP}")
     parser.epilog = "".join(command.format_usage() for command in (cost, files, ramp))
     args = parser.parse_args(argv)
     if args.command in ("files", "overload") and not args.dir.is_dir():

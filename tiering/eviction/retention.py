@@ -3,7 +3,7 @@
 A request may carry a hint in its ``kv_transfer_params`` (vLLM passes the OpenAI request's
 ``kv_transfer_params`` through), under the key ``kv_tiering``::
 
-    {"kv_tiering": {"retain": "5m"}}     # or "1h", "24h", 300 (seconds)
+    {"kv_tiering": {"retain": "5m"}}     # or "1h", "24h", "P1D", 300 (seconds): tiering.options.parse_duration
     {"kv_tiering": {"release": true}}    # the session is over
 
 *retain*: when the request finishes, the blocks it stored or loaded get a deadline, now plus
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import re
 import reprlib
 import time
 from collections.abc import Callable, Collection, Container, Iterable
@@ -42,16 +41,12 @@ from typing import Any, Protocol
 
 from tiering.contract.keys import OffloadKey
 from tiering.eviction.base import BlockStatus, CachePolicy
+from tiering.options import parse_duration
 
 logger = logging.getLogger(__name__)
 
 HINT_KEY = "kv_tiering"
 """The key of the engine's hints in a request's ``kv_transfer_params``."""
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)")  # of a stripped value: no two blanks' runs to backtrack over
-_UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-MAX_DURATION_CHARS = 32
-"""The longest duration a hint may give as text: a longer one is refused before it is parsed
-(a client's value is parsed on the scheduler thread)."""
 RETENTION_MAX_FRACTION = 0.2
 """The default share of the CPU tier's rows that retention deadlines may hold at once: on the
 Mooncake conversation trace a client that retains every request for a day then costs ARC-S at
@@ -78,27 +73,15 @@ class RetentionHint:
     release: bool = False
 
 
-def parse_duration(value: Any) -> float:
-    """Seconds of ``"5m"``, ``"1h"``, ``"24h"``, ``"90s"``, ``"2d"`` or a number of seconds;
-    text of at most `MAX_DURATION_CHARS` characters, parsed in linear time.
+def retention_s(value: Any) -> float:
+    """Seconds of a hint's duration (`tiering.options.parse_duration`: ``"5m"``, ``"1h"``,
+    ``"P1D"``, 300, ...), cut to `MAX_RETAIN_S`.
 
     Raises:
-        ValueError: not a positive duration (the message shows at most ~40 characters of it).
+        ValueError: not a positive duration, or text of more than
+            `tiering.options.MAX_DURATION_CHARS` characters (the message shows at most ~40 characters of it).
     """
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"expected a duration such as '5m' or seconds, got {reprlib.repr(value)}")
-    if isinstance(value, str):
-        if len(value) > MAX_DURATION_CHARS:
-            raise ValueError(f"expected a duration of at most {MAX_DURATION_CHARS} characters, got {len(value):,}")
-        match = _DURATION.fullmatch(value.strip())
-        if match is None:
-            raise ValueError(f"expected a duration such as '5m', '1h' or seconds, got {value!r}")
-        seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
-    else:
-        seconds = float(value)
-    if not 0 < seconds < float("inf"):
-        raise ValueError(f"expected a positive duration, got {reprlib.repr(value)}")
-    return min(seconds, MAX_RETAIN_S)
+    return min(parse_duration(value), MAX_RETAIN_S)
 
 
 def hint_of(req_context: Any, log: bool = True) -> RetentionHint | None:
@@ -112,7 +95,7 @@ def hint_of(req_context: Any, log: bool = True) -> RetentionHint | None:
         if not isinstance(hint, dict) or len(hint) > 2 or not set(hint) <= {"retain", "release"}:
             raise ValueError(f"expected {{'retain': duration}} or {{'release': true}}, got {reprlib.repr(hint)}")
         retain = hint.get("retain")
-        return RetentionHint(None if retain is None else parse_duration(retain), hint.get("release") is True)
+        return RetentionHint(None if retain is None else retention_s(retain), hint.get("release") is True)
     except (ValueError, OverflowError) as exc:  # a JSON number too large for a float overflows
         if log:
             logger.warning("request %.64s: hint %s ignored: %s", getattr(req_context, "req_id", "?"), HINT_KEY, exc)
