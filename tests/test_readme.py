@@ -39,3 +39,15 @@ def test_the_quickstart_example_runs_the_whole_walkthrough():
 def test_usage_example_runs():
     (example,) = re.findall(r"^```python\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
     exec(compile(example, "README.md", "exec"), {})
+
+
+def test_the_project_is_installed_from_the_repository_or_its_wheel_never_by_a_name_no_index_has():
+    """kv-tiering is not on PyPI: ``pip install 'kv-tiering[vllm]'`` failed for a new user."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    by_name = [(page.name, line) for page in pages for line in page.read_text().splitlines() if "'kv-tiering[" in line]
+    assert by_name == []
+    import tiering
+
+    readme = (ROOT / "README.md").read_text()
+    wheels = re.findall(r"dist/(kv_tiering-\S+?\.whl)", readme)
+    assert wheels and set(wheels) == {f"kv_tiering-{tiering.__version__}-py3-none-any.whl"}  # what pip wheel builds

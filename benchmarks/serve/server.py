@@ -10,6 +10,7 @@ Thread: the caller's; nothing here is shared between threads except `get`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -150,7 +151,8 @@ class VllmServer:
     def stop(self, signum: int = signal.SIGINT, group: bool = False) -> None:
         """Send `signum` to the API server (as Ctrl-C or a service manager does) or to every
         process of the server, and wait for all of them to end (SIGKILL after 60 s)."""
-        (os.killpg if group else os.kill)(self.process.pid, signum)
+        with contextlib.suppress(ProcessLookupError):  # every process of it is gone (a server that refused to start)
+            (os.killpg if group else os.kill)(self.process.pid, signum)
         try:
             self.process.wait(240)
         except subprocess.TimeoutExpired:

@@ -101,6 +101,17 @@ def check_kv_transfer_config(value: str | Mapping[str, Any]) -> TieringConfig:
     return engine_config(extra, None)
 
 
+def runs_this_engine(transfer: Mapping[str, Any]) -> bool:
+    """Whether vLLM's KV-transfer keys `transfer` name this engine: its own connector, or
+    vLLM's ``OffloadingConnector`` with this engine's spec. Any thread; pure."""
+    connector = transfer.get("kv_connector")
+    extra = transfer.get(SOURCE)
+    spec = extra.get("spec_name") if isinstance(extra, Mapping) else None
+    return connector == VLLM_CONNECTOR["kv_connector"] or (
+        connector == "OffloadingConnector" and spec == VLLM_SPEC["spec_name"]
+    )
+
+
 def _connector_problems(transfer: Mapping[str, Any], extra: Mapping[str, Any]) -> list[tuple[str, str]]:
     """What keeps `transfer` from building this engine, as (key path, problem) pairs."""
     connector = transfer.get("kv_connector")
