@@ -1,5 +1,6 @@
 """The load generator's command line: help without torch, errors without errno prefixes."""
 
+import json
 import subprocess
 import sys
 
@@ -98,3 +99,49 @@ def test_the_test_servers_the_benchmarks_start_import_without_pytest():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr, done.stdout) == (0, "", "suites need pytest\n")
+
+
+def _preset_run(tmp_path, config_text: str, *argv: str) -> tuple[int, dict | None, str]:
+    """`tiering-bench --model llama-3.1-8b` over two 600-token requests of one prompt: exit
+    status, report (None: no report), stderr."""
+    from tiering.benchmarks.loadgen import cli
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n' * 2)
+    config = tmp_path / "engine.yaml"
+    config.write_text(config_text + f"secondary_tiers: [{{type: file, root_dir: {tmp_path / 'kv'}}}]\n")
+    output = tmp_path / "run.json"
+    argv = ("--config", str(config), "--model", "llama-3.1-8b", "--trace", str(trace), "--output", str(output), *argv)
+    status = cli.main([*argv, "--gpu-cache-blocks", "0", "--quiet"])
+    return status, json.loads(output.read_text()) if output.exists() else None, str(config)
+
+
+@pytest.mark.parametrize(("block_size", "tokens"), [(None, 16), (32, 32)])
+def test_a_preset_sizes_a_block_alike_in_check_and_in_the_bench_and_both_take_block_size(
+    tmp_path, capsys, block_size, tokens
+):
+    """`check --model` read 16-token blocks and the bench 512-token ones (64 MiB: one CPU row)."""
+    from tiering.config_check import main as config_main
+
+    text = "cpu_bytes_to_use: 128MiB\n" + (f"block_size: {block_size}\n" if block_size else "")
+    status, report, config = _preset_run(tmp_path, text)
+    assert status == 0, capsys.readouterr().err
+    block_bytes = tokens * 32 * 8 * 128 * 2 * 2  # llama-3.1-8b: 32 layers, 8 KV heads of 128, K and V, bf16
+    assert report["inputs"]["bytes_per_block"] == block_bytes and report["inputs"]["config"]["block_size"] == tokens
+    assert report["hit_rate"]["cpu"] > 0  # the second request found the first's blocks
+    capsys.readouterr()
+    assert config_main(["check", config, "--model", "llama-3.1-8b"]) == 0
+    rows = (128 << 20) // block_bytes
+    assert (
+        f"block: {tokens} tokens of llama-3.1-8b = {block_bytes:,} bytes; cpu tier rows: {rows}"
+        in capsys.readouterr().out
+    )
+
+
+def test_a_bench_whose_cpu_tier_holds_less_than_a_typical_request_says_so_and_exits_2(tmp_path, capsys):
+    """It ran with one CPU row, refused every store, and exited 0 after 121 s."""
+    status, report, config = _preset_run(tmp_path, "cpu_bytes_to_use: 32MiB\n")
+    assert (status, report) == (2, None)
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{config}: cpu_bytes_to_use (33,554,432) holds 16 blocks of 16 tokens of llama-3.1-8b" in err
+    assert "half the requests store 37 or more: give the CPU tier at least 77,594,624 bytes" in err

@@ -406,7 +406,7 @@ def test_a_run_over_a_faulty_tier_loads_no_wrong_byte(tmp_path):
 def test_two_tiers_of_one_type_are_reported_apart(tmp_path):
     config = tmp_path / "engine.yaml"
     config.write_text(
-        "cpu_bytes_to_use: 256KiB\n"
+        "cpu_bytes_to_use: 1MiB\n"
         "secondary_tiers:\n"
         "  - {type: memory, capacity_bytes: 512KiB}\n"
         f"  - {{type: file, root_dir: {tmp_path / 'a'}, capacity_bytes: 1MiB}}\n"

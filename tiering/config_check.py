@@ -45,7 +45,7 @@ from tiering.engine.admission import AdmissionConfig, TierAdmission
 from tiering.errors import ConfigError
 from tiering.errors import describe as describe_error
 from tiering.integrations.vllm_config import check_kv_transfer_config
-from tiering.spec import MODEL_PRESETS, KVLayout
+from tiering.spec import MODEL_PRESETS, KVLayout, block_tokens
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
 from tiering.tiers.blockstore.namespaces import Found, remove, survey, unused
 from tiering.tiers.blockstore.opening import store_maker
@@ -59,7 +59,7 @@ _KEY_BYTES = len(make_offload_key(bytes(32), 0))  # vLLM's keys: a 32-byte hash 
 def describe(config: TieringConfig, layout: KVLayout | None) -> tuple[list[str], list[str]]:
     """The resolved engine, one line per fact (sizes in bytes and in blocks where known), and
     why the engine would not start with it for `layout`'s blocks (empty: it would)."""
-    block_size = config.block_size or (layout.gpu_block_size if layout else None)
+    block_size = block_tokens(config, layout) if layout else None
     lines = [
         f"configuration: {config.source}",
         f"cpu tier: {config.cpu_bytes_to_use:,} bytes, eviction policy {config.eviction_policy}",
@@ -145,7 +145,7 @@ def preflight(config: TieringConfig, connect: bool) -> tuple[list[str], list[str
 def identity_lines(config: TieringConfig, layout: KVLayout) -> tuple[bytes, list[str]]:
     """The identity an engine of `config` over `layout` has (`KVLayout.identity`, as the
     engine computes it) and its manifest, one line of JSON."""
-    block_size = config.block_size or layout.gpu_block_size
+    block_size = block_tokens(config, layout)
     identity = layout.identity(block_size, layout.kv_bytes_per_token * block_size, config.model_version)
     digest = identity.digest()
     return digest, [f"identity: {digest.hex()}", f"  manifest: {json.dumps(identity.manifest(), sort_keys=True)}"]

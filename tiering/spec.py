@@ -130,6 +130,14 @@ class KVLayout:
         )
 
 
+def block_tokens(config: TieringConfig, layout: KVLayout) -> int:
+    """Tokens per offloaded block of an engine of `config` over `layout`: the config's
+    ``block_size``, else the layout's GPU block (vLLM's default, 16 tokens for a preset). The
+    one rule of the engine, ``tiering-config check --model`` and ``tiering-bench --model``.
+    Pure; any thread."""
+    return config.block_size or layout.gpu_block_size
+
+
 class TieringOffloadingSpec:
     """Everything an engine needs, sized from `config` and `layout`.
 
@@ -163,7 +171,7 @@ class TieringOffloadingSpec:
         self.config, self.layout, self.instance_id = config, layout, instance_id
         self.enable_events = enable_events
         self.gpu_block_size = layout.gpu_block_size
-        self.block_size = config.block_size or layout.gpu_block_size
+        self.block_size = block_tokens(config, layout)
         if self.block_size % self.gpu_block_size:
             problem = f"{self.block_size} is not a multiple of the GPU block size {self.gpu_block_size}"
             raise ConfigError(config.source, [("block_size", problem)])

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import signal
+import statistics
 import threading
 import uuid
 from pathlib import Path
@@ -25,8 +26,17 @@ from tiering.benchmarks.loadgen import runs
 from tiering.benchmarks.loadgen.bounds import belady_hit_rate, prefix_hit_rate, unbounded_hit_rate
 from tiering.benchmarks.loadgen.report import build_report, plot
 from tiering.benchmarks.loadgen.run import RunStats, SchedulerLoop
-from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS, Request, read_trace, synthetic, with_flood, with_hints
+from tiering.benchmarks.loadgen.workload import (
+    BLOCK_TOKENS,
+    Request,
+    in_blocks_of,
+    read_trace,
+    synthetic,
+    with_flood,
+    with_hints,
+)
 from tiering.errors import describe_bind_error
+from tiering.spec import block_tokens
 from tiering.stats import Every
 from tiering.tiers.blockstore.generations import record_namespace
 
@@ -42,10 +52,7 @@ secondary_tiers:
     root_dir: ${TIERING_BENCH_DIR}
     capacity_bytes: ${TIERING_BENCH_TIER_BYTES}
 """
-DEFAULT_SIZES = {
-    "TIERING_BENCH_CPU_BYTES": (4 << 20, 8),
-    "TIERING_BENCH_TIER_BYTES": (48 << 20, 24),
-}  # bytes, or blocks
+DEFAULT_CPU_BYTES, DEFAULT_TIER_BYTES = 4 << 20, 48 << 20  # the built-in config's smallest tiers (`default_sizes`)
 LAYERS = 4  # KV tensors of the simulated model when sizing by --block-bytes
 PROGRESS_INTERVAL_S = 10.0  # seconds between two progress lines where no progress bar shows
 logger = logging.getLogger("tiering.bench")
@@ -76,20 +83,30 @@ class EngineFailure(Exception):
     """The engine raised while replaying (exit status 3)."""
 
 
-def layout_for(args: argparse.Namespace) -> KVLayout:
-    """The simulated model: a preset, or `LAYERS` tensors adding up to --block-bytes. A
-    hybrid preset's KV-cache groups are simulated as one, of all its layers: a block is one
-    key here (the bound on its bytes; a sliding-window group stores only its window's tail)."""
+def layout_for(args: argparse.Namespace, tokens: int | None = None) -> KVLayout:
+    """The simulated model, its GPU blocks of `tokens` tokens (None: the layout's default,
+    `block_tokens`' fallback: a preset's 16, the made-up model's `BLOCK_TOKENS`): a preset,
+    or `LAYERS` tensors adding up to --block-bytes per block. A hybrid preset's KV-cache
+    groups are simulated as one, of all its layers: a block is one key here (the bound on its
+    bytes; a sliding-window group stores only its window's tail).
+
+    Raises:
+        ValueError: --block-bytes does not split into `LAYERS` layers of `tokens` tokens.
+    """
     if args.model:
-        layout = KVLayout.from_preset(args.model, gpu_block_size=BLOCK_TOKENS)
-        return dataclasses.replace(layout, num_layers=layout.num_layers * layout.kv_groups, kv_groups=1)
-    per_token_layer, remainder = divmod(args.block_bytes, LAYERS * BLOCK_TOKENS)
+        layout = KVLayout.from_preset(args.model)
+        tokens = tokens or layout.gpu_block_size
+        return dataclasses.replace(
+            layout, num_layers=layout.num_layers * layout.kv_groups, kv_groups=1, gpu_block_size=tokens
+        )
+    tokens = tokens or BLOCK_TOKENS
+    per_token_layer, remainder = divmod(args.block_bytes, LAYERS * tokens)
     if remainder or not per_token_layer:
         raise ValueError(
-            f"--block-bytes: read {args.block_bytes:,} bytes, not a multiple of {LAYERS * BLOCK_TOKENS:,} "
-            f"({LAYERS} layers of {BLOCK_TOKENS} tokens); for example 64KiB or 2MiB"
+            f"--block-bytes: read {args.block_bytes:,} bytes, not a multiple of {LAYERS * tokens:,} "
+            f"({LAYERS} layers of {tokens} tokens); for example 64KiB or 2MiB"
         )
-    return KVLayout("loadgen", LAYERS, per_token_layer, gpu_block_size=BLOCK_TOKENS)
+    return KVLayout("loadgen", LAYERS, per_token_layer, gpu_block_size=tokens)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -186,18 +203,6 @@ def _prepare(args: argparse.Namespace, scratch: str) -> Replay:
     Raises:
         ConfigError, ValueError, OSError: unusable input.
     """
-    layout = layout_for(args)
-    if not args.warm_start:  # a namespace of its own: nothing an earlier run left is a hit
-        layout = dataclasses.replace(layout, model=f"{layout.model}/run-{uuid.uuid4().hex[:12]}")
-    block_bytes = layout.kv_bytes_per_token * BLOCK_TOKENS
-    sizes = {name: str(max(floor, blocks * block_bytes)) for name, (floor, blocks) in DEFAULT_SIZES.items()}
-    environ = {**sizes, **os.environ, "TIERING_BENCH_DIR": scratch}
-    if args.config:
-        config = load_config(args.config, environ)
-    else:
-        config = parse_config(DEFAULT_CONFIG, "<built-in default>", environ)
-    if config.block_size not in (None, BLOCK_TOKENS):
-        raise ValueError(f"the load generator replays {BLOCK_TOKENS}-token blocks: block_size must be omitted")
     if args.trace:
         requests = read_trace(args.trace, args.max_requests)
     else:
@@ -206,13 +211,63 @@ def _prepare(args: argparse.Namespace, scratch: str) -> Replay:
         raise ValueError("no requests to replay")
     if args.flood:
         requests = with_flood(requests, args.flood)
-    requests = with_hints(requests, args.hints)
+    default = layout_for(args)  # the layout of a config without block_size
+    environ = {**default_sizes(default, requests), **os.environ, "TIERING_BENCH_DIR": scratch}
+    if args.config:
+        config = load_config(args.config, environ)
+    else:
+        config = parse_config(DEFAULT_CONFIG, "<built-in default>", environ)
+    tokens = block_tokens(config, default)  # as tiering-config check and the engine read them
+    layout = layout_for(args, tokens)
+    config = config.model_copy(update={"block_size": tokens})
+    if not args.warm_start:  # a namespace of its own: nothing an earlier run left is a hit
+        layout = dataclasses.replace(layout, model=f"{layout.model}/run-{uuid.uuid4().hex[:12]}")
+    requests = in_blocks_of(with_hints(requests, args.hints), tokens)
+    _check_cpu_rows(config, layout, requests)
     longest = max(len(request.hash_ids) for request in requests)
     prefix_cache = args.gpu_blocks != 0
     gpu_blocks = args.gpu_blocks or max(64 if prefix_cache else 1, longest)
     if gpu_blocks < longest:
         raise ValueError(f"--gpu-cache-blocks {gpu_blocks} cannot hold the longest prompt ({longest} blocks)")
     return Replay(layout, config, requests, gpu_blocks, prefix_cache)
+
+
+def default_sizes(layout: KVLayout, requests: list[Request]) -> dict[str, str]:
+    """The built-in config's sizes, bytes by variable, for `layout`'s KV: a CPU tier of at
+    least `DEFAULT_CPU_BYTES`, 8 blocks of `BLOCK_TOKENS` tokens and two typical (median)
+    requests' tokens, so that `_check_cpu_rows` passes at any block size; a file tier of at
+    least `DEFAULT_TIER_BYTES`, 24 such blocks and twice the CPU tier."""
+    per_token = layout.kv_bytes_per_token
+    typical = statistics.median_high(request.input_length for request in requests)
+    cpu = max(DEFAULT_CPU_BYTES, 8 * BLOCK_TOKENS * per_token, 2 * typical * per_token)
+    tier = max(DEFAULT_TIER_BYTES, 24 * BLOCK_TOKENS * per_token, 2 * cpu)
+    return {"TIERING_BENCH_CPU_BYTES": str(cpu), "TIERING_BENCH_TIER_BYTES": str(tier)}
+
+
+def _check_cpu_rows(config: TieringConfig, layout: KVLayout, requests: list[Request]) -> None:
+    """Refuse a run whose CPU tier holds fewer blocks than a typical (median) request stores:
+    most stores would be refused and the run would measure nothing; warn where it holds fewer
+    than the longest request stores (that request's stores are refused).
+
+    Raises:
+        ValueError: says the block, the rows and the blocks requests store.
+    """
+    tokens = block_tokens(config, layout)
+    block_bytes = layout.kv_bytes_per_token * tokens
+    rows = config.cpu_bytes_to_use // block_bytes
+    typical = statistics.median_high(request.full_blocks() for request in requests)
+    longest = max(request.full_blocks() for request in requests)
+    holds = (
+        f"cpu_bytes_to_use ({config.cpu_bytes_to_use:,}) holds {rows:,} blocks of {tokens} tokens of "
+        f"{layout.model.partition('/run-')[0]} ({block_bytes:,} bytes each)"
+    )
+    if rows < typical:
+        raise ValueError(
+            f"{config.source}: {holds}; half the requests store {typical:,} or more: give the CPU tier at least "
+            f"{typical * block_bytes:,} bytes"
+        )
+    if rows < longest:
+        logger.warning("%s: %s; the longest request stores %d: its stores are refused", config.source, holds, longest)
 
 
 def _start_exporter(args: argparse.Namespace, engine: SimulatedEngine, console: Console) -> PrometheusExporter | None:

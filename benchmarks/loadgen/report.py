@@ -12,7 +12,6 @@ from rich.table import Table
 
 from tiering.benchmarks.args import format_size
 from tiering.benchmarks.loadgen.run import RunStats
-from tiering.benchmarks.loadgen.workload import BLOCK_TOKENS
 from tiering.tiers.context import PRIMARY_NAME
 
 if TYPE_CHECKING:
@@ -213,7 +212,7 @@ def _run_table(inputs: dict[str, Any], cpu_blocks: int) -> Table:
     source = inputs["trace"] or f"synthetic {inputs['workload']} workload"
     table.add_row("requests", f"{source}, seed {inputs['seed']}")
     model = inputs["model"] or "a made-up model (--model: a preset)"
-    table.add_row("block", f"{format_size(block_bytes)}: {BLOCK_TOKENS} tokens of {model}")
+    table.add_row("block", f"{format_size(block_bytes)}: {config['block_size']} tokens of {model}")
     cpu_bytes = cpu_blocks * block_bytes
     table.add_row("cpu tier", f"{cpu_blocks:,} blocks ({format_size(cpu_bytes)}), {config['eviction_policy']}")
     for tier in config["secondary_tiers"]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import hashlib
 import itertools
 import json
 import math
@@ -31,8 +32,9 @@ REPLAY_TENANT, FLOOD_TENANT = "replay", "flood"  # the two tenants of `with_floo
 @dataclass(frozen=True)
 class Request:
     """One request: arrival in milliseconds from the first, prompt and output tokens, the
-    ids of its prompt's blocks, its tenant, and the retention hint it sends
-    (`tiering.eviction.retention`: ``{"retain": seconds}`` or ``{"release": True}``; None: none)."""
+    ids of its prompt's blocks of `tokens_per_block` tokens, its tenant, and the retention
+    hint it sends (`tiering.eviction.retention`: ``{"retain": seconds}`` or ``{"release":
+    True}``; None: none)."""
 
     timestamp_ms: float
     input_length: int
@@ -40,17 +42,19 @@ class Request:
     hash_ids: tuple[int, ...]
     tenant: str | None = None
     hint: dict[str, Any] | None = None
+    tokens_per_block: int = BLOCK_TOKENS
 
     def block_tokens(self) -> list[int]:
         """Tokens of each block: full blocks, then the remainder of the prompt."""
-        last = self.input_length - BLOCK_TOKENS * (len(self.hash_ids) - 1)
-        return [BLOCK_TOKENS] * (len(self.hash_ids) - 1) + [max(1, min(last, BLOCK_TOKENS))]
+        size = self.tokens_per_block
+        last = self.input_length - size * (len(self.hash_ids) - 1)
+        return [size] * (len(self.hash_ids) - 1) + [max(1, min(last, size))]
 
     def full_blocks(self) -> int:
-        """How many leading blocks hold `BLOCK_TOKENS` tokens: those a prefix cache can hold.
-        vLLM hashes, and so caches and offloads, no partial block: a prompt's partial last
-        block is always computed, never looked up or stored."""
-        return min(len(self.hash_ids), self.input_length // BLOCK_TOKENS)
+        """How many leading blocks hold `tokens_per_block` tokens: those a prefix cache can
+        hold. vLLM hashes, and so caches and offloads, no partial block: a prompt's partial
+        last block is always computed, never looked up or stored."""
+        return min(len(self.hash_ids), self.input_length // self.tokens_per_block)
 
 
 TRACE_FORMAT = (
@@ -186,6 +190,41 @@ def with_hints(requests: list[Request], hints: str) -> list[Request]:
         dataclasses.replace(request, hint={"retain": CONTINUATION_TTL_S} if go_on else {"release": True})
         for request, go_on in zip(requests, continues, strict=True)
     ]
+
+
+def in_blocks_of(requests: list[Request], tokens: int) -> list[Request]:
+    """`requests` (blocks of `BLOCK_TOKENS`, a trace's) in blocks of `tokens`, a divisor of
+    it, as an engine of that block size sees them: each block id becomes ``BLOCK_TOKENS //
+    tokens`` ids (the same ones wherever the block recurs, so prefixes share as in the
+    trace), up to the prompt's last token.
+
+    Raises:
+        ValueError: `tokens` does not divide `BLOCK_TOKENS`.
+    """
+    if tokens < 1 or BLOCK_TOKENS % tokens:
+        raise ValueError(
+            f"block_size {tokens}: the replay's blocks are {BLOCK_TOKENS} tokens; expected a divisor of it"
+        )
+    if tokens == BLOCK_TOKENS:
+        return requests
+    pieces = BLOCK_TOKENS // tokens
+    split: dict[int, tuple[int, ...]] = {}
+
+    def ids_of(block: int) -> tuple[int, ...]:
+        if block not in split:
+            head = block.to_bytes(8, "big")
+            split[block] = tuple(
+                int.from_bytes(hashlib.blake2b(head + i.to_bytes(2, "big"), digest_size=8).digest(), "big")
+                for i in range(pieces)
+            )
+        return split[block]
+
+    out = []
+    for request in requests:
+        ids = [piece for block in request.hash_ids for piece in ids_of(block)]
+        count = -(-request.input_length // tokens)
+        out.append(dataclasses.replace(request, hash_ids=tuple(ids[:count]), tokens_per_block=tokens))
+    return out
 
 
 def with_flood(requests: list[Request], factor: int) -> list[Request]:
