@@ -136,3 +136,14 @@ def test_every_block_that_calls_a_project_tool_is_an_sh_block_so_these_checks_se
             if language != "sh" and any(TOOL.match(word) or word.startswith(".venv") for word in first_words):
                 untagged.append((page.name, block.splitlines()[0][:60]))
     assert untagged == []
+
+
+def test_no_page_points_a_user_at_a_path_outside_the_repository():
+    """docs/results.md sent users to ``../shared/peer-bench``, which a clone does not have."""
+    outside = [
+        (page.name, number)
+        for page in PAGES
+        for number, line in enumerate(page.read_text().splitlines(), start=1)
+        if re.search(r"\.\./shared|peer-bench", line)
+    ]
+    assert outside == []

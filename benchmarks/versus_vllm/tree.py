@@ -1,7 +1,8 @@
 """vLLM's own KV-offloading code, as its wheel ships it, importable without the rest of vLLM.
 
 `build` downloads the ``vllm==VLLM_VERSION`` wheel once (``pip download --no-deps``, with the
-pip of the running Python) into a cache directory, unzips ``vllm/v1/kv_offload/**`` and the
+pip of the running Python, its progress on stderr after a line that says where it goes) into
+a cache directory (``--cache``; `default_cache`), unzips ``vllm/v1/kv_offload/**`` and the
 pure modules it imports (`EXTRACTED`) unchanged, and writes a stand-in for every other vLLM
 module on their import paths (`STAND_INS`): a module whose every name is an inert class, and
 ``init_logger`` a standard logger. No stand-in is on a measured path: they are config types,
@@ -21,6 +22,7 @@ import zipfile
 from pathlib import Path
 
 VLLM_VERSION = "0.33.0"
+WHEEL_MB = 340  # the wheel's size, for the line that says a download starts
 EXTRACTED = (
     "vllm/v1/kv_offload/*",
     "vllm/v1/metrics/cache_hit_source.py",
@@ -69,8 +71,15 @@ def build(cache: Path) -> Path:
     wheel = next(wheels.glob(f"vllm-{VLLM_VERSION}-*.whl"), None)
     if wheel is None:
         wheels.mkdir(parents=True, exist_ok=True)
+        print(
+            f"versus_vllm: fetching the vllm=={VLLM_VERSION} wheel (about {WHEEL_MB} MB, once) with pip into {wheels}; "
+            "--cache DIR keeps it elsewhere",
+            file=sys.stderr,
+            flush=True,
+        )
         command = [sys.executable, "-m", "pip", "download", "--no-deps", f"vllm=={VLLM_VERSION}", "-d", str(wheels)]
-        done = subprocess.run(command, capture_output=True, text=True)
+        # pip's progress (a bar on a terminal) to our stderr, beside the tables on stdout; its errors kept
+        done = subprocess.run([*command, "--progress-bar", "on"], stdout=2, stderr=subprocess.PIPE, text=True)
         wheel = next(wheels.glob(f"vllm-{VLLM_VERSION}-*.whl"), None)
         if done.returncode != 0 or wheel is None:
             raise RuntimeError(f"pip download vllm=={VLLM_VERSION} failed: {done.stderr.strip()[-1000:]}")
