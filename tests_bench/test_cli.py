@@ -145,3 +145,17 @@ def test_a_bench_whose_cpu_tier_holds_less_than_a_typical_request_says_so_and_ex
     err = " ".join(capsys.readouterr().err.split())
     assert f"{config}: cpu_bytes_to_use (33,554,432) holds 16 blocks of 16 tokens of llama-3.1-8b" in err
     assert "half the requests store 37 or more: give the CPU tier at least 77,594,624 bytes" in err
+
+
+def test_a_config_typo_is_reported_before_torch_is_imported(tmp_path):
+    """It took 9-15 s on a busy machine to report a typo: torch was imported first."""
+    config = tmp_path / "engine.yaml"
+    config.write_text("cpu_bytes_to_use: 4MiB\neviction_polcy: lru\n")
+    code = (
+        "import sys\nfrom tiering.benchmarks.loadgen import main\n"
+        f"status = main(['--config', {str(config)!r}])\n"
+        "print(status, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert "eviction_polcy: unknown key" in done.stderr

@@ -160,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_output(args.output, "--output")  # first: a run stopped while starting leaves no old file behind
         check_output(args.plot, "--plot")
-        import tiering.benchmarks.loadgen.engine  # noqa: F401 - torch: loaded only once there is work to do
-
-        report = run(args, console, interrupts)
+        report = run(args, console, interrupts)  # imports torch once the inputs are checked
     except KeyboardInterrupt:  # before or after the replay itself: nothing to report
         console.print("[bold red]tiering-bench: interrupted[/]", highlight=False)
         return interrupts.exit_status()
