@@ -43,18 +43,26 @@ class DrainReport:
 
     Attributes:
         candidates: blocks only the primary tier held, idle, when it began.
+        assigned: those given to a lasting tier (the others found no room in any).
         written: per lasting tier name, the blocks it holds now of those given to it.
         seconds: how long it took.
     """
 
     candidates: int
+    assigned: int = 0
     written: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
     def left(self) -> int:
-        """Candidates no lasting tier holds: lost when the process exits."""
+        """Candidates no lasting tier holds: they end with the process, as a cache's blocks
+        do (a restart computes them again)."""
         return self.candidates - sum(self.written.values())
+
+    @property
+    def no_room(self) -> int:
+        """Candidates beyond every lasting tier's room (`capacity_blocks`)."""
+        return self.candidates - self.assigned
 
 
 def drain(
@@ -116,15 +124,20 @@ def _drain(
         if not waited:
             time.sleep(min(_POLL_S, max(0.0, deadline - clock())))
         poll()
-    report = DrainReport(len(candidates), seconds=clock() - start)
+    report = DrainReport(len(candidates), sum(map(len, given.values())), seconds=clock() - start)
     for idx, keys in given.items():
         report.written[names[idx]] = sum(_holds(tiers[idx], key) for key in keys)
     logger.info(
-        "shutdown: wrote %s of the %d blocks only the CPU tier held in %.1f s; %d left (lost at exit)",
+        "shutdown: wrote %s of the %d blocks only the CPU tier held in %.1f s; %d stay only there and end with it "
+        "(%d beyond the lasting tiers' room, %d not written within shutdown_drain_s: %.1f s); a restart computes "
+        "them again",
         ", ".join(f"{count} to {name}" for name, count in report.written.items()) or "none",
         report.candidates,
         report.seconds,
         report.left,
+        report.no_room,
+        report.left - report.no_room,
+        seconds,
     )
     return report
 
