@@ -11,7 +11,7 @@ from tests.test_identity import IdentitySpec, identity
 from tiering import KVLayout, TieringOffloadingSpec, config_check, load_config, parse_config
 from tiering.contract.identity import namespace
 from tiering.tiers.blockstore.generations import record_namespace
-from tiering.tiers.blockstore.namespaces import remove, unused
+from tiering.tiers.blockstore.namespaces import label, remove, unused
 
 OLD = time.time() - 30 * 86400  # a month ago
 
@@ -51,9 +51,9 @@ def test_check_lists_whose_each_namespace_is_and_prune_removes_only_the_unused(t
     assert status == 0 and "tier file: 5 namespaces" in out
     mine, theirs = live.digest().hex(), gone.digest().hex()
     assert f"{record_namespace(live.digest()).hex()}: 2 objects" in out
-    assert f"records of identity {mine} (org/tiny), generation 1" in out
+    assert f"records of identity {mine} (org/tiny, " in out and ", generation 1" in out
     assert f"{namespace(live.digest(), 1).hex()}: 1 objects" in out
-    assert f"blocks of identity {mine} (org/other)" not in out and f"blocks of identity {theirs} (org/other)" in out
+    assert f"blocks of identity {mine} (org/other" not in out and f"blocks of identity {theirs} (org/other, " in out
     assert f"{unnamed.name}: 1 objects, 100 bytes" in out and "named by no identity's records" in out
 
     for directory in (root / namespace(gone.digest(), 0).hex(), root / record_namespace(gone.digest()).hex(), unnamed):
@@ -136,3 +136,13 @@ def test_prune_keeps_an_identitys_records_while_one_of_its_namespaces_could_not_
     out = capsys.readouterr()
     assert "cannot remove" in out.err and "a namespace of blocks could not be removed" in out.out
     assert len(list(root.iterdir())) == 2  # the blocks, and their identity's records
+
+
+def test_identities_of_one_model_are_labelled_apart():
+    """check listed every warm-start identity of the load generator as '(loadgen)'."""
+    layout = KVLayout("loadgen", 4, 32, gpu_block_size=512)
+    small, large = layout.identity(512, 65536), layout.identity(512, 2 << 20)
+    versioned = layout.identity(512, 65536, model_version="step-42")
+    labels = {label(identity.manifest()) for identity in (small, large, versioned)}
+    assert len(labels) == 3 and all(text.startswith("loadgen, ") for text in labels)
+    assert "loadgen, version step-42, 512 tokens / 65,536 bytes per block, bfloat16" in labels

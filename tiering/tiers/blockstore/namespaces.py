@@ -38,9 +38,9 @@ RECORDS_MAX_OBJECTS = 2  # a manifest and a generation: a namespace with more is
 @dataclass(frozen=True)
 class Found:
     """A namespace and what it is: `kind` ``records``, ``blocks`` or ``unnamed``; `identity`
-    the hex digest of the identity whose it is (None: unnamed); `model` its model's name;
-    `generation` the identity's current generation; `this_engine` whether the identity is
-    the one asked about."""
+    the hex digest of the identity whose it is (None: unnamed); `model` its model's name and
+    what else tells identities of one model apart (`label`); `generation` the identity's
+    current generation; `this_engine` whether the identity is the one asked about."""
 
     usage: NamespaceUsage
     kind: str
@@ -62,6 +62,28 @@ class Found:
             return f"{where}; named by no identity's records (an older generation, or blocks of an older version)"
         whose = f"identity {self.identity} ({self.model}), generation {self.generation}"
         return f"{where}; {self.kind} of {whose}{', this engine' if self.this_engine else ''}"
+
+
+def label(manifest: dict) -> str:
+    """An identity's manifest in a few words: its model and what most often tells two
+    identities of one model apart (version, block, dtype, parallel split), so that a listing
+    of several does not show one name for all. Pure; any thread."""
+    parts = [str(manifest.get("model"))]
+    if manifest.get("model_version"):
+        parts.append(f"version {manifest['model_version']}")
+    if manifest.get("model_revision"):
+        parts.append(f"revision {manifest['model_revision']}")
+    tokens, size = manifest.get("tokens_per_block"), manifest.get("bytes_per_block")
+    if isinstance(tokens, int) and isinstance(size, int):
+        parts.append(f"{tokens} tokens / {size:,} bytes per block")
+    if manifest.get("kv_dtype"):
+        parts.append(str(manifest["kv_dtype"]))
+    parallel = manifest.get("parallel")
+    if isinstance(parallel, dict):
+        split = ", ".join(f"{k} {v}" for k, v in sorted(parallel.items()) if isinstance(v, int) and v > 1)
+        if split:
+            parts.append(split)
+    return ", ".join(parts)
 
 
 async def survey(
@@ -87,7 +109,7 @@ async def survey(
             await store.close()
         if read is not None and isinstance(digest := read[0].get("identity"), str):
             mine = identity is not None and digest == identity.hex()
-            records[usage.namespace] = Found(usage, "records", digest, read[0].get("model"), read[1], mine)
+            records[usage.namespace] = Found(usage, "records", digest, label(read[0]), read[1], mine)
     blocks = {}
     for found in records.values():
         assert found.identity is not None and found.generation is not None
