@@ -17,7 +17,7 @@ from tiering.tiers.context import PRIMARY_NAME
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # 2: prefix_hit_rate, each tier's cascades_dropped and cascades_filtered; 3: interrupted;
 # 4: tiers' store_gbps/load_gbps over their busy time (store_busy_s, load_busy_s), `engine`;
 # 5: hit_rate_by_tenant (requests that name a tenant, as with --flood); 6: cpu_tier (its
@@ -79,7 +79,8 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
         "belady_all_tiers_capacity_blocks": bounds["all_tiers_blocks"],
         "verify_failures": stats.verify_failures,
         "store_refused_blocks": stats.store_refused_blocks,
-        "failed_jobs": stats.failed_loads + sum(sum(t["failures"].values()) for t in tiers.values()),
+        "failed_jobs": stats.failed_loads + sum(t["stats"]["counters"].get("jobs_failed", 0) for t in tiers.values()),
+        "failed_calls": _failed_calls(tiers),
         "cpu_tier": {"retention": _retention(engine_stats["primary"]), "stats": engine_stats["primary"]},
         "tiers": tiers,
         "engine": _engine_counts(engine_stats),
@@ -152,6 +153,9 @@ def print_summary(report: dict, console: Console) -> None:
         hits.add_row(f"{bound}: Belady at all tiers' {capacity:,} blocks", f"{report['belady_all_tiers_hit_rate']:.1%}")
     hits.add_row("verify failures", str(report["verify_failures"]))
     hits.add_row("failed jobs", str(report["failed_jobs"]))
+    if report["failed_calls"]:  # a delete or probe that failed fails no job: shown apart, by kind
+        calls = ", ".join(f"{count:,} {reason}" for reason, count in report["failed_calls"].items())
+        hits.add_row("failed tier calls (not jobs)", calls)
     hits.add_row("blocks not stored (no room in the CPU tier)", str(report["store_refused_blocks"]))
     if report["realtime_factor"] is not None:
         hits.add_row("replay speed vs the trace's clock", f"{report['realtime_factor']:.1f}x")
@@ -168,6 +172,7 @@ def print_summary(report: dict, console: Console) -> None:
         console.print(tenants)
     tiers = Table(title="Secondary tiers (GB/s: while busy storing or loading)", box=box.SIMPLE, pad_edge=False)
     tiers.add_column("tier", overflow="fold")  # a long name folds; the numbers never shrink
+    tiers.caption = "failed: jobs / calls (a failed delete or probe fails no job)"
     for column in ("stored", "GB/s", "loaded", "GB/s", "evicted", "failed", "dropped", "health"):
         tiers.add_column(column, justify="right", no_wrap=True)
     for name, tier in report["tiers"].items():
@@ -179,7 +184,7 @@ def print_summary(report: dict, console: Console) -> None:
             format_size(tier["load_bytes"]),
             f"{tier['load_gbps']:.2f}",
             str(tier["evictions"]),
-            str(counters.get("jobs_failed", 0)),
+            f"{counters.get('jobs_failed', 0):,} / {sum(tier['failures'].values()):,}",
             str(tier["cascades_dropped"]),
             str(gauges.get("state", "")),
         )
@@ -201,6 +206,17 @@ def print_summary(report: dict, console: Console) -> None:
     if promotion["count"]:
         calls.add_row("promotion", str(promotion["count"]), f"{promotion['p50']:.2f} ms", f"{promotion['p99']:.2f} ms")
     console.print(calls)
+
+
+def _failed_calls(tiers: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """The tiers' failed calls by kind (store, load, delete, probe ...), summed; kinds with
+    none left out."""
+    total: dict[str, int] = {}
+    for tier in tiers.values():
+        for reason, count in tier["failures"].items():
+            if count:
+                total[reason] = total.get(reason, 0) + count
+    return total
 
 
 def _run_table(inputs: dict[str, Any], cpu_blocks: int) -> Table:
