@@ -263,3 +263,29 @@ def test_an_s3_tiers_index_is_bounded_by_default_and_forgets_without_deleting(s3
     bounded.store(1)
     assert len(bounded.tier.index) == 1 and bounded.tier.get_stats()["counters"]["index_forgotten"] == 1
     assert bounded.lookup_until_done(0, 1) == [True, True]  # the forgotten one is found again by a probe
+
+
+def test_the_s3_server_command_serves_a_bucket_and_prints_its_endpoint_until_stopped():
+    """`python -m tiering.testing.s3_server` exited 0 at once, printing nothing."""
+    import subprocess
+    import sys
+
+    import botocore.session
+
+    command = [sys.executable, "-m", "tiering.testing.s3_server", "--bucket", "from-the-command"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = server.stdout.readline()  # waits for the fact: the server is up, with its bucket
+        assert line.startswith("s3 server up: http://127.0.0.1:"), line
+        endpoint = line.split()[3]
+        assert "tier: {type: s3, bucket: from-the-command, endpoint_url: " + endpoint + "}" in line
+        client = botocore.session.get_session().create_client(
+            "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+        )
+        assert [b["Name"] for b in client.list_buckets()["Buckets"]] == ["from-the-command"]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+        server.stdout.close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])), timeout=1).close()

@@ -1,11 +1,19 @@
 """A local S3-compatible server for tests and benchmarks: moto's server mode in a child process
 on loopback. Needs the `moto[server]` package (in the `test` and `bench-s3` extras) and
-botocore (the `s3` extra) for `MotoServer.client`."""
+botocore (the `s3` extra) for `MotoServer.client`.
+
+As a command, it serves until Ctrl-C (or SIGTERM), with a bucket ready, and prints the
+endpoint and the keys an S3 tier needs::
+
+    python -m tiering.testing.s3_server [--port 9000] [--bucket kv-cache]
+"""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -83,3 +91,40 @@ class MotoServer:
 
     def create_bucket(self, name: str) -> None:
         self.client().create_bucket(Bucket=name)
+
+
+LOCAL_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+"""What moto accepts (any keys); an S3 tier's client finds them in its environment."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command line (see the module docstring); returns once stopped.
+
+    Raises:
+        RuntimeError: the server could not start (as `MotoServer.start`).
+    """
+    parser = argparse.ArgumentParser(description="Start a local S3-compatible server (moto) until Ctrl-C.")
+    parser.add_argument("--port", type=int, default=0, help="the port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--bucket", default="kv-cache", help="a bucket created at start (default kv-cache)")
+    args = parser.parse_args(argv)
+    os.environ.update({key: os.environ.get(key, value) for key, value in LOCAL_CREDENTIALS.items()})
+    server = MotoServer(args.port or None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server.start()
+    try:
+        server.create_bucket(args.bucket)
+        keys = " ".join(f"{key}={os.environ[key]}" for key in LOCAL_CREDENTIALS)
+        print(
+            f"s3 server up: {server.endpoint_url} (Ctrl-C stops it); bucket {args.bucket}; "
+            f"tier: {{type: s3, bucket: {args.bucket}, endpoint_url: {server.endpoint_url}}} with {keys}",
+            flush=True,
+        )
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
