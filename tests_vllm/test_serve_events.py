@@ -19,8 +19,8 @@ import pytest
 
 from tests_vllm import tiny
 from tests_vllm.conftest import prompt
-from tiering.benchmarks.serve.routing import KvEventsSubscriber
 from tiering.benchmarks.serve.server import ServerOptions, VllmServer, free_port
+from tiering.integrations.kv_events import KvEventsSubscriber
 from tiering.tiers.object_format import object_size
 
 pytestmark = pytest.mark.timeout(600)
@@ -40,7 +40,7 @@ class Subscriber:
         self._socket = KvEventsSubscriber(self._keep)
         self.endpoint = self._socket.endpoint
 
-    def _keep(self, _topic: str, events: list) -> None:
+    def _keep(self, _topic: str, _sequence: int, events: list) -> None:
         with self._lock:
             self.events.extend(events)
 

@@ -154,8 +154,8 @@ def print_summary(report: dict, console: Console) -> None:
     hits.add_row("verify failures", str(report["verify_failures"]))
     hits.add_row("failed jobs", str(report["failed_jobs"]))
     if report["failed_calls"]:  # a delete or probe that failed fails no job: shown apart, by kind
-        calls = ", ".join(f"{count:,} {reason}" for reason, count in report["failed_calls"].items())
-        hits.add_row("failed tier calls (not jobs)", calls)
+        failed = ", ".join(f"{count:,} {reason}" for reason, count in report["failed_calls"].items())
+        hits.add_row("failed tier calls (not jobs)", failed)
     hits.add_row("blocks not stored (no room in the CPU tier)", str(report["store_refused_blocks"]))
     if report["realtime_factor"] is not None:
         hits.add_row("replay speed vs the trace's clock", f"{report['realtime_factor']:.1f}x")

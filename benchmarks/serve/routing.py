@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
+
+from tiering.integrations.kv_events import KvEventsSubscriber
 
 ROUTINGS = ("round-robin", "session", "kv-events")
 WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE/LOCAL": 0.6, "STORAGE/REMOTE": 0.4}
@@ -118,53 +120,13 @@ class PrefixIndex:
             held.setdefault(block_hash, set()).add(where)
 
 
-class KvEventsSubscriber:
-    """A router's end of vLLM's KV events: a ZMQ SUB socket bound on 127.0.0.1 (`endpoint`;
-    vLLM's publishers connect to it), receiving on a thread of its own, that decodes each
-    batch into vLLM's own event types and hands them and their topic to `on_batch`; only
-    topics that start with `topics`."""
-
-    def __init__(self, on_batch: Callable[[str, list[Any]], None], topics: str = ""):
-        import zmq
-        from msgspec.msgpack import Decoder
-        from vllm.distributed.kv_events import KVEventBatch
-
-        from tiering.benchmarks.serve.server import free_port
-
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self._on_batch = on_batch
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, topics.encode())
-        self._socket.setsockopt(zmq.RCVTIMEO, 200)
-        self._socket.bind(self.endpoint)
-        self._decoder = Decoder(type=KVEventBatch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._receive, name="kv-events-subscriber", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._socket.close(linger=0)
-
-    def _receive(self) -> None:
-        import zmq
-
-        while not self._stop.is_set():
-            try:
-                topic, _seq, payload = self._socket.recv_multipart()
-            except zmq.Again:
-                continue
-            self._on_batch(topic.decode(), self._decoder.decode(payload).events)
-
-
 class KvEventsIndex(PrefixIndex):
     """A `PrefixIndex` fed by the replicas' vLLM publishers (`KvEventsSubscriber`)."""
 
     def __init__(self, replicas: int, block_size: int, weights: dict[str, float] | None = None):
         super().__init__(replicas, block_size, weights)
         self._subscriber = KvEventsSubscriber(
-            lambda topic, events: self.apply(int(topic.removeprefix("replica-")), events), "replica-"
+            lambda topic, _sequence, events: self.apply(int(topic.removeprefix("replica-")), events), "replica-"
         )
 
     def publisher_config(self, replica: int) -> dict[str, Any]:
