@@ -277,7 +277,7 @@ def test_the_s3_server_command_serves_a_bucket_and_prints_its_endpoint_until_sto
     try:
         line = server.stdout.readline()  # waits for the fact: the server is up, with its bucket
         assert line.startswith("s3 server up: http://127.0.0.1:"), line
-        endpoint = line.split()[3]
+        endpoint = line.split()[3].rstrip(";")
         assert "tier: {type: s3, bucket: from-the-command, endpoint_url: " + endpoint + "}" in line
         client = botocore.session.get_session().create_client(
             "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"

@@ -1,12 +1,16 @@
 """The test servers' child processes: a free loopback port, a server started with its stderr
-kept, what a server that exited said, and a stop that always ends the process."""
+kept, what a server that exited said, a stop that always ends the process, and a server run
+from the command line until Ctrl-C."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
+from collections.abc import Callable
 from typing import IO
 
 STDERR_TAIL_BYTES = 2000  # of a failed server's stderr, in its error
@@ -52,3 +56,17 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def serve_until_stopped(start: Callable[[], str], stop: Callable[[], None]) -> None:
+    """A test server run as a command: `start` it (it returns the line that says where it
+    listens), print that line, and wait for Ctrl-C or SIGTERM; `stop` it then, however it
+    ended. Main thread only (it sets a SIGTERM handler)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        print(f"{start()} (Ctrl-C stops it)", flush=True)
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop()

@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from typing import IO
 
-from tiering.testing.processes import exit_message, free_port, spawn, stop_process
+from tiering.testing.processes import exit_message, free_port, serve_until_stopped, spawn, stop_process
 
 
 class MotoServer:
@@ -109,21 +108,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.update({key: os.environ.get(key, value) for key, value in LOCAL_CREDENTIALS.items()})
     server = MotoServer(args.port or None)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server.start()
-    try:
+
+    def start() -> str:
+        server.start()
         server.create_bucket(args.bucket)
         keys = " ".join(f"{key}={os.environ[key]}" for key in LOCAL_CREDENTIALS)
-        print(
-            f"s3 server up: {server.endpoint_url} (Ctrl-C stops it); bucket {args.bucket}; "
-            f"tier: {{type: s3, bucket: {args.bucket}, endpoint_url: {server.endpoint_url}}} with {keys}",
-            flush=True,
-        )
-        signal.pause()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+        tier = f"{{type: s3, bucket: {args.bucket}, endpoint_url: {server.endpoint_url}}}"
+        return f"s3 server up: {server.endpoint_url}; bucket {args.bucket}; tier: {tier} with {keys};"
+
+    serve_until_stopped(start, server.stop)
 
 
 if __name__ == "__main__":

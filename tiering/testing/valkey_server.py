@@ -23,14 +23,13 @@ import signal
 import socket
 import ssl
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import IO
 
-from tiering.testing.processes import exit_message, free_port, spawn, stop_process
+from tiering.testing.processes import exit_message, free_port, serve_until_stopped, spawn, stop_process
 
 CLUSTER_SLOTS = 16384
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000 (so its port is <= 55535)
@@ -364,17 +363,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = {"maxmemory": args.maxmemory, "maxmemory-policy": "allkeys-lru"}
     server = ValkeyCluster(args.primaries, settings=settings) if args.primaries else ValkeyServer(settings=settings)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server.start()
-    try:
+
+    def start() -> str:
+        server.start()
         addresses = server.addresses if isinstance(server, ValkeyCluster) else [server.address]
-        mode = f"cluster of {args.primaries}" if args.primaries else "server"
-        print(f"{mode} up: {','.join(addresses)} (Ctrl-C stops it)", flush=True)
-        signal.pause()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+        return f"{'cluster of ' + str(args.primaries) if args.primaries else 'server'} up: {','.join(addresses)}"
+
+    serve_until_stopped(start, server.stop)
 
 
 if __name__ == "__main__":
