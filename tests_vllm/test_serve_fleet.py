@@ -5,6 +5,9 @@ shared directory; under kv-events routing it follows its prefix instead; the rep
 
 import json
 import os
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +56,18 @@ def test_two_replicas_share_a_file_tier_and_route_by_round_robin_or_kv_events(tm
     replica_of = [o["replica"] for o in sorted(kv["outcomes"], key=lambda o: o["index"])]
     assert replica_of[3:] == replica_of[:3]  # each second turn went where its prefix was
     assert kv["summary"]["found_tokens"] == 0
+
+
+def test_the_smallest_fleet_command_in_the_docs_shows_another_replicas_blocks(tmp_path):
+    """A new user's fleet of 16 requests showed no shared-tier hit: docs/vllm.md prints the
+    smallest command that does, and this runs it as printed (its output and servers' work
+    directory moved into the test's own)."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "vllm.md").read_text()
+    (command,) = [b for b in re.findall(r"```sh\n(.*?)\n```", page, flags=re.S) if "--max-requests 16" in b]
+    argv = shlex.split(command.replace("\\\n", " "))
+    assert argv[:2] == [".venv-vllm/bin/tiering-bench", "serve"]
+    output = tmp_path / "fleet.json"
+    argv = [str(output) if word == "fleet.json" else word for word in argv[1:]]
+    assert main([*argv, "--work-dir", str(tmp_path / "w"), "--quiet"]) == 0
+    summary = json.loads(output.read_text())["configurations"]["shared/round-robin"]["summary"]
+    assert summary["failed"] == 0 and summary["found_tokens"] > 0, summary
