@@ -457,7 +457,7 @@ def test_tiers_of_one_engine_share_one_runtime():
         ({"type": "memory", "capacity_bytes": 0}, ValueError, "capacity_bytes: expected a size from 1 byte to 1 EiB"),
         ({"type": "memory", "capacity_bytes": 4096}, ValueError, r"capacity_bytes \(4096\) cannot hold one block"),
         ({"type": "memory", "capacity_bytes": "lots"}, ValueError, "capacity_bytes: expected a size such as"),
-        ({"type": "memory", "latency_s": "slow"}, ValueError, "latency_s: Input should be a valid number"),
+        ({"type": "memory", "latency_s": "slow"}, ValueError, "latency_s: expected a duration such as"),
         ({"type": "memory", "max_concurrency": 0}, ValueError, "max_concurrency: Input should be greater than or"),
         ({"type": "memory", "failure_rate": 1.5}, ValueError, "failure_rate: Input should be less than or equal to 1"),
         ({"type": "file"}, ValueError, "root_dir: required key is missing"),

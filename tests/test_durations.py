@@ -4,7 +4,6 @@ keys in seconds, a client's retention hint, and every command line that takes on
 import pytest
 
 from tiering import ReqContext
-from tiering.benchmarks.args import parse_hints
 from tiering.config import config_from_dict
 from tiering.config_check import main as config_main
 from tiering.errors import ConfigError
@@ -70,11 +69,9 @@ def test_a_configs_seconds_take_a_duration_and_a_bad_one_names_its_key():
         config_from_dict({**CPU, "job_deadline_s": "2d"}, "engine.yaml")
 
 
-def test_a_clients_hint_and_the_benchs_hints_take_the_same_grammar():
+def test_a_clients_hint_takes_the_same_grammar():
     assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"retain": "P1D"}})).retain_s == 86_400.0
     assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"retain": "1h30m"}})).retain_s == 5400.0
-    assert parse_hints("retain:P1D") == ("retain", 86_400.0)
-    assert parse_hints("retain:36h") == ("retain", 129_600.0)
 
 
 @pytest.mark.parametrize("duration", ["36h", "1h", "60s", "5m", "14day", "PT1M", "P2W"])

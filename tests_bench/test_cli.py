@@ -159,3 +159,11 @@ def test_a_config_typo_is_reported_before_torch_is_imported(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["2", "False"], done.stderr
     assert "eviction_polcy: unknown key" in done.stderr
+
+
+def test_the_benchs_hints_take_the_grammar_of_every_duration():
+    from tiering.benchmarks.args import parse_hints
+
+    assert parse_hints("retain:P1D") == ("retain", 86_400.0)
+    assert parse_hints("retain:36h") == ("retain", 129_600.0)
+    assert parse_hints("retain:1h30m") == ("retain", 5400.0)

@@ -38,13 +38,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tiering.benchmarks.args import DURATION_HELP, duration_arg
 from tiering.config import TieringConfig, load_config
 from tiering.contract.keys import make_offload_key
 from tiering.engine.admission import AdmissionConfig, TierAdmission
 from tiering.errors import ConfigError
 from tiering.errors import describe as describe_error
 from tiering.integrations.vllm_config import check_kv_transfer_config
+from tiering.options import DURATION_EXAMPLES, parse_duration
 from tiering.spec import MODEL_PRESETS, KVLayout, block_tokens
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
 from tiering.tiers.blockstore.namespaces import Found, remove, survey, unused
@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     prune.add_argument(
         "--unused-for",
         required=True,
-        type=duration_arg,
+        type=_duration,
         metavar="DURATION",
-        help=f"not written for this long ({DURATION_HELP})",
+        help=f"not written for this long: {DURATION_EXAMPLES} (seconds without a unit)",
     )
     prune.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     parser.epilog = "".join(command.format_usage() for command in (check, prune))
@@ -254,6 +254,14 @@ def main(argv: list[str] | None = None) -> int:
         lines = [f"{config.source}: {problem}: the engine would not start" for problem in problems]
         print("invalid configuration\n  " + "\n  ".join(lines), file=sys.stderr)
     return 2 if problems else 0
+
+
+def _duration(text: str) -> float:
+    """``--unused-for``: seconds of a positive duration (`tiering.options.parse_duration`)."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _prune(path: str, unused_for_s: float, dry_run: bool) -> int:

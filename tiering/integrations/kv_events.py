@@ -23,12 +23,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from tiering.testing.processes import free_port
-
 
 class KvEventsSubscriber:
     """A ZMQ SUB socket on vLLM's publisher: bound at `endpoint` (None: a free port of
-    127.0.0.1, in `endpoint` then; vLLM's publisher connects to it), or connected to it
+    127.0.0.1, the bound address in `endpoint` then; vLLM's publisher connects to it), or connected to it
     (`connect`: vLLM binds it); receiving on a thread of its own, it decodes each batch into
     vLLM's event types and hands them to `on_batch(topic, sequence number, events)`; only
     topics that start with `topics`.
@@ -49,12 +47,15 @@ class KvEventsSubscriber:
         from msgspec.msgpack import Decoder
         from vllm.distributed.kv_events import KVEventBatch
 
-        self.endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
         self._on_batch = on_batch
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, topics.encode())
         self._socket.setsockopt(zmq.RCVTIMEO, 200)
-        (self._socket.connect if connect else self._socket.bind)(self.endpoint)
+        if connect and endpoint is not None:
+            self._socket.connect(endpoint)
+        else:  # "*" as the port: ZMQ binds a free one
+            self._socket.bind(endpoint or "tcp://127.0.0.1:*")
+        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT) if endpoint is None else endpoint
         self._decoder = Decoder(type=KVEventBatch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._receive, name="kv-events-subscriber", daemon=True)
