@@ -218,15 +218,31 @@ def test_a_reset_returns_at_once_with_a_frozen_s3_endpoint_and_the_tier_moves_on
         server.stop()
 
 
-def test_a_manifest_of_another_identity_keeps_the_tier_from_opening(tmp_path, engine_factory):
-    root = tmp_path / "kv"
-    spec = IdentitySpec(identity("control"))
-    engine_factory({"type": "file", "root_dir": str(root)}, spec=spec).store(0)
+def manifest_file(root, spec):
     records = root / record_namespace(spec.identity.digest()).hex()
-    manifest_file = next(path for path in records.rglob("*") if path.is_file() and path.stat().st_size > MANIFEST_BYTES)
-    data = bytearray(manifest_file.read_bytes())
-    text = data[-MANIFEST_BYTES:].replace(spec.identity.digest().hex().encode(), b"0" * 32)
-    data[-MANIFEST_BYTES:] = text
-    manifest_file.write_bytes(bytes(data))  # its CRC no longer matches either: unreadable, so foreign
-    with pytest.raises(Exception, match="manifest"):
-        engine_factory({"type": "file", "root_dir": str(root)}, spec=spec)
+    return next(path for path in records.rglob("*") if path.is_file() and path.stat().st_size > MANIFEST_BYTES)
+
+
+@pytest.mark.parametrize("defect", ["another identity", "bytes of a stranger"])
+def test_a_manifest_that_does_not_open_or_names_another_identity_is_written_again_and_the_tier_opens(
+    tmp_path, engine_factory, caplog, defect
+):
+    """Anyone who could write the directory stopped every engine of the identity for good
+    (`ForeignManifestError`): the manifest is a label, the namespaces come from the identity."""
+    root = tmp_path / "kv"
+    tier = {"type": "file", "root_dir": str(root), "layout": "files", "probe_misses": True}
+    spec = IdentitySpec(identity("control"))
+    engine_factory(tier, spec=spec).store(0)
+    path = manifest_file(root, spec)
+    if defect == "another identity":  # its CRC no longer matches either
+        data = bytearray(path.read_bytes())
+        data[-MANIFEST_BYTES:] = data[-MANIFEST_BYTES:].replace(spec.identity.digest().hex().encode(), b"0" * 32)
+        path.write_bytes(bytes(data))
+    else:
+        path.write_bytes(b"planted" * 1000)
+    again = engine_factory(tier, spec=spec)  # opens
+    assert again.lookup_until_done(0) == [True]  # the blocks are read as before
+    assert again.tier._records.rewritten == 1 and "its manifest cannot be read" in caplog.text
+    manifest = json.loads(manifest_file(root, spec).read_bytes()[-MANIFEST_BYTES:])
+    assert manifest["identity"] == spec.identity.digest().hex()  # written again
+    assert engine_factory(tier, spec=spec).tier._records.rewritten == 0

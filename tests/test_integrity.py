@@ -5,12 +5,14 @@ import base64
 import logging
 import re
 import secrets
+import time
 
 import crc32c
 import numpy as np
 import pytest
 
 from tests.helpers import CTX, ROW, block_bytes, keys, metrics_text
+from tests.test_identity import IdentitySpec, identity
 from tiering import ConfigError, CorruptObjectError, ForgedObjectError
 from tiering.config import parse_config
 from tiering.testing.block_store import FINGERPRINT
@@ -176,6 +178,30 @@ def test_forged_blocks_are_logged_once_a_minute_with_their_key(keys_a, tmp_path,
     lines = [record.getMessage() for record in caplog.records if "seal does not open" in record.getMessage()]
     assert len(lines) == 1 and any(k.hex() in lines[0] for k in keys(0, 1, 2))
     assert victim.tier.failures["load_forged"] == 3
+
+
+def test_a_key_rotation_as_the_docs_give_it_keeps_every_engine_starting_on_its_generation(
+    monkeypatch, tmp_path, engine_factory
+):
+    """Rotated as docs/sharing.md says (add the new key second, move it first, drop the old
+    one), the records stayed sealed with the dropped key and no engine started again."""
+    old, new = secrets.token_hex(32), secrets.token_hex(32)
+    shared = file_config(tmp_path / "shared", integrity={"keys_env": KEYS_ENV})
+    spec = IdentitySpec(identity("control"))  # an engine's identity: a manifest beside the generation
+    monkeypatch.setenv(KEYS_ENV, old)
+    first = engine_factory(shared, spec=spec)
+    before = first.tier.store
+    first.manager.reset_cache()  # generation 1: a generation record, sealed with the old key
+    deadline = time.monotonic() + 30
+    while first.tier.store is before and time.monotonic() < deadline:  # the loop opens the new one
+        time.sleep(0.01)
+    generation = first.tier._records.generation
+    assert generation == 1
+    for keys_given, rewritten in ((f"{old} {new}", 0), (f"{new} {old}", 2), (new, 0)):
+        monkeypatch.setenv(KEYS_ENV, keys_given)
+        engine = engine_factory(shared, spec=spec)  # starts at every step
+        records = engine.tier._records
+        assert (records.generation, records.rewritten) == (generation, rewritten), keys_given
 
 
 # -- encryption ---------------------------------------------------------------------------------

@@ -51,9 +51,15 @@ class TierCounters:
                 logger.warning("tier %s: %s failed (%d so far): %r", self.name, reason, count, error)
 
     def snapshot(
-        self, index: BlockIndex, probe_answers: int, health: TierHealth, loop_alive: bool, recovering: bool
+        self,
+        index: BlockIndex,
+        probe_answers: int,
+        health: TierHealth,
+        loop_alive: bool,
+        recovering: bool,
+        records_rewritten: int = 0,
     ) -> TierStats:
-        """See `BlockStoreTier.get_stats`."""
+        """See `BlockStoreTier.get_stats`; `records_rewritten`: `Records.rewritten`."""
         retention = index.retention
         counters = {
             **lookup_counters(self.lookups),
@@ -63,6 +69,7 @@ class TierCounters:
             "evictions": index.evictions,
             "index_forgotten": index.forgotten,
             "events_dropped": index.events.dropped if index.events is not None else 0,
+            "records_rewritten": records_rewritten,
             "failures": dict(self.failures),
             **(retention.counters if retention is not None else {}),
         }

@@ -5,7 +5,11 @@ generation, `namespace(identity digest, generation)`. Beside them, in the identi
 namespace (`record_namespace`), two small objects in the stored format:
 
 - ``~manifest``: the identity in plain words (JSON, `EngineIdentity.manifest` and the
-  digest), written once, by the first engine of the identity to open the tier;
+  digest), written by the first engine of the identity to open the tier. It is a label,
+  never a gate: the namespaces' names come from the identity itself, so a manifest that does
+  not open (torn, planted, sealed by a key since dropped) or names another identity is
+  logged, counted (`Records.rewritten`) and written again, and the tier opens all the same;
+  one sealed under an older key of the list is sealed again with the current one;
 - ``~generation``: the current generation, 8 bytes big-endian; absent means 0.
 
 `reset_cache` (`BlockStoreTier.new_generation`) moves the tier to a new generation: the
@@ -35,9 +39,9 @@ import anyio
 
 from tiering.contract.identity import NAMESPACE_BYTES, namespace
 from tiering.contract.keys import OffloadKey
-from tiering.errors import CorruptObjectError, ObjectNotFoundError, TieringError, describe, is_no_space
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, describe, is_no_space
 from tiering.tiers.blockstore.store import BlockStore
-from tiering.tiers.object_format import open_payload
+from tiering.tiers.object_format import ObjectHeader, open_payload
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +49,6 @@ GENERATION_KEY = OffloadKey(b"~generation")
 MANIFEST_KEY = OffloadKey(b"~manifest")
 MANIFEST_BYTES = 64 << 10
 SWITCH_RETRY_S = 1.0  # seconds between two tries to open a new generation's store
-
-
-class ForeignManifestError(TieringError):
-    """A record namespace's manifest names another identity: the tier does not open."""
 
 
 def record_namespace(identity_digest: bytes) -> bytes:
@@ -77,6 +77,7 @@ class Records:
         self.identity_digest = identity_digest
         self.generation = 0  # the current one, once `open` has read it (loop thread after)
         self.created = False  # `open` wrote the manifest: the records are this engine's
+        self.rewritten = 0  # records found unreadable, foreign or under an older key, and written again
         self._manifest = None if manifest is None else {"identity": identity_digest.hex(), **manifest}
         self._store: BlockStore | None = None  # the records' store, open from `open` to `close`
 
@@ -107,7 +108,6 @@ class Records:
         one). On failure, what it created is removed again (`remove`).
 
         Raises:
-            ForeignManifestError: the manifest names another identity.
             Exception: the store's own errors (it cannot be opened or read).
         """
         store = self._make_store(record_namespace(self.identity_digest), False).for_records()
@@ -117,12 +117,15 @@ class Records:
         self._store = store
         try:
             if self._manifest is not None:
-                await self._check_manifest(store)
-            generation = await _read_int(store, GENERATION_KEY)
+                await self._label(store)
+            generation, stale = await _read_int(store, GENERATION_KEY)
             if generation is not None and generation < 0:
                 generation = secrets.randbits(62)
                 logger.warning("%r: the generation record cannot be read; starting generation %d", store, generation)
                 await store.put(GENERATION_KEY, memoryview(generation.to_bytes(8, "big")))
+            elif generation is not None and stale:  # sealed by an older key: sealed again before it is dropped
+                await store.put(GENERATION_KEY, memoryview(generation.to_bytes(8, "big")))
+                self.rewritten += 1
             self.generation = generation or 0
             manifest = json.dumps(self._manifest, sort_keys=True) if self._manifest is not None else "none given"
             logger.info(
@@ -149,7 +152,7 @@ class Records:
         if self._store is None:
             self.generation += 1
             return self.generation
-        recorded = await _read_int(self._store, GENERATION_KEY)
+        recorded, _ = await _read_int(self._store, GENERATION_KEY)
         generation = max(self.generation + 1, recorded or 0)
         await self._store.put(GENERATION_KEY, memoryview(generation.to_bytes(8, "big")))
         self.generation = generation
@@ -187,29 +190,39 @@ class Records:
         except Exception as exc:
             logger.warning("could not close the records of identity %s: %s", self.identity_digest.hex(), describe(exc))
 
-    async def _check_manifest(self, store: BlockStore) -> None:
+    async def _label(self, store: BlockStore) -> None:
+        """Write this engine's manifest where there is none, or where the one there does not
+        open, names another identity (logged, counted) or was sealed by an older key; never
+        raises for what the manifest holds."""
         assert self._manifest is not None
         try:
-            manifest = await _read_manifest(store)
+            manifest, stale = await _read_manifest(store)
         except (CorruptObjectError, ValueError) as exc:  # ForgedObjectError included
-            raise ForeignManifestError(
-                f"{store!r}: its manifest cannot be read ({exc}); its blocks are not read"
-            ) from exc
-        if manifest is None:
-            try:
-                await store.put(MANIFEST_KEY, memoryview(manifest_text(self._manifest)))
-            except OSError as exc:
-                if not is_no_space(exc):
-                    raise
-                logger.warning("%r: no room for the manifest (%s); the next start writes it", store, describe(exc))
-                return  # the blocks' namespace is the identity's all the same
-            self.created = True
-            return
-        if manifest.get("identity") != self.identity_digest.hex():
-            raise ForeignManifestError(
-                f"{store!r}: its manifest names identity {manifest.get('identity')}, not this engine's "
-                f"{self.identity_digest.hex()}; its blocks are not read"
+            self.rewritten += 1
+            logger.warning("%r: its manifest cannot be read (%s): written again, blocks read as before", store, exc)
+            manifest, stale = None, True
+        if manifest is not None and manifest.get("identity") != self.identity_digest.hex():
+            self.rewritten += 1
+            logger.warning(
+                "%r: its manifest names identity %s, not this engine's %s: written again, blocks read as before",
+                store,
+                manifest.get("identity"),
+                self.identity_digest.hex(),
             )
+            manifest, stale = None, True
+        if manifest is not None and not stale:
+            return
+        try:
+            await store.put(MANIFEST_KEY, memoryview(manifest_text(self._manifest)))
+        except OSError as exc:
+            if not is_no_space(exc):
+                raise
+            logger.warning("%r: no room for the manifest (%s); the next start writes it", store, describe(exc))
+            return  # the blocks' namespace is the identity's all the same
+        if manifest is None and not stale:
+            self.created = True
+        elif manifest is not None:  # a readable one under an older key: sealed again
+            self.rewritten += 1
 
 
 def manifest_text(manifest: Mapping[str, Any]) -> bytes:
@@ -231,16 +244,17 @@ async def read_records(store: BlockStore) -> tuple[dict[str, Any], int] | None:
         Exception: the store's own errors.
     """
     try:
-        manifest = await _read_manifest(store)
+        manifest, _ = await _read_manifest(store)
     except (CorruptObjectError, ValueError):
         return None
     if manifest is None:
         return None
-    return manifest, await _read_int(store, GENERATION_KEY) or 0
+    return manifest, (await _read_int(store, GENERATION_KEY))[0] or 0
 
 
-async def _read_manifest(store: BlockStore) -> dict[str, Any] | None:
-    """The manifest an opened records store holds, None if it holds none.
+async def _read_manifest(store: BlockStore) -> tuple[dict[str, Any] | None, bool]:
+    """The manifest an opened records store holds (None if it holds none), and whether it
+    was sealed by another key than the one the store seals with now (`_stale`).
 
     Raises:
         CorruptObjectError: it is torn, or its seal does not open.
@@ -251,25 +265,32 @@ async def _read_manifest(store: BlockStore) -> dict[str, Any] | None:
     try:
         header = await store.get(MANIFEST_KEY, memoryview(into))
     except ObjectNotFoundError:
-        return None
+        return None, False
     open_payload(header, memoryview(into), store.seal)
     manifest = json.loads(into)
     if not isinstance(manifest, dict):
         raise ValueError("the manifest is not a JSON object")
-    return manifest
+    return manifest, _stale(header, store)
 
 
-async def _read_int(store: BlockStore, key: OffloadKey) -> int | None:
-    """The 8-byte record `key`: None if absent, -1 if it cannot be read (torn, foreign)."""
+async def _read_int(store: BlockStore, key: OffloadKey) -> tuple[int | None, bool]:
+    """The 8-byte record `key` (None if absent, -1 if it cannot be read: torn, foreign), and
+    whether it was sealed by another key than the current one (`_stale`)."""
     into = bytearray(8)
     try:
         header = await store.get(key, memoryview(into))
         open_payload(header, memoryview(into), store.seal)
     except ObjectNotFoundError:
-        return None
+        return None, False
     except CorruptObjectError:  # ForgedObjectError included
-        return -1
-    return int.from_bytes(into, "big")
+        return -1, False
+    return int.from_bytes(into, "big"), _stale(header, store)
+
+
+def _stale(header: ObjectHeader, store: BlockStore) -> bool:
+    """Whether an object that opened was sealed by a key of the list other than the first, the
+    one the store seals with: it must be sealed again before that key is dropped."""
+    return store.seal is not None and header.sealed is not None and header.sealed.key_id != store.seal.key_id
 
 
 class CurrentStore:

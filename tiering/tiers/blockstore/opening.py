@@ -74,7 +74,7 @@ def open_worker(name: str, worker: BlockWorker, runtime: AsyncRuntime, timeout_s
 
     Raises:
         TimeoutError: it did not open in time.
-        OSError, TieringError: the store's own errors while opening, or `ForeignManifestError`.
+        OSError, TieringError: the store's own errors while opening.
     """
     sealed = f", sealing objects ({worker.store.seal!r})" if worker.store.seal else ""
     logger.info("tier %s: opening %r%s; recovering the blocks it holds meanwhile", name, worker.store, sealed)

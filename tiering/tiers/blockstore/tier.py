@@ -89,7 +89,7 @@ class BlockStoreTier(SecondaryTierManager):
             ValueError: `capacity_bytes` cannot hold one block; `integrity` is set and the store
                 does not support it, or its keys cannot be read (`tiering.tiers.seal.read_keys`).
             OSError, TimeoutError: the store could not be opened in time.
-            TieringError: the store's own errors while opening, or `ForeignManifestError`.
+            TieringError: the store's own errors while opening.
         """
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         self.settings = settings = settings or BlockStoreSettings()
@@ -302,7 +302,9 @@ class BlockStoreTier(SecondaryTierManager):
         capacity, jobs in flight, probes remembered, health, recovery running) and histograms of store and load job
         durations (submission to the end of the I/O). Cheap; scheduler thread."""
         alive, recovering = self._runtime.alive, self._recovery is not None
-        return self._counters.snapshot(self._index, len(self._existence), self.health, alive, recovering)
+        return self._counters.snapshot(
+            self._index, len(self._existence), self.health, alive, recovering, self._records.rewritten
+        )
 
     @property
     def _serving(self) -> bool:
