@@ -68,8 +68,9 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         self.completed_jobs.append(JobResult(job_metadata.job_id, success))
         self.doorbell.ring()
 
-    def new_generation(self) -> None:
-        """A reset: forget every key (none was stored before it, as far as lookups go)."""
+    def new_generation(self, weight_version: str | None = None) -> None:
+        """A reset: forget every key (none was stored before it, as far as lookups go),
+        whatever the weights."""
         self.blocks.clear()
 
     def attach_doorbell(self, doorbell: Doorbell) -> None:

@@ -118,19 +118,39 @@ def wait_for(fact, what, timeout_s=30.0):
         threading.Event().wait(0.01)
 
 
-def test_after_a_reset_neither_the_engine_nor_a_fresh_one_is_offered_a_block_stored_before(shared_tier, engine_factory):
-    spec = IdentitySpec(identity("control"))
-    engine = engine_factory(shared_tier, spec=spec, num_blocks=8)
-    engine.store(0, 1)
+def moved(engine, weight_version):
+    """`engine` reset to `weight_version` (None: none declared), once its tier opened the new namespace."""
     before = engine.tier.store
-    engine.manager.reset_cache()
-    assert engine.lookup_until_done(0, 1) == [False, False]
-    wait_for(lambda: engine.tier.store is not before, "in the new generation")
-    engine.store(2)
-    fresh = engine_factory(shared_tier, spec=spec, num_blocks=8)
-    assert fresh.lookup_until_done(0, 1, 2) == [False, False, True]
-    assert fresh.loaded_bytes(2) == [block_bytes(keys(2)[0], ROW)]
-    assert engine.lookup_until_done(0, 1, 2) == [False, False, True]
+    engine.manager.reset_cache(weight_version)
+    engine.manager.on_schedule_end()  # the tier's loop hears of it at the step's end
+    wait_for(lambda: engine.tier.store is not before, "in the new namespace")
+
+
+def test_replicas_share_blocks_on_one_weight_version_and_never_across_versions(shared_tier, engine_factory):
+    """A replica one update behind joined the namespace of a replica ahead of it (a reset
+    recorded max(own + 1, recorded)): A, after two updates, was offered KV that B computed with
+    its one-update-old weights. A namespace is now the identity and the declared weights."""
+    tier = {**shared_tier, "probe_misses": True}
+    spec = IdentitySpec(identity("control"))
+    a, b = engine_factory(tier, spec=spec, num_blocks=8), engine_factory(tier, spec=spec, num_blocks=8)
+    a.store(0, 1)  # both on the checkpoint's weights: shared
+    assert b.lookup_until_done(0, 1) == [True, True]
+    moved(a, "step-1")
+    moved(a, "step-2")  # two updates
+    moved(b, "step-1")  # one update
+    b.store(2)
+    a.store(3)
+    assert a.lookup_until_done(0, 1, 2) == [False, False, False]  # the checkpoint's and step-1's: never
+    assert b.lookup_until_done(3) == [False]  # step-2's: never, in either direction
+    moved(b, "step-2")  # B catches up: the same weights, the same namespace, whenever it got there
+    assert b.lookup_until_done(3) == [True]
+    assert b.loaded_bytes(3) == [block_bytes(keys(3)[0], ROW)]
+    fresh = engine_factory(tier, spec=spec, num_blocks=8)  # a replica that starts on the checkpoint
+    assert fresh.lookup_until_done(0, 1, 2, 3) == [True, True, False, False]
+    moved(fresh, None)  # a reset that declares no version: a namespace of its own
+    assert fresh.lookup_until_done(0, 1, 2, 3) == [False] * 4
+    fresh.store(4)
+    assert b.lookup_until_done(4) == [False] and a.lookup_until_done(4) == [False]
 
 
 def test_reset_scope_cpu_keeps_the_lasting_tiers_blocks(tmp_path, engine_factory):
@@ -141,21 +161,36 @@ def test_reset_scope_cpu_keeps_the_lasting_tiers_blocks(tmp_path, engine_factory
     assert engine.lookup_until_done(0, 1) == [True, True]
 
 
-def test_a_reset_removes_the_old_generation_and_keeps_one_manifest_per_identity(tmp_path, engine_factory):
+def test_a_reset_keeps_the_namespaces_of_declared_weights_and_removes_an_engines_own(tmp_path, engine_factory):
+    """Other replicas may still run the weights a reset leaves: their namespace stays (prune
+    reclaims it once unused); one no other engine can reach goes at the next reset."""
     root = tmp_path / "kv"
     spec = IdentitySpec(identity("control"))
     engine = engine_factory({"type": "file", "root_dir": str(root)}, spec=spec)
     engine.store(0, 1)
-    old = engine.tier.store.directory
+    checkpoint = engine.tier.store.directory
     records = root / record_namespace(spec.identity.digest()).hex()
-    assert sorted(os.listdir(root)) == sorted([old.name, records.name])
-    engine.manager.reset_cache()
-    wait_for(lambda: not old.exists(), "removed")
-    assert sorted(os.listdir(root)) == sorted([engine.tier.store.directory.name, records.name])
+    assert sorted(os.listdir(root)) == sorted([checkpoint.name, records.name])
+    moved(engine, None)
+    own = engine.tier.store.directory
+    engine.store(2)
+    moved(engine, "step-1")
+    wait_for(lambda: not own.exists(), "removed")
+    assert sorted(os.listdir(root)) == sorted([checkpoint.name, engine.tier.store.directory.name, records.name])
     # the manifest, in plain words at the end of its object
     manifest_file = next(path for path in records.rglob("*") if path.is_file() and path.stat().st_size > MANIFEST_BYTES)
     manifest = json.loads(manifest_file.read_bytes()[-MANIFEST_BYTES:])
     assert manifest["identity"] == spec.identity.digest().hex() and manifest["model"] == "org/tiny"
+
+
+def test_a_weight_version_is_printable_and_bounded():
+    from tiering.contract.identity import check_weight_version
+
+    for good in (None, "step-1200", "sha256:" + "a" * 64, "x" * 256):
+        check_weight_version(good)
+    for bad in ("", "two words", "x" * 257, "tab\there", 7):
+        with pytest.raises(ValueError, match="printable ASCII characters without blanks"):
+            check_weight_version(bad)
 
 
 @pytest.mark.parametrize("layout", ["files", "segments"])
@@ -205,15 +240,15 @@ def test_a_reset_returns_at_once_with_a_frozen_s3_endpoint_and_the_tier_moves_on
         before = engine.tier.store
         os.kill(server.pid, signal.SIGSTOP)  # alive, listening, silent
         try:
-            engine.manager.reset_cache()  # would hang here if it waited for the endpoint
+            engine.manager.reset_cache("step-1")  # would hang here if it waited for the endpoint
             engine.manager.on_schedule_end()
             assert True not in [engine.manager.lookup(k, CTX) for k in keys(0, 1)]  # a miss, or a probe
         finally:
             os.kill(server.pid, signal.SIGCONT)
-        wait_for(lambda: engine.tier.store is not before, "in the new generation")
+        wait_for(lambda: engine.tier.store is not before, "in the new namespace")
         assert engine.lookup_until_done(0, 1, steps=20) == [False, False]
-        fresh = engine_factory(config, spec=spec, num_blocks=8)
-        assert fresh.lookup_until_done(0, 1) == [False, False]
+        fresh = engine_factory(config, spec=spec, num_blocks=8)  # on the checkpoint's weights: they are its
+        assert fresh.lookup_until_done(0, 1, steps=20) == [True, True]
     finally:
         server.stop()
 

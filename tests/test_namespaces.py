@@ -9,7 +9,7 @@ import uuid
 
 from tests.test_identity import IdentitySpec, identity
 from tiering import KVLayout, TieringOffloadingSpec, config_check, load_config, parse_config
-from tiering.contract.identity import namespace
+from tiering.contract.identity import CHECKPOINT, namespace
 from tiering.tiers.blockstore.generations import record_namespace
 from tiering.tiers.blockstore.namespaces import label, remove, unused
 
@@ -36,7 +36,7 @@ def test_check_lists_whose_each_namespace_is_and_prune_removes_only_the_unused(t
     live, gone = identity("control"), identity("model")
     engine = engine_factory(tier, spec=IdentitySpec(live), num_blocks=8)
     engine.store(0, 1)
-    engine.manager.reset_cache()  # generation 1; generation 0's namespace goes in the background
+    engine.manager.reset_cache("step-1")  # a weight update: the checkpoint's namespace stays for others
     engine.store(2)
     other = engine_factory(tier, spec=IdentitySpec(gone))
     other.store(0)
@@ -44,28 +44,29 @@ def test_check_lists_whose_each_namespace_is_and_prune_removes_only_the_unused(t
     unnamed = root / uuid.uuid4().hex  # as a version before identities left it
     (unnamed / "00").mkdir(parents=True)
     (unnamed / "00" / "0011").write_bytes(b"x" * 100)
-    while (root / namespace(live.digest(), 0).hex()).exists():
+    step_1 = namespace(live.digest(), "step-1")
+    while not (root / step_1.hex()).exists():  # the tier's loop opened it
         time.sleep(0.01)
 
     status, out = check(capsys, str(config))
-    assert status == 0 and "tier file: 5 namespaces" in out
+    assert status == 0 and "tier file: 6 namespaces" in out
     mine, theirs = live.digest().hex(), gone.digest().hex()
-    assert f"{record_namespace(live.digest()).hex()}: 2 objects" in out
-    assert f"records of identity {mine} (org/tiny, " in out and ", generation 1" in out
-    assert f"{namespace(live.digest(), 1).hex()}: 1 objects" in out
+    assert f"{record_namespace(live.digest()).hex()}: 2 objects" in out  # the manifest and the versions
+    assert f"records of identity {mine} (org/tiny, " in out and "; weight versions declared: step-1" in out
+    assert f"{step_1.hex()}: 1 objects" in out and "), weight version step-1" in out
+    assert f"{namespace(live.digest(), CHECKPOINT).hex()}: 2 objects" in out and "), the checkpoint's weights" in out
     assert f"blocks of identity {mine} (org/other" not in out and f"blocks of identity {theirs} (org/other, " in out
     assert f"{unnamed.name}: 1 objects, 100 bytes" in out and "named by no identity's records" in out
 
-    for directory in (root / namespace(gone.digest(), 0).hex(), root / record_namespace(gone.digest()).hex(), unnamed):
+    old = [namespace(gone.digest(), CHECKPOINT), record_namespace(gone.digest()), namespace(live.digest(), CHECKPOINT)]
+    for directory in [root / ns.hex() for ns in old] + [unnamed]:
         age(directory)
-    age(root / record_namespace(live.digest()).hex())  # old records, but their blocks are in use: kept
+    age(root / record_namespace(live.digest()).hex())  # old records, but their step-1 blocks are in use: kept
     assert config_check.main(["prune", str(config), "--unused-for", "7d", "--dry-run"]) == 0
-    assert capsys.readouterr().out.count("would remove") == 3 and len(list(root.iterdir())) == 5
+    assert capsys.readouterr().out.count("would remove") == 4 and len(list(root.iterdir())) == 6
     assert config_check.main(["prune", str(config), "--unused-for", "7d"]) == 0
-    assert capsys.readouterr().out.count("removed") == 3
-    assert sorted(path.name for path in root.iterdir()) == sorted(
-        [record_namespace(live.digest()).hex(), namespace(live.digest(), 1).hex()]
-    )
+    assert capsys.readouterr().out.count("removed") == 4
+    assert sorted(path.name for path in root.iterdir()) == sorted([record_namespace(live.digest()).hex(), step_1.hex()])
     assert engine.lookup_until_done(2) == [True]  # the live engine goes on
 
 

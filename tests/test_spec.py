@@ -17,7 +17,7 @@ from tiering import (
     canonicalize_kv_caches,
     parse_config,
 )
-from tiering.contract.identity import namespace
+from tiering.contract.identity import CHECKPOINT, namespace
 from tiering.cpu.shared_region import region_path
 from tiering.tiers.blockstore.generations import record_namespace
 
@@ -90,9 +90,9 @@ secondary_tiers:
         assert spec.get_manager() is manager
         assert [tier.tier_type for tier in manager.secondary_tiers] == ["memory", "file"]
         assert manager.primary_tier.num_blocks == 128
-        fingerprint = spec.layout_fingerprint  # generation 0's blocks, and the identity's records
+        fingerprint = spec.layout_fingerprint  # the checkpoint weights' blocks, and the identity's records
         assert sorted(os.listdir(tmp_path)) == sorted(
-            [namespace(fingerprint, 0).hex(), record_namespace(fingerprint).hex()]
+            [namespace(fingerprint, CHECKPOINT).hex(), record_namespace(fingerprint).hex()]
         )
         assert [t.name for t in threading.enumerate()].count("tiering-io") == 1
     finally:

@@ -393,6 +393,25 @@ def test_reset_cache_processes_what_finished_and_empties_the_primary(policy, ctx
     assert promote(manager, ctx, 0) == [None]  # ...and serves them again
 
 
+def test_a_reset_hands_the_declared_weight_version_to_each_tier_that_takes_it(policy, ctx):
+    class Versioned(ManualTier):
+        def new_generation(self, weight_version=None):
+            self.log.append(f"{self.tier_type}: {weight_version}")
+
+    class Unversioned(ManualTier):  # a third party's hook from before versions: called without one
+        def new_generation(self):
+            self.log.append(f"{self.tier_type}: called")
+
+    log: list[str] = []
+    manager, _ = build(policy, [Versioned("a", log), Unversioned("b", log)])
+    manager.reset_cache("step-7")
+    manager.reset_cache()
+    assert log == ["a: step-7", "b: called", "a: None", "b: called"]
+    with pytest.raises(ValueError, match="printable ASCII characters without blanks"):
+        manager.reset_cache("step 8")
+    assert len(log) == 4  # refused before anything was reset
+
+
 class StuckTier(ManualTier):
     """Its jobs outlive any drain, and a drain never returns (a frozen endpoint)."""
 

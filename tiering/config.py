@@ -16,7 +16,8 @@ metrics:                        # optional: Prometheus on 127.0.0.1:9400/metrics
 tenants:                        # optional: shares of the CPU tier by tenant (vLLM's cache_salt)
   default_share: 0.25           # a fraction of the tier, or bytes
   quotas: {chat: 0.75}
-model_version: rl-step-1200     # optional: weights that change under one model name
+model_version: rl-step-1200     # optional: a model that changes under one name (part of the identity)
+weight_version: step-1200       # optional: the weights this engine starts with (a lasting tier's namespace)
 reset_scope: all                # a reset starts new generations of the lasting tiers (cpu: keep them)
 shutdown_drain_s: 5             # a graceful stop writes what only the CPU tier holds, this long at most (0: off)
 ```
@@ -44,6 +45,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from tiering.contract.identity import check_weight_version
 from tiering.cpu.tenants import TenantsConfig
 from tiering.engine.admission import AdmissionConfig
 from tiering.engine.drain import SHUTDOWN_DRAIN_S
@@ -92,6 +94,7 @@ class TieringConfig(BaseModel):
     retention_max_fraction: float = Field(default=RETENTION_MAX_FRACTION, ge=0, le=1)
     tenants: TenantsConfig | None = None
     model_version: str | None = Field(default=None, min_length=1, max_length=256)
+    weight_version: str | None = None
     reset_scope: Literal["all", "cpu"] = "all"
     shutdown_drain_s: Delay = SHUTDOWN_DRAIN_S
     _source: str = PrivateAttr(default="<string>")
@@ -100,6 +103,12 @@ class TieringConfig(BaseModel):
     def source(self) -> str:
         """The file the configuration was read from (or ``<string>``), for error messages."""
         return self._source
+
+    @field_validator("weight_version")
+    @classmethod
+    def _printable_version(cls, value: str | None) -> str | None:
+        check_weight_version(value)
+        return value
 
     @field_validator("eviction_policy")
     @classmethod

@@ -284,8 +284,7 @@ def _prune(path: str, unused_for_s: float, dry_run: bool) -> int:
             print(f"tier {name}: nothing to remove: no namespace unused for {timedelta(seconds=unused_for_s)}")
         for item in stale:
             if item.kind == "records" and kept_blocks:
-                # without them the identity would start again at generation 0: a namespace left
-                # here could be offered again
+                # the labels of the namespaces left: without them those would list as unnamed
                 print(f"tier {name}: kept {item.describe()}: a namespace of blocks could not be removed")
                 continue
             try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiering.config import TieringConfig
-from tiering.contract.identity import EngineIdentity, KVGroupShape, ParallelShape
+from tiering.contract.identity import CHECKPOINT, EngineIdentity, KVGroupShape, ParallelShape
 from tiering.contract.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
 from tiering.cpu.shared_region import SharedOffloadRegion
@@ -200,8 +200,9 @@ class TieringOffloadingSpec:
     def tier_context(self, primary_kv_view: memoryview, name: str) -> TierContext:
         """What a secondary tier named `name` gets from this engine: the primary rows, the
         identity's digest and manifest, and the shared runtime."""
+        weights = self.config.weight_version or CHECKPOINT
         return TierContext(
-            name, primary_kv_view, self.layout_fingerprint, self.async_runtime, self, self.identity.manifest()
+            name, primary_kv_view, self.layout_fingerprint, self.async_runtime, self, self.identity.manifest(), weights
         )
 
     @property

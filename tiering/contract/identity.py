@@ -1,10 +1,11 @@
 """`EngineIdentity`: everything that shapes a block's bytes or what they mean.
 
-Two engines may read each other's blocks only if their identities are equal: the identity's
-digest, with the lasting tier's generation, names the tier's namespace (`namespace`) and is
-written into every object's header, so a block is never offered to an engine that would read
-its bytes another way (another parallel split, memory layout, dtype, model revision, group of
-layers, format) or that reset its cache since (a weight update).
+Two engines may read each other's blocks only if their identities are equal and they run the
+same weights: the identity's digest, with the weights' version, names the tier's namespace
+(`namespace`) and is written into every object's header, so a block is never offered to an
+engine that would read its bytes another way (another parallel split, memory layout, dtype,
+model revision, group of layers, format) or that computes with other weights (another
+declared version, or a reset that declared none).
 
 An identity is built once per engine (`tiering.spec.KVLayout.identity`, from the engine's
 settings and, under vLLM, from its ``OffloadingConfig`` and ``VllmConfig``); its `manifest`
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -114,10 +116,34 @@ class EngineIdentity:
         return hashlib.blake2b(text.encode(), digest_size=NAMESPACE_BYTES, person=b"kv-identity").digest()
 
 
-def namespace(identity_digest: bytes, generation: int) -> bytes:
-    """16 bytes naming the namespace of generation `generation` of the identity whose
-    `EngineIdentity.digest` is `identity_digest`: it names a lasting tier's namespace and is
-    written into each of its objects' headers. Any thread; raises nothing."""
+CHECKPOINT = ""
+"""The weights' version of an engine that declared none: the checkpoint's weights it loaded."""
+MAX_WEIGHT_VERSION_CHARS = 256
+"""The longest weight version a deployment may declare."""
+WEIGHT_VERSION = re.compile(rf"[\x21-\x7e]{{1,{MAX_WEIGHT_VERSION_CHARS}}}")
+"""What a declared weight version is: printable ASCII without blanks (a label in logs and listings)."""
+
+
+def check_weight_version(version: str | None) -> None:
+    """Refuse a declared weight version that is not `WEIGHT_VERSION` (None passes: none declared).
+
+    Raises:
+        ValueError: says what a version is.
+    """
+    if version is not None and not (isinstance(version, str) and WEIGHT_VERSION.fullmatch(version)):
+        raise ValueError(
+            f"a weight version is 1 to {MAX_WEIGHT_VERSION_CHARS} printable ASCII characters without blanks; "
+            f"got {version!r:.60}"
+        )
+
+
+def namespace(identity_digest: bytes, weights: str) -> bytes:
+    """16 bytes naming the namespace of the blocks computed with weights `weights` (a declared
+    weight version, `CHECKPOINT`, or a label no other engine can know) by engines of the
+    identity whose `EngineIdentity.digest` is `identity_digest`: a function of the two alone,
+    so replicas on one version share it however they got there, and replicas on different
+    versions never do. It names a lasting tier's namespace and is written into each of its
+    objects' headers. Any thread; raises nothing."""
     return hashlib.blake2b(
-        generation.to_bytes(8, "big"), key=identity_digest, digest_size=NAMESPACE_BYTES, person=b"kv-namespace"
+        weights.encode(), key=identity_digest, digest_size=NAMESPACE_BYTES, person=b"kv-weights"
     ).digest()

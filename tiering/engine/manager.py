@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+from tiering.contract.identity import check_weight_version
 from tiering.contract.keys import OffloadKey, ReqContext, RequestOffloadingContext
 from tiering.contract.mediums import CPULoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from tiering.contract.offloading import OffloadingManager
@@ -375,17 +376,24 @@ class TieringOffloadingManager(OffloadingManager):
         """Whether a promotion is queued or a job has not been reported yet."""
         return bool(self.jobs.jobs or self.promotions.queued)
 
-    def reset_cache(self) -> None:
+    def reset_cache(self, weight_version: str | None = None) -> None:
         """Process what finished, drop queued promotions and empty the primary tier (see
         `CPUOffloadingManager.reset_cache`: the caller's transfers started before the reset
-        are void, as under vLLM); with ``reset_scope`` ``all``, each secondary tier starts a
-        new generation (`SecondaryTierManager.new_generation`): nothing stored before is
-        offered again. Returns at once: it waits for no tier (a frozen one would stop vLLM's
-        scheduler loop). A secondary tier's job still in flight is void: its keys are forgotten at once (no
+        are void, as under vLLM); with ``reset_scope`` ``all``, each secondary tier moves to
+        the weights `weight_version` declares (`SecondaryTierManager.new_generation`): a
+        lasting tier's namespace of this identity and those weights, shared with every engine
+        on them; None: a namespace of this engine's own, shared with none until a restart or
+        a declared version. Nothing stored before is offered again unless it was computed
+        with the declared weights. Returns at once: it waits for no tier (a frozen one would
+        stop vLLM's scheduler loop). A secondary tier's job still in flight is void: its keys are forgotten at once (no
         lookup waits on them), its rows stay out of use until the tier reports it (or, after
         a timeout, releases its late I/O), and it is then counted as failed. So every row
         comes back and nothing is left waiting.
+
+        Raises:
+            ValueError: `weight_version` is not 1 to 256 printable characters without blanks.
         """
+        check_weight_version(weight_version)
         self._poll_finished()
         self.promotions.drop_queued()
         # Rows of a held promotion are quarantined already; every other job's need a hold.
@@ -394,7 +402,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._primary_changed = True
         self.promotions.forget()
         if self.reset_scope == "all":
-            new_generations(self.secondary_tiers, self.tier_names)
+            new_generations(self.secondary_tiers, self.tier_names, weight_version)
 
     def __enter__(self) -> TieringOffloadingManager:
         """``with TieringOffloadingManager(...) as manager:`` shuts it down on exit."""

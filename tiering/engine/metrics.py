@@ -131,7 +131,7 @@ HELP = {
     "rows_quarantined": "CPU-tier rows kept out of use behind an I/O that has not returned.",
     "retained_blocks": "Blocks under a deadline from a request's hint (at most retention_max_fraction of the tier).",
     "events_dropped": "Blocks of KV events a tier dropped because nobody took them (past MAX_EVENT_BLOCKS).",
-    "records_rewritten": "Records (manifest, generation) unreadable, foreign or under an older key, written again.",
+    "records_rewritten": "Records (manifest, versions) unreadable, foreign or under an older key, written again.",
     "retentions": "Blocks given a retention deadline by a request's hint.",
     "retentions_expired": "Retention deadlines that passed: the block is ordinary again.",
     "retentions_released": "Blocks a request's release hint made go first at the next evictions.",

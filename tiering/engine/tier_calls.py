@@ -6,6 +6,7 @@ Thread: the scheduler thread only.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -66,11 +67,15 @@ def guarded(tier: SecondaryTierManager, method: str, default: Any, *args: Any) -
         return default
 
 
-def new_generations(tiers: Sequence[SecondaryTierManager], names: Sequence[str]) -> None:
-    """A reset: each tier starts a new generation (`SecondaryTierManager.new_generation`); a
-    tier without the hook keeps its blocks, which is logged."""
+def new_generations(
+    tiers: Sequence[SecondaryTierManager], names: Sequence[str], weight_version: str | None = None
+) -> None:
+    """A reset to the weights `weight_version` declares (None: none declared): each tier
+    moves to them (`SecondaryTierManager.new_generation`; a hook written without the argument
+    is called without it); a tier without the hook keeps its blocks, which is logged."""
     for tier, name in zip(tiers, names, strict=True):
         if overrides(tier, "new_generation"):
-            guarded(tier, "new_generation", None)
+            takes_version = "weight_version" in inspect.signature(tier.new_generation).parameters
+            guarded(tier, "new_generation", None, *((weight_version,) if takes_version else ()))
         else:
             logger.warning("tier %s keeps its blocks across a reset (it has no new_generation)", name)

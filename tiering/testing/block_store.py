@@ -31,12 +31,14 @@ from tiering import (
     layout_fingerprint,
     make_offload_key,
 )
+from tiering.contract.identity import CHECKPOINT, namespace
 from tiering.contract.keys import OffloadKey
 from tiering.tiers.blockstore import BlockStore
 from tiering.tiers.blockstore.generations import (
     MANIFEST_KEY,
     Records,
     manifest_text,
+    read_records,
     record_namespace,
 )
 from tiering.tiers.object_format import (
@@ -301,23 +303,39 @@ class BlockStoreSuite:
             await theirs.close()
 
     @pytest.mark.asyncio
-    async def test_an_identitys_records_give_every_engine_its_current_generation(self, store_kit):
+    async def test_a_namespace_follows_the_weights_and_the_records_list_the_declared_versions(self, store_kit):
         if not store_kit.make(FINGERPRINT).lasting:
-            pytest.skip("the store does not last: it keeps no generations")
+            pytest.skip("the store does not last: it keeps no records")
+        made: list[bytes] = []  # the namespaces of blocks each `Records.store` asked for
 
-        def records(identity: bytes) -> Records:
-            return Records(lambda namespace, blocks: store_kit.make(namespace), identity, {"model": "conformance"})
+        def records(identity: bytes, weights: str = CHECKPOINT) -> Records:
+            def make(ns: bytes, blocks: bool) -> BlockStore:
+                if blocks:
+                    made.append(ns)
+                return store_kit.make(ns)
 
-        first, second, later = records(FINGERPRINT), records(FINGERPRINT), records(FINGERPRINT)
+            return Records(make, identity, {"model": "conformance"}, weights)
+
+        first, second = records(FINGERPRINT), records(FINGERPRINT, "v2")
         try:
-            assert await first.open() == 0 and first.created  # it wrote the manifest
-            assert await second.open() == 0 and not second.created
-            assert await first.advance() == 1  # a reset
-            assert await later.open() == 1  # an engine started after it joins the new generation
-            assert await second.advance() == 1  # replicas reset together join one generation
-            assert await later.advance() == 2  # past the recorded one, never back to it
+            await first.open()
+            await second.open()
+            assert first.created and not second.created  # the first wrote the manifest
+            first.store(), second.store()  # the checkpoint's weights, and v2
+            for each, weights in ((first, "v2"), (second, None)):  # resets: to the second one's, to none declared
+                await (await each.open_next(weights, 30.0)).close()
+            checkpoint, v2, first_after, own = made
+            assert first_after == v2 == namespace(FINGERPRINT, "v2")  # replicas on one version share
+            assert checkpoint == namespace(FINGERPRINT, CHECKPOINT) != v2
+            assert own not in (checkpoint, v2) and not second.shared  # an engine's own: nobody else's
+            listed = store_kit.make(record_namespace(FINGERPRINT)).for_records()
+            await listed.open()
+            try:
+                assert (await read_records(listed))[1] == ["v2"]  # the checkpoint's and an engine's own: not listed
+            finally:
+                await listed.close()
         finally:
-            for each in (first, second, later):
+            for each in (first, second):
                 await each.close()
         # records whose manifest names another identity than the one their namespace is of: a
         # label, never a gate (anyone who can write the store could plant one): written again
@@ -330,7 +348,8 @@ class BlockStoreSuite:
         for rewritten in (1, 0):  # the first open writes its own manifest over it; the next finds it
             foreign = records(FOREIGN)
             try:
-                assert await foreign.open() == 0 and foreign.rewritten == rewritten and not foreign.created
+                await foreign.open()
+                assert foreign.rewritten == rewritten and not foreign.created
             finally:
                 await foreign.close()
 

@@ -166,13 +166,15 @@ class SecondaryTierManager(ABC):
         stored itself) lose their deadlines and are this tier's first victims."""
         return
 
-    def new_generation(self) -> None:
-        """Optional: the engine reset its cache (`reset_cache`, as after a weight update):
-        forget every block and never offer one stored before, here or, for a tier that
-        outlives the engine, to an engine started later (`tiering.tiers.blockstore.generations`).
+    def new_generation(self, weight_version: str | None = None) -> None:
+        """Optional: the engine reset its cache (`reset_cache`, as after a weight update) and
+        now computes with the weights `weight_version` declares (None: weights no other engine
+        is known to share): forget every block and never offer one computed with other
+        weights, here or, for a tier that outlives the engine, to any engine
+        (`tiering.tiers.blockstore.generations`: a namespace per identity and weights).
         Scheduler thread; must return at once (no I/O). Jobs in flight are still reported. A
         tier without this hook keeps its blocks across resets (the manager logs it at each
-        reset)."""
+        reset); one whose hook takes no argument is called without it."""
         return
 
     def capacity_blocks(self, key: OffloadKey) -> int | None:

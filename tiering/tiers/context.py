@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tiering.contract.identity import CHECKPOINT
 from tiering.tiers.object_format import layout_fingerprint
 from tiering.tiers.runtime import AsyncRuntime
 
@@ -36,14 +37,17 @@ class TierContext:
         ``name``, or ``type-2`` for the second tier of a type).
     primary_rows: the primary tier's rows, a 2-D memoryview ``(num_blocks, row_bytes)``.
     layout_fingerprint: 16 bytes naming the engine's identity (`EngineIdentity.digest`); a
-        lasting tier keeps its objects in a namespace named by it and the tier's generation
-        (`tiering.contract.identity.namespace`), so engines of another identity, or of an
-        older generation, never read them.
+        lasting tier keeps its objects in a namespace named by it and the weights in force
+        (`tiering.contract.identity.namespace`), so engines of another identity, or on
+        other weights, never read them.
     runtime: the event loop the engine's tiers share, or None: a tier that needs one
         makes its own.
     spec: the `TieringOffloadingSpec` that built the tier, or None (standalone use).
     manifest: the identity in plain words (`EngineIdentity.manifest`), or None where the
         tier was built without an engine (standalone use: only the row size is known).
+    weight_version: the weights the engine starts with, as the deployment declares them
+        (`tiering.contract.identity.CHECKPOINT`: none declared, the checkpoint's); with the
+        fingerprint it names a lasting tier's namespace.
     """
 
     name: str
@@ -52,6 +56,7 @@ class TierContext:
     runtime: AsyncRuntime | None = None
     spec: Any = None
     manifest: Mapping[str, Any] | None = None
+    weight_version: str = CHECKPOINT
 
     @classmethod
     def of(cls, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str) -> TierContext:

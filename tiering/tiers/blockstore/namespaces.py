@@ -5,19 +5,20 @@ A root (a file tier's ``root_dir``, an S3 prefix) holds namespaces (`BlockStore.
 Each is one of:
 
 - an identity's **records** (`tiering.tiers.blockstore.generations`): its manifest, which names
-  the model and everything else that shapes its blocks, and its current generation;
-- the **blocks** of an identity's current generation, ``namespace(identity, generation)``;
-- **unnamed**: no identity's records name it. The blocks of a generation before a reset whose
-  removal failed, of an engine whose records were removed, or written by a version of the
-  engine before identities (their namespace was named by a shorter fingerprint). No engine of
-  this version reads them.
+  the model and everything else that shapes its blocks, and the weight versions its engines
+  declared;
+- the **blocks** of an identity computed with one version of the weights, ``namespace(identity,
+  weights)``: the checkpoint's or a version the records list;
+- **unnamed**: no identity's records name it. The blocks of an engine's own weights after a
+  reset without a declared version, of an engine whose records were removed, or written by a
+  version of the engine before namespaces followed the weights. No engine that starts reads
+  them.
 
 Pruning removes the namespaces whose newest object is older than a given time: the blocks
-first, then records whose current generation's blocks are gone or go with them (records kept
-alone would make a later engine of the identity reuse a generation; records removed under
-live blocks would start the identity again at generation 0, a namespace that may be gone
-already but is never assumed so). A namespace is only ever removed whole
-(`BlockStore.remove_namespace`); an engine still using one sees misses, never wrong bytes.
+first, then records whose every namespace of blocks is gone or goes with them (records are
+labels: removed under blocks that stay, those would list as unnamed). A namespace is only
+ever removed whole (`BlockStore.remove_namespace`); an engine still using one sees misses,
+never wrong bytes.
 
 Thread: any thread without a running event loop (the coroutines run on one of their own).
 """
@@ -28,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tiering.contract.identity import namespace
+from tiering.contract.identity import CHECKPOINT, namespace
 from tiering.tiers.blockstore.generations import read_records
 from tiering.tiers.blockstore.store import BlockStore, NamespaceUsage
 
@@ -39,14 +40,15 @@ RECORDS_MAX_OBJECTS = 2  # a manifest and a generation: a namespace with more is
 class Found:
     """A namespace and what it is: `kind` ``records``, ``blocks`` or ``unnamed``; `identity`
     the hex digest of the identity whose it is (None: unnamed); `model` its model's name and
-    what else tells identities of one model apart (`label`); `generation` the identity's
-    current generation; `this_engine` whether the identity is the one asked about."""
+    what else tells identities of one model apart (`label`); `weights` the weight version of
+    a namespace of blocks (`CHECKPOINT`: the checkpoint's), the versions the records list for
+    records; `this_engine` whether the identity is the one asked about."""
 
     usage: NamespaceUsage
     kind: str
     identity: str | None = None
     model: str | None = None
-    generation: int | None = None
+    weights: tuple[str, ...] = ()
     this_engine: bool = False
 
     def describe(self) -> str:
@@ -59,8 +61,14 @@ class Found:
         )
         where = f"{usage.namespace.hex()}: {usage.objects:,} objects, {usage.bytes:,} bytes, last write {when}"
         if self.kind == "unnamed":
-            return f"{where}; named by no identity's records (an older generation, or blocks of an older version)"
-        whose = f"identity {self.identity} ({self.model}), generation {self.generation}"
+            return f"{where}; named by no identity's records (an engine's own weights, or blocks of an older version)"
+        if self.kind == "records":
+            versions = ", ".join(self.weights) or "none"
+            whose = f"identity {self.identity} ({self.model}); weight versions declared: {versions}"
+        else:
+            (weights,) = self.weights
+            words = "the checkpoint's weights" if weights == CHECKPOINT else f"weight version {weights}"
+            whose = f"identity {self.identity} ({self.model}), {words}"
         return f"{where}; {self.kind} of {whose}{', this engine' if self.this_engine else ''}"
 
 
@@ -109,17 +117,19 @@ async def survey(
             await store.close()
         if read is not None and isinstance(digest := read[0].get("identity"), str):
             mine = identity is not None and digest == identity.hex()
-            records[usage.namespace] = Found(usage, "records", digest, label(read[0]), read[1], mine)
+            records[usage.namespace] = Found(usage, "records", digest, label(read[0]), tuple(read[1]), mine)
     blocks = {}
     for found in records.values():
-        assert found.identity is not None and found.generation is not None
-        blocks[namespace(bytes.fromhex(found.identity), found.generation)] = found
+        assert found.identity is not None
+        for weights in (CHECKPOINT, *found.weights):
+            blocks[namespace(bytes.fromhex(found.identity), weights)] = (found, weights)
     named = []
     for usage in usages:
         if usage.namespace in records:
             named.append(records[usage.namespace])
-        elif (owner := blocks.get(usage.namespace)) is not None:
-            named.append(Found(usage, "blocks", owner.identity, owner.model, owner.generation, owner.this_engine))
+        elif (owned := blocks.get(usage.namespace)) is not None:
+            owner, weights = owned
+            named.append(Found(usage, "blocks", owner.identity, owner.model, (weights,), owner.this_engine))
         else:
             named.append(Found(usage, "unnamed"))
     return named
@@ -128,8 +138,8 @@ async def survey(
 def unused(found: list[Found], unused_for_s: float, now: float) -> list[Found]:
     """Those of `found` to prune: namespaces whose newest write is more than `unused_for_s`
     seconds before `now` (Unix seconds; never one whose last write is unknown), blocks and
-    unnamed ones first; records only where their current generation's blocks are pruned too
-    or absent."""
+    unnamed ones first; records only where every namespace of their identity's blocks is
+    pruned too or absent."""
 
     def old(usage: NamespaceUsage) -> bool:
         return usage.last_write is not None and now - usage.last_write > unused_for_s

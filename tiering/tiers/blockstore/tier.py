@@ -96,7 +96,8 @@ class BlockStoreTier(SecondaryTierManager):
         rows = np.asarray(self.context.primary_rows).view(np.uint8)
         self.row_bytes = rows.shape[1]
         make_store = store_maker(self.name, store_factory, settings, self.row_bytes)
-        self._records = Records(make_store, self.context.layout_fingerprint, self.context.manifest)
+        context = self.context
+        self._records = Records(make_store, context.layout_fingerprint, context.manifest, context.weight_version)
         self._epoch = 0  # bumped by each new generation: outcomes of an older one leave the index alone
         self._counters = TierCounters(self.name)
         self.failures = self._counters.failures
@@ -125,10 +126,12 @@ class BlockStoreTier(SecondaryTierManager):
         """The block store of the current generation (the loop thread replaces it)."""
         return self._worker.store
 
-    def new_generation(self) -> None:
-        """`reset_cache`: forget every block; on the loop, move to a new generation of the
-        namespace (`BlockWorker.start_switch`). Jobs in flight are still reported; their
-        outcomes no longer touch the index. Never blocks; nothing after shutdown."""
+    def new_generation(self, weight_version: str | None = None) -> None:
+        """`reset_cache`: forget every block; on the loop, move to the namespace of the
+        weights `weight_version` (None: a namespace of this engine's own; see
+        `tiering.tiers.blockstore.generations`; `BlockWorker.start_switch`). Jobs in flight are
+        still reported; their outcomes no longer touch the index. Never blocks; nothing after
+        shutdown."""
         if self._closed:
             return
         self._recovery = None  # what the old generation held is moot
@@ -136,7 +139,7 @@ class BlockStoreTier(SecondaryTierManager):
         self._index = self._index.replaced_by(self._new_index())
         self._existence = ExistenceChecks(self.settings.negative_ttl_s, self._clock)
         self._evicted.clear()  # their namespace goes as a whole
-        open_next = partial(self._records.open_next, self.settings.open_timeout_s)
+        open_next = partial(self._records.open_next, weight_version, self.settings.open_timeout_s)
         self._runtime.submit(partial(self._worker.start_switch, open_next))  # at the step's end
 
     def _open(self) -> None:
