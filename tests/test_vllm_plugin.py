@@ -53,3 +53,30 @@ def test_an_invalid_configuration_of_this_engine_is_one_log_line_and_a_config_er
 def test_other_connectors_and_a_valid_configuration_pass(transfer, caplog):
     check_before_start(transfer)
     assert caplog.records == []
+
+
+def test_vllms_weight_version_is_the_version_a_reset_moves_to_and_default_declares_none(caplog):
+    from tiering.integrations.vllm_weights import DeclaredWeights
+
+    weights = DeclaredWeights(None)
+    assert weights.declare("default") and weights.version is None  # vLLM's before any is set: shares nothing
+    assert weights.declare("step-1") and weights.version == "step-1"
+    assert not weights.declare("step-1")  # the same weights: no reset
+    assert weights.declare("step 2") and weights.version is None  # cannot name a namespace: undeclared, logged
+    assert "treated as undeclared" in caplog.text
+
+
+def test_the_plugin_resets_the_connector_only_where_the_weights_changed():
+    from tiering.integrations.vllm_plugin import follow_weight_version
+    from tiering.integrations.vllm_weights import DeclaredWeights
+
+    resets = []
+    manager = SimpleNamespace(declare_weight_version=DeclaredWeights("step-1").declare)
+    scheduler = SimpleNamespace(
+        connector=SimpleNamespace(connector_scheduler=SimpleNamespace(manager=manager)),
+        reset_connector_cache=lambda: resets.append(True),
+    )
+    for version in ("step-1", "step-2", "step-2"):
+        follow_weight_version(scheduler, version)
+    assert len(resets) == 1
+    follow_weight_version(SimpleNamespace(connector=None), "step-3")  # vLLM without a connector: nothing

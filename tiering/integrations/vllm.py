@@ -105,7 +105,6 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPUSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiering.contract.identity import check_weight_version
 from tiering.contract.keys import OffloadKey as Key
 from tiering.contract.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.engine.manager import TieringOffloadingManager
@@ -114,10 +113,9 @@ from tiering.integrations.vllm_config import engine_config, warn_unshared_hashes
 from tiering.integrations.vllm_identity import vllm_layout
 from tiering.integrations.vllm_sizing import check_cpu_tier_size, rows_for_one_step
 from tiering.integrations.vllm_stats import VllmStats, metric_definitions
+from tiering.integrations.vllm_weights import DeclaredWeights
 from tiering.spec import TieringOffloadingSpec as EngineSpec
 
-VLLM_DEFAULT_WEIGHT_VERSION = "default"
-"""vLLM's weight version before any is set (``EngineCore._weight_version``, vLLM 0.32)."""
 logger = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = ("0.32", "0.33")
@@ -279,26 +277,11 @@ class _Manager(OffloadingManager):
         }
         self._stats = VllmStats(manager)
         self._salts: dict[str, str] = {}  # request id -> cache_salt, from `KVTieringConnector`
-        self.weight_version = spec.engine.config.weight_version  # the weights a reset moves to (None: undeclared)
+        self.weights = DeclaredWeights(spec and spec.engine.config.weight_version)  # what a reset moves tiers to
 
     def declare_weight_version(self, version: str) -> bool:
-        """vLLM's weight version was set (``EngineCore.set_weight_version``: after
-        ``finish_weight_update(weight_version=...)`` or ``POST /update_weight_version``; see
-        `tiering.integrations.vllm_plugin`): the weights every later reset moves the lasting
-        tiers to. vLLM's initial ``"default"``, or a version that cannot name a namespace
-        (logged), counts as undeclared. Returns whether the weights changed, so that the
-        caller resets the connector (scheduler thread, between steps)."""
-        declared: str | None = None if version == VLLM_DEFAULT_WEIGHT_VERSION else version
-        try:
-            check_weight_version(declared)
-        except ValueError as exc:
-            logger.warning(
-                "vLLM's weight version cannot name a lasting tier's namespace (%s): treated as undeclared", exc
-            )
-            declared = None
-        changed = declared is None or declared != self.weight_version
-        self.weight_version = declared
-        return changed
+        """vLLM set its weight version (`tiering.integrations.vllm_plugin`): `DeclaredWeights.declare`."""
+        return self.weights.declare(version)
 
     def loads_waited(self, waits: dict[str, float]) -> None:
         """Seconds the workers' loads of each request (by id) waited for promoted rows, for
@@ -371,10 +354,8 @@ class _Manager(OffloadingManager):
         return self.manager.has_pending_work()
 
     def reset_cache(self) -> None:
-        """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``, or a new
-        weight version): to the weights vLLM declared last (`declare_weight_version`; none: a
-        namespace of the engine's own)."""
-        self.manager.reset_cache(self.weight_version)
+        """vLLM's connector reset: to the weights declared last (`declare_weight_version`)."""
+        self.manager.reset_cache(self.weights.version)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         return self._stats.take()  # transfer bytes and seconds reach vLLM through the worker's results
