@@ -281,3 +281,43 @@ def test_a_manifest_that_does_not_open_or_names_another_identity_is_written_agai
     manifest = json.loads(manifest_file(root, spec).read_bytes()[-MANIFEST_BYTES:])
     assert manifest["identity"] == spec.identity.digest().hex()  # written again
     assert engine_factory(tier, spec=spec).tier._records.rewritten == 0
+
+
+def test_records_that_expire_or_are_removed_cost_labels_only(shared_tier, engine_factory):
+    """A Valkey TTL, an LRU maxmemory, an S3 lifecycle rule or a prune that removed the
+    generation record made later engines join generation 0: split from the fleet, offered
+    blocks a not-yet-reset replica stored there. A namespace no longer depends on a record."""
+    import asyncio
+
+    from tiering.tiers.blockstore.generations import read_records
+
+    tier = {**shared_tier, "probe_misses": True}
+    spec = IdentitySpec(identity("control"))
+    a = engine_factory(tier, spec=spec, num_blocks=8)
+    moved(a, "step-1")
+    a.store(0)
+    behind = engine_factory(tier, spec=spec, num_blocks=8)  # a replica not updated yet
+    behind.store(1)
+
+    async def expire() -> None:  # the identity's records, gone by the store's own policy
+        records = a.tier._records._make_store(record_namespace(spec.identity.digest()), False).for_records()
+        await records.open()
+        try:
+            await records.remove_namespace()
+        finally:
+            await records.close()
+
+    asyncio.run(expire())
+    later = engine_factory(tier, spec=spec, num_blocks=8)  # starts on the checkpoint, as a restart does
+    moved(later, "step-1")
+    assert later.lookup_until_done(0, 1) == [True, False]  # the fleet's step-1 blocks, never the checkpoint's
+
+    async def listed() -> list[str]:
+        records = later.tier._records._make_store(record_namespace(spec.identity.digest()), False).for_records()
+        await records.open()
+        try:
+            return (await read_records(records))[1]
+        finally:
+            await records.close()
+
+    assert asyncio.run(listed()) == ["step-1"]  # the labels written again
