@@ -147,3 +147,32 @@ def test_identities_of_one_model_are_labelled_apart():
     labels = {label(identity.manifest()) for identity in (small, large, versioned)}
     assert len(labels) == 3 and all(text.startswith("loadgen, ") for text in labels)
     assert "loadgen, version step-42, 512 tokens / 65,536 bytes per block, bfloat16" in labels
+
+
+def snapshot(root):
+    """Every path under `root` (the namespaces and what they hold) with its modification time."""
+    return {path: path.lstat().st_mtime_ns for path in root.rglob("*")}
+
+
+def test_check_writes_nothing_and_prune_counts_no_temporary(tmp_path, engine_factory, capsys):
+    """`check` ("builds nothing") made 257 directories in a namespace of one file and moved
+    its modification times, which prune reads as last writes; a temporary a killed write
+    left in an identity's records made them 'named by no identity' and prunable."""
+    root = tmp_path / "kv"
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: file, root_dir: {root}, layout: files}}]\n")
+    live = identity("control")
+    engine = engine_factory({"type": "file", "root_dir": str(root), "layout": "files"}, spec=IdentitySpec(live))
+    engine.store(0, 1)
+    engine.close()
+    unnamed = root / uuid.uuid4().hex  # one file
+    (unnamed / "00").mkdir(parents=True)
+    (unnamed / "00" / "0011").write_bytes(b"x" * 100)
+    records = root / record_namespace(live.digest()).hex()
+    next(path for path in records.rglob("*") if path.is_file()).with_suffix(".tmp").write_bytes(b"torn")  # kill -9
+    before = snapshot(root)
+    status, out = check(capsys, str(config))
+    assert status == 0 and snapshot(root) == before  # nothing made or touched in a namespace (the root's
+    # own try of the storage, a file made and removed beside them, is what check says it does)
+    assert f"{records.name}: 1 objects" in out and f"records of identity {live.digest().hex()}" in out
+    assert f"{unnamed.name}: 1 objects, 100 bytes" in out and "named by no identity's records" in out

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 
 from tiering.contract.keys import OffloadKey
+from tiering.tiers.blockstore.generations import MANIFEST_KEY
 from tiering.tiers.blockstore.store import NamespaceUsage, namespace_named
 
 logger = logging.getLogger(__name__)
@@ -288,8 +289,9 @@ def supports_direct_io(ns: Namespace) -> bool:
 def namespace_usage(root: Path) -> list[NamespaceUsage]:
     """Every namespace directory under `root` (none if `root` is missing): its files, their
     bytes, and the newest file's modification time (a namespace without files: its
-    directory's, which an engine's opening touches). One walk of each tree; links are never
-    followed."""
+    directory's, which an engine's opening touches), temporaries (``*TMP_SUFFIX``: a write in
+    progress, or one a killed process left) left out; and whether it holds an identity's
+    manifest. One walk of each tree; links are never followed; nothing is written."""
     try:
         entries = sorted(os.scandir(root), key=lambda entry: entry.name)
     except FileNotFoundError:
@@ -303,13 +305,16 @@ def namespace_usage(root: Path) -> list[NamespaceUsage]:
         newest: float | None = None
         for directory, _, names in os.walk(entry.path):
             for name in names:
+                if name.endswith(TMP_SUFFIX):
+                    continue
                 with contextlib.suppress(FileNotFoundError):
                     info = os.lstat(os.path.join(directory, name))
                     files, size = files + 1, size + info.st_size
                     newest = info.st_mtime if newest is None else max(newest, info.st_mtime)
         with contextlib.suppress(FileNotFoundError):
             newest = newest if newest is not None else os.lstat(entry.path).st_mtime
-        found.append(NamespaceUsage(namespace, files, size, newest))
+        manifest = os.path.join(entry.path, shard(MANIFEST_KEY), object_name(MANIFEST_KEY))
+        found.append(NamespaceUsage(namespace, files, size, newest, os.path.lexists(manifest)))
     return found
 
 

@@ -375,9 +375,11 @@ class FileBlockStore(BlockStore):
             self._ns = None
 
     def for_records(self) -> FileBlockStore:
-        """Itself, one file per object: records are few, and every engine of an identity
-        opens them (segments are one engine's)."""
+        """Itself, one file per object and buffered: records are few and small, every engine
+        of an identity opens them (segments are one engine's), and opening them writes no
+        O_DIRECT probe (a listing opens them: it writes nothing)."""
         self.layout = "files"
+        self.direct_io = False
         return self
 
     async def undo_open(self) -> None:

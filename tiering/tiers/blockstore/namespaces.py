@@ -33,7 +33,7 @@ from tiering.contract.identity import CHECKPOINT, namespace
 from tiering.tiers.blockstore.generations import read_records
 from tiering.tiers.blockstore.store import BlockStore, NamespaceUsage
 
-RECORDS_MAX_OBJECTS = 2  # a manifest and a generation: a namespace with more is not records
+RECORDS_MAX_OBJECTS = 2  # a manifest and the versions: a namespace with more is not records
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ async def survey(
         Exception: the store's own errors (a namespace cannot be opened or read).
     """
     records: dict[bytes, Found] = {}
-    for usage in usages:
-        if usage.objects > RECORDS_MAX_OBJECTS:
+    for usage in usages:  # only those that may hold records are opened: a listing writes nothing
+        if usage.holds_manifest is False or usage.objects > RECORDS_MAX_OBJECTS:
             continue
         store = make_store(usage.namespace, False).for_records()
         await store.open()

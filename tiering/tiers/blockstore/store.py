@@ -59,13 +59,16 @@ PROGRESS_INTERVAL_S = 5.0  # seconds between two progress lines of a long `recov
 @dataclass(frozen=True)
 class NamespaceUsage:
     """One namespace a store's root holds (`BlockStore.list_namespaces`): its 16-byte name,
-    its objects (a file tier's files: a segment holds many blocks) and their bytes, and the
-    newest object's write in Unix seconds (None: unknown)."""
+    its objects (a file tier's files: a segment holds many blocks; temporaries of writes are
+    not objects) and their bytes, the newest object's write in Unix seconds (None: unknown),
+    and whether it holds an identity's manifest (None: the lister cannot tell without
+    reading it; a listing opens only those that may hold one)."""
 
     namespace: bytes
     objects: int
     bytes: int
     last_write: float | None
+    holds_manifest: bool | None = None
 
 
 def namespace_named(name: str) -> bytes | None:
