@@ -9,11 +9,13 @@ import threading
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from tests.helpers import CTX, ROW, block_bytes, keys
 from tiering import KVLayout
 from tiering.contract.identity import KVGroupShape, ParallelShape
+from tiering.engine.admission import AdmissionConfig
 from tiering.testing.s3_server import MotoServer
 from tiering.tiers.blockstore.generations import MANIFEST_BYTES, record_namespace
 from tiering.tiers.context import TierContext
@@ -321,3 +323,27 @@ def test_records_that_expire_or_are_removed_cost_labels_only(shared_tier, engine
             await records.close()
 
     assert asyncio.run(listed()) == ["step-1"]  # the labels written again
+
+
+def test_a_store_admitted_before_a_switch_never_lands_in_the_new_weights_namespace(tmp_path, engine_factory):
+    """Blocks computed with the old weights: a GPU store whose rows were reserved before the
+    switch and completed after it (a caller that did not void it), and a cascade still queued
+    from a row written before it. Neither reaches the new namespace, nor is announced there."""
+    tier = {"type": "file", "root_dir": str(tmp_path / "kv"), "layout": "files", "probe_misses": True}
+    spec = IdentitySpec(identity("control"))
+    write_back = [AdmissionConfig(write="back", writeback_window=1)]
+    engine = engine_factory(tier, spec=spec, num_blocks=8, admission=write_back)
+    engine.store(0, 1)  # write-back: their cascades wait in the CPU tier
+    out = engine.manager.prepare_store(keys(2), CTX)  # admitted under the checkpoint's weights
+    for k, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+        engine.rows[row] = np.frombuffer(block_bytes(k, ROW), dtype=engine.rows.dtype)
+    moved(engine, "step-1")
+    engine.manager.complete_store(out.keys_to_store, CTX)
+    engine.settle()
+    engine.manager.take_events()
+    fresh = engine_factory(tier, spec=spec, num_blocks=8)
+    moved(fresh, "step-1")
+    assert fresh.lookup_until_done(0, 1, 2) == [False, False, False]  # step-1's namespace has none of them
+    assert engine.lookup_until_done(0, 1, 2) == [False, False, False]
+    stored = [event for event in engine.manager.take_events() if type(event).__name__ == "BlockStored"]
+    assert stored == []
