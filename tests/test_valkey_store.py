@@ -17,6 +17,7 @@ from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, key
 from tiering.testing.processes import free_port
 from tiering.testing.valkey_server import TlsFront, ValkeyCluster, ValkeyServer
+from tiering.tiers.blockstore.generations import VERSIONS_KEY
 
 
 def valkey_config(target, key_prefix, **extra):
@@ -308,6 +309,15 @@ def test_ttl_sets_an_expiry_that_loads_refresh(valkey_server, key_prefix, engine
     assert engine.lookup_until_done(0) == [True]
     assert engine.loaded_bytes(0) == [block_bytes(keys(0)[0], ROW)]
     assert 50_000 < admin.pttl(name) <= 60_000
+    # an identity's records are labels a TTL would only lose: stored without an expiry
+    engine.manager.reset_cache("step-1")  # lists the version in the records
+    engine.manager.on_schedule_end()
+    records = engine.tier._records
+    deadline = time.monotonic() + 30
+    while not admin.exists(records._store.value_name(VERSIONS_KEY)):
+        assert time.monotonic() < deadline, "the version was not listed"
+        time.sleep(0.01)
+    assert admin.pttl(records._store.value_name(VERSIONS_KEY)) == -1  # no expiry
 
 
 # -- faults: a node killed, frozen, failed over ---------------------------------------------

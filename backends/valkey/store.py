@@ -196,6 +196,14 @@ class ValkeyBlockStore(BlockStore):
     def __repr__(self) -> str:
         return f"ValkeyBlockStore({self._connection!r}, key_prefix={self.key_prefix!r})"
 
+    def for_records(self) -> ValkeyBlockStore:
+        """Itself, its values stored without an expiry whatever ``ttl_s`` says: an identity's
+        records (`tiering.tiers.blockstore.generations`) are labels that a TTL would only
+        lose, while every block keeps its expiry."""
+        self.ttl_s = None
+        self._set_expiry = self._getex_expiry = None
+        return self
+
     def value_name(self, key: OffloadKey) -> bytes:
         """The server's key of the value of `key`: ``<key_prefix>:<fingerprint hex>:<key hex>``,
         ASCII bytes. Pure; any thread."""
