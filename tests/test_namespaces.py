@@ -176,3 +176,22 @@ def test_check_writes_nothing_and_prune_counts_no_temporary(tmp_path, engine_fac
     # own try of the storage, a file made and removed beside them, is what check says it does)
     assert f"{records.name}: 1 objects" in out and f"records of identity {live.digest().hex()}" in out
     assert f"{unnamed.name}: 1 objects, 100 bytes" in out and "named by no identity's records" in out
+
+
+def test_prune_never_removes_the_segments_of_a_running_engine_however_idle(tmp_path, engine_factory, capsys):
+    """`prune` with ``layout: auto`` removed an idle engine's segments without its lock: its
+    stores failed until it restarted."""
+    root = tmp_path / "kv"
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: file, root_dir: {root}}}]\n")
+    engine = engine_factory({"type": "file", "root_dir": str(root)}, spec=IdentitySpec(identity("control")))
+    engine.store(0, 1)
+    assert engine.tier.store.layout == "segments"  # small blocks: auto chose them
+    for directory in root.iterdir():
+        age(directory)  # nothing written for a month: an idle engine
+    assert config_check.main(["prune", str(config), "--unused-for", "7d"]) == 2
+    out, err = capsys.readouterr()
+    assert f"cannot remove {engine.tier.store.directory.name}" in err and "held by a running engine" in err
+    assert "kept" in out  # its records stay too
+    engine.store(2, 3)
+    assert engine.lookup_until_done(0, 1, 2, 3) == [True] * 4  # the engine goes on

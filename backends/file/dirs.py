@@ -339,3 +339,31 @@ def remove_unheld(ns_fd: int, path: Path) -> bool:
         return True
     finally:
         os.close(dir_fd)
+
+
+def remove_unless_held(path: Path, held_here: bool) -> None:
+    """Remove the namespace directory `path` with everything in it (links removed, never
+    followed), under the lock of its segments directory where it has one: refused while
+    another store holds that lock (an engine uses the segments, however idle). `held_here`:
+    the caller's own store holds it (its own namespace, removed by itself).
+
+    Raises:
+        OSError: EBUSY where another store holds the segments; a file or directory could not
+            be removed (what was removed stays so).
+    """
+    if held_here:
+        shutil.rmtree(path)
+        return
+    try:
+        dir_fd = os.open(path / SEGMENTS, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        shutil.rmtree(path)
+        return
+    try:
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(errno.EBUSY, "its segments are held by a running engine", str(path)) from None
+        shutil.rmtree(path)  # under the lock: no engine opens them meanwhile
+    finally:
+        os.close(dir_fd)

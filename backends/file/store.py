@@ -43,7 +43,6 @@ import asyncio
 import errno
 import logging
 import os
-import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -392,12 +391,15 @@ class FileBlockStore(BlockStore):
 
     async def remove_namespace(self) -> None:
         """Remove the namespace directory with everything in it (symbolic links are removed,
-        never followed); one hop to the write pool.
+        never followed), under its segments' lock: never another engine's live segments
+        (`tiering-config prune` opens a store of the namespace apart); one hop to the write pool.
 
         Raises:
-            OSError: a file or directory could not be removed (what was removed stays so).
+            OSError: EBUSY, another store holds the namespace's segments; a file or directory
+                could not be removed (what was removed stays so).
         """
-        await self._run(shutil.rmtree, self.directory)
+        held_here = isinstance(self._layout, segments.SegmentLog)  # its own segments: removed by itself
+        await self._run(dirs.remove_unless_held, self.directory, held_here)
 
     @property
     def _open_layout(self) -> Layout:
