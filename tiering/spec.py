@@ -148,7 +148,7 @@ class TieringOffloadingSpec:
         cpu_page_size_per_worker: bytes of one worker's slot of a row.
         num_blocks: rows of the primary tier.
         identity: the engine's `EngineIdentity` (computed once, here).
-        layout_fingerprint: the identity's 16-byte digest: with a lasting tier's generation,
+        layout_fingerprint: the identity's 16-byte digest: with the weights' version,
             it names the tier's namespace (`tiering.contract.identity.namespace`).
         async_runtime: the event loop the secondary tiers share.
         store_reserve_rows: CPU rows kept from promotions for the GPU's stores

@@ -3,7 +3,7 @@ blocks are (`SecondaryTierManager.take_events`).
 
 A tier announces a block when it holds it (stored, recovered, or found by a probe) and again
 on every way it leaves (eviction, a missing, corrupt or unusable object dropped, a key
-forgotten, a reset that moves to a new generation), each event with the tier's medium,
+forgotten, a reset that moves to other weights), each event with the tier's medium,
 locality and name (its owner) and ``removal_expected`` set: every block announced is
 announced again when it leaves, so vLLM's event tracker may keep its metadata until then.
 Events wait for `take` up to `MAX_EVENT_BLOCKS` blocks; past that the oldest are dropped and
