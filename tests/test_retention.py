@@ -1,6 +1,8 @@
 """Soft retention from clients' hints (tiering.eviction.retention), in the CPU tier's eviction and in
 the block-store tiers' (their index, and the writes a long retention asks for)."""
 
+import logging
+
 import pytest
 
 from tests.helpers import ROW, ManualClock, RegionStandIn, key, keys
@@ -9,6 +11,7 @@ from tiering.cpu.tenants import TenantsConfig
 from tiering.engine.admission import AdmissionConfig
 from tiering.eviction.policies import make_cache_policy
 from tiering.eviction.retention import MAX_RETAIN_S, Retention, hint_of, retention_s
+from tiering.stats import RareLog
 from tiering.tiers.blockstore.index import BlockIndex
 from tiering.tiers.object_format import object_size
 
@@ -64,7 +67,7 @@ def test_durations_and_hints_parse_and_a_bad_hint_is_ignored_not_fatal(caplog):
     assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"release": True}})).release
     assert hint_of(ReqContext("r", kv_transfer_params={"other": 1})) is None
     assert hint_of(ReqContext("r")) is None
-    assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"retain": "forever"}})) is None
+    assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"retain": "forever"}}), RareLog()) is None
     assert "request r: hint kv_tiering ignored" in caplog.text
 
 
@@ -77,11 +80,11 @@ def test_a_clients_long_hint_is_refused_unparsed_and_logged_in_one_short_line(ca
             retention_s(long)
         assert len(str(refused.value)) < 120
         hint = {"kv_tiering": {"retain": long}}
-        assert hint_of(ReqContext("r", kv_transfer_params=hint)) is None
+        assert hint_of(ReqContext("r", kv_transfer_params=hint), RareLog()) is None
     hint = {"kv_tiering": {"retain": "5m", "x" * 1_000_000: 1}}  # a key of its own
-    assert hint_of(ReqContext("r", kv_transfer_params=hint)) is None
+    assert hint_of(ReqContext("r", kv_transfer_params=hint), RareLog()) is None
     hint = {"kv_tiering": {"retain": "5m", **{str(i): 1 for i in range(100_000)}}}  # keys by the many
-    assert hint_of(ReqContext("r", kv_transfer_params=hint)) is None
+    assert hint_of(ReqContext("r", kv_transfer_params=hint), RareLog()) is None
     assert max(len(line) for line in caplog.text.splitlines()) < 300
 
 
@@ -219,7 +222,7 @@ def test_without_hints_nothing_changes(policy):
 
 
 def test_a_hint_too_large_for_a_float_is_ignored_and_the_deadline_heap_stays_small(caplog):
-    assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"retain": 10**400}})) is None
+    assert hint_of(ReqContext("r", kv_transfer_params={"kv_tiering": {"retain": 10**400}}), RareLog()) is None
     assert "hint kv_tiering ignored" in caplog.text
     clock = ManualClock()
     retention = Retention(4, make_cache_policy("lru", 8), clock)
@@ -346,3 +349,23 @@ def test_a_released_block_leaves_arc_as_dropped_so_its_return_does_not_adapt_arc
     assert policy.target_t1_size == target
     serve(primary, "plain-again", [3])  # an ordinary eviction's ghost
     assert policy.target_t1_size > target
+
+
+def test_a_client_that_sends_bad_hints_and_load_tiers_by_the_thousand_costs_a_few_log_lines(caplog):
+    """20,000 requests with a malformed kv_load_tiers logged 20,000 warnings on the scheduler
+    thread; every warning a client can provoke is now logged at its 1st, 2nd, 4th ... time."""
+    from tests.helpers import ManualTier
+    from tiering import CPUPrimaryTierOffloadingManager, ReqContext, TieringOffloadingManager
+
+    primary = CPUPrimaryTierOffloadingManager(8, RegionStandIn(8))
+    manager = TieringOffloadingManager(primary, [ManualTier()])
+    params = {"kv_load_tiers": "storage", "kv_tiering": {"retain": "forever"}}
+    with caplog.at_level(logging.WARNING):
+        for i in range(20_000):
+            ctx = ReqContext(f"req-{i}", kv_transfer_params=params)
+            manager.on_new_request(ctx)
+            hint_of(ctx, manager._client_warnings)
+    lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert 1 <= len(lines) <= 16 and "kv_load_tiers ignored" in lines[0]
+    assert lines[-1].endswith("so far; logged at the 1st, 2nd, 4th, 8th ...)") and "32,768 so far" in lines[-1]
+    manager.shutdown()

@@ -11,6 +11,7 @@ Thread: the scheduler thread only (the classes here are not locked).
 
 from __future__ import annotations
 
+import logging
 import time
 from bisect import bisect_left
 from collections.abc import Callable
@@ -47,6 +48,27 @@ def worth_logging(count: int) -> bool:
     """Whether the `count`-th occurrence of something (from 1) deserves a log line: the 1st,
     2nd, 4th, 8th, ...: a trace of every kind of event, never a flood."""
     return count & (count - 1) == 0
+
+
+class RareLog:
+    """Warnings of one kind that a client can provoke (a malformed hint, a bad
+    ``kv_load_tiers``), logged at their 1st, 2nd, 4th, 8th ... occurrence (`worth_logging`)
+    with the count so far: whatever one client sends, the log grows with its logarithm, and
+    the scheduler thread formats a line for a few requests only. One per kind and owner (a
+    manager); one thread at a time.
+
+    Attributes:
+        count: occurrences so far.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def warning(self, logger: logging.Logger, message: str, *args: object) -> None:
+        """Count one occurrence; log `message` % `args` with the count where it is worth a line."""
+        self.count += 1
+        if worth_logging(self.count):
+            logger.warning(f"{message} ({self.count:,} so far; logged at the 1st, 2nd, 4th, 8th ...)", *args)
 
 
 class Every:

@@ -22,7 +22,7 @@ from tiering.cpu.rows import Rows
 from tiering.cpu.tenants import TenantShares
 from tiering.eviction.policies import BlockStatus, CachePolicy
 from tiering.eviction.retention import RETENTION_MAX_FRACTION, Either, hint_of
-from tiering.stats import TierStats, lookup_counters, new_lookup_counts
+from tiering.stats import RareLog, TierStats, lookup_counters, new_lookup_counts
 
 _KEY, _BLOCK = itemgetter(0), itemgetter(1)  # (mapped in C, on hot paths)
 
@@ -82,6 +82,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._rows = Rows(num_blocks)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._lookups = new_lookup_counts()
+        self._hint_warnings = RareLog()  # clients' hints that do not parse: logged rarely
         self._counters: Counter[str] = Counter()
         self._refusals = Refusals(self.refusal_names, num_blocks)
         self._rows_reading = 0  # rows with a reader (ref count > 0)
@@ -362,14 +363,13 @@ class CPUOffloadingManager(OffloadingManager):
         access = self._accesses.finished(req_context.req_id)
         if access is not None and access.keys:
             tenant = self._order.tenant_of(req_context)
-            self._order.policy(tenant).on_request_finished(
-                access.prefix_order(req_context), access.inserted, access.reused
-            )
+            policy = self._order.policy(tenant)
+            policy.on_request_finished(access.prefix_order(req_context), access.inserted, access.reused)
             retention = self._order.retention(tenant)
             if retention is not None:
                 if access.reused:  # before any release: another request's are not its to release
                     retention.shared(access.reused)
-                hint = hint_of(req_context)
+                hint = hint_of(req_context, self._hint_warnings)
                 if hint is None:
                     retention.used(access.keys)
                 else:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tiering.contract.mediums import LOCAL, REMOTE, STORAGE, CPULoadStoreSpec
+from tiering.stats import RareLog
 from tiering.tiers.base import SecondaryTierManager
 
 logger = logging.getLogger(__name__)
@@ -63,10 +64,10 @@ def tier_places(tiers: Sequence[SecondaryTierManager], names: Sequence[str]) -> 
     return places
 
 
-def allowed_tiers(req_context: Any, places: Sequence[Place]) -> frozenset[int] | None:
+def allowed_tiers(req_context: Any, places: Sequence[Place], log: RareLog | None = None) -> frozenset[int] | None:
     """The indexes of the tiers at `places` (`tier_places`) the request of `req_context` may
-    load from, or None: every one (no ``kv_load_tiers``, or one that does not parse, logged).
-    Never raises."""
+    load from, or None: every one (no ``kv_load_tiers``, or one that does not parse: counted
+    and logged by `log`, rarely; None: not logged). Never raises."""
     params = getattr(req_context, "kv_transfer_params", None)
     if not isinstance(params, dict) or LOAD_TIERS_KEY not in params:
         return None
@@ -74,7 +75,9 @@ def allowed_tiers(req_context: Any, places: Sequence[Place]) -> frozenset[int] |
     try:
         matchers = [_matcher(entry) for entry in _bounded(entries)]
     except ValueError as exc:
-        logger.warning("request %.64s: %s ignored: %s", getattr(req_context, "req_id", "?"), LOAD_TIERS_KEY, exc)
+        if log is not None:
+            request = getattr(req_context, "req_id", "?")
+            log.warning(logger, "request %.64s: %s ignored: %s", request, LOAD_TIERS_KEY, exc)
         return None
     return frozenset(
         idx

@@ -42,7 +42,7 @@ from tiering.engine.promotions import PromotionRows, Promotions
 from tiering.engine.tier_calls import guarded, hooks_of, new_generations
 from tiering.engine.timeline import RequestTimeline
 from tiering.eviction.retention import hint_of
-from tiering.stats import Every
+from tiering.stats import Every, RareLog
 from tiering.tiers.base import SecondaryTierManager
 from tiering.tiers.context import PRIMARY_NAME, unique_names
 
@@ -134,6 +134,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._step_hits: set[OffloadKey] = set()  # found in the primary tier by this step's lookups
         self._requests = RequestLookups(self.promotion_source)
         self._listeners: list[tuple[Callable[[dict[str, Any]], None], Every]] = []
+        self._client_warnings = RareLog()  # what clients' requests get wrong (hints, kv_load_tiers): logged rarely
         self._primary_changed = True  # blocks, order or readers changed since the last write-back scan
 
     # -- scheduler calls ------------------------------------------------------------------
@@ -236,7 +237,7 @@ class TieringOffloadingManager(OffloadingManager):
         self.cascades.stored(stored, req_context)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        req_context.load_tiers = allowed_tiers(req_context, self.tier_places)
+        req_context.load_tiers = allowed_tiers(req_context, self.tier_places, self._client_warnings)
         return self.primary_tier.on_new_request(req_context)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -248,7 +249,8 @@ class TieringOffloadingManager(OffloadingManager):
         self.primary_tier.on_request_finished(req_context)
         if blocks and self.cascades.hinted_tiers:
             primary = self.primary_tier
-            hint = hint_of(req_context, log=primary.retention is None and primary.tenants is None)  # else logged there
+            logged_there = primary.retention is not None or primary.tenants is not None
+            hint = hint_of(req_context, None if logged_there else self._client_warnings)
             if hint is not None:
                 self.cascades.hinted(hint, blocks, req_context)
         if self._timeline is not None:

@@ -10,8 +10,8 @@ A request may carry a hint in its ``kv_transfer_params`` (vLLM passes the OpenAI
 the duration; a later hint only extends a deadline. *release*: its blocks lose their
 deadlines, and those it stored itself (not those it found already there: another request
 had them, a shared document say) are evicted first, before any other block, unless a later
-request uses them again. A hint that does not parse is ignored (logged once per request): a client's
-mistake never fails its request.
+request uses them again. A hint that does not parse is ignored (logged rarely, with a count: `tiering.stats.RareLog`): a
+client's mistake never fails its request nor floods the log.
 
 Retention is soft: a block under a deadline stays in its policy's order (LRU, ARC, ARC-S)
 and is only passed over by eviction while blocks without one can go; if they cannot, the
@@ -42,6 +42,7 @@ from typing import Any, Protocol
 from tiering.contract.keys import OffloadKey
 from tiering.eviction.base import BlockStatus, CachePolicy
 from tiering.options import parse_duration
+from tiering.stats import RareLog
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +85,10 @@ def retention_s(value: Any) -> float:
     return min(parse_duration(value), MAX_RETAIN_S)
 
 
-def hint_of(req_context: Any, log: bool = True) -> RetentionHint | None:
+def hint_of(req_context: Any, log: RareLog | None = None) -> RetentionHint | None:
     """The request's hint (see the module docstring), or None when it gave none or one that
-    does not parse (logged, if `log`). Never raises."""
+    does not parse (counted and logged by `log`, rarely: a client's mistakes never flood the
+    log; None: not logged). Never raises."""
     params = getattr(req_context, "kv_transfer_params", None)
     if not isinstance(params, dict) or HINT_KEY not in params:
         return None
@@ -97,8 +99,10 @@ def hint_of(req_context: Any, log: bool = True) -> RetentionHint | None:
         retain = hint.get("retain")
         return RetentionHint(None if retain is None else retention_s(retain), hint.get("release") is True)
     except (ValueError, OverflowError) as exc:  # a JSON number too large for a float overflows
-        if log:
-            logger.warning("request %.64s: hint %s ignored: %s", getattr(req_context, "req_id", "?"), HINT_KEY, exc)
+        if log is not None:
+            log.warning(
+                logger, "request %.64s: hint %s ignored: %s", getattr(req_context, "req_id", "?"), HINT_KEY, exc
+            )
         return None
 
 
