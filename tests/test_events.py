@@ -3,7 +3,7 @@ sees of the CPU tier and of each secondary tier, with medium, locality and owner
 
 from tests.helpers import ROW, keys
 from tiering.contract.mediums import LOCAL, REMOTE, STORAGE, OffloadingEvent
-from tiering.tiers.events import TierEvents
+from tiering.tiers.events import MERGE_BLOCKS, TierEvents
 from tiering.tiers.object_format import object_size
 
 
@@ -74,6 +74,25 @@ def test_events_nobody_takes_stay_bounded_and_what_is_dropped_is_counted():
     assert sum(len(event.keys) for event in taken) <= 10 and events.dropped == 30 - sum(len(e.keys) for e in taken)
     assert taken[-1] == OffloadingEvent(keys(27, 28, 29), STORAGE, True, LOCAL, "file", True)
     assert events.take() == []
+
+
+def test_events_of_one_kind_nobody_takes_stay_bounded_in_blocks():
+    """Events of one kind merge into one event, and the bound dropped only while more than one
+    was queued: with nobody taking them (an embedder without a router) they grew without limit."""
+    events = TierEvents(STORAGE, LOCAL, "file", max_blocks=100)
+    for i in range(10_000):
+        events.add(keys(i), removed=False)
+    taken = events.take()
+    assert sum(len(event.keys) for event in taken) == 100 and events.dropped == 9_900
+    assert taken[-1].keys[-1] == keys(9_999)[0]  # the newest are kept
+    large = TierEvents(STORAGE, LOCAL, "file", max_blocks=100_000)
+    for i in range(0, 300_000, 1000):  # a long run of one kind: events of MERGE_BLOCKS, the oldest dropped whole
+        large.add(keys(*range(i, i + 1000)), removed=True)
+    kept = large.take()
+    assert sum(len(event.keys) for event in kept) <= 100_000 and large.dropped == 300_000 - sum(
+        len(e.keys) for e in kept
+    )
+    assert all(len(event.keys) <= MERGE_BLOCKS + 1000 for event in kept)
 
 
 def test_stores_over_the_network_are_remote():

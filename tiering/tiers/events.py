@@ -22,6 +22,9 @@ from tiering.contract.mediums import OffloadingEvent
 
 MAX_EVENT_BLOCKS = 1 << 20
 """Blocks a tier's events may hold between two `take`s (a step's, under vLLM)."""
+MERGE_BLOCKS = 4096
+"""An event grows by the blocks of the next of its kind up to this many; then a new one
+starts, so that the oldest can be dropped whole (a drop never moves a million keys)."""
 
 
 class TierEvents:
@@ -40,15 +43,19 @@ class TierEvents:
         if not keys:
             return
         last = self._events[-1] if self._events else None
-        if last is not None and last.removed == removed:
+        if last is not None and last.removed == removed and len(last.keys) < MERGE_BLOCKS:
             last.keys.extend(keys)
         else:
             self._events.append(OffloadingEvent(list(keys), self.medium, removed, self.locality, self.owner, True))
         self._blocks += len(keys)
-        while self._blocks > self.max_blocks and len(self._events) > 1:
-            dropped = self._events.popleft()
-            self._blocks -= len(dropped.keys)
-            self.dropped += len(dropped.keys)
+        while self._blocks > self.max_blocks:
+            if len(self._events) > 1:
+                count = len(self._events.popleft().keys)
+            else:  # one event past the bound (of one large add, or a small bound): its oldest blocks go
+                count = self._blocks - self.max_blocks
+                del self._events[0].keys[:count]
+            self._blocks -= count
+            self.dropped += count
 
     def take(self) -> list[OffloadingEvent]:
         """The events since the last call, oldest first."""
