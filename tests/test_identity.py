@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import CTX, ROW, block_bytes, keys
 from tiering import KVLayout
-from tiering.contract.identity import KVGroupShape, ParallelShape
+from tiering.contract.identity import KVGroupShape, ParallelShape, namespace
 from tiering.engine.admission import AdmissionConfig
 from tiering.testing.s3_server import MotoServer
 from tiering.tiers.blockstore.generations import MANIFEST_BYTES, record_namespace
@@ -347,3 +347,30 @@ def test_a_store_admitted_before_a_switch_never_lands_in_the_new_weights_namespa
     assert engine.lookup_until_done(0, 1, 2) == [False, False, False]
     stored = [event for event in engine.manager.take_events() if type(event).__name__ == "BlockStored"]
     assert stored == []
+
+
+class VersionedSpec(IdentitySpec):
+    """An engine of `identity` that starts on the declared weights `weights` (config ``weight_version``)."""
+
+    def __init__(self, engine_identity, weights):
+        super().__init__(engine_identity)
+        self.weights = weights
+
+    def tier_context(self, view, name):
+        return replace(super().tier_context(view, name), weight_version=self.weights)
+
+
+def test_an_engine_on_declared_weights_starts_on_a_full_disk_its_version_list_a_label_only(
+    small_disk, engine_factory, caplog
+):
+    """The list of weight versions is a label: a store that cannot write it (a full disk) keeps
+    neither the tier from opening nor the engine from its weights' namespace."""
+    filler = small_disk / "someone-elses-file"
+    with open(filler, "wb", buffering=0) as out, pytest.raises(OSError, match="No space"):
+        while True:
+            out.write(bytes(4096))
+    tier = {"type": "file", "root_dir": str(small_disk / "kv"), "layout": "files", "direct_io": False}
+    spec = VersionedSpec(identity("control"), "step-3")
+    engine = engine_factory(tier, spec=spec, num_blocks=8)
+    assert engine.tier.store.directory.name == namespace(spec.identity.digest(), "step-3").hex()
+    assert "the list of weight versions was not written" in caplog.text

@@ -125,7 +125,8 @@ WEIGHT_VERSION = re.compile(rf"[\x21-\x7e]{{1,{MAX_WEIGHT_VERSION_CHARS}}}")
 
 
 def check_weight_version(version: str | None) -> None:
-    """Refuse a declared weight version that is not `WEIGHT_VERSION` (None passes: none declared).
+    """Refuse a declared weight version that is not `WEIGHT_VERSION` (None passes: none
+    declared). Any thread; pure.
 
     Raises:
         ValueError: says what a version is.

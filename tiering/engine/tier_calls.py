@@ -75,7 +75,10 @@ def new_generations(
     is called without it); a tier without the hook keeps its blocks, which is logged."""
     for tier, name in zip(tiers, names, strict=True):
         if overrides(tier, "new_generation"):
-            takes_version = "weight_version" in inspect.signature(tier.new_generation).parameters
+            try:
+                takes_version = "weight_version" in inspect.signature(tier.new_generation).parameters
+            except (TypeError, ValueError):  # a hook with no signature to read (a builtin, a C extension)
+                takes_version = False
             guarded(tier, "new_generation", None, *((weight_version,) if takes_version else ()))
         else:
             logger.warning("tier %s keeps its blocks across a reset (it has no new_generation)", name)

@@ -167,10 +167,23 @@ class Records:
         """Add the declared weights in force to ``~versions`` (the latest `MAX_VERSIONS_LISTED`),
         where they are not listed (nothing for the checkpoint's weights or a label of this
         engine's own); write the list again where it does not open or was sealed by an older
-        key. A label, read back by listings: a lost update loses a label only."""
+        key. A label, read back by listings: a lost update loses a label only, and a store
+        that cannot read or write it (a full disk, a read-only bucket) is logged, never a
+        reason for the tier not to open or move to the weights' namespace."""
         store = self._store
         if store is None:
             return
+        try:
+            await self._update_versions(store)
+        except Exception as exc:
+            logger.warning("%r: the list of weight versions was not written (%s): a label only", store, describe(exc))
+
+    async def _update_versions(self, store: BlockStore) -> None:
+        """`_list_version`'s read and write of ``~versions``.
+
+        Raises:
+            Exception: the store's own errors.
+        """
         adding = self.shared and self.weights != CHECKPOINT
         try:
             versions, stale = await _read_versions(store)
