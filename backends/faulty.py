@@ -152,6 +152,9 @@ class FaultyBlockStore(BlockStore):
     def for_records(self) -> BlockStore:
         return self.inner.for_records()
 
+    async def ready(self) -> None:
+        await self.inner.ready()
+
     async def _fault(self) -> None:
         self.check_open()
         if self.latency_s:

@@ -39,6 +39,7 @@ from tiering.contract.mediums import REMOTE
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
 from tiering.options import STRICT, Count, Seconds
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
+from tiering.tiers.blockstore.generations import MANIFEST_KEY
 from tiering.tiers.blockstore.store import NamespaceUsage, RecoveryProgress, namespace_named
 from tiering.tiers.object_format import ObjectHeader, check_length, encode_object, header_size, parse_header
 
@@ -163,7 +164,9 @@ class S3BlockStore(BlockStore):
         )
 
     @classmethod
-    def preflight(cls, options: BaseModel, settings: BlockStoreSettings, connect: bool) -> list[str]:
+    def preflight(
+        cls, options: BaseModel, settings: BlockStoreSettings, connect: bool, notes: list[str] | None = None
+    ) -> list[str]:
         """Resolve the AWS credentials as the client will (environment, shared files, an
         instance role: no request to S3); with `connect`, also open the bucket (see
         `BlockStore.preflight`)."""
@@ -173,12 +176,13 @@ class S3BlockStore(BlockStore):
             return [f"the AWS credentials cannot be read: {exc}"]
         if credentials is None:
             return ["no AWS credentials in the chain (environment, shared files, instance role)"]
-        return super().preflight(options, settings, connect)
+        return super().preflight(options, settings, connect, notes)
 
     @classmethod
     async def list_namespaces(cls, options: BaseModel, settings: BlockStoreSettings) -> list[NamespaceUsage]:
         """The namespaces under the prefix, from a paginated listing of it (the store is
-        opened for it, as the engine opens it): objects, bytes, newest ``LastModified``."""
+        opened for it, as the engine opens it): objects, bytes, newest ``LastModified``,
+        whether one of them is an identity's manifest."""
         store = cls.from_config(bytes(16), options, settings)
         await store.open()
         try:
@@ -186,12 +190,15 @@ class S3BlockStore(BlockStore):
             paginator = store._client.get_paginator("list_objects_v2")
             async for page in paginator.paginate(Bucket=store.bucket, Prefix=store.prefix):
                 for obj in page.get("Contents", ()):
-                    name, slash, _ = obj["Key"][len(store.prefix) :].partition("/")
+                    name, slash, rest = obj["Key"][len(store.prefix) :].partition("/")
                     if not slash or (namespace := namespace_named(name)) is None:
                         continue
-                    seen = usage.get(namespace, NamespaceUsage(namespace, 0, 0, None))
+                    seen = usage.get(namespace, NamespaceUsage(namespace, 0, 0, None, False))
                     written = max(seen.last_write or 0.0, obj["LastModified"].timestamp())
-                    usage[namespace] = NamespaceUsage(namespace, seen.objects + 1, seen.bytes + obj["Size"], written)
+                    manifest = seen.holds_manifest or rest == MANIFEST_KEY.hex()
+                    usage[namespace] = NamespaceUsage(
+                        namespace, seen.objects + 1, seen.bytes + obj["Size"], written, manifest
+                    )
             return sorted(usage.values(), key=lambda found: found.namespace)
         finally:
             await store.close()

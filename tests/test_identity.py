@@ -18,6 +18,7 @@ from tiering.contract.identity import KVGroupShape, ParallelShape, namespace
 from tiering.engine.admission import AdmissionConfig
 from tiering.testing.s3_server import MotoServer
 from tiering.tiers.blockstore.generations import MANIFEST_BYTES, record_namespace
+from tiering.tiers.blockstore.leases import lease_namespace
 from tiering.tiers.context import TierContext
 
 GROUP = KVGroupShape(("model.layers.0.attn", "model.layers.1.attn"), 16, "FullAttentionSpec")
@@ -172,13 +173,14 @@ def test_a_reset_keeps_the_namespaces_of_declared_weights_and_removes_an_engines
     engine.store(0, 1)
     checkpoint = engine.tier.store.directory
     records = root / record_namespace(spec.identity.digest()).hex()
-    assert sorted(os.listdir(root)) == sorted([checkpoint.name, records.name])
+    leases = lease_namespace(spec.identity.digest()).hex()
+    assert sorted(os.listdir(root)) == sorted([checkpoint.name, records.name, leases])
     moved(engine, None)
     own = engine.tier.store.directory
     engine.store(2)
     moved(engine, "step-1")
     wait_for(lambda: not own.exists(), "removed")
-    assert sorted(os.listdir(root)) == sorted([checkpoint.name, engine.tier.store.directory.name, records.name])
+    assert sorted(os.listdir(root)) == sorted([checkpoint.name, engine.tier.store.directory.name, records.name, leases])
     # the manifest, in plain words at the end of its object
     manifest_file = next(path for path in records.rglob("*") if path.is_file() and path.stat().st_size > MANIFEST_BYTES)
     manifest = json.loads(manifest_file.read_bytes()[-MANIFEST_BYTES:])

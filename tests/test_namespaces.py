@@ -7,10 +7,13 @@ import os
 import time
 import uuid
 
+from tests.helpers import region_name
 from tests.test_identity import IdentitySpec, identity
 from tiering import KVLayout, TieringOffloadingSpec, config_check, load_config, parse_config
 from tiering.contract.identity import CHECKPOINT, namespace
+from tiering.tiers.blockstore import leases
 from tiering.tiers.blockstore.generations import record_namespace
+from tiering.tiers.blockstore.leases import lease_namespace
 from tiering.tiers.blockstore.namespaces import label, remove, unused
 
 OLD = time.time() - 30 * 86400  # a month ago
@@ -49,12 +52,17 @@ def test_check_lists_whose_each_namespace_is_and_prune_removes_only_the_unused(t
         time.sleep(0.01)
 
     status, out = check(capsys, str(config))
-    assert status == 0 and "tier file: 6 namespaces" in out
+    assert status == 0 and "tier file: 7 namespaces" in out
     mine, theirs = live.digest().hex(), gone.digest().hex()
     assert f"{record_namespace(live.digest()).hex()}: 2 objects" in out  # the manifest and the versions
     assert f"records of identity {mine} (org/tiny, " in out and "; weight versions declared: step-1" in out
-    assert f"{step_1.hex()}: 1 objects" in out and "), weight version step-1" in out
-    assert f"{namespace(live.digest(), CHECKPOINT).hex()}: 2 objects" in out and "), the checkpoint's weights" in out
+    lease = f"1 live lease (engine {engine.tier._records.lease.engine} on "
+    [step_1_line] = [line for line in out.splitlines() if line.startswith(f"  {step_1.hex()}: 1 objects")]
+    assert "), weight version step-1; " + lease in step_1_line  # its version, its lease, its last write
+    assert f"{namespace(live.digest(), CHECKPOINT).hex()}: 2 objects" in out
+    assert "), the checkpoint's weights; no live lease" in out  # released once its last jobs ended
+    assert f"{lease_namespace(live.digest()).hex()}: 1 objects" in out and "; " + lease in out
+    assert lease_namespace(gone.digest()).hex() not in out  # its one engine stopped: its lease and namespace went
     assert f"blocks of identity {mine} (org/other" not in out and f"blocks of identity {theirs} (org/other, " in out
     assert f"{unnamed.name}: 1 objects, 100 bytes" in out and "named by no identity's records" in out
 
@@ -62,11 +70,15 @@ def test_check_lists_whose_each_namespace_is_and_prune_removes_only_the_unused(t
     for directory in [root / ns.hex() for ns in old] + [unnamed]:
         age(directory)
     age(root / record_namespace(live.digest()).hex())  # old records, but their step-1 blocks are in use: kept
+    age(root / step_1.hex())  # not written for a month, but a running engine uses it: kept
     assert config_check.main(["prune", str(config), "--unused-for", "7d", "--dry-run"]) == 0
-    assert capsys.readouterr().out.count("would remove") == 4 and len(list(root.iterdir())) == 6
+    out = capsys.readouterr().out
+    assert out.count("would remove") == 4 and len(list(root.iterdir())) == 7
+    assert f"kept {step_1.hex()}: " in out and f"{lease}" in out and "a running engine uses it" in out
     assert config_check.main(["prune", str(config), "--unused-for", "7d"]) == 0
     assert capsys.readouterr().out.count("removed") == 4
-    assert sorted(path.name for path in root.iterdir()) == sorted([record_namespace(live.digest()).hex(), step_1.hex()])
+    left = [record_namespace(live.digest()), step_1, lease_namespace(live.digest())]
+    assert sorted(path.name for path in root.iterdir()) == sorted(ns.hex() for ns in left)
     assert engine.lookup_until_done(2) == [True]  # the live engine goes on
 
 
@@ -74,13 +86,13 @@ def test_check_prints_the_engines_identity_and_marks_its_namespaces(tmp_path, ca
     config = tmp_path / "engine.yaml"
     config.write_text(f"cpu_bytes_to_use: 8MiB\nsecondary_tiers: [{{type: file, root_dir: {tmp_path / 'kv'}}}]\n")
     layout = KVLayout.from_preset("llama-3.1-8b")
-    with TieringOffloadingSpec(load_config(config), layout, f"test-{uuid.uuid4().hex[:8]}") as spec:
+    with TieringOffloadingSpec(load_config(config), layout, region_name()) as spec:
         spec.get_manager()
         digest = spec.layout_fingerprint.hex()
     status, out = check(capsys, str(config), "--model", "llama-3.1-8b")
     assert status == 0 and f"identity: {digest}" in out
     assert '"model": "llama-3.1-8b"' in out and '"tokens_per_block": 16' in out  # the manifest
-    assert out.count("this engine") == 2  # its records and its generation's blocks
+    assert out.count("this engine") == 2  # its records and its generation's blocks (its lease went when it stopped)
     status, out = check(capsys, str(config))
     assert status == 0 and "this engine" not in out and "identity:" not in out
 
@@ -178,9 +190,12 @@ def test_check_writes_nothing_and_prune_counts_no_temporary(tmp_path, engine_fac
     assert f"{unnamed.name}: 1 objects, 100 bytes" in out and "named by no identity's records" in out
 
 
-def test_prune_never_removes_the_segments_of_a_running_engine_however_idle(tmp_path, engine_factory, capsys):
+def test_prune_never_removes_the_segments_of_a_running_engine_however_idle(
+    tmp_path, engine_factory, monkeypatch, capsys
+):
     """`prune` with ``layout: auto`` removed an idle engine's segments without its lock: its
-    stores failed until it restarted."""
+    stores failed until it restarted. Its lease keeps prune away; without one (expired: its
+    renewals lost), the segments' lock still does."""
     root = tmp_path / "kv"
     config = tmp_path / "engine.yaml"
     config.write_text(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: file, root_dir: {root}}}]\n")
@@ -189,6 +204,10 @@ def test_prune_never_removes_the_segments_of_a_running_engine_however_idle(tmp_p
     assert engine.tier.store.layout == "segments"  # small blocks: auto chose them
     for directory in root.iterdir():
         age(directory)  # nothing written for a month: an idle engine
+    assert config_check.main(["prune", str(config), "--unused-for", "7d"]) == 0
+    out = capsys.readouterr().out
+    assert f"kept {engine.tier.store.directory.name}: " in out and "a running engine uses it" in out
+    monkeypatch.setattr(leases, "LEASE_S", 0.0)  # every lease expired
     assert config_check.main(["prune", str(config), "--unused-for", "7d"]) == 2
     out, err = capsys.readouterr()
     assert f"cannot remove {engine.tier.store.directory.name}" in err and "held by a running engine" in err

@@ -1,12 +1,11 @@
 import os
 import threading
-import uuid
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers import keys
+from tests.helpers import keys, region_name
 from tiering import (
     ConfigError,
     CPULoadStoreSpec,
@@ -20,10 +19,11 @@ from tiering import (
 from tiering.contract.identity import CHECKPOINT, namespace
 from tiering.cpu.shared_region import region_path
 from tiering.tiers.blockstore.generations import record_namespace
+from tiering.tiers.blockstore.leases import lease_namespace
 
 
 def instance() -> str:
-    return f"test-{uuid.uuid4().hex[:12]}"
+    return region_name()
 
 
 def test_sizing_from_a_model_preset():
@@ -90,9 +90,13 @@ secondary_tiers:
         assert spec.get_manager() is manager
         assert [tier.tier_type for tier in manager.secondary_tiers] == ["memory", "file"]
         assert manager.primary_tier.num_blocks == 128
-        fingerprint = spec.layout_fingerprint  # the checkpoint weights' blocks, and the identity's records
+        fingerprint = spec.layout_fingerprint  # the checkpoint weights' blocks, the identity's records and leases
         assert sorted(os.listdir(tmp_path)) == sorted(
-            [namespace(fingerprint, CHECKPOINT).hex(), record_namespace(fingerprint).hex()]
+            [
+                namespace(fingerprint, CHECKPOINT).hex(),
+                record_namespace(fingerprint).hex(),
+                lease_namespace(fingerprint).hex(),
+            ]
         )
         assert [t.name for t in threading.enumerate()].count("tiering-io") == 1
     finally:

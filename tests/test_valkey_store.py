@@ -13,6 +13,7 @@ import trustme
 from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, keys
 from tiering import JobMetadata, SecondaryTierFactory, TierConfigError
 from tiering.backends.valkey import ValkeyBlockStore
+from tiering.config_check import main as config_main
 from tiering.testing import BlockStoreSuite, StoreKit
 from tiering.testing.block_store import FINGERPRINT, key
 from tiering.testing.processes import free_port
@@ -318,6 +319,26 @@ def test_ttl_sets_an_expiry_that_loads_refresh(valkey_server, key_prefix, engine
         assert time.monotonic() < deadline, "the version was not listed"
         time.sleep(0.01)
     assert admin.pttl(records._store.value_name(VERSIONS_KEY)) == -1  # no expiry
+    lease = records.lease
+    assert admin.pttl(lease._store.value_name(lease.key)) == -1  # nor the engine's lease
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru"])
+def test_check_warns_of_a_memory_policy_that_evicts_records_and_leases(policy, tmp_path, capsys):
+    server = ValkeyServer(settings={"maxmemory-policy": policy})
+    server.start()
+    try:
+        config = tmp_path / "engine.yaml"
+        config.write_text(
+            f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{{type: valkey, addresses: ['{server.address}']}}]\n"
+        )
+        assert config_main(["check", str(config), "--connect"]) == 0  # a warning: the engine starts
+        out = capsys.readouterr().out
+        warning = f"tier valkey: warning: {server.address}: maxmemory-policy allkeys-lru evicts keys without an expiry"
+        assert (warning in out) == (policy == "allkeys-lru")
+        assert ("set ttl_s on the tier and a volatile-lru" in out) == (policy == "allkeys-lru")
+    finally:
+        server.stop()
 
 
 # -- faults: a node killed, frozen, failed over ---------------------------------------------

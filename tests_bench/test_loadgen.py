@@ -337,8 +337,8 @@ def test_a_run_killed_outright_leaves_files_that_the_next_run_removes(tmp_path):
     os.kill(process.pid, signal.SIGKILL)
     process.wait(30)
     left = {path.name for path in root.iterdir()}
-    # each run: its namespace and its identity's records; the killed one's locked too
-    assert len(left) == 6 and sum(name.endswith(runs.SUFFIX) for name in left) == 2
+    # each run: its namespace and its identity's records; the killed one's leases, and locks of its three
+    assert len(left) == 8 and sum(name.endswith(runs.SUFFIX) for name in left) == 3
     assert subprocess.run([*command, "--max-requests", "20"], capture_output=True, timeout=120).returncode == 0
     remaining = list(root.iterdir())  # the killed run's namespaces and locks went; the kept ones stay
     assert len(remaining) == 2 and {path.name for path in remaining} <= left

@@ -128,7 +128,8 @@ def _admission(config: AdmissionConfig, rows: int | None, tiers: int) -> str:
 
 def preflight(config: TieringConfig, connect: bool) -> tuple[list[str], list[str]]:
     """Try what can be tried of each tier before the engine starts (`BlockStore.preflight`):
-    returns what was not tried, and the problems found, one line each."""
+    returns what was not tried and the warnings (`BlockStore.caveats`), and the problems
+    found, one line each."""
     notes, problems = [], []
     for index, tier in enumerate(config.secondary_tiers):
         parts = block_store_parts(tier)
@@ -136,7 +137,11 @@ def preflight(config: TieringConfig, connect: bool) -> tuple[list[str], list[str
             notes.append(f"tier {tier['name']}: a tier class of its own: not tried (it checks itself when built)")
             continue
         store_cls, options, settings = parts
-        problems += [f"secondary_tiers[{index}]: {line}" for line in store_cls.preflight(options, settings, connect)]
+        caveats: list[str] = []
+        problems += [
+            f"secondary_tiers[{index}]: {line}" for line in store_cls.preflight(options, settings, connect, caveats)
+        ]
+        notes += [f"tier {tier['name']}: warning: {line}" for line in caveats]
     if config.secondary_tiers and not connect:
         notes.append("servers not reached: --connect opens each tier's store (S3, Valkey, ...) as the engine would")
     return notes, problems
@@ -266,8 +271,9 @@ def _duration(text: str) -> float:
 
 def _prune(path: str, unused_for_s: float, dry_run: bool) -> int:
     """``tiering-config prune``: remove (or, `dry_run`, list) every lasting tier's namespaces
-    not written for `unused_for_s` seconds (`namespaces.unused`); a tier's records stay where
-    one of its namespaces could not be removed. Exit status 2 where the config is invalid, or
+    not written for `unused_for_s` seconds and leased by no running engine
+    (`namespaces.unused`; those leased are listed as kept); a tier's records and leases stay
+    where one of its namespaces could not be removed. Exit status 2 where the config is invalid, or
     a tier could not be listed or a namespace removed."""
     try:
         config = load_config(path)
@@ -279,11 +285,15 @@ def _prune(path: str, unused_for_s: float, dry_run: bool) -> int:
     status = 2 if failed else 0
     for name, make, found in surveyed:
         kept_blocks = False  # a namespace that could not be removed: the tier's records stay
-        stale = unused(found, unused_for_s, time.time())
+        now = time.time()
+        for item in found:
+            if item.leases and item.kind != "leases" and item.written_before(now - unused_for_s):
+                print(f"tier {name}: kept {item.describe()}: a running engine uses it")
+        stale = unused(found, unused_for_s, now)
         if not stale:
             print(f"tier {name}: nothing to remove: no namespace unused for {timedelta(seconds=unused_for_s)}")
         for item in stale:
-            if item.kind == "records" and kept_blocks:
+            if item.kind in ("records", "leases") and kept_blocks:
                 # the labels of the namespaces left: without them those would list as unnamed
                 print(f"tier {name}: kept {item.describe()}: a namespace of blocks could not be removed")
                 continue

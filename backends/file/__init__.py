@@ -1,8 +1,8 @@
 """The ``file`` tier: blocks in a local directory, one file per block or many per segment file
 (see `tiering.backends.file.store` for the layout, the safety rules and the I/O modes).
 
-- `store`: `FileBlockStore`, the `BlockStore` (its coroutines), and its config keys
-  (`FileOptions`);
+- `store`: `FileBlockStore`, the `BlockStore` (its coroutines); `options` its config keys
+  (`FileOptions`, `check_root_dir`);
 - `dirs`: the namespace directory and its shards, opened once; who holds what;
 - `objects`: one file per block: writes, reads, existence, deletes, the scan at start;
 - `segments`: many blocks per segment file, `SegmentLog`; `segment_io` its files' system
@@ -14,6 +14,7 @@ hop per block or batch). Imports: `tiering.contract`, `tiering.tiers`, `tiering.
 `tiering.options`, and `tiering.backends.buffers`.
 """
 
-from tiering.backends.file.store import FileBlockStore, FileOptions, check_root_dir
+from tiering.backends.file.options import FileOptions, check_root_dir
+from tiering.backends.file.store import FileBlockStore
 
 __all__ = ["FileBlockStore", "FileOptions", "check_root_dir"]

@@ -236,12 +236,18 @@ def _quarantine(ns: Namespace, dir_fd: int, name: str) -> None:
 
 
 def scan(
-    ns: Namespace, directory: Path, fingerprint: bytes, seal: Seal | None, block_bytes: int | None = None
+    ns: Namespace,
+    directory: Path,
+    fingerprint: bytes,
+    seal: Seal | None,
+    block_bytes: int | None = None,
+    tidy: bool = True,
 ) -> list[tuple[OffloadKey, int]]:
-    """Objects in the namespace, oldest first (by last write); removes temporaries older than
-    `TEMPORARY_GRACE_S`, regular files that are not whole objects of ours, and objects whose
-    seal `seal` does not open (sealed by a key dropped from `integrity`, or planted: a
-    namespace is one deployment's, and nothing else would ever give their space back).
+    """Objects in the namespace, oldest first (by last write); with `tidy`, removes
+    temporaries older than `TEMPORARY_GRACE_S`, regular files that are not whole objects of
+    ours, and objects whose seal `seal` does not open (sealed by a key dropped from
+    `integrity`, or planted: a namespace is one deployment's, and nothing else would ever
+    give their space back); without, leaves them out and writes nothing.
     Without a seal, given the rows' `block_bytes`, an object named by its key's hex is known
     by its name and size (one `stat`, no open): its header is checked when it is loaded, as
     every load's is. Never follows a link."""
@@ -271,14 +277,15 @@ def scan(
                         recovered = _check_header(dir_fd, entry.name, fingerprint, seal)
                 except ForgedObjectError:
                     with contextlib.suppress(FileNotFoundError):  # removed meanwhile
-                        os.unlink(entry.name, dir_fd=dir_fd)
-                        unopened += 1
+                        if tidy:
+                            os.unlink(entry.name, dir_fd=dir_fd)
+                            unopened += 1
                     continue
-                if recovered is None:
+                if recovered is None and tidy:
                     with contextlib.suppress(FileNotFoundError):  # another engine's, removed meanwhile
                         os.unlink(entry.name, dir_fd=dir_fd)
                         removed += 1
-                else:
+                elif recovered is not None:
                     found.append(recovered)
     if removed:
         logger.warning("file tier %s: removed %d temporary or foreign files", directory, removed)
@@ -375,6 +382,7 @@ class OneFilePerBlock:
         self._ns, self._directory = ns, directory
         self._fingerprint, self._seal, self._fsync, self._direct = fingerprint, seal, fsync, direct
         self._block_bytes = block_bytes
+        self.tidy = True  # `recover` removes what is not a whole object of ours (`scan`)
 
     def put_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Exception | None]:
         """One block after the other: None for each written, or the exception it raised."""
@@ -393,7 +401,7 @@ class OneFilePerBlock:
         delete_all(self._ns, list(keys))
 
     def recover(self) -> list[tuple[OffloadKey, int]]:
-        return scan(self._ns, self._directory, self._fingerprint, self._seal, self._block_bytes)
+        return scan(self._ns, self._directory, self._fingerprint, self._seal, self._block_bytes, self.tidy)
 
     def close(self) -> None:
         """Nothing to close: the namespace is the store's."""

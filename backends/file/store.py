@@ -1,9 +1,9 @@
 """The ``file`` tier: blocks under a directory, one file per block written atomically (what
 follows describes that layout) or, for small blocks, many per segment file (``layout``, see
-`FileOptions` and `tiering.backends.file.segments`).
+`tiering.backends.file.options.FileOptions` and `tiering.backends.file.segments`).
 
-Loop thread: `FileBlockStore`'s coroutines; its pool's threads run `objects`. `check_root_dir`
-and `FileOptions` run where the config is loaded.
+Loop thread: `FileBlockStore`'s coroutines; its pool's threads run `objects`. Its config
+keys: `tiering.backends.file.options`.
 
 Layout: ``<root_dir>/<layout fingerprint hex>/<shard>/<name>``, where the shard is the first
 byte (hex) of a hash of the key, 256 shards, and the name is the key in hex (a hash of it,
@@ -43,22 +43,21 @@ import asyncio
 import errno
 import logging
 import os
-import stat
 import tempfile
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import anyio
-from pydantic import AfterValidator, BaseModel
+from pydantic import BaseModel
 
 from tiering.backends.file import dirs, objects, segments
+from tiering.backends.file.options import FileOptions
 from tiering.backends.file.pool import DaemonThreadPool
 from tiering.contract.keys import OffloadKey
 from tiering.contract.mediums import LOCAL, REMOTE
-from tiering.options import STRICT, Count
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
 from tiering.tiers.blockstore.store import NamespaceUsage
 from tiering.tiers.object_format import ObjectHeader
@@ -66,43 +65,6 @@ from tiering.tiers.object_format import ObjectHeader
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def check_root_dir(value: str) -> str:
-    """`root_dir` as a config value, checked at load, with ``~`` expanded: not empty; an
-    existing directory that is private to the engine's user and writable, or creatable under
-    a writable directory.
-
-    Raises:
-        ValueError: what is wrong, naming the path.
-    """
-    if not value:
-        raise ValueError("must not be empty")
-    value = os.path.expanduser(value)
-    if value.startswith("~"):
-        raise ValueError(f"{value}: no such user's home directory to expand '~' to")
-    path = Path(value)
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        parent = path.absolute().parent
-        while not os.path.lexists(parent):
-            parent = parent.parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"{path} cannot be created: {parent} is not a writable directory") from None
-        return value
-    except OSError as exc:
-        raise ValueError(f"{path} cannot be used: {exc.strerror}") from None
-    if not stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"{path} is not a directory")
-    try:
-        dirs.check_root(info, path)
-    except PermissionError as exc:
-        raise ValueError(exc.strerror) from None
-    return value
-
-
-RootDir = Annotated[str, AfterValidator(check_root_dir)]
 
 
 SEGMENT_BLOCKS_UNDER = 1 << 20
@@ -141,40 +103,6 @@ class Layout(Protocol):
     def close(self) -> None: ...
 
 
-class FileOptions(BaseModel):
-    """Config keys of the ``file`` tier, besides every block-store tier's.
-
-    Attributes:
-        root_dir: the directory holding the tier's files (required; see `check_root_dir`).
-        io_threads: threads of each of the tier's two pools, one for writes and deletes, one
-            for reads (default: the tier's `max_concurrency`; segments are read by at most
-            `segments.SEGMENT_READ_THREADS`).
-        fsync: `fsync` every file before it becomes visible (durable across power loss).
-        direct_io: bypass the page cache with O_DIRECT where the filesystem allows.
-        layout: ``auto`` (default), ``files`` (one file per block; engines may share the
-            directory) or ``segments`` (many blocks per file, one engine's:
-            `tiering.backends.file.segments`). ``auto`` keeps blocks under
-            `SEGMENT_BLOCKS_UNDER` in segments, except where the filesystem cannot punch
-            holes, where the namespace already holds one-file objects (an older cache, or
-            engines sharing the directory) and where another engine holds its segments: there,
-            and for larger blocks, one file per block (the log says which and why).
-        shared: the directory is shared with other engines (a network filesystem, or
-            replicas on one machine): one file per block (``layout: auto`` settles on
-            ``files``; ``segments`` is refused), so that engines find each other's blocks
-            by name (with ``probe_misses``), and the tier's KV events call its blocks
-            `REMOTE`, not `LOCAL` (`tiering.tiers.events`).
-    """
-
-    model_config = STRICT
-
-    root_dir: RootDir
-    io_threads: Count | None = None
-    fsync: bool = False
-    direct_io: bool = True
-    layout: Literal["auto", "files", "segments"] = "auto"
-    shared: bool = False
-
-
 class FileBlockStore(BlockStore):
     """Objects as files under ``root_dir/<fingerprint>``. Tier type ``file``.
 
@@ -201,7 +129,9 @@ class FileBlockStore(BlockStore):
     header_align = objects.ALIGN
 
     @classmethod
-    def preflight(cls, options: BaseModel, settings: BlockStoreSettings, connect: bool) -> list[str]:
+    def preflight(
+        cls, options: BaseModel, settings: BlockStoreSettings, connect: bool, notes: list[str] | None = None
+    ) -> list[str]:
         """Create and remove a file where `root_dir` is, or would be created (its nearest
         existing parent): a path that passes every permission check, under ``/proc`` or
         ``/sys`` or on a read-only mount, fails here rather than at start. `connect` adds
@@ -277,6 +207,8 @@ class FileBlockStore(BlockStore):
         self.layout = layout
         self._layout: Layout | None = None  # from `open` to `close`
         self._segments_made = False  # `open` made the segments directory
+        self._tidy = True  # `recover` removes what is not a whole object of ours (`for_records`: not)
+        self._listing: asyncio.Event | None = None  # the segments' mapping in `recover`, set once it ended
 
     def __repr__(self) -> str:
         return f"FileBlockStore({str(self.directory)!r})"
@@ -325,6 +257,8 @@ class FileBlockStore(BlockStore):
             if log is None:
                 await self._run(ns.make_shards)
             self._layout = log or objects.OneFilePerBlock(ns, self.directory, *args)
+            if isinstance(self._layout, objects.OneFilePerBlock):
+                self._layout.tidy = self._tidy
             if log is None and not self.direct_io:
                 self.calls_at_once = CALLS_PER_CPU * len(os.sched_getaffinity(0))
             self.layout = self._layout.name
@@ -376,9 +310,11 @@ class FileBlockStore(BlockStore):
     def for_records(self) -> FileBlockStore:
         """Itself, one file per object and buffered: records are few and small, every engine
         of an identity opens them (segments are one engine's), and opening them writes no
-        O_DIRECT probe (a listing opens them: it writes nothing)."""
+        O_DIRECT probe; its `recover` removes nothing (a listing opens records and lists
+        leases: it writes nothing; every record is written whole, by a rename)."""
         self.layout = "files"
         self.direct_io = False
+        self._tidy = False
         return self
 
     async def undo_open(self) -> None:
@@ -434,4 +370,19 @@ class FileBlockStore(BlockStore):
         await self._run(self._open_layout.delete_many, list(keys))
 
     async def recover(self) -> list[tuple[OffloadKey, int]]:
-        return await self._run(self._open_layout.recover)
+        """What the namespace holds (see `BlockStore.recover`). The segment layout maps its
+        segments here, which every other call needs first: they wait in `ready` meanwhile."""
+        layout = self._open_layout
+        listing = self._listing = asyncio.Event() if isinstance(layout, segments.SegmentLog) else None
+        try:
+            return await self._run(layout.recover)
+        finally:
+            if listing is not None:
+                listing.set()
+
+    async def ready(self) -> None:
+        """While `recover` maps the segments (a million entries take seconds), until it
+        ends: the calls that need the map wait here, outside their timeout, instead of in a
+        pool thread within it."""
+        if self._listing is not None:
+            await self._listing.wait()

@@ -47,7 +47,7 @@ from tiering.backends.valkey.client import (
 )
 from tiering.contract.keys import OffloadKey
 from tiering.contract.mediums import REMOTE
-from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError
+from tiering.errors import CorruptObjectError, ObjectNotFoundError, UnusableObjectError, describe
 from tiering.tiers.blockstore import BlockStore, BlockStoreSettings
 from tiering.tiers.blockstore.store import RecoveryProgress
 from tiering.tiers.object_format import (
@@ -62,6 +62,7 @@ from tiering.tiers.object_format import (
 _DELETE_BATCH = 512  # keys per DEL (glide splits a cluster's batch by slot)
 _SCAN_COUNT = 1000  # keys per SCAN step when recovering
 _SIZE_CONCURRENCY = 64  # STRLEN requests in flight when recovering
+EVICTS_WITHOUT_EXPIRY = ("allkeys-lru", "allkeys-lfu", "allkeys-random")  # maxmemory-policy values
 
 
 def _per_key(exc: Exception) -> Exception:
@@ -422,3 +423,24 @@ class ValkeyBlockStore(BlockStore):
     async def ping(self) -> None:
         self.check_open()
         await self._client.ping()
+
+    async def caveats(self) -> list[str]:
+        """A ``maxmemory-policy`` that evicts keys without an expiry (`EVICTS_WITHOUT_EXPIRY`),
+        which the identity's records and the engines' leases are (`for_records`): the server
+        may evict them with the blocks (a record is written again at the next start, a lease
+        at its next renewal; meanwhile a listing misses them, never a block's bytes); or a
+        policy that cannot be read (``CONFIG`` renamed or refused, as managed services do)."""
+        fix = "set ttl_s on the tier and a volatile-lru or volatile-lfu policy: only blocks are then evicted"
+        where = ", ".join(f"{host}:{port}" for host, port in self._connection.addresses)
+        try:
+            answer = await self._client.custom_command(["CONFIG", "GET", "maxmemory-policy"])
+        except Exception as exc:
+            return [f"{where}: its maxmemory-policy cannot be read ({describe(exc)}); {fix}"]
+        pairs = next(iter(answer.items())) if isinstance(answer, dict) else answer
+        policy = pairs[1].decode() if isinstance(pairs[1], bytes) else str(pairs[1])
+        if policy not in EVICTS_WITHOUT_EXPIRY:
+            return []
+        return [
+            f"{where}: maxmemory-policy {policy} evicts keys without an expiry, the identity's "
+            f"records and the engines' leases among them (labels: written again at the next start and renewal); {fix}"
+        ]

@@ -39,6 +39,7 @@ from tiering.errors import describe_bind_error
 from tiering.spec import block_tokens
 from tiering.stats import Every
 from tiering.tiers.blockstore.generations import record_namespace
+from tiering.tiers.blockstore.leases import lease_namespace
 
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
@@ -173,9 +174,10 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
             if not args.warm_start:
                 for tier in engine.manager.secondary_tiers:
                     if isinstance(tier, BlockStoreTier) and isinstance(tier.store, FileBlockStore):
-                        records = record_namespace(engine.spec.layout_fingerprint).hex()  # the run's manifest
-                        for directory in (tier.store.directory, tier.store.directory.with_name(records)):
-                            claim.claim(directory)
+                        identity = engine.spec.layout_fingerprint  # the run's manifest and lease go with it
+                        for name in (record_namespace(identity).hex(), lease_namespace(identity).hex()):
+                            claim.claim(tier.store.directory.with_name(name))
+                        claim.claim(tier.store.directory)
             else:  # a warm start measures what earlier runs left, not how soon the tiers list it
                 for tier in engine.manager.secondary_tiers:
                     if isinstance(tier, BlockStoreTier):

@@ -48,6 +48,7 @@ import anyio
 from tiering.contract.identity import CHECKPOINT, MAX_WEIGHT_VERSION_CHARS, NAMESPACE_BYTES, namespace
 from tiering.contract.keys import OffloadKey
 from tiering.errors import CorruptObjectError, ObjectNotFoundError, describe, is_no_space
+from tiering.tiers.blockstore.leases import Lease, lease_namespace
 from tiering.tiers.blockstore.store import BlockStore
 from tiering.tiers.object_format import ObjectHeader, open_payload
 
@@ -96,6 +97,7 @@ class Records:
         self.rewritten = 0  # records found unreadable, foreign or under an older key, and written again
         self._manifest = None if manifest is None else {"identity": identity_digest.hex(), **manifest}
         self._store: BlockStore | None = None  # the records' store, open from `open` to `close`
+        self.lease: Lease | None = None  # this engine's lease on the namespaces it uses, from `open` to `close`
 
     def store(self) -> BlockStore:
         """An unopened store of the namespace of the weights in force."""
@@ -121,6 +123,8 @@ class Records:
                 "not shared until restart or a declared version (reset_cache(weight_version=...))",
                 self.identity_digest.hex(),
             )
+        if self.lease is not None:  # before it is opened: a prune never removes it from under the engine
+            await self.lease.hold(namespace(self.identity_digest, self.weights), self.describe_weights())
         while True:
             try:
                 with anyio.fail_after(timeout_s):
@@ -150,6 +154,8 @@ class Records:
             if self._manifest is not None:
                 await self._label(store)
             await self._list_version()
+            self.lease = Lease(self._make_store(lease_namespace(self.identity_digest), False).for_records())
+            await self.lease.open(namespace(self.identity_digest, self.weights), self.describe_weights())
             manifest = json.dumps(self._manifest, sort_keys=True) if self._manifest is not None else "none given"
             logger.info(
                 "%r: %s of identity %s; manifest %s",
@@ -214,6 +220,9 @@ class Records:
         store, self._store = self._store, None
         if store is None:
             return
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await lease.close()
         if not self.created or self.switched:
             await store.close()
             return
@@ -230,6 +239,9 @@ class Records:
                 await self.remove()
             elif (store := self._store) is not None:
                 self._store = None
+                lease, self.lease = self.lease, None
+                if lease is not None:
+                    await lease.close()
                 await store.close()
         except Exception as exc:
             logger.warning("could not close the records of identity %s: %s", self.identity_digest.hex(), describe(exc))
@@ -394,6 +406,8 @@ class CurrentStore:
         old, self.store = self.store, await open_next()
         switched.set()
         await retire(old, old_tasks, remove=own)
+        if self.records.lease is not None:
+            await self.records.lease.release(old.fingerprint)
 
 
 async def retire(old: BlockStore, tasks: set[asyncio.Task[Any]], remove: bool) -> None:

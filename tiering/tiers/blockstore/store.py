@@ -163,14 +163,17 @@ class BlockStore(ABC):
         """
 
     @classmethod
-    def preflight(cls, options: BaseModel, settings: BlockStoreSettings, connect: bool) -> list[str]:
+    def preflight(
+        cls, options: BaseModel, settings: BlockStoreSettings, connect: bool, notes: list[str] | None = None
+    ) -> list[str]:
         """What would keep a tier of this store from starting, found by ``tiering-config
         check`` before the engine is built: one line per problem (empty: none found). Without
         `connect`, only what is cheap and local (a store overrides it: the file store creates
         and removes a file where its objects go, the S3 store resolves its credentials); with
         `connect`, the store is also opened, pinged and closed as the engine would, within
         ``open_timeout_s`` (a store that creates what it lacks, an S3 bucket with
-        ``create_bucket``, creates it). Never raises."""
+        ``create_bucket``, creates it), and its `caveats` are added to `notes` (where given).
+        Never raises."""
         if not connect:
             return []
         store = cls.from_config(bytes(16), options, settings)
@@ -179,6 +182,8 @@ class BlockStore(ABC):
             await store.open()
             try:
                 await store.ping()
+                if notes is not None:
+                    notes.extend(await store.caveats())
             finally:
                 await store.close()
 
@@ -188,6 +193,13 @@ class BlockStore(ABC):
             return [f"no answer in {settings.open_timeout_s} s (open_timeout_s)"]
         except Exception as exc:
             return [f"cannot be reached: {describe(exc)}"]
+        return []
+
+    async def caveats(self) -> list[str]:
+        """What the open store's server is set to that lets it drop what the engine keeps
+        without an expiry (records, leases) on its own, one line each, for ``tiering-config
+        check --connect`` to print (a warning, not a problem: the engine starts). Default:
+        none. Never raises."""
         return []
 
     @classmethod
@@ -308,6 +320,13 @@ class BlockStore(ABC):
         not open (sealed by a key dropped from ``integrity``, or planted) are left out and
         deleted (nothing else would give their space back).
         """
+
+    async def ready(self) -> None:
+        """Return once a call made now would not wait for the store's own start-up work (the
+        file store's segment layout maps its segments in `recover` before any other call can
+        run): the tier awaits it before a call's ``op_timeout_s`` starts, so that a long
+        listing is never taken for a hung call. Default: at once."""
+        return None
 
     def for_records(self) -> BlockStore:
         """The store that keeps this one's records (`tiering.tiers.blockstore.generations`):
