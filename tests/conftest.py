@@ -1,6 +1,5 @@
 import subprocess
 import threading
-import uuid
 
 import pytest
 
@@ -64,7 +63,7 @@ def s3_server(s3_environment):
 @pytest.fixture
 def s3_bucket(s3_server) -> str:
     """A fresh, empty bucket for one test."""
-    name = f"test-{uuid.uuid4().hex[:16]}"
+    name = helpers.region_name()
     s3_server.create_bucket(name)
     return name
 
@@ -91,7 +90,7 @@ def valkey_cluster():
 @pytest.fixture
 def key_prefix() -> str:
     """A key prefix no other test uses, so tests sharing a server never see each other's keys."""
-    return f"test-{uuid.uuid4().hex[:12]}"
+    return helpers.region_name()
 
 
 @pytest.fixture

@@ -25,19 +25,35 @@ from tiering import (
     make_offload_key,
 )
 
+RUN = uuid.uuid4().hex[:8]
+"""This test run's mark in the names of the regions its tests make (`region_name`)."""
+
+
+def region_name() -> str:
+    """A fresh region (engine instance) name of this test run: ``test-<RUN>-<12 hex>``."""
+    return f"test-{RUN}-{uuid.uuid4().hex[:12]}"
+
 
 def engine_regions() -> set[Path]:
     """The engine regions in /dev/shm now, any engine's."""
     return set(Path("/dev/shm").glob("tiering-*"))
 
 
-def regions_left_behind(before: set[Path]) -> list[Path]:
+def regions_left_behind(before: set[Path], anyone: bool = False) -> list[Path]:
     """Regions that appeared since `before` and are ours: mapped by this process, or held by
-    no process at all (released without being removed). A live engine elsewhere on the
-    machine holds its region's lock, so its regions are not counted."""
+    no process at all (released without being removed) and named by this run (`region_name`,
+    or a benchmark engine of this process, ``bench-<pid>``; `anyone`: whoever named it, for a
+    stage whose engines vLLM names). A live engine elsewhere on the machine holds its region's
+    lock, and another test run's abandoned regions bear another mark: neither is counted."""
     with open("/proc/self/maps") as maps:
         mapped = maps.read()
-    return sorted(path for path in engine_regions() - before if str(path) in mapped or _abandoned(path))
+
+    def ours(path: Path) -> bool:
+        return anyone or f"-{RUN}-" in path.name or path.name.endswith(f"-{os.getpid()}.kv")
+
+    return sorted(
+        path for path in engine_regions() - before if str(path) in mapped or (ours(path) and _abandoned(path))
+    )
 
 
 def _abandoned(path: Path) -> bool:
@@ -202,7 +218,7 @@ class Engine:
         events=False,
         recovered=True,
     ):
-        region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", num_blocks, ROW)  # page-aligned rows
+        region = SharedOffloadRegion(region_name(), num_blocks, ROW)  # page-aligned rows
         self.primary = CPUPrimaryTierOffloadingManager(num_blocks, region, tenants=tenants, enable_events=events)
         self.rows = np.asarray(self.primary.get_kv_memoryview())
         try:

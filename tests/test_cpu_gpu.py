@@ -2,13 +2,13 @@
 
 import ctypes
 import multiprocessing
-import uuid
 
 import numpy as np
 import pytest
 import torch
 
 from tests import region_worker
+from tests.helpers import region_name
 from tiering import (
     CpuGpuOffloadingHandlers,
     CPULoadStoreSpec,
@@ -38,7 +38,7 @@ class Worker:
         self.pages = [entry.tensor for entry in self.caches.tensors]
         self.factor = factor
         slot = sum(factor * pages.shape[1] for pages in self.pages)
-        instance = f"test-{uuid.uuid4().hex[:12]}"
+        instance = region_name()
         self.scheduler_region = SharedOffloadRegion(instance, NUM_CPU_BLOCKS, slot)
         self.region = SharedOffloadRegion(instance, NUM_CPU_BLOCKS, slot, rank=0)
         self.handlers = CpuGpuOffloadingHandlers(
@@ -283,7 +283,7 @@ def test_without_a_region_the_handlers_use_a_private_buffer():
 
 def test_two_ranks_fill_their_slots_of_the_same_rows_from_two_processes():
     spawn = multiprocessing.get_context("spawn")
-    instance, blocks, page_shape = f"test-{uuid.uuid4().hex[:12]}", 3, (2, 50)
+    instance, blocks, page_shape = region_name(), 3, (2, 50)
     page = 2 * 50
     scheduler = SharedOffloadRegion(instance, blocks, page, num_workers=2)
     barrier = spawn.Barrier(3)

@@ -5,10 +5,13 @@ loaded, deleted space given back, one engine per namespace, a full disk)."""
 import errno
 import logging
 import os
+import threading
+import time
 
+import numpy as np
 import pytest
 
-from tests.helpers import key
+from tests.helpers import CTX, ROW, block_bytes, key, keys
 from tiering import CorruptObjectError, ObjectNotFoundError
 from tiering.backends import FileBlockStore
 from tiering.backends.file import segment_fds as file_segment_fds
@@ -481,3 +484,35 @@ async def test_a_segment_left_sparse_is_compacted_so_one_long_lived_block_does_n
         assert into == payload(BLOCK, seed=1)
     finally:
         await store.close()
+
+
+def test_calls_made_while_the_segments_are_mapped_wait_for_it_and_are_never_hung(tmp_path, engine_factory, monkeypatch):
+    """Every store, load and delete waited for the whole mapping inside its call's timeout: a
+    listing longer than op_timeout_s (1M entries took 12.75 s) failed the first stores after a
+    restart as hung and opened the breaker on a healthy disk."""
+    config = {"type": "file", "root_dir": str(tmp_path), "layout": "segments", "op_timeout_s": 0.2}
+    config |= {"failure_threshold": 1}
+    first = engine_factory(config)
+    first.store(0, 1)
+    first.close()
+    mapping, mapped = threading.Event(), threading.Event()
+    real = file_segments.recover
+
+    def slow(*args):
+        mapping.set()
+        assert mapped.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(file_segments, "recover", slow)
+    engine = engine_factory(config, recovered=False)
+    assert mapping.wait(60)
+    out = engine.manager.prepare_store(keys(2, 3), CTX)
+    for k, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+        engine.rows[row] = np.frombuffer(block_bytes(k, ROW), dtype=engine.rows.dtype)
+    engine.manager.complete_store(out.keys_to_store, CTX)
+    engine.manager.on_schedule_end()  # the cascade's store call waits for the mapping
+    time.sleep(5 * 0.2)  # five of its timeouts
+    mapped.set()
+    engine.settle()
+    assert engine.tier.health.healthy and sum(engine.tier.failures.values()) == 0
+    assert engine.lookup_until_done(0, 1, 2, 3) == [True] * 4

@@ -4,14 +4,13 @@ thread writes ever reaches a row that is loadable or reused."""
 import subprocess
 import sys
 import threading
-import uuid
 
 import anyio
 import anyio.to_thread
 import numpy as np
 import pytest
 
-from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys, one_drain
+from tests.helpers import CTX, ROW, RegionStandIn, block_bytes, key, keys, one_drain, region_name
 from tiering import (
     BlockStoreSettings,
     BlockStoreTier,
@@ -71,7 +70,7 @@ def stuck_engine():
     made = []
 
     def make(stuck: str, **settings):
-        region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", 4, ROW)
+        region = SharedOffloadRegion(region_name(), 4, ROW)
         primary = CPUPrimaryTierOffloadingManager(4, region)
         stores = []
 
@@ -295,7 +294,7 @@ class MiscountingStore(MemoryBlockStore):
 
 
 def test_a_job_that_breaks_while_running_or_starting_fails_once_and_the_tier_goes_on(monkeypatch):
-    region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", 8, ROW)
+    region = SharedOffloadRegion(region_name(), 8, ROW)
     primary = CPUPrimaryTierOffloadingManager(8, region)
     tier = BlockStoreTier(None, primary.get_kv_memoryview(), "buggy", store_factory=MiscountingStore)
     manager = TieringOffloadingManager(primary, [tier])
@@ -384,6 +383,9 @@ async def test_deletes_queued_behind_a_call_share_the_next_call():
     deletes, gate, calls = Deletes(StoreCalls(30.0, Outbox())), asyncio.Event(), []
 
     class SlowStore:
+        async def ready(self):  # `BlockStore.ready`: nothing to wait for
+            return None
+
         async def delete_many(self, keys):
             calls.append(list(keys))
             await gate.wait()

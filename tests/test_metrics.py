@@ -1,11 +1,10 @@
 """The Prometheus exporter serves the expected metrics on 127.0.0.1."""
 
 import urllib.request
-import uuid
 
 import pytest
 
-from tests.helpers import CTX, keys
+from tests.helpers import CTX, keys, region_name
 from tiering import KVLayout, TieringOffloadingSpec, parse_config
 from tiering.engine.metrics import PrometheusExporter
 
@@ -49,7 +48,7 @@ def test_a_config_with_metrics_starts_and_stops_the_exporter():
     config = parse_config(
         "cpu_bytes_to_use: 64KiB\nmetrics: {port: 0, interval_s: 0.01}\nsecondary_tiers: [{type: memory}]"
     )
-    spec = TieringOffloadingSpec(config, KVLayout("tiny", 2, 64, 4), f"test-{uuid.uuid4().hex[:12]}")
+    spec = TieringOffloadingSpec(config, KVLayout("tiny", 2, 64, 4), region_name())
     manager = spec.get_manager()
     try:
         port = spec.exporter.port
@@ -80,7 +79,7 @@ def test_the_docs_list_exactly_the_metrics_served_with_their_help_texts():
     config = parse_config(
         "cpu_bytes_to_use: 64KiB\nmetrics: {port: 0}\nsecondary_tiers: [{type: memory, failure_threshold: 1}]"
     )
-    spec = TieringOffloadingSpec(config, KVLayout("tiny", 2, 64, 4), f"test-{uuid.uuid4().hex[:12]}")
+    spec = TieringOffloadingSpec(config, KVLayout("tiny", 2, 64, 4), region_name())
     try:
         manager = spec.get_manager()
         manager.prepare_store(keys(0), CTX)  # a failure counter needs a failure: none here

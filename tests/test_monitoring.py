@@ -3,12 +3,11 @@ serves, and are well-formed."""
 
 import json
 import re
-import uuid
 from pathlib import Path
 
 import yaml
 
-from tests.helpers import keys
+from tests.helpers import keys, region_name
 from tiering import KVLayout, ReqContext, TieringOffloadingSpec, parse_config
 
 MONITORING = Path(__file__).resolve().parents[1] / "monitoring"
@@ -23,7 +22,7 @@ def served_names() -> set[str]:
         "cpu_bytes_to_use: 64KiB\nmetrics: {port: 0, interval_s: 0.001}\ntenants: {}\n"
         "secondary_tiers: [{type: memory, capacity_bytes: 1MiB}]"
     )
-    spec = TieringOffloadingSpec(config, KVLayout("tiny", 2, 64, 4), f"test-{uuid.uuid4().hex[:12]}")
+    spec = TieringOffloadingSpec(config, KVLayout("tiny", 2, 64, 4), region_name())
     try:
         manager = spec.get_manager()
         context = ReqContext("r")

@@ -4,13 +4,12 @@ never loaded. Real engine, real block-store tiers, real handlers on the CPU devi
 
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers import ManualTier, key, keys
+from tests.helpers import ManualTier, key, keys, region_name
 from tiering import (
     CpuGpuOffloadingHandlers,
     CPULoadStoreSpec,
@@ -35,7 +34,7 @@ class Engine:
     pages in host memory) sharing one region."""
 
     def __init__(self, tier_config):
-        instance = f"test-{uuid.uuid4().hex[:12]}"
+        instance = region_name()
         self.region = SharedOffloadRegion(instance, NUM_ROWS, PAGE)
         self.worker_region = SharedOffloadRegion(instance, NUM_ROWS, PAGE, rank=0)
         primary = CPUPrimaryTierOffloadingManager(NUM_ROWS, self.region)
@@ -282,7 +281,7 @@ def test_a_tier_whose_row_states_hook_raises_is_logged_and_its_hits_wait_for_the
 
     tier = Broken()
     tier.present[key(0)] = True
-    region = SharedOffloadRegion(f"test-{uuid.uuid4().hex[:12]}", NUM_ROWS, PAGE)
+    region = SharedOffloadRegion(region_name(), NUM_ROWS, PAGE)
     with caplog.at_level("ERROR"):
         manager = TieringOffloadingManager(CPUPrimaryTierOffloadingManager(NUM_ROWS, region), [tier])
     try:

@@ -112,6 +112,18 @@ def test_lookups_answer_while_the_tier_recovers_and_recovered_blocks_are_the_old
         tier.shutdown()
 
 
+def test_a_tier_that_lists_within_its_start_wait_is_warm_at_the_first_lookup(engine_factory, tmp_path):
+    """A restarted engine that served at once (an offline LLM, a replica joining under load)
+    missed every block its file tier held: what the listing found was indexed only as the
+    tier was polled, steps later."""
+    first = engine_factory(file_tier(tmp_path))
+    first.store(0, 1, 2)
+    first.close()
+    engine = engine_factory(file_tier(tmp_path), recovered=False)  # no step, no wait of its own
+    assert [engine.tier.lookup(k, CTX) for k in keys(0, 1, 2, 3)] == [True, True, True, False]
+    assert engine.tier.get_stats()["gauges"]["recovering"] is False
+
+
 def test_what_was_found_is_indexed_a_slice_per_poll_the_newest_first(monkeypatch):
     monkeypatch.setattr(recovery, "SLICE_BLOCKS", 3)
     tier = BlockStoreTier(None, RegionStandIn(8, ROW).create_kv_memoryview(), "slow", SlowListing)

@@ -2,7 +2,6 @@ import logging
 import multiprocessing
 import os
 import stat
-import uuid
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ SPAWN = multiprocessing.get_context("spawn")
 
 @pytest.fixture
 def instance_id():
-    instance = f"test-{uuid.uuid4().hex[:12]}"
+    instance = helpers.region_name()
     yield instance
     leftovers = [name for name in os.listdir("/dev/shm") if instance in name]
     assert leftovers == [], f"files left in /dev/shm: {leftovers}"

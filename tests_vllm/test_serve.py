@@ -108,7 +108,7 @@ def test_a_server_stopped_by_sigint_mid_load_leaves_nothing_and_showed_the_engin
     output = server.output()
     assert re.search(r"\(EngineCore.*INFO .*engine ready: 128 CPU blocks", output), output[-3000:]
     assert "KV Transfer metrics" in output and "vllm:kv_tiering_blocks_stored" in output
-    assert regions_left_behind(before) == []
+    assert regions_left_behind(before, anyone=True) == []  # vLLM names its engines; the stage runs alone
     assert not all(results)  # it was stopped mid-load
 
 
@@ -120,7 +120,7 @@ def test_a_server_whose_every_process_is_killed_leaves_no_shared_memory(model, t
         assert quarter.wait(120)
     finally:
         server.stop(signal.SIGKILL, group=True)
-    assert regions_left_behind(before) == []
+    assert regions_left_behind(before, anyone=True) == []  # vLLM names its engines; the stage runs alone
 
 
 def test_retention_and_release_hints_in_the_request_body_reach_the_engine(model, tmp_path):

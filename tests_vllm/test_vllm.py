@@ -518,7 +518,7 @@ def test_a_process_leaves_no_shared_memory_temp_files_or_stuck_exit(model, basel
     expected = list(baseline[tuple(PROMPT)][:2])
     assert first[:2] == expected and second[:2] == expected
     assert first[2] == 0 and second[2] == FULL_BLOCKS
-    assert regions_left_behind(regions_before) == []
+    assert regions_left_behind(regions_before, anyone=True) == []  # vLLM names its engines
     files = [path for path in (tmp_path / "kv").rglob("*") if path.is_file()]
     assert len(tiny.object_pages(tmp_path / "kv")) == FULL_BLOCKS // tiny.BLOCK
     assert not any(path.name.endswith(".tmp") for path in files)
@@ -555,7 +555,7 @@ def test_every_process_killed_with_sigkill_leaves_no_shared_memory(model, tmp_pa
         os.killpg(process.pid, signal.SIGKILL)  # the script and vLLM's engine-core process
         process.wait(60)
         process.stdout.close()
-    assert regions_left_behind(regions_before) == []
+    assert regions_left_behind(regions_before, anyone=True) == []  # vLLM names its engines
 
 
 TRACE = Path(__file__).resolve().parents[1] / "traces" / "conversation_trace.jsonl.gz"  # shipped with the repository

@@ -46,6 +46,7 @@ class Deletes:
                     group = [(keys, done) for each, keys, done in batch if each is store]
                     merged = list(dict.fromkeys(key for keys, _ in group for key in keys))
                     self.calls += 1
+                    await store.ready()  # not within the call's timeout: a listing at start is not a hung call
                     outcome = await self._calls.call((), self._lane, store.delete_many, merged)
                     for _, done in group:
                         if not done.done():

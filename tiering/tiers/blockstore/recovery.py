@@ -1,10 +1,12 @@
 """A block-store tier's recovery of what its store holds, while the tier serves.
 
-A tier opens its store and serves at once; the listing of what the store holds
-(`BlockStore.recover`: a file tier's scan, an S3 listing) runs on the loop as a job of its own.
-Until it ends, a lookup of a block not known yet answers False (a miss: the request computes
+A tier opens its store and starts listing what it holds (`BlockStore.recover`: a file tier's
+scan, an S3 listing) on the loop, as a job of its own; a listing that ends within
+`START_WAIT_S` is indexed whole before the tier is built, a longer one goes on while the tier
+serves. Until it ends, a lookup of a block not known yet answers False (a miss: the request computes
 it), never waiting for the listing; stores go on (a store whose own state comes from the
-listing, the file tier's segments, makes its writes wait for it in its own threads). The
+listing, the file tier's segments, makes its calls wait for it, outside their timeout:
+`BlockStore.ready`). The
 blocks found are then indexed, `SLICE_BLOCKS` per call of `get_finished` (no step stalls on a
 million of them), the newest first, each older than every block stored or found since the
 start, in the order the store recorded (a file's last write, a segment's append order, an S3
@@ -29,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 SLICE_BLOCKS = 4096
 """Recovered blocks indexed per `get_finished` (about 5 ms of the scheduler thread)."""
+START_WAIT_S = 1.0
+"""Seconds a tier's construction waits for the listing: one that ends within it is indexed
+whole before the first lookup (a small tier is warm at its first request, as an engine that
+serves at once needs); a longer one goes on while the tier serves."""
 
 
 class Recovery:

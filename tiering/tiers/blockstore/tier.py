@@ -41,7 +41,7 @@ from tiering.tiers.blockstore.health import TierHealth
 from tiering.tiers.blockstore.index import BlockIndex
 from tiering.tiers.blockstore.opening import new_index, open_worker, store_maker
 from tiering.tiers.blockstore.outbox import LoadDone, Outbox, Outcome, StoreDone
-from tiering.tiers.blockstore.recovery import Recovery
+from tiering.tiers.blockstore.recovery import START_WAIT_S, Recovery
 from tiering.tiers.blockstore.settings import BlockStoreSettings
 from tiering.tiers.blockstore.store import BlockStore
 from tiering.tiers.blockstore.worker import BlockWorker
@@ -143,8 +143,9 @@ class BlockStoreTier(SecondaryTierManager):
         self._runtime.submit(partial(self._worker.start_switch, open_next))  # at the step's end
 
     def _open(self) -> None:
-        """Open the store (`open_worker`; on failure the tier is closed) and start listing
-        what it holds (`tiering.tiers.blockstore.recovery`).
+        """Open the store (`open_worker`; on failure the tier is closed) and list what it
+        holds (`tiering.tiers.blockstore.recovery`: indexed here if it lists within
+        `START_WAIT_S`, else while the tier serves).
 
         Raises:
             OSError, TimeoutError, TieringError: as `__init__`.
@@ -156,7 +157,7 @@ class BlockStoreTier(SecondaryTierManager):
             raise
         self._recovery = Recovery(self.name, lambda keys: self._evicted.update(dict.fromkeys(keys)))
         self._submit(self._worker.start_recover, self._recovery.done, self.settings.open_timeout_s)
-        self._runtime.flush()
+        self.wait_recovered(START_WAIT_S)  # a small tier is warm at its first lookup; a large one lists on
 
     def wait_recovered(self, timeout_s: float | None = None) -> bool:
         """Block until every block the store held is indexed (or `timeout_s` seconds pass;

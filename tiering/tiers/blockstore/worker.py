@@ -351,6 +351,7 @@ class BlockWorker:
                 task_group.start_soon(run_when_its_turn_comes, batch)
 
     async def _store_batch(self, store: BlockStore, batch: Sequence[Block]) -> None:
+        await store.ready()  # a listing at start is not a hung call: waited for before the call's timeout
         outcomes = await self._io(self._store_lane, store.put_many, batch)
         for (done, key, _), error in zip(batch, outcomes, strict=True):
             assert isinstance(done, StoreDone)
@@ -363,6 +364,7 @@ class BlockWorker:
                 done.failed("store", error)
 
     async def _load_batch(self, store: BlockStore, batch: Sequence[Block]) -> None:
+        await store.ready()
         outcomes = await self._io(self._load_lane, store.get_many, batch)
         errors: list[Exception | None] = [None if isinstance(o, ObjectHeader) else o for o in outcomes]
         verified = store.verifies_payloads
