@@ -16,10 +16,11 @@ triggered by an earlier section's garbage would otherwise land in a later one.
 A second table gives the cost of an eviction while a fifth of the tier is retained by a
 client's hint (``{"retain": "7d"}``, the cap's share, stored first so that it sinks to the
 cold end) against the same without hints: per evicting store of one request of ``--batch``
-blocks in a CPU tier (LRU) of 20,000 and 131,072 rows, and per evicted block in a secondary
-tier's index of 100,000 and 1,000,000 blocks. Each run evicts the rest of the tier once (a
-retained block is passed over once per such pass, `tiering.eviction.retention`), so the
-figure is the mean of a whole pass; ``--eviction-repeats`` interleaved runs, the best kept.
+blocks in a CPU tier (LRU) of 200,000 and 1,000,000 rows, and per evicted block in a
+secondary tier's index of 100,000 and 1,000,000 blocks. Each run evicts the rest of the tier
+once; the table gives the mean of that pass and its worst single call (a CPU tier keeps
+retained blocks out of its eviction order; a tier index passes over each retained block once
+per pass, `tiering.eviction.retention`); ``--eviction-repeats`` interleaved runs, the best kept.
 
 A third table gives what KV events cost the scheduler thread per block stored (events off
 and on, interleaved): a request's store through the manager (the CPU tier's events, taken
@@ -33,7 +34,7 @@ meanwhile), against a bare `AsyncRuntime.submit` and against one
 `asyncio.run_coroutine_threadsafe` per job to a loop thread.
 
     python -m tiering.benchmarks.scheduler_cost --blocks 20000 [--policy arc-s] [--hints retain:1h]
-        [--eviction-repeats 2]
+        [--eviction-repeats 2] [--eviction-scale 1]
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ CTX = ReqContext("bench")
 RETAINED_FRACTION = 0.2
 """The share of a tier a client's hints may hold (the default ``retention_max_fraction``),
 and hold in the eviction rows."""
-EVICTION_SIZES = (("CPU tier", 20_000), ("CPU tier", 131_072), ("tier index", 100_000), ("tier index", 1_000_000))
+EVICTION_SIZES = (("CPU tier", 200_000), ("CPU tier", 1_000_000), ("tier index", 100_000), ("tier index", 1_000_000))
 """The eviction table's rows: where, and how many rows or blocks the tier holds."""
+EVICTION_WORST = ("worst, no hints (us)", "worst, retained (us)", "worst ratio")
 STORE_ROW = "request of a batch: store + complete, per block"
 
 
@@ -177,9 +179,10 @@ def time_baseline(num_blocks: int, batch: int) -> dict[str, float]:
     return results
 
 
-def time_cpu_eviction(num_blocks: int, batch: int, retained: bool) -> float:
+def time_cpu_eviction(num_blocks: int, batch: int, retained: bool) -> tuple[float, float]:
     """Seconds per evicting store (a request of `batch` new blocks, finished) in a full CPU
-    tier of `num_blocks` rows whose coldest fifth a client retained (`retained`) or not."""
+    tier of `num_blocks` rows whose coldest fifth a client retained (`retained`) or not: the
+    mean, and the worst single store."""
     region = SharedOffloadRegion(f"bench-evict-{os.getpid()}", num_blocks, cpu_page_size=64)
     primary = CPUPrimaryTierOffloadingManager(num_blocks, region, retention_max_fraction=RETAINED_FRACTION)
     held = int(RETAINED_FRACTION * num_blocks)
@@ -198,17 +201,21 @@ def time_cpu_eviction(num_blocks: int, batch: int, retained: bool) -> float:
         stores = [
             (_keys(num_blocks + i * batch, batch), ReqContext(f"new{i}")) for i in range((num_blocks - held) // batch)
         ]
-        began = time.perf_counter()
+        worst, clock = 0.0, time.perf_counter
+        began = clock()
         for keys, request in stores:
+            since = clock()
             store(keys, request)
-        return (time.perf_counter() - began) / len(stores)
+            worst = max(worst, clock() - since)
+        return (clock() - began) / len(stores), worst
     finally:
         primary.shutdown()
 
 
-def time_index_eviction(num_blocks: int, retained: bool) -> float:
+def time_index_eviction(num_blocks: int, retained: bool) -> tuple[float, float]:
     """Seconds per evicted block in a full secondary tier's index of `num_blocks` blocks
-    whose coldest fifth a client retained (`retained`) or not."""
+    whose coldest fifth a client retained (`retained`) or not: the mean, and the worst single
+    reservation."""
     held = int(RETAINED_FRACTION * num_blocks)
     index = BlockIndex("bench", num_blocks, max_retained=held)
     evicted: list[OffloadKey] = []
@@ -218,27 +225,32 @@ def time_index_eviction(num_blocks: int, retained: bool) -> float:
     if retained:
         index.retain(_keys(0, held), 7 * 86400.0)
     new = _keys(num_blocks, num_blocks - held)
-    began = time.perf_counter()
+    worst, clock = 0.0, time.perf_counter
+    began = clock()
     for key in new:
+        since = clock()
         index.reserve_all([(key, 0)], lambda _key: 1, evicted)
+        worst = max(worst, clock() - since)
         index.mark_stored(key)
     assert len(evicted) == len(new)
-    return (time.perf_counter() - began) / len(new)
+    return (clock() - began) / len(new), worst
 
 
-def measure_eviction(batch: int, repeats: int) -> dict[tuple[str, int], tuple[float, float]]:
-    """Best (without hints, retained) seconds of each `EVICTION_SIZES` row over `repeats`
-    interleaved runs."""
-    best: dict[tuple[str, int], tuple[float, float]] = {}
+def measure_eviction(batch: int, repeats: int, scale: float = 1.0) -> dict[tuple[str, int], tuple[float, ...]]:
+    """Best seconds of each `EVICTION_SIZES` row (its size times `scale`) over `repeats`
+    interleaved runs: the mean per store (or evicted block) without hints and retained, then
+    the worst single one of each."""
+    best: dict[tuple[str, int], tuple[float, ...]] = {}
+    sizes = [(where, max(10 * batch, round(size * scale))) for where, size in EVICTION_SIZES]
     for _ in range(repeats):
-        for where, size in EVICTION_SIZES:
+        for where, size in sizes:
             with _gc_paused():
                 if where == "CPU tier":
                     plain, held = time_cpu_eviction(size, batch, False), time_cpu_eviction(size, batch, True)
                 else:
                     plain, held = time_index_eviction(size, False), time_index_eviction(size, True)
-            old = best.get((where, size), (float("inf"), float("inf")))
-            best[(where, size)] = (min(old[0], plain), min(old[1], held))
+            old = best.get((where, size), (float("inf"),) * 4)
+            best[(where, size)] = tuple(map(min, old, (plain[0], held[0], plain[1], held[1])))
     return best
 
 
@@ -381,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
         default=2,
         help="interleaved runs of the eviction table, the best kept; 0 skips it (default 2)",
     )
+    scale = "the eviction table's tier sizes times this (default 1: 200,000 and 1,000,000 rows)"
+    parser.add_argument("--eviction-scale", type=float, default=1.0, help=scale)
     args = parser.parse_args(argv)
     results = measure(args.blocks, args.batch, args.repeats, args.policy, args.hints)
     table = Table(
@@ -398,11 +412,15 @@ def main(argv: list[str] | None = None) -> None:
         eviction = Table(
             title=f"Eviction with a fifth of the tier retained (7d hints), best of {args.eviction_repeats}"
         )
-        for column in ("tier", "size", "per", "no hints (us)", "retained (us)", "ratio"):
+        for column in ("tier", "size", "per", "no hints (us)", "retained (us)", "ratio", *EVICTION_WORST):
             eviction.add_column(column, justify="left" if column in ("tier", "per") else "right")
-        for (where, size), (plain, held) in measure_eviction(args.batch, args.eviction_repeats).items():
+        for (where, size), (plain, held, *worst) in measure_eviction(
+            args.batch, args.eviction_repeats, args.eviction_scale
+        ).items():
             per = f"store of {args.batch}" if where == "CPU tier" else "evicted block"
-            eviction.add_row(where, f"{size:,}", per, f"{plain * 1e6:.2f}", f"{held * 1e6:.2f}", f"{held / plain:.2f}x")
+            means = (f"{plain * 1e6:.2f}", f"{held * 1e6:.2f}", f"{held / plain:.2f}x")
+            worsts = (f"{worst[0] * 1e6:.1f}", f"{worst[1] * 1e6:.1f}", f"{worst[1] / worst[0]:.2f}x")
+            eviction.add_row(where, f"{size:,}", per, *means, *worsts)
         Console().print(eviction)
     events = Table(
         title=f"KV events, per block stored, best of {args.repeats}: a request's store through the manager "

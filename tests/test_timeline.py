@@ -6,10 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers import ManualClock, ManualTier, RegionStandIn, engine_regions, key, keys
+from tests.helpers import ManualClock, ManualTier, RegionStandIn, key, keys, region_name
 from tiering import CPUPrimaryTierOffloadingManager, KVLayout, ReqContext, TieringOffloadingManager
 from tiering.config import parse_config
 from tiering.cpu.row_states import RowStates
+from tiering.cpu.shared_region import region_path
 from tiering.engine.timeline import RequestTimeline
 from tiering.errors import ConfigError
 from tiering.spec import TieringOffloadingSpec
@@ -105,10 +106,9 @@ def test_a_log_that_cannot_be_written_switches_itself_off(caplog):
 
 
 def test_a_request_log_that_cannot_be_opened_is_a_config_error_and_leaks_nothing(tmp_path):
-    before = engine_regions()
     config = parse_config(f"cpu_bytes_to_use: 64KiB\nrequest_log: {tmp_path / 'missing' / 'x.jsonl'}")
-    spec = TieringOffloadingSpec(config, KVLayout("t", 1, 64), f"timeline-{tmp_path.name}")
+    spec = TieringOffloadingSpec(config, KVLayout("t", 1, 64), region_name())
     with spec, pytest.raises(ConfigError) as raised:
         spec.get_manager()
     assert "request_log: cannot be opened for appending: No such file or directory" in str(raised.value)
-    assert engine_regions() == before
+    assert not region_path(spec.instance_id).exists()  # (another engine's start may sweep others' meanwhile)

@@ -9,10 +9,10 @@ from tiering.benchmarks import file_recovery, file_tier, loadgen, s3_tier, scale
 
 
 def test_scheduler_cost(capsys):
-    scheduler_cost.main(["--blocks", "64", "--repeats", "1"])
+    scheduler_cost.main(["--blocks", "64", "--repeats", "1", "--eviction-repeats", "1", "--eviction-scale", "0.001"])
     out = capsys.readouterr().out
     rows = ("lookup, primary hit", "on_schedule_end, nothing to do", "block-store tier's store job")
-    for row in (*rows, "AsyncRuntime.submit per job"):
+    for row in (*rows, "Eviction with a fifth", "AsyncRuntime.submit per job"):
         assert row in out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Container, Iterator, Sequence
-from itertools import islice
+from itertools import chain, islice
 
 from tiering.contract.keys import OffloadKey
 from tiering.eviction.base import BlockStatus, CachePolicy, evictable, oldest_evictable, register_cache_policy
@@ -25,7 +25,7 @@ class ARCCachePolicy(CachePolicy):
     stores a key found there (once per request, `on_store_miss`) or touches it adapts the
     target size of T1: towards recency after a B1 hit, towards frequency after a B2 hit.
     Eviction takes T1's least recent idle block while T1 holds at least its target, else
-    T2's, else T1's.
+    T2's, else T1's. Blocks under a retention deadline wait outside both lists (`park`).
 
     All of that is vLLM's own ARC, with one deliberate difference: a block stored again
     while its key is in a ghost list enters T2, as in the paper (it is that key's second
@@ -44,10 +44,15 @@ class ARCCachePolicy(CachePolicy):
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
         self.target_t1_size = 0.0
         self._no_ghost_hits: Sequence[OffloadKey] | None = None  # keys `on_store_miss` found in no ghost list
+        self._parked: dict[OffloadKey, tuple[BlockStatus, bool]] = {}  # retained (`park`): block, from T1
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
         block = self._t1.get(key)
-        return block if block is not None else self._t2.get(key)
+        if block is None:
+            block = self._t2.get(key)
+        if block is None and self._parked and (parked := self._parked.get(key)) is not None:
+            return parked[0]
+        return block
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         if key in self._b1 or key in self._b2:  # its second use
@@ -78,7 +83,11 @@ class ARCCachePolicy(CachePolicy):
 
     def remove(self, key: OffloadKey) -> BlockStatus | None:
         block = self._t1.pop(key, None)
-        return block if block is not None else self._t2.pop(key, None)
+        if block is None:
+            block = self._t2.pop(key, None)
+        if block is None and self._parked and (parked := self._parked.pop(key, None)) is not None:
+            return parked[0]
+        return block
 
     def _adapt_to_ghost_hit(self, key: OffloadKey) -> None:
         b1, b2 = self._b1, self._b2
@@ -130,6 +139,23 @@ class ARCCachePolicy(CachePolicy):
                     t1.move_to_end(key)
                 elif key in t2:
                     t2.move_to_end(key)
+
+    def park(self, key: OffloadKey) -> None:
+        if key in self._t1:
+            self._parked[key] = (self._t1.pop(key), True)
+        elif key in self._t2:
+            self._parked[key] = (self._t2.pop(key), False)
+
+    def unpark(self, key: OffloadKey, recent: bool) -> None:
+        """Back into the list it left, at its most recent end (`recent`) or its least."""
+        parked = self._parked.pop(key, None)
+        if parked is None:
+            return
+        block, in_t1 = parked
+        blocks = self._t1 if in_t1 else self._t2
+        blocks[key] = block
+        if not recent:
+            blocks.move_to_end(key, last=False)
 
     def defer(self, key: OffloadKey) -> None:
         (self._t1 if key in self._t1 else self._t2).move_to_end(key)
@@ -191,7 +217,8 @@ class ARCCachePolicy(CachePolicy):
         return victims
 
     def coldest(self, n: int) -> list[OffloadKey]:
-        return [key for key, _, _ in islice(self._victims((), idle_only=False), n)]
+        victims = (key for key, _, _ in self._victims((), idle_only=False))
+        return list(islice(chain(victims, self._parked), n))
 
     def _scans(
         self, protected: Container[OffloadKey], idle_only: bool
@@ -222,7 +249,8 @@ class ARCCachePolicy(CachePolicy):
             yield (*picked, in_t1)
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        return iter([*self._t1.items(), *self._t2.items()])
+        parked = [(key, block) for key, (block, _) in self._parked.items()]
+        return iter([*self._t1.items(), *self._t2.items(), *parked])
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return len(self._t1) + len(self._t2) + len(self._parked)

@@ -129,6 +129,21 @@ class CachePolicy(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot list eviction candidates")
 
+    def park(self, key: OffloadKey) -> None:
+        """Take resident `key` out of the eviction order while a retention deadline holds it
+        (`tiering.eviction.retention`): `candidates` and `evict` never meet it, so no call
+        pays for the blocks clients retain; it stays resident (`get`, `remove`, `items`,
+        `len`, `coldest` last). The default keeps it in place (correct; eviction walks then
+        step over it, `defer`)."""
+        return
+
+    def unpark(self, key: OffloadKey, recent: bool) -> None:
+        """Put parked `key` back in the eviction order as its deadline ends (lapsed, given up
+        or released): at the most recent end (`recent`: a request used it while parked, or
+        eviction would not have reached it yet) or at the least recent. The default does
+        nothing (`park` kept it in place)."""
+        return
+
     def defer(self, key: OffloadKey) -> None:
         """Move resident `key` to the most recent end of its list without counting a use:
         eviction passed it over for a retention deadline (`tiering.eviction.retention`). The

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Container, Iterator, Sequence
-from itertools import islice
+from itertools import chain, islice
 
 from tiering.contract.keys import OffloadKey
 from tiering.eviction.base import BlockStatus, CachePolicy, oldest_evictable, register_cache_policy
@@ -17,14 +17,17 @@ from tiering.eviction.base import BlockStatus, CachePolicy, oldest_evictable, re
 class LRUCachePolicy(CachePolicy):
     """Least recently used: a block is ranked most recent when its row is reserved, when
     it is touched, and when a request that used it finishes (head last, so a prefix's
-    tail goes before its head)."""
+    tail goes before its head). Blocks under a retention deadline wait outside the order
+    (`park`)."""
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self._blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self._parked: dict[OffloadKey, BlockStatus] = {}  # retained: out of the eviction order (`park`)
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
-        return self._blocks.get(key)
+        block = self._blocks.get(key)
+        return block if block is not None or not self._parked else self._parked.get(key)
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self._blocks[key] = block
@@ -37,7 +40,8 @@ class LRUCachePolicy(CachePolicy):
             ordered[key] = block
 
     def remove(self, key: OffloadKey) -> BlockStatus | None:
-        return self._blocks.pop(key, None)
+        block = self._blocks.pop(key, None)
+        return block if block is not None or not self._parked else self._parked.pop(key, None)
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
         move_to_end = self._blocks.move_to_end
@@ -46,6 +50,18 @@ class LRUCachePolicy(CachePolicy):
                 move_to_end(key)
             except KeyError:
                 pass
+
+    def park(self, key: OffloadKey) -> None:
+        block = self._blocks.pop(key, None)
+        if block is not None:
+            self._parked[key] = block
+
+    def unpark(self, key: OffloadKey, recent: bool) -> None:
+        block = self._parked.pop(key, None)
+        if block is not None:
+            self._blocks[key] = block
+            if not recent:
+                self._blocks.move_to_end(key, last=False)
 
     def defer(self, key: OffloadKey) -> None:
         self._blocks.move_to_end(key)
@@ -66,10 +82,10 @@ class LRUCachePolicy(CachePolicy):
         return None if block is None else (key, block)
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        return iter(list(self._blocks.items()))
+        return iter([*self._blocks.items(), *self._parked.items()])
 
     def coldest(self, n: int) -> list[OffloadKey]:
-        return list(islice(self._blocks, n))
+        return list(islice(chain(self._blocks, self._parked), n))
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._blocks) + len(self._parked)

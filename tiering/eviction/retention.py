@@ -13,14 +13,18 @@ had them, a shared document say) are evicted first, before any other block, unle
 request uses them again. A hint that does not parse is ignored (logged rarely, with a count: `tiering.stats.RareLog`): a
 client's mistake never fails its request nor floods the log.
 
-Retention is soft: a block under a deadline stays in its policy's order (LRU, ARC, ARC-S)
-and is only passed over by eviction while blocks without one can go; if they cannot, the
-retained blocks with the earliest deadlines lose them first. A block eviction passes over
-moves to the most recent end of its order (`Reorder.defer`), out of the next walks' way,
-and back to the least recent end (`Reorder.demote`) when its deadline passes or is given
-up, unless a request used it meanwhile: so each retained block costs an eviction walk one
-step per pass of the whole order, not one per eviction (a client retaining its share of
-the tier for days would otherwise make every eviction step over all of it). At most ``max_blocks``
+Retention is soft: a block under a deadline waits outside its policy's eviction order
+(`Reorder.park`: the LRU, ARC and ARC-S policies and a tier's index do), so no eviction walk
+steps over it and no call pays for the blocks clients retain, and comes back when its
+deadline passes, is given up or released (`Reorder.unpark`): at the least recent end if
+eviction would have reached it by then without a deadline (every key ahead of it when it
+was parked has left since; a release), else at the most recent end (a request used it
+meanwhile, or it would still be in the tier). An order that keeps retained blocks in
+place (a third party's policy, by default) has eviction pass over them: each moves to the
+most recent end (`Reorder.defer`), out of the next walks' way, and back to the least recent
+end (`Reorder.demote`) when its deadline passes, unless a request used it meanwhile, so it
+costs a walk one step per pass of the whole order. If blocks without a deadline cannot go,
+the retained blocks with the earliest deadlines lose them first. At most ``max_blocks``
 (``retention_max_fraction`` of the tier) hold a deadline at once: past that, the earliest
 deadline is dropped. A deadline that passed is forgotten, and the block is whatever its
 ordinary recency makes it. So a client that retains everything for a day costs at most the
@@ -58,6 +62,16 @@ MAX_RETAIN_S = 7 * 86400.0
 
 class Reorder(Protocol):
     """The order retained keys are moved in: a `CachePolicy`, or a tier's `BlockIndex`."""
+
+    def park(self, key: OffloadKey) -> None:
+        """Take resident `key` out of the eviction order while it holds a deadline (or keep
+        it in place: eviction then passes it over, `defer`)."""
+
+    def unpark(self, key: OffloadKey, recent: bool) -> None:
+        """Put parked `key` back: at the most recent end if `recent`, else the least recent."""
+
+    def __len__(self) -> int:
+        """Keys held, parked ones included."""
 
     def defer(self, key: OffloadKey) -> None:
         """Move resident `key` to the most recent end of its order, counting no use."""
@@ -140,6 +154,9 @@ class Retention:
         self._released: dict[OffloadKey, None] = {}  # evicted first, oldest release first
         self._shared: set[OffloadKey] = set()  # found stored by another request: never released
         self._passed: set[OffloadKey] = set()  # deferred by `pass_over`, unused since: demoted at their lapse
+        self._used: set[OffloadKey] = set()  # holding a deadline, used since it began: back most recent
+        self._due: dict[OffloadKey, int] = {}  # parked: the departures after which eviction would have reached it
+        self._departed = 0  # keys that left the order (`evicted`, `forget`)
         self.counters = new_counters() if counters is None else counters
 
     def __len__(self) -> int:
@@ -151,13 +168,19 @@ class Retention:
         the earliest deadlines are dropped (counted in ``retentions_dropped``)."""
         self.used(keys)
         deadline = self.clock() + seconds
-        deadlines, heap = self._deadlines, self._heap
+        deadlines, heap, park = self._deadlines, self._heap, self.order.park
+        parked = []
         for key in keys:
             if deadlines.get(key, -1.0) < deadline:
-                self.counters["retentions"] += key not in deadlines
+                if key not in deadlines:
+                    park(key)
+                    parked.append(key)
                 deadlines[key] = deadline
                 heapq.heappush(heap, (deadline, key))
-        lapsed: list[OffloadKey] = []
+        self.counters["retentions"] += len(parked)
+        ahead = self._departed + max(0, len(self.order) - len(deadlines))  # the keys eviction takes first
+        self._due.update(dict.fromkeys(parked, ahead))
+        lapsed: list[tuple[OffloadKey, bool]] = []
         while len(deadlines) > self.max_blocks:
             self._pop_earliest("retentions_dropped", lapsed)
         self._demote(lapsed)
@@ -172,7 +195,10 @@ class Retention:
         for key in keys:
             if key in self._shared:
                 continue
-            self._deadlines.pop(key, None)
+            if self._deadlines.pop(key, None) is not None:
+                self._used.discard(key)
+                self._due.pop(key, None)
+                self.order.unpark(key, False)  # into the order again, the least recent: it goes first
             self._passed.discard(key)
             self._released[key] = None
             self.counters["retentions_released"] += 1
@@ -191,6 +217,9 @@ class Retention:
                 self._released.pop(key, None)
         if self._passed:
             self._passed.difference_update(keys)
+        if self._deadlines:
+            deadlines = self._deadlines
+            self._used.update(key for key in keys if key in deadlines)
 
     def pass_over(self, keys: list[OffloadKey]) -> None:
         """An eviction walk stepped over `keys` for their live deadlines: each moves to the
@@ -231,6 +260,7 @@ class Retention:
         """`keys` left the tier (evicted, or dropped): their deadlines and releases go with
         them (not counted). The tier calls it for every key that leaves."""
         keys = keys if isinstance(keys, list | tuple) else list(keys)
+        self._departed += len(keys)
         deadlines, released = self._deadlines, self._released
         for key in keys:
             deadlines.pop(key, None)
@@ -241,10 +271,16 @@ class Retention:
             self._shared.difference_update(keys)
         if self._passed:
             self._passed.difference_update(keys)
+        if self._used:
+            self._used.difference_update(keys)
+        if self._due:
+            for key in keys:
+                self._due.pop(key, None)
 
     def evicted(self, keys: Collection[OffloadKey]) -> None:
         """`keys`, chosen by eviction without a live deadline (`retained_candidates`, or a
         tier index's own walk), were evicted: their releases and shares go with them."""
+        self._departed += len(keys)
         if self._released:
             for key in keys:
                 self._released.pop(key, None)
@@ -258,12 +294,14 @@ class Retention:
         self._released.clear()
         self._shared.clear()
         self._passed.clear()
+        self._used.clear()
+        self._due.clear()
 
     def live(self) -> Container[OffloadKey] | None:
         """The keys whose deadline has not passed (those that passed are forgotten, counted
         in ``retentions_expired``), or None if there are none: what eviction passes over."""
         now, heap = self.clock(), self._heap
-        lapsed: list[OffloadKey] = []
+        lapsed: list[tuple[OffloadKey, bool]] = []
         while heap and heap[0][0] <= now:
             self._pop_earliest("retentions_expired", lapsed)
         self._demote(lapsed)
@@ -274,7 +312,7 @@ class Retention:
         (counted in ``retentions_dropped``): eviction found too few blocks without one.
         Returns how many were dropped."""
         dropped, put_back = 0, []
-        lapsed: list[OffloadKey] = []
+        lapsed: list[tuple[OffloadKey, bool]] = []
         while dropped < n and self._heap:
             deadline, key = heapq.heappop(self._heap)
             if self._deadlines.get(key) != deadline:
@@ -289,28 +327,35 @@ class Retention:
         self._demote(lapsed)
         return dropped
 
-    def _pop_earliest(self, counter: str, lapsed: list[OffloadKey]) -> None:
+    def _pop_earliest(self, counter: str, lapsed: list[tuple[OffloadKey, bool]]) -> None:
         while self._heap:
             deadline, key = heapq.heappop(self._heap)
             if self._deadlines.get(key) == deadline:
                 self._lapse(key, counter, lapsed)
                 return
 
-    def _lapse(self, key: OffloadKey, counter: str, lapsed: list[OffloadKey]) -> None:
-        """`key`'s deadline is over (counted in `counter`); if eviction deferred it, it joins
-        `lapsed`, for `_demote`."""
+    def _lapse(self, key: OffloadKey, counter: str, lapsed: list[tuple[OffloadKey, bool]]) -> None:
+        """`key`'s deadline is over (counted in `counter`): it joins `lapsed`, for `_demote`,
+        with whether an eviction walk deferred it (and no request used it since)."""
         del self._deadlines[key]
         self.counters[counter] += 1
-        if key in self._passed:
-            self._passed.remove(key)
-            lapsed.append(key)
+        passed = key in self._passed
+        self._passed.discard(key)
+        lapsed.append((key, passed))
 
-    def _demote(self, lapsed: list[OffloadKey]) -> None:
-        """Put the deferred keys whose deadlines lapsed, earliest first, back at the least
-        recent end, where they were when passed over: the earliest deadline goes first."""
-        demote = self.order.demote
-        for key in reversed(lapsed):
-            demote(key)
+    def _demote(self, lapsed: list[tuple[OffloadKey, bool]]) -> None:
+        """Put the keys whose deadlines lapsed, earliest first, back in the order
+        (`Reorder.unpark`): most recent if a request used them meanwhile or eviction would
+        not have reached them yet (the keys ahead of them when parked have not all left),
+        else least recent, the earliest deadline first; those an eviction walk deferred (an
+        order that keeps retained keys in place) back where they were then."""
+        order, used, due, departed = self.order, self._used, self._due, self._departed
+        for key, passed in reversed(lapsed):
+            recent = key in used or departed < due.pop(key, 0)
+            used.discard(key)
+            order.unpark(key, recent)
+            if passed:
+                order.demote(key)
 
 
 class Either:

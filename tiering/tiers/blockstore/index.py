@@ -14,9 +14,9 @@ the device is (a store that evicted to make room waits for those deletes:
 files) and, at each retry, up, evicting no more than the shortfall.
 
 Retention (`tiering.eviction.retention`, the same rules as the CPU tier's): eviction takes released
-keys first, then passes over keys whose deadline has not passed while others can go (moving
-them to the most recent end, out of the next evictions' way); if none can, the earliest
-deadlines are given up.
+keys first, then the least recent without a live deadline: a retained key waits outside the
+eviction order (`park`), so no eviction walks over it; if none can go, the earliest deadlines
+are given up.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
+from itertools import chain
 
 from tiering.contract.keys import OffloadKey
 from tiering.eviction.retention import Retention
@@ -90,7 +91,8 @@ class BlockIndex:
         self._deleting: dict[OffloadKey, int] = {}
         self.evictions = 0
         self.forgotten = 0
-        self._entries: OrderedDict[OffloadKey, Entry] = OrderedDict()
+        self._entries: OrderedDict[OffloadKey, Entry] = OrderedDict()  # the eviction order, least recent first
+        self._parked: dict[OffloadKey, Entry] = {}  # held under a retention deadline, out of that order (`park`)
         self._room_backoff = room_backoff_s or ROOM_BACKOFF_S
         self._room_wait_s = self._room_backoff[0]
         self._room_retry_at = 0.0
@@ -99,14 +101,15 @@ class BlockIndex:
         self._clock = clock
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._parked)
 
     def __contains__(self, key: OffloadKey) -> bool:
-        return key in self._entries
+        return key in self._entries or key in self._parked
 
     def get(self, key: OffloadKey) -> Entry | None:
         """The entry of `key`, or None if not held."""
-        return self._entries.get(key)
+        entry = self._entries.get(key)
+        return entry if entry is not None or not self._parked else self._parked.get(key)
 
     def reserve_all(
         self,
@@ -120,9 +123,9 @@ class BlockIndex:
         Returns:
             The items reserved, and whether every item not held yet found room.
         """
-        entries, reserved, complete, before = self._entries, [], True, len(evicted)
+        entries, parked, reserved, complete, before = self._entries, self._parked, [], True, len(evicted)
         for key, row in items:
-            if key in entries:
+            if key in entries or key in parked:
                 continue
             self.deleted((key,))  # stored again: its object is replaced, not deleted
             size = object_bytes(key)
@@ -160,7 +163,7 @@ class BlockIndex:
         whose objects are to be deleted (older than every key held, they are the victims)."""
         entries, limit, unfit, added = self._entries, self.limit(), [], []
         for key, size in items:
-            if key in entries:
+            if key in entries or key in self._parked:
                 continue
             if limit is not None and self.used_bytes + size > limit:
                 unfit.append(key)
@@ -183,7 +186,7 @@ class BlockIndex:
 
     def mark_stored(self, key: OffloadKey) -> Entry | None:
         """The store of `key` succeeded; returns its entry, or None if no longer held."""
-        entry = self._entries.get(key)
+        entry = self.get(key)
         if entry is not None and not entry.stored:
             entry.stored = True
             self.reserved_bytes -= entry.size
@@ -192,6 +195,8 @@ class BlockIndex:
     def remove(self, key: OffloadKey) -> None:
         """Stop holding `key` (a failed store, a missing or corrupt object)."""
         entry = self._entries.pop(key, None)
+        if entry is None and self._parked:
+            entry = self._parked.pop(key, None)
         if entry is not None:
             if self.events is not None and entry.stored:
                 self.events.add((key,), removed=True)
@@ -212,8 +217,8 @@ class BlockIndex:
             self.retention.used(keys)
 
     def stored_keys(self) -> list[OffloadKey]:
-        """The keys whose objects are stored, least recent first."""
-        return [key for key, entry in self._entries.items() if entry.stored]
+        """The keys whose objects are stored, least recent first (those retained last)."""
+        return [key for key, entry in chain(self._entries.items(), self._parked.items()) if entry.stored]
 
     def start_events(self, events: TierEvents) -> None:
         """Keep `events` from now on, starting with the blocks held (those recovered)."""
@@ -228,6 +233,22 @@ class BlockIndex:
             successor.events = self.events
         return successor
 
+    def park(self, key: OffloadKey) -> None:
+        """Take held `key` out of the eviction order while it holds a retention deadline
+        (`tiering.eviction.retention.Reorder`): no eviction walk meets it."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._parked[key] = entry
+
+    def unpark(self, key: OffloadKey, recent: bool) -> None:
+        """Put parked `key` back in the eviction order: at the most recent end (`recent`) or
+        the least (`tiering.eviction.retention.Reorder`)."""
+        entry = self._parked.pop(key, None)
+        if entry is not None:
+            self._entries[key] = entry
+            if not recent:
+                self._entries.move_to_end(key, last=False)
+
     def defer(self, key: OffloadKey) -> None:
         """Make held `key` the most recent without a use (`tiering.eviction.retention.Reorder`)."""
         self._entries.move_to_end(key)
@@ -239,20 +260,19 @@ class BlockIndex:
     def retain(self, keys: Collection[OffloadKey], seconds: float) -> list[OffloadKey]:
         """The held `keys` get a deadline `seconds` from now, or keep a later one; returns
         the keys not held (nor being stored)."""
-        entries = self._entries
         if self.retention is not None:
-            self.retention.retain([key for key in keys if key in entries], seconds)
-        return [key for key in keys if key not in entries]
+            self.retention.retain([key for key in keys if key in self], seconds)
+        return [key for key in keys if key not in self]
 
     def release(self, keys: Collection[OffloadKey]) -> None:
         """The held `keys` lose their deadlines and are evicted first."""
         if self.retention is not None:
-            self.retention.release(key for key in keys if key in self._entries)
+            self.retention.release(key for key in keys if key in self)
 
     def start_reads(self, keys: Collection[OffloadKey]) -> bool:
         """Count a load of all `keys` (they cannot be evicted until `end_read`); False, with
         nothing counted, unless every key is held and stored."""
-        entries = [self._entries.get(key) for key in keys]
+        entries = [self.get(key) for key in keys]
         if not all(entry is not None and entry.stored for entry in entries):
             return False
         for entry in entries:
@@ -261,7 +281,7 @@ class BlockIndex:
 
     def end_read(self, key: OffloadKey) -> Entry | None:
         """One load of `key` is over; returns its entry, or None if no longer held."""
-        entry = self._entries.get(key)
+        entry = self.get(key)
         if entry is not None:
             entry.readers -= 1
         return entry
@@ -315,9 +335,9 @@ class BlockIndex:
         return self.room_bytes
 
     def _forget_beyond_max(self) -> None:
-        if self.max_keys is None or len(self._entries) <= self.max_keys:
+        if self.max_keys is None or len(self) <= self.max_keys:
             return
-        entries, excess, victims = self._entries, len(self._entries) - self.max_keys, []
+        entries, excess, victims = self._entries, len(self) - self.max_keys, []
         for key, entry in entries.items():  # least recent first: usually the first ones found
             if entry.stored and entry.readers == 0:
                 victims.append(key)
