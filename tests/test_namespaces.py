@@ -116,6 +116,22 @@ def test_an_s3_tiers_namespaces_are_listed_with_connect_and_removed_whole(s3_ser
     assert config_check.survey_tiers(config, None, connect=True)[0] == ["tier s3: 0 namespaces"]
 
 
+def test_an_s3_namespace_a_running_engine_leases_is_never_pruned(s3_server, s3_bucket, engine_factory):
+    tier = {"type": "s3", "bucket": s3_bucket, "endpoint_url": s3_server.endpoint_url, "prefix": "leased/"}
+    engine = engine_factory(tier, spec=IdentitySpec(identity("control")))
+    engine.store(0)
+    config = parse_config(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: [{tier}]\n", "engine.yaml")
+    lines, [(_, _, found)], _ = config_check.survey_tiers(config, None, connect=True)
+    [blocks] = [f for f in found if f.kind == "blocks"]
+    assert [lease.engine for lease in blocks.leases] == [engine.tier._records.lease.engine]
+    assert any(f"; 1 live lease (engine {blocks.leases[0].engine} on " in line for line in lines)
+    assert blocks.leases[0].pid == os.getpid()
+    assert unused(found, 1.0, time.time() + 3600) == []  # an hour later, unwritten: still in use
+    engine.close()  # its lease goes: nothing holds the namespace any more
+    _, [(_, _, found)], _ = config_check.survey_tiers(config, None, connect=True)
+    assert "blocks" in [f.kind for f in unused(found, 1.0, time.time() + 3600)]
+
+
 def test_a_store_that_cannot_list_its_namespaces_says_so_without_reaching_its_server():
     tiers = "[{type: valkey, addresses: ['127.0.0.1:1']}, {type: memory}]"  # nothing listens; memory does not last
     config = parse_config(f"cpu_bytes_to_use: 1MiB\nsecondary_tiers: {tiers}\n", "engine.yaml")
