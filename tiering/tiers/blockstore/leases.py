@@ -47,6 +47,7 @@ CALL_TIMEOUT_S = 30.0  # seconds one write of a lease may take
 CLOSE_TIMEOUT_S = 2.0  # seconds its delete may take when the engine stops (else it expires)
 LEASE_PREFIX = b"~lease-"
 MAX_HELD = 4  # namespaces one lease names at most (the weights in force, and those retiring)
+MAX_HOST_CHARS = 64  # of the host name a lease records (the record has one size)
 LEASE_BYTES = 512 + MAX_HELD * (2 * NAMESPACE_BYTES + 2 * MAX_WEIGHT_VERSION_CHARS + 64)
 
 
@@ -151,7 +152,7 @@ class Lease:
         within `CALL_TIMEOUT_S`; a failure is logged once until a write succeeds."""
         record = {
             "engine": self.engine,
-            "host": socket.gethostname(),
+            "host": socket.gethostname()[:MAX_HOST_CHARS],
             "pid": os.getpid(),
             "held": {namespace.hex(): weights for namespace, (weights, _) in list(self._held.items())[-MAX_HELD:]},
             "renewed": self._clock(),
