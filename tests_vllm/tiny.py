@@ -89,11 +89,14 @@ def settle(llm, done, tries: int = 300) -> None:
 
 def block_files(root: Path) -> list[Path]:
     """Every file of a file tier's `root` but those of identities' records (a namespace that
-    holds a manifest: `tiering.tiers.blockstore.generations`)."""
+    holds a manifest: `tiering.tiers.blockstore.generations`) and of engines' leases (one that
+    holds a lease: `tiering.tiers.blockstore.leases`)."""
     from tiering.backends.file.dirs import object_name
     from tiering.tiers.blockstore.generations import MANIFEST_KEY
+    from tiering.tiers.blockstore.leases import LEASE_PREFIX
 
     records = {path.parents[1] for path in root.rglob(object_name(MANIFEST_KEY))}
+    records |= {path.parents[1] for path in root.rglob(f"{LEASE_PREFIX.hex()}*")}
     return sorted(path for path in root.rglob("*") if path.is_file() and not records & set(path.parents))
 
 
