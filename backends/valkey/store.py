@@ -434,10 +434,10 @@ class ValkeyBlockStore(BlockStore):
         where = ", ".join(f"{host}:{port}" for host, port in self._connection.addresses)
         try:
             answer = await self._client.custom_command(["CONFIG", "GET", "maxmemory-policy"])
-        except Exception as exc:
+            value = next(iter(answer.values())) if isinstance(answer, dict) else answer[1]  # RESP3, RESP2
+            policy = value.decode() if isinstance(value, bytes) else str(value)
+        except Exception as exc:  # refused, renamed, or an answer of another shape
             return [f"{where}: its maxmemory-policy cannot be read ({describe(exc)}); {fix}"]
-        pairs = next(iter(answer.items())) if isinstance(answer, dict) else answer
-        policy = pairs[1].decode() if isinstance(pairs[1], bytes) else str(pairs[1])
         if policy not in EVICTS_WITHOUT_EXPIRY:
             return []
         return [

@@ -46,8 +46,13 @@ class Deletes:
                     group = [(keys, done) for each, keys, done in batch if each is store]
                     merged = list(dict.fromkeys(key for keys, _ in group for key in keys))
                     self.calls += 1
-                    await store.ready()  # not within the call's timeout: a listing at start is not a hung call
-                    outcome = await self._calls.call((), self._lane, store.delete_many, merged)
+                    outcome: Exception | None
+                    try:  # not within the call's timeout: a listing at start is not a hung call
+                        await store.ready()
+                    except Exception as exc:  # a store's bug: these deletes fail, the next ones go on
+                        outcome = exc
+                    else:
+                        outcome = await self._calls.call((), self._lane, store.delete_many, merged)
                     for _, done in group:
                         if not done.done():
                             done.set_result(outcome if isinstance(outcome, Exception) else None)

@@ -387,16 +387,9 @@ class BlockIndex:
         if retention.has_released and (released := retention.released(1, lambda key: key in entries and idle(key))):
             retention.forget(released)
             return released[0]
-        while True:
-            live, victim, passed = retention.live() or (), None, []
-            for key in entries:
-                if idle(key):
-                    if key not in live:
-                        victim = key
-                        break
-                    passed.append(key)
-            if passed:
-                retention.pass_over(passed)
+        while True:  # retained keys are parked, out of `entries`: the walk never meets one
+            live = retention.live()  # (deadlines that passed put their keys back first)
+            victim = next((key for key in entries if idle(key)), None)
             if victim is not None or not live or not retention.give_up(1, ()):
                 break
         if victim is not None:

@@ -325,7 +325,11 @@ class BlockStore(ABC):
         """Return once a call made now would not wait for the store's own start-up work (the
         file store's segment layout maps its segments in `recover` before any other call can
         run): the tier awaits it before a call's ``op_timeout_s`` starts, so that a long
-        listing is never taken for a hung call. Default: at once."""
+        listing is never taken for a hung call. Default: at once. Loop thread.
+
+        Raises:
+            Exception: a store's bug only: the calls that waited fail with it.
+        """
         return None
 
     def for_records(self) -> BlockStore:
