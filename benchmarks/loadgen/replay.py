@@ -304,6 +304,8 @@ def _replay(
         with Progress(*columns, console=console, transient=True, disable=args.quiet) as progress:
             task = progress.add_task("replay", total=len(requests))
             interrupts.replaying = True
+            if interrupts.received:  # a signal before the replay whose exception a library swallowed
+                interrupts.stop.set()  # (a bare ``except:`` in an import it landed in): no request served
             try:
                 tick = ProgressLines(len(requests)) if not (console.is_terminal or args.quiet) else None
 

@@ -105,9 +105,10 @@ def _retention(primary: dict[str, Any]) -> dict[str, int]:
 
 def _hit_rates(tokens: Counter, sources: list[str]) -> dict[str, float]:
     """Each source's share of the tokens, and ``total``: the share not missed."""
-    total = max(1, sum(tokens.values()))
+    served = sum(tokens.values())
+    total = max(1, served)
     rates = {source: tokens[source] / total for source in sources}
-    rates["total"] = 1 - tokens["miss"] / total
+    rates["total"] = (served - tokens["miss"]) / total  # (0 for a run stopped before its first request)
     return rates
 
 
