@@ -13,7 +13,7 @@ secondary_tiers:
 ```
 
 Every block-store key (``capacity_bytes``, ``op_timeout_s`` ...) goes beside ``inner``, not in
-it. Corruption happens below the adapter's CRC check, so a corrupted block must be rejected,
+it. Corruption happens below the adapter's checksum, so a corrupted block must be rejected,
 never loaded. Loop thread: the store's coroutines; the options are checked where the config
 is loaded.
 """

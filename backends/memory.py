@@ -1,7 +1,7 @@
 """The ``memory`` tier: blocks in a dict of this process, optionally slow or faulty.
 
 Injected latency and failures make it a stand-in for a remote tier in tests and in the
-load generator. Objects use the stored format (header + CRC), so corruption is caught here
+load generator. Objects use the stored format (header + checksum), so corruption is caught here
 exactly as on disk.
 
 Thread: the store's coroutines run on the tier's event loop; `MemoryOptions` where the

@@ -239,7 +239,7 @@ class S3BlockStore(BlockStore):
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
             retries={"mode": "standard", "max_attempts": max_attempts},
-            request_checksum_calculation="when_required",  # our own CRC32C covers the payload
+            request_checksum_calculation="when_required",  # our own XXH3-64 covers the payload
             response_checksum_validation="when_required",
         )
         self._stack: AsyncExitStack | None = None

@@ -7,7 +7,7 @@ an untimed round, best kept:
 - engine: an `s3` tier fed store jobs of `--job-blocks` blocks, then load jobs back into
   page-aligned rows, timed from the first submission to the last result;
 - raw: ``put_object`` of pre-joined bytes and ``get_object`` + ``read()`` under an
-  ``asyncio.Semaphore``, nothing else (no CRC, no index, no copy into rows).
+  ``asyncio.Semaphore``, nothing else (no checksum, no index, no copy into rows).
 
 Without ``--endpoint-url`` it starts a local moto server (``moto[server]``); pass the URL of a
 real S3-compatible server to measure that instead (credentials from the AWS chain).
@@ -27,11 +27,11 @@ import time
 import uuid
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from tiering.benchmarks.args import format_size, sizes_arg
 from tiering.benchmarks.extras import missing_extra
+from tiering.benchmarks.json_report import add_json_argument, open_report
 
 try:
     import moto  # noqa: F401  (the local server)
@@ -86,13 +86,14 @@ async def run_raw(rows: np.ndarray, endpoint: str, bucket: str, concurrency: int
 
 def measure(
     block_bytes: int, total_bytes: int, endpoint: str, bucket: str, concurrency: int, job_blocks: int, repeats: int
-) -> dict[str, float]:
+) -> tuple[int, dict[str, list[float]]]:
+    """(bytes moved per run, each round's seconds of each side and direction)."""
     rows = aligned_rows(max(total_bytes // block_bytes, job_blocks), block_bytes)
     sides = [
         ("engine", lambda: run_engine(rows, endpoint, bucket, concurrency, job_blocks)),
         ("raw", lambda: asyncio.run(run_raw(rows, endpoint, bucket, concurrency))),
     ]
-    return {"bytes": rows.nbytes, **{name: min(runs) for name, runs in interleaved(sides, repeats).items()}}
+    return rows.nbytes, interleaved(sides, repeats)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket", default=None, help="bucket to use (default: a new one)")
     parser.add_argument("--block-sizes", type=sizes_arg, default="2MiB,256KiB", help="comma-separated (%(default)s)")
     add_job_arguments(parser, 3, "interleaved runs; the best is kept")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
+    report, values = open_report(parser, args, "s3_tier", argv), {}
     with contextlib.ExitStack() as stack:
         endpoint, bucket = args.endpoint_url, args.bucket
         if endpoint is None:
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         for column in ("block", "direction", "engine GB/s", "raw GB/s", "ratio"):
             table.add_column(column, justify="left" if column in ("block", "direction") else "right")
         for size in args.block_sizes:
-            best = measure(
+            moved, runs = measure(
                 size,
                 args.total_mib << 20,
                 endpoint,
@@ -136,12 +139,14 @@ def main(argv: list[str] | None = None) -> None:
                 args.job_blocks,
                 args.repeats,
             )
+            values[size] = {"bytes moved": moved, "seconds": runs}
             for direction in ("store", "load"):
-                engine = best["bytes"] / best[f"engine {direction}"]
-                raw = best["bytes"] / best[f"raw {direction}"]
+                engine = moved / min(runs[f"engine {direction}"])
+                raw = moved / min(runs[f"raw {direction}"])
                 rates = (f"{engine / 1e9:.3f}", f"{raw / 1e9:.3f}", f"{engine / raw:.2f}x")
                 table.add_row(format_size(size), direction, *rates)
-    Console().print(table)
+    report.print(table, values)
+    report.write()
 
 
 async def _create_bucket(endpoint: str, bucket: str) -> None:

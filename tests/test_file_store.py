@@ -124,7 +124,7 @@ async def test_a_long_recovery_logs_its_progress(store_kit, monkeypatch, caplog)
 @pytest.mark.asyncio
 @pytest.mark.parametrize("layout", ["files", "segments"])
 async def test_buffered_one_file_calls_run_two_per_cpu_at_once(store_kit, layout, tmp_path):
-    """Buffered calls of the one-file layout keep a CPU busy each (a copy and a CRC per
+    """Buffered calls of the one-file layout keep a CPU busy each (a copy and a checksum per
     block): the store asks for no more at once than `CALLS_PER_CPU` per CPU it may use. With
     O_DIRECT (the disk's queue) and in segments (Python and system calls) the tier's cut
     stands."""

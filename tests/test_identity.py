@@ -80,7 +80,10 @@ def test_every_field_changes_the_digest_and_equal_identities_share_it():
     assert len(set(digests.values())) == len(VARIANTS)
     assert identity("control").digest() == BASE.identity(32, BASE.kv_bytes_per_token * 32).digest()
     control = identity("control")
-    for changed in (replace(control, row_format=control.row_format + 1), replace(control, object_format=3)):
+    for changed in (
+        replace(control, row_format=control.row_format + 1),
+        replace(control, object_format=control.object_format + 1),
+    ):
         assert changed.digest() != digests["control"]
     manifest = json.loads(json.dumps(identity("control").manifest()))
     assert manifest["parallel"]["tensor"] == 2 and manifest["groups"][0]["layer_names"][0] == "model.layers.0.attn"
@@ -273,7 +276,7 @@ def test_a_manifest_that_does_not_open_or_names_another_identity_is_written_agai
     spec = IdentitySpec(identity("control"))
     engine_factory(tier, spec=spec).store(0)
     path = manifest_file(root, spec)
-    if defect == "another identity":  # its CRC no longer matches either
+    if defect == "another identity":  # its checksum no longer matches either
         data = bytearray(path.read_bytes())
         data[-MANIFEST_BYTES:] = data[-MANIFEST_BYTES:].replace(spec.identity.digest().hex().encode(), b"0" * 32)
         path.write_bytes(bytes(data))

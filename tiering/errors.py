@@ -83,7 +83,7 @@ class ObjectNotFoundError(TieringError, KeyError):
 
 class CorruptObjectError(TieringError, ValueError):
     """A stored object failed verification (bad magic or version, foreign layout, another
-    key, a short or long payload, a CRC mismatch); its bytes must not be used."""
+    key, a short or long payload, a checksum mismatch); its bytes must not be used."""
 
 
 class HungCallError(TieringError, TimeoutError):

@@ -146,7 +146,7 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
 def read_object(
     ns: Namespace, key: OffloadKey, into: memoryview, fingerprint: bytes, seal: Seal | None, direct: bool
 ) -> ObjectHeader:
-    """Read `key`'s object, its payload into `into`, and check its header, length and CRC
+    """Read `key`'s object, its payload into `into`, and check its header, length and checksum
     or signature (`verify_payload`, in this thread, while the payload is in the CPU's
     cache). One vectored read fills the header page, the payload and a page past it, which
     must stay empty: no `fstat` is needed for the length.
@@ -155,7 +155,7 @@ def read_object(
         ObjectNotFoundError: no such object.
         UnusableObjectError: something else sits at its name (a directory, a FIFO: reads of
             those fail with EISDIR or ESPIPE), or reading it fails for a reason of its own.
-        CorruptObjectError: a short or long file, a bad header, or a CRC mismatch.
+        CorruptObjectError: a short or long file, a bad header, or a checksum mismatch.
         ForgedObjectError: its seal does not open with `seal` (see `parse_header`).
         OSError: the directory or the device fails.
     """

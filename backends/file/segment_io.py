@@ -115,7 +115,7 @@ def walk(
     """(key, entry, whether `seal` opens it) of each whole entry of `segment`, in file order,
     skipping holes (punched entries, ranges never written) and pages that are not an entry's
     header of this layout; the offsets of the pages among them that begin as a header does
-    but fail its checks (its CRC among them: torn, or a payload's look-alike) go to `rejected`."""
+    but fail its checks (its checksum among them: torn, or a payload's look-alike) go to `rejected`."""
     fd = segment.fd
     end = os.fstat(fd).st_size
     offset = 0

@@ -3,8 +3,8 @@ namespace's segments hold when its engine starts.
 
 Recovery walks each segment's data ranges (``SEEK_DATA``): a page that is not a whole entry's
 header (a torn write, zeros) is skipped, one that begins as a header but fails its checks
-(its own CRC among them) is skipped and counted, an entry that runs past the end of its file
-is not listed, and an entry whose payload was torn is found by its CRC when loaded (never
+(its own checksum among them) is skipped and counted, an entry that runs past the end of its file
+is not listed, and an entry whose payload was torn is found by its checksum when loaded (never
 loaded: dropped as corrupt). A key found twice is the later entry's, the earlier punched out.
 Entries whose seal does not open (sealed by a key dropped from ``integrity``, or planted:
 these segments are this engine's alone) are punched out too, and counted.

@@ -11,7 +11,7 @@ header padded to a page, then the payload), padded with zeros to a page so that 
 starts page-aligned (O_DIRECT). A `put_many` appends its blocks together, in one vectored
 write at a range it reserved at the tail of the active segment; a `get_many` reads each run
 of blocks that lie side by side in one vectored read, and checks every block's header,
-length and CRC (or seal) in the thread that read it. Entries are never rewritten: a deleted
+length and checksum (or seal) in the thread that read it. Entries are never rewritten: a deleted
 block's range is punched out of its file (``fallocate(PUNCH_HOLE)``, its disk space freed at
 once) and a segment whose blocks are all deleted is removed; a segment left sparse by deletes
 has its live entries copied to the active one (`SPARSE`), so that it goes too. At most
@@ -211,7 +211,7 @@ class SegmentLog:
 
     def get_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[ObjectHeader | Exception]:
         """Read each item's entry into its buffer and check it: its header (key, layout),
-        length and CRC or seal. Entries that lie side by side go in one vectored read."""
+        length and checksum or seal. Entries that lie side by side go in one vectored read."""
         self.recover()  # once: a store used before `recover` maps its segments first
         outcomes: list[ObjectHeader | Exception | None] = [None] * len(items)
         with self._lock:

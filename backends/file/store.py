@@ -72,7 +72,7 @@ SEGMENT_BLOCKS_UNDER = 1 << 20
 costs three system calls to read and four to write, which at 64 KiB cost more than the
 bytes."""
 CALLS_PER_CPU = 2
-"""A buffered call of the one-file layout keeps a CPU busy (a copy and a CRC per block, the
+"""A buffered call of the one-file layout keeps a CPU busy (a copy and a checksum per block, the
 page cache at the other end): the store runs at most this many such calls per CPU the process
 may use at once (`BlockStore.calls_at_once`). More only take turns on the same CPUs, each a
 hop and a thread handing the GIL around. Segments keep the tier's calls: their small blocks
@@ -122,7 +122,7 @@ class FileBlockStore(BlockStore):
 
     Options = FileOptions
     tier_defaults: ClassVar[dict[str, Any]] = {"max_concurrency": 16, "batch_bytes": 16 << 20}
-    verifies_payloads = True  # `objects.read_object` checks the CRC in the thread that read
+    verifies_payloads = True  # `objects.read_object` checks the checksum in the thread that read
     reads_in_order = True  # `get_many` reads one file after another, in one pool thread
     supports_integrity = True
     lists_locally = True

@@ -3,7 +3,7 @@ cluster, through valkey-glide, shared by every engine of the same layout.
 
 Keys are ``<key_prefix>:<layout fingerprint hex>:<block key hex>``: engines of different
 models or layouts never collide, engines of the same layout share. Values are the stored
-format of `tiering.tiers.object_format` (header + payload; the CRC32C is checked as each value
+format of `tiering.tiers.object_format` (header + payload; the XXH3-64 is checked as each value
 arrives, before its copy into the row), so a stale, foreign or torn value is a miss, never
 loaded. Keys of different blocks hash to different slots; there is no multi-key command:
 a store call sends its blocks (`batch_bytes` worth) as one non-atomic pipeline of SETs or

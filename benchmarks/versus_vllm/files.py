@@ -8,7 +8,7 @@ Both tiers get the same jobs through their contract: every block stored in jobs 
 polled every `POLL_S` as a scheduler's steps would; the loaded rows must equal the stored ones.
 MODE ``direct`` is O_DIRECT for the tier and the pool; ``buffered`` the page cache for both
 (vLLM's fs tier takes O_DIRECT where the filesystem allows it: its probe's answer is set to
-no). The raw pool (`tiering.benchmarks.file_tier.run_raw`, no CRC) is the same in both
+no). The raw pool (`tiering.benchmarks.file_tier.run_raw`, no checksum) is the same in both
 processes, so that its ratio to each tier cancels the machine's drift between them.
 
 Thread: the main thread of the child process.

@@ -25,9 +25,9 @@ from typing import Any
 ROW_FORMAT = 1
 """The CPU row's layout: each worker's slot in rank order, each slot its layers' pages in the
 order of the KV caches handed to the worker. Bump it when that changes."""
-OBJECT_FORMAT = 2
+OBJECT_FORMAT = 3
 """The stored object's layout (`tiering.tiers.object_format`). Bump it when that changes
-(2: headers carry their own CRC32C)."""
+(2: headers carry their own CRC32C; 3: XXH3-64 of the payload and of the header)."""
 NAMESPACE_BYTES = 16
 
 

@@ -45,7 +45,7 @@ from tiering.tiers.object_format import (
     SEAL_KEY_ID_AT,
     header_size,
     open_payload,
-    restamp_header_crc,
+    restamp_header_sum,
     verify_payload,
 )
 from tiering.tiers.seal import Seal
@@ -83,7 +83,7 @@ def payload(size: int, seed: int = 0) -> memoryview:
 
 async def read_verified(store, key, into) -> None:
     """What the adapter does: the store reads and checks the header and length, then the
-    payload's CRC is checked above it."""
+    payload's checksum is checked above it."""
     verify_payload(await store.get(key, into), into)
 
 
@@ -217,7 +217,7 @@ class BlockStoreSuite:
             assert len(raw) == header_size(len(key(1)), store.header_align) + 1000
             target = key(2) if corruption == "another key's object" else key(1)
             store_kit.write_raw(store, target, CORRUPTIONS[corruption](raw))
-            with pytest.raises(CorruptObjectError):  # from the store (structure) or from the CRC check
+            with pytest.raises(CorruptObjectError):  # from the store (structure) or from the checksum
                 await read_verified(store, target, buffer(1000))
         finally:
             await store.close()
@@ -423,7 +423,7 @@ class BlockStoreSuite:
             else:  # a genuine object copied under another key, the key in its header changed to match
                 at = bytes(raw).index(key(1))
                 raw[at : at + len(key(2))], target = key(2), key(2)
-            restamp_header_crc(raw)  # a tamperer who knows the format: only the seal can tell
+            restamp_header_sum(raw)  # a tamperer who knows the format: only the seal can tell
             store_kit.write_raw(store, target, bytes(raw))
             with pytest.raises(ForgedObjectError):
                 await read_opened(store, target, buffer(1000))

@@ -6,7 +6,7 @@ a block-store tier's health, `tiering.tiers.blockstore`'s.)
 - `context`: `TierContext`, what a tier gets from the engine, and tier names;
 - `factory`: `SecondaryTierFactory`, the one registry of tier types;
 - `runtime`: `AsyncRuntime`, the event loop thread the tiers share;
-- `object_format`: a stored block: header (key, layout, length, CRC32C or seal) and payload;
+- `object_format`: a stored block: header (key, layout, length, XXH3-64 or seal) and payload;
 - `seal`: integrity keys, signing and encrypting objects (AES-256-GCM);
 - `blockstore/`: block-store tiers (any `BlockStore` becomes a tier).
 

@@ -1,7 +1,7 @@
 """Signed and encrypted blocks: a tier's secret keys, and the seal they put on its objects.
 
 A shared tier (a bucket, a directory, a cache cluster) takes objects from everyone with write
-access, and block keys are predictable (hashes of token ids): a CRC proves that bytes are
+access, and block keys are predictable (hashes of token ids): a checksum proves that bytes are
 intact, not who wrote them. A tier configured with `integrity` keys seals every object it
 writes and loads only objects sealed by one of its keys; anything else is a miss
 (`ForgedObjectError`), never loaded and never deleted.
@@ -20,7 +20,7 @@ block key, payload length, mode, key id and nonce: everything but the tag) and t
 
 - ``signed``: the payload is stored as it is; the tag is GCM's over the header (as the
   plaintext, whose ciphertext is dropped) with the payload as associated data, so a GMAC
-  over both. It costs about what the CRC32C it replaces costs.
+  over both. It costs about twice what the XXH3-64 checksum it replaces costs.
 - ``encrypted``: the payload is stored encrypted, the header is the associated data.
 
 The header carries the mode, a 4-byte key id (HMAC-SHA256 of a fixed label under the key:
@@ -67,7 +67,7 @@ class SealMode(IntEnum):
     """How an object is sealed, as its header says."""
 
     PLAIN = 0
-    """Not sealed: a CRC32C guards the payload (version 1 headers)."""
+    """Not sealed: an XXH3-64 checksum guards the payload."""
     SIGNED = 1
     """The payload as it is, a tag over the header and the payload."""
     ENCRYPTED = 2

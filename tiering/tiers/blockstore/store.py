@@ -10,7 +10,7 @@ group ``tiering.secondary_tiers``), the store becomes a tier with the keys of bo
 
 A store keeps one object per key in the format of `tiering.tiers.object_format` (it writes what
 `encode_object` returns on put, and calls `parse_header` and `check_length` on get), under
-the namespace of its layout fingerprint. A store moves bytes; the payload's CRC (or
+the namespace of its layout fingerprint. A store moves bytes; the payload's checksum (or
 signature) is checked above every store layer, by the adapter, so a wrapping store
 (`tiering.backends.faulty`) is checked too, unless the outermost store checks it itself as it
 reads (`verifies_payloads`). A store that passes its `seal` to those functions says so
@@ -94,7 +94,7 @@ class BlockStore(ABC):
             ``maxmemory``): an absent object is simply a miss, and a store refused for lack
             of room (ENOSPC) fails alone, without the tier holding back or evicting to make
             room, since room comes back as the server evicts.
-        verifies_payloads: True when `get` and `get_many` check the payload's CRC32C
+        verifies_payloads: True when `get` and `get_many` check the payload's XXH3-64
             themselves (`verify_payload`, raising `CorruptObjectError`), in the thread that
             read it while it is still in the CPU's cache; the adapter then skips its own
             check, which would read every byte once more on the loop thread. A store that
@@ -106,7 +106,7 @@ class BlockStore(ABC):
             instead of all at the end; a store that reads a call's items concurrently gets
             fewer, larger calls.
         calls_at_once: None, or how many of its calls can run at once to any gain, because
-            each keeps a CPU busy (the file store's buffered calls: a copy and a CRC per
+            each keeps a CPU busy (the file store's buffered calls: a copy and a checksum per
             block). The adapter then sends the blocks of jobs started together (unless a
             promotion is spread) in no more calls than this, each larger than ``batch_bytes``
             if need be: more calls would only take turns on the same CPUs, and cost a hop
@@ -257,11 +257,11 @@ class BlockStore(ABC):
     @abstractmethod
     async def get(self, key: OffloadKey, into: memoryview) -> ObjectHeader:
         """Read the payload of `key`'s object into `into` (exactly its length) and return
-        the object's header. The header and the length are checked; the CRC or signature
+        the object's header. The header and the length are checked; the checksum or signature
         is the caller's to check (`tiering.tiers.object_format.verify_payload`), unless the store
         `verifies_payloads`; an encrypted payload is left encrypted, for the caller.
 
-        `into` may hold garbage when this raises, and until the CRC is checked.
+        `into` may hold garbage when this raises, and until the checksum is checked.
 
         Raises:
             ObjectNotFoundError: no object for `key`.

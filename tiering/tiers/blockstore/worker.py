@@ -12,7 +12,7 @@ with its blocks ends. It fills in each job's outcome and puts it in the `Outbox`
 touches the index.
 
 Rules kept here: an evicted key's delete finishes before a new put of the same key starts;
-a load's payload CRC or signature is checked above the store (a wrapping store is checked
+a load's payload checksum or signature is checked above the store (a wrapping store is checked
 too), off the loop, unless the store checked it as it read (`BlockStore.verifies_payloads`),
 and an encrypted one is checked and decrypted there, once, whatever the store; an object
 found corrupt or unusable is deleted, one whose seal does not open is left alone; each
