@@ -33,12 +33,12 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from tiering import BlockStoreTier, JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
 from tiering.backends.file.objects import ALIGN
 from tiering.backends.file.segment_io import SUFFIX, padded
+from tiering.benchmarks.json_report import add_json_argument, open_report
 
 CTX = ReqContext("bench")
 ROW_BYTES = 4096  # a small block: a million objects is 8 GiB on disk in either layout
@@ -140,12 +140,14 @@ def _scandir(directory: Path, stat: bool, headers: bool) -> int:
     return count
 
 
-def measure(base: Path, layout: str, count: int, repeats: int, cold: bool) -> dict[str, float]:
+def measure(base: Path, layout: str, count: int, repeats: int, cold: bool) -> dict[str, list[float]]:
+    """Each of `repeats` interleaved rounds' measurements (seconds, counts), and the bytes of
+    memory per block (one value)."""
     rows = np.zeros((FILL_ROWS, ROW_BYTES), dtype=np.uint8)
     rows[:] = np.arange(ROW_BYTES, dtype=np.uint8)
     root = base / f"{layout}-{count}"
     fill(root, layout, count, rows)
-    best: dict[str, float] = {}
+    rounds: dict[str, list[float]] = {}
     try:
         for repeat in range(repeats):
             sides = [lambda: engine_start(root, layout, rows), lambda: raw_scan(root, layout)]
@@ -153,11 +155,11 @@ def measure(base: Path, layout: str, count: int, repeats: int, cold: bool) -> di
                 if cold:
                     drop_caches()
                 for name, value in side().items():
-                    best[name] = min(best.get(name, float("inf")), value)
-        best["memory per block"] = memory_per_block(root, layout, rows)
+                    rounds.setdefault(name, []).append(value)
+        rounds["memory per block"] = [memory_per_block(root, layout, rows)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return best
+    return rounds
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated: files, segments")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs; the best is kept (default 2)")
     parser.add_argument("--drop-caches", action="store_true", help="drop the page cache before each scan (root)")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     if args.dir is not None and not args.dir.is_dir():
         parser.error(f"--dir: {args.dir} is not a directory (give one on the disk to measure)")
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--layouts: expected files or segments; got {', '.join(sorted(unknown))}")
     if args.drop_caches and os.geteuid() != 0:
         parser.error("--drop-caches needs root")
-    cache = "cold" if args.drop_caches else "warm"
+    cache, report, values = "cold" if args.drop_caches else "warm", open_report(parser, args, "file_recovery", argv), {}
     table = Table(title=f"File tier start after a restart, {cache} page cache, best of {args.repeats}")
     columns = ["layout", "objects", "open s", "1st lookup us", "ready s", "raw scandir s", "raw + per object s"]
     for column in [*columns, "ready / raw", "memory B/block"]:
@@ -187,7 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tiering-bench-") as base:
         for layout in layouts:
             for count in counts:
-                best = measure(Path(base), layout, count, args.repeats, args.drop_caches)
+                rounds = measure(Path(base), layout, count, args.repeats, args.drop_caches)
+                best = {name: min(each) for name, each in rounds.items()}
+                values[f"{layout} {count}"] = rounds
                 raw = best["raw per object"]
                 table.add_row(
                     layout,
@@ -200,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{best['ready'] / raw:.2f}x",
                     f"{best['memory per block']:.0f}",
                 )
-    Console(width=140).print(table)
+    report.print(table, values, width=140)
+    report.write()
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ file fsynced), ``direct`` (O_DIRECT, the tier's default).
 - engine: a `file` tier fed store jobs of `--job-blocks` blocks from the scheduler thread,
   then load jobs back into the rows, timed from the first submission to the last result;
 - raw: a `ThreadPoolExecutor` of the same concurrency with the same durability, per block:
-  CRC32C of the payload into a 4 KiB header, open a temporary name + `os.pwritev` of header
+  XXH3-64 of the payload into a 4 KiB header, open a temporary name + `os.pwritev` of header
   and payload (+ `fsync`) + close + rename; and open + `os.preadv` into header and row +
-  close + CRC check; the same bytes in the same place, with the same open flags;
+  close + checksum check; the same bytes in the same place, with the same open flags;
 - rounds: the lowest and highest ratio of the engine's run to raw's run of the same round
   (side by side), beside the ratio of the best runs: how much the machine moved them;
-- check: the share of raw's time that goes to the CRC32C (raw run again without it): a
+- check: the share of raw's time that goes to the XXH3-64 (raw run again without it): a
   checked read or write cannot come closer than that to an unchecked one on this machine
   ("noise" where the checked run was the faster);
 - aiofiles: the same per-block steps as raw, written with aiofiles (open, write, fsync and
@@ -52,13 +52,13 @@ from pathlib import Path
 
 import aiofiles
 import aiofiles.os
-import crc32c
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from tiering import JobMetadata, OffloadKey, ReqContext, SecondaryTierFactory, make_offload_key
 from tiering.benchmarks.args import format_size, names_arg, sizes_arg
+from tiering.benchmarks.json_report import add_json_argument, open_report
+from tiering.tiers.object_format import payload_checksum
 
 CTX = ReqContext("bench")
 
@@ -112,8 +112,9 @@ def run_engine(
 
 def run_raw(rows: np.ndarray, directory: Path, concurrency: int, mode: str, check: bool = True) -> dict[str, float]:
     """Seconds for a plain thread pool to write then read every row, one file each, with the
-    engine's durability: a 4 KiB header holding the payload's CRC32C, written to a temporary
-    name and renamed into place; a read checks the CRC. Without `check`, no CRC is taken
+    engine's durability: a 4 KiB header holding the payload's XXH3-64 (the tier's own
+    `payload_checksum`), written to a temporary name and renamed into place; a read checks it.
+    Without `check`, no checksum is taken
     (what checking costs: the table's "check" column)."""
     fsync, direct = MODES[mode]
     direct_flag = os.O_DIRECT if direct else 0
@@ -128,7 +129,7 @@ def run_raw(rows: np.ndarray, directory: Path, concurrency: int, mode: str, chec
     def write(i: int) -> None:
         head = header()
         if check:
-            head[:4] = crc32c.crc32c(rows[i]).to_bytes(4, "little")
+            head[:8] = payload_checksum(rows[i]).to_bytes(8, "little")
         temporary = paths[i].with_suffix(".tmp")
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct_flag, 0o600)
         try:
@@ -146,7 +147,7 @@ def run_raw(rows: np.ndarray, directory: Path, concurrency: int, mode: str, chec
             os.preadv(fd, [head, rows[i]], 0)
         finally:
             os.close(fd)
-        if check and crc32c.crc32c(rows[i]) != int.from_bytes(head[:4], "little"):
+        if check and payload_checksum(rows[i]) != int.from_bytes(head[:8], "little"):
             raise RuntimeError(f"raw baseline: block {i} read back wrong")
 
     results = {}
@@ -171,7 +172,7 @@ def run_aiofiles(rows: np.ndarray, directory: Path, concurrency: int, mode: str)
         return os.open(path, flags | direct_flag, 0o600)
 
     async def write(i: int) -> None:
-        headers[i][:4] = crc32c.crc32c(rows[i]).to_bytes(4, "little")
+        headers[i][:8] = payload_checksum(rows[i]).to_bytes(8, "little")
         temporary = paths[i].with_suffix(".tmp")
         async with aiofiles.open(temporary, "wb", buffering=0, opener=opener) as file:
             await file.write(headers[i])
@@ -184,7 +185,7 @@ def run_aiofiles(rows: np.ndarray, directory: Path, concurrency: int, mode: str)
         async with aiofiles.open(paths[i], "rb", buffering=0, opener=opener) as file:
             await file.readinto(headers[i])
             await file.readinto(rows[i])
-        if crc32c.crc32c(rows[i]) != int.from_bytes(headers[i][:4], "little"):
+        if payload_checksum(rows[i]) != int.from_bytes(headers[i][:8], "little"):
             raise RuntimeError(f"aiofiles baseline: block {i} read back wrong")
 
     async def run_all() -> dict[str, float]:
@@ -258,7 +259,7 @@ def measure(
 
 def row_cells(moved: int, runs: dict[str, list[float]], direction: str, seals: list[str]) -> list[str]:
     """One table row's cells after block, mode and op: GB/s are of each side's best run; the
-    spread is of the ratio of the engine's and raw's runs of the same round; a CRC share
+    spread is of the ratio of the engine's and raw's runs of the same round; a checksum share
     below zero (a checked run faster than an unchecked one) is noise and printed so."""
     best = {name: min(seconds) for name, seconds in runs.items()}
     engine, raw, via_aiofiles = (moved / best[f"{side} {direction}"] for side in ("engine", "raw", "aiofiles"))
@@ -296,10 +297,11 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="comma-separated: signed, encrypted: also run the engine with integrity keys",
     )
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     if args.dir is not None and not args.dir.is_dir():
         parser.error(f"--dir: {args.dir} is not a directory (give one on the disk to measure)")
-    seals = args.seals
+    report, seals, values = open_report(parser, args, "file_tier", argv), args.seals, {}
     title = f"File tier GB/s vs a raw thread pool and aiofiles, {args.concurrency} in flight, best of {args.repeats}"
     table = Table(title=title)
     columns = ["block", "mode", "op", "engine", "raw", "vs raw", "rounds", "check", "aiofiles", "vs it"]
@@ -316,8 +318,9 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 for direction in ("store", "load"):
                     table.add_row(format_size(size), mode, direction, *row_cells(moved, runs, direction, seals))
-    console = Console()
-    Console(width=max(console.width, 132 + 22 * len(seals))).print(table)  # eleven columns or more: wider than 80
+                values[f"{size} {mode}"] = {"bytes moved": moved, "seconds": runs}
+    report.print(table, values, width=132 + 22 * len(seals))  # eleven columns or more: wider than 80
+    report.write()
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ import argparse
 import time
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from tiering import CpuGpuOffloadingHandlers, CPULoadStoreSpec, GPULoadStoreSpec, canonicalize_kv_caches
 from tiering.benchmarks.args import format_size, sizes_arg
+from tiering.benchmarks.json_report import add_json_argument, open_report
 
 
 def _sync(device: torch.device) -> None:
@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=8, help="KV tensors per block (default 8)")
     parser.add_argument("--job-blocks", type=int, default=16, help="blocks per transfer (default 16)")
     parser.add_argument("--repeats", type=int, default=3, help="runs; the best is kept (default 3)")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
+    report, values = open_report(parser, args, "gpu_copy", argv), {}
     if any(size % args.layers for size in args.block_sizes):
         parser.error(f"--block-sizes: each must split into --layers {args.layers} equal pages")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             for key, (count, to_host) in baselines.items():
                 run[key] = time_baseline(device, int(run["bytes"]), count, to_host)
             runs.append(run)
-        runs = runs[1:]  # the first round only warms allocations up
+        values[size] = runs = runs[1:]  # the first round only warms allocations up
         best = {key: min(run[key] for run in runs) for key in ("store", "load", "both", *baselines)}
         rates = {key: runs[0]["bytes"] / best[key] / 1e9 for key in ("store", "load", *baselines)}
         rates["both"] = runs[0]["both bytes"] / best["both"] / 1e9
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
                 " / ".join(f"{rates[key] / rates['out1']:.2f}x" for key in ("store", "load")),
             ]
         table.add_row(*row)
-    Console().print(table)
+    report.print(table, values)
+    report.write()
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from tiering import (
     make_offload_key,
 )
 from tiering.benchmarks.args import DURATION_HELP, duration_arg, positive_arg, rate_arg, size_arg
+from tiering.benchmarks.json_report import provenance
 from tiering.engine.admission import AdmissionConfig
 
 UNBOUNDED = {"max_rows_in_flight": 1 << 40, "max_backlog_s": None}
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ramp", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5, 2.0, 3.0], help="offered rates, x absorbed"
     )
-    parser.add_argument("--output", help="write the results as JSON here (None: no file)")
+    parser.add_argument("--output", "--json", metavar="FILE", help="write the results as JSON to FILE (None: no file)")
     parser.add_argument("--plot", help="write a plot (PNG) here (None: no plot)")
     args = parser.parse_args(argv)
     refusals = logging.getLogger("tiering.cpu.refusals")
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     _print(results)
     if args.output:
         with open(args.output, "w") as out:
-            json.dump(results, out, indent=2)
+            json.dump({**results, "source": provenance()}, out, indent=2)
     if args.plot:
         _plot(results, args.plot)
     return 0

@@ -22,6 +22,7 @@ import numpy as np
 from tiering import JobMetadata, ReqContext, SecondaryTierFactory, make_offload_key
 from tiering.benchmarks.args import DURATION_HELP, duration_arg
 from tiering.benchmarks.extras import missing_extra
+from tiering.benchmarks.json_report import add_json_argument, open_report
 from tiering.testing.s3_server import MotoServer
 
 try:
@@ -124,18 +125,22 @@ def silent_endpoint_seconds() -> tuple[float, str]:
     raise RuntimeError("a tier was built against a silent endpoint")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit-s", type=duration_arg, default=60.0, help=f"give up after this long, {DURATION_HELP}")
     parser.add_argument(
         "--outage-s", type=duration_arg, default=75.0, help=f"how long the endpoint stays frozen, {DURATION_HELP}"
     )
-    args = parser.parse_args()
+    add_json_argument(parser)
+    args = parser.parse_args(argv)
+    report = open_report(parser, args, "s3_outage", argv)
     os.environ.update(CREDENTIALS)
 
     def show(what: str, seconds: float | None) -> None:
+        """One line on stderr under ``--json -``; the seconds (None: not within the limit) kept."""
         outcome = f"after {seconds:.1f} s" if seconds is not None else f"not within {args.limit_s:.0f} s"
-        print(f"{what} {outcome}")
+        report.console().print(f"{what} {outcome}", highlight=False)
+        report.add(what, seconds)
 
     server = MotoServer()
     server.start()
@@ -148,7 +153,10 @@ def main() -> None:
     finally:
         server.stop()
     seconds, message = silent_endpoint_seconds()
-    print(f"silent endpoint, building the tier: failed after {seconds:.1f} s: {message}")
+    show("silent endpoint, building the tier: failed", seconds)
+    report.console().print(f"  {message}", highlight=False, markup=False)
+    report.add("silent endpoint error", message)
+    report.write()
 
 
 if __name__ == "__main__":

@@ -32,12 +32,12 @@ import tracemalloc
 from collections import OrderedDict
 from collections.abc import Callable
 
-from rich.console import Console
 from rich.table import Table
 
 from tiering import CPUOffloadingManager, OffloadKey, ReqContext, make_offload_key
 from tiering.backends.file.segment_io import Entry, Segment
 from tiering.backends.file.segments import SEGMENT_BYTES
+from tiering.benchmarks.json_report import add_json_argument, open_report
 from tiering.tiers.blockstore.index import BlockIndex
 
 BATCH = 16  # blocks per store, as a scheduler step stores a request's new blocks
@@ -201,14 +201,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--objects", type=sizes, default=[16_000, 10_000_000], help="index sizes, objects")
     parser.add_argument("--policies", default="lru,arc", help="the CPU tier's eviction policies")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per call; the best is kept")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
-    console = Console()
+    report, values = open_report(parser, args, "scale", argv), {}
     table = Table(title=f"Memory per block and cost per call at scale, best of {args.repeats}")
     for column in ("structure", "blocks", "bytes/block", "store us/block", "hit us/block"):
         table.add_column(column, justify="left" if column == "structure" else "right")
     for policy in args.policies.split(","):
         for rows in args.rows:
-            row = cpu_tier(rows, policy, args.repeats)
+            values[f"CPU tier {policy} {rows}"] = row = cpu_tier(rows, policy, args.repeats)
             table.add_row(
                 f"CPU tier, {policy}",
                 f"{rows:,}",
@@ -217,15 +218,16 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row['lookup_us']:.2f}",
             )
     for objects in args.objects:
-        row = block_index(objects, args.repeats)
+        values[f"tier index {objects}"] = row = block_index(objects, args.repeats)
         table.add_row(
             "tier index", f"{objects:,}", f"{row['bytes']:.0f}", f"{row['store_us']:.2f}", f"{row['lookup_us']:.2f}"
         )
         table.add_row("+ segments' map", f"{objects:,}", f"{row['segments_bytes']:.0f}", "-", "-")
     for blocks in sorted({*args.rows, *args.objects}):
-        row = raw_dict(blocks, args.repeats)
+        values[f"raw OrderedDict {blocks}"] = row = raw_dict(blocks, args.repeats)
         table.add_row("raw OrderedDict", f"{blocks:,}", "-", f"{row['store_us']:.2f}", f"{row['lookup_us']:.2f}")
-    console.print(table)
+    report.print(table, values)
+    report.write()
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from tiering import (
@@ -64,6 +63,7 @@ from tiering import (
     make_offload_key,
 )
 from tiering.benchmarks.args import HINTS, checked, parse_hints
+from tiering.benchmarks.json_report import add_json_argument, open_report
 from tiering.contract.mediums import LOCAL, STORAGE
 from tiering.eviction.policies import cache_policy_names
 from tiering.tiers.blockstore.applying import apply_store
@@ -236,22 +236,27 @@ def time_index_eviction(num_blocks: int, retained: bool) -> tuple[float, float]:
     return (clock() - began) / len(new), worst
 
 
-def measure_eviction(batch: int, repeats: int, scale: float = 1.0) -> dict[tuple[str, int], tuple[float, ...]]:
-    """Best seconds of each `EVICTION_SIZES` row (its size times `scale`) over `repeats`
-    interleaved runs: the mean per store (or evicted block) without hints and retained, then
-    the worst single one of each."""
-    best: dict[tuple[str, int], tuple[float, ...]] = {}
+def measure_eviction(batch: int, repeats: int, scale: float = 1.0) -> list[dict[tuple[str, int], tuple[float, ...]]]:
+    """Each of `repeats` interleaved runs' seconds of each `EVICTION_SIZES` row (its size
+    times `scale`): the mean per store (or evicted block) without hints and retained, then the
+    worst single one of each."""
+    rounds: list[dict[tuple[str, int], tuple[float, ...]]] = []
     sizes = [(where, max(10 * batch, round(size * scale))) for where, size in EVICTION_SIZES]
     for _ in range(repeats):
+        rounds.append({})
         for where, size in sizes:
             with _gc_paused():
                 if where == "CPU tier":
                     plain, held = time_cpu_eviction(size, batch, False), time_cpu_eviction(size, batch, True)
                 else:
                     plain, held = time_index_eviction(size, False), time_index_eviction(size, True)
-            old = best.get((where, size), (float("inf"),) * 4)
-            best[(where, size)] = tuple(map(min, old, (plain[0], held[0], plain[1], held[1])))
-    return best
+            rounds[-1][(where, size)] = (plain[0], held[0], plain[1], held[1])
+    return rounds
+
+
+def best_of(rounds: list[dict]) -> dict:
+    """Each key's least value of each field over `rounds` (dicts of tuples of seconds)."""
+    return {key: tuple(min(each) for each in zip(*(run[key] for run in rounds), strict=True)) for key in rounds[0]}
 
 
 def time_index_store(num_blocks: int, batch: int, events: bool) -> float:
@@ -277,22 +282,16 @@ def time_index_store(num_blocks: int, batch: int, events: bool) -> float:
     return (time.perf_counter() - began) / (len(jobs) * batch)
 
 
-def measure_events(num_blocks: int, batch: int, repeats: int, policy: str = "lru") -> dict[str, tuple[float, float]]:
-    """Best (events off, on) seconds per block stored of a request through the manager and of
-    a block-store tier's applied job, over `repeats` interleaved runs."""
-    best: dict[str, tuple[float, float]] = {}
+def measure_events(num_blocks: int, batch: int, repeats: int, policy: str = "lru") -> list[dict[str, tuple]]:
+    """(events off, on) seconds per block stored of a request through the manager and of a
+    block-store tier's applied job, in each of `repeats` interleaved runs."""
+    rounds: list[dict[str, tuple]] = []
     for _ in range(repeats):
         with _gc_paused():
-            runs = {
-                "request's store via manager": tuple(
-                    time_engine(num_blocks, batch, policy, events=on)[STORE_ROW] for on in (False, True)
-                ),
-                "block-store tier's store job": tuple(time_index_store(num_blocks, batch, on) for on in (False, True)),
-            }
-        for row, (off, on) in runs.items():
-            old = best.get(row, (float("inf"), float("inf")))
-            best[row] = (min(old[0], off), min(old[1], on))
-    return best
+            manager = tuple(time_engine(num_blocks, batch, policy, events=on)[STORE_ROW] for on in (False, True))
+            job = tuple(time_index_store(num_blocks, batch, on) for on in (False, True))
+        rounds.append({"request's store via manager": manager, "block-store tier's store job": job})
+    return rounds
 
 
 @contextlib.contextmanager
@@ -314,16 +313,14 @@ def _per_call(call: Callable[[OffloadKey, ReqContext], object], keys: list[Offlo
 
 def measure(
     num_blocks: int, batch: int, repeats: int, policy: str = "lru", hints: str = "none"
-) -> dict[str, tuple[float, float]]:
-    """Best (engine, baseline) seconds of each operation over `repeats` interleaved runs."""
-    best: dict[str, tuple[float, float]] = {}
+) -> list[dict[str, tuple[float, float]]]:
+    """(engine, baseline) seconds of each operation in each of `repeats` interleaved runs."""
+    rounds: list[dict[str, tuple[float, float]]] = []
     for _ in range(repeats):
         with _gc_paused():
             engine, baseline = time_engine(num_blocks, batch, policy, hints), time_baseline(num_blocks, batch)
-        for op, seconds in engine.items():
-            old = best.get(op, (float("inf"), float("inf")))
-            best[op] = (min(old[0], seconds), min(old[1], baseline[op]))
-    return best
+        rounds.append({op: (seconds, baseline[op]) for op, seconds in engine.items()})
+    return rounds
 
 
 def time_handoff(num_jobs: int, job_blocks: int = 16) -> dict[str, float]:
@@ -395,8 +392,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     scale = "the eviction table's tier sizes times this (default 1: 200,000 and 1,000,000 rows)"
     parser.add_argument("--eviction-scale", type=float, default=1.0, help=scale)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
-    results = measure(args.blocks, args.batch, args.repeats, args.policy, args.hints)
+    report = open_report(parser, args, "scheduler_cost", argv)
+    rounds = measure(args.blocks, args.batch, args.repeats, args.policy, args.hints)
     table = Table(
         title=f"Scheduler-thread cost, {args.blocks} blocks, {args.policy}, hints {args.hints}, two example tiers, "
         f"best of {args.repeats}"
@@ -405,23 +404,22 @@ def main(argv: list[str] | None = None) -> None:
     table.add_column("engine (us)", justify="right")
     table.add_column("raw baseline (us)", justify="right")
     table.add_column("ratio", justify="right")
-    for op, (engine, baseline) in results.items():
+    for op, (engine, baseline) in best_of(rounds).items():
         table.add_row(op, f"{engine * 1e6:.2f}", f"{baseline * 1e6:.2f}", f"{engine / baseline:.1f}x")
-    Console().print(table)
+    report.print(table, rounds)
     if args.eviction_repeats > 0:
         eviction = Table(
             title=f"Eviction with a fifth of the tier retained (7d hints), best of {args.eviction_repeats}"
         )
         for column in ("tier", "size", "per", "no hints (us)", "retained (us)", "ratio", *EVICTION_WORST):
             eviction.add_column(column, justify="left" if column in ("tier", "per") else "right")
-        for (where, size), (plain, held, *worst) in measure_eviction(
-            args.batch, args.eviction_repeats, args.eviction_scale
-        ).items():
+        evictions = measure_eviction(args.batch, args.eviction_repeats, args.eviction_scale)
+        for (where, size), (plain, held, *worst) in best_of(evictions).items():
             per = f"store of {args.batch}" if where == "CPU tier" else "evicted block"
             means = (f"{plain * 1e6:.2f}", f"{held * 1e6:.2f}", f"{held / plain:.2f}x")
             worsts = (f"{worst[0] * 1e6:.1f}", f"{worst[1] * 1e6:.1f}", f"{worst[1] / worst[0]:.2f}x")
             eviction.add_row(where, f"{size:,}", per, *means, *worsts)
-        Console().print(eviction)
+        report.print(eviction, evictions)
     events = Table(
         title=f"KV events, per block stored, best of {args.repeats}: a request's store through the manager "
         f"(CPU tier + 2 example tiers); a block-store tier's store job of {args.batch} blocks into its full "
@@ -429,9 +427,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     for column in ("where", "events off (us)", "events on (us)", "cost (us)"):
         events.add_column(column, justify="left" if column == "where" else "right")
-    for row, (off, on) in measure_events(args.blocks, args.batch, args.repeats, args.policy).items():
+    event_rounds = measure_events(args.blocks, args.batch, args.repeats, args.policy)
+    for row, (off, on) in best_of(event_rounds).items():
         events.add_row(row, f"{off * 1e6:.2f}", f"{on * 1e6:.2f}", f"{(on - off) * 1e6:+.2f}")
-    Console().print(events)
+    report.print(events, event_rounds)
     handoff = Table(title="Scheduler-thread cost of handing one job to the loop thread")
     handoff.add_column("handoff")
     handoff.add_column("us per job", justify="right")
@@ -439,7 +438,8 @@ def main(argv: list[str] | None = None) -> None:
         handoffs = time_handoff(max(100, args.blocks // 16))
     for name, seconds in handoffs.items():
         handoff.add_row(name, f"{seconds * 1e6:.2f}")
-    Console().print(handoff)
+    report.print(handoff, handoffs)
+    report.write()
 
 
 if __name__ == "__main__":

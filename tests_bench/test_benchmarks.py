@@ -1,7 +1,10 @@
 """Each benchmark runs end to end on tiny sizes, so none of them rots unnoticed."""
 
+import importlib
 import json
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -9,20 +12,68 @@ from tiering.benchmarks import file_recovery, file_tier, loadgen, s3_tier, scale
 
 
 def test_scheduler_cost(capsys):
-    scheduler_cost.main(["--blocks", "64", "--repeats", "1", "--eviction-repeats", "1", "--eviction-scale", "0.001"])
-    out = capsys.readouterr().out
+    argv = ["--blocks", "64", "--repeats", "2", "--eviction-repeats", "1", "--eviction-scale", "0.001", "--json", "-"]
+    scheduler_cost.main(argv)
+    captured = capsys.readouterr()
     rows = ("lookup, primary hit", "on_schedule_end, nothing to do", "block-store tier's store job")
     for row in (*rows, "Eviction with a fifth", "AsyncRuntime.submit per job"):
-        assert row in out
+        assert row in captured.err  # the tables go to stderr under --json -: stdout is the JSON alone
+    document = json.loads(captured.out)
+    assert document["benchmark"] == "scheduler_cost" and document["argv"] == argv
+    assert document["cpus"] == os.cpu_count() and document["commit"] == head_commit()
+    calls, eviction = document["tables"][:2]
+    assert "lookup, primary hit" in [row["operation"] for row in calls["rows"]]
+    assert len(calls["values"]) == 2 and all(len(pair) == 2 for pair in calls["values"][0].values())  # each round
+    assert [row["tier"] for row in eviction["rows"]] == ["CPU tier", "CPU tier", "tier index", "tier index"]
+
+
+def head_commit() -> str | None:
+    """The checkout's HEAD, as `--json` reports it (None outside a git checkout)."""
+    here = Path(__file__).resolve().parent
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+BENCHMARKS = ("file_recovery", "file_tier", "gpu_copy", "s3_outage", "s3_tier", "scale", "scheduler_cost")
+BENCHMARKS += ("valkey_tier",)
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_benchmark_takes_json_and_refuses_a_file_it_cannot_write_before_any_work(name, capsys, tmp_path):
+    module = importlib.import_module(f"tiering.benchmarks.{name}")
+    with pytest.raises(SystemExit) as exited:
+        module.main(["--help"])
+    assert exited.value.code == 0 and "--json FILE" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        module.main(["--json", str(tmp_path / "missing" / "out.json")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"the directory {tmp_path / 'missing'} does not exist" in err
+
+
+def test_versus_vllm_and_the_cli_benchmarks_take_json(capsys):
+    from tiering.benchmarks.versus_vllm import __main__ as versus_vllm
+
+    for command in ("sched", "files", "overload"):
+        with pytest.raises(SystemExit):
+            versus_vllm.main([command, "--help"])
+        assert "--json FILE" in capsys.readouterr().out
+    for argv in (["--help"], ["serve", "--help"], ["overload", "--help"]):
+        with pytest.raises(SystemExit):
+            loadgen.main(argv)
+        assert "--json FILE" in capsys.readouterr().out
 
 
 def test_file_tier(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv(file_tier.KEYS_ENV, "ab" * 32)  # the sealed sides' key, removed after
-    args = ["--dir", str(tmp_path), "--total-mib", "1", "--repeats", "1", "--block-sizes", "64KiB"]
-    file_tier.main([*args, "--seals", "signed,encrypted"])
+    args = ["--dir", str(tmp_path), "--total-mib", "1", "--repeats", "2", "--block-sizes", "64KiB"]
+    file_tier.main([*args, "--seals", "signed,encrypted", "--json", str(tmp_path / "files.json")])
     out = capsys.readouterr().out
     for word in ("buffered", "direct", "check", "signed", "encrypted"):
         assert word in out
+    (table,) = json.loads((tmp_path / "files.json").read_text())["tables"]
+    assert [(row["mode"], row["op"]) for row in table["rows"][:2]] == [("buffered", "store"), ("buffered", "load")]
+    runs = table["values"][f"{64 << 10} direct"]
+    assert runs["bytes moved"] == 1 << 20 and len(runs["seconds"]["engine signed load"]) == 2  # each round
 
 
 def test_file_recovery(capsys, tmp_path):
@@ -74,6 +125,7 @@ def test_overload_ramp_through_tiering_bench(capsys, caplog, tmp_path):
     assert loadgen.main(argv) == 0
     results = json.loads(output.read_text())
     assert results["absorbed_gbps"] > 0 and (tmp_path / "ramp.png").stat().st_size > 0
+    assert results["source"]["cpus"] == os.cpu_count()
     for mode in ("admission", "no_admission"):
         assert [row["offered_x"] for row in results[mode]] == [0.5, 8.0]
         assert set(results[mode][0]) >= {"offered_gbps", "cascades_dropped", "gpu_stores_refused_pct", "call_p99_us"}

@@ -147,7 +147,7 @@ def test_a_rerun_over_a_used_directory_never_exceeds_its_bound_and_leaves_no_fil
         output = tmp_path / f"run{run}.json"
         assert cli.main([*argv, "--output", str(output)]) == 0
         report = json.loads(output.read_text())
-        assert report["schema_version"] == 7 and not report["inputs"]["warm_start"]
+        assert report["schema_version"] == 8 and not report["inputs"]["warm_start"]
         assert report["hit_rate"]["total"] <= report["prefix_hit_rate"] + 1e-9  # (it may reach it exactly)
         assert report["prefix_hit_rate"] <= report["unbounded_hit_rate"]
         assert list(root.iterdir()) == []  # the run's namespace was removed

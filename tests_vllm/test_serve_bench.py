@@ -37,7 +37,7 @@ def test_every_configuration_serves_the_trace_and_the_report_adds_up(tmp_path):
     assert main([*argv, "--output", str(output), "--plot", str(plot)]) == 0
 
     report = json.loads(output.read_text())
-    assert report["schema_version"] == 1 and plot.stat().st_size > 0
+    assert report["schema_version"] == 2 and plot.stat().st_size > 0
     assert report["reusable_prefix_tokens"] == [0] * 4 + [256] * 4
     runs = report["configurations"]
     assert list(runs) == list(CONFIGURATIONS)

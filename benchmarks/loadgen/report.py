@@ -11,17 +11,18 @@ from rich.console import Console
 from rich.table import Table
 
 from tiering.benchmarks.args import format_size
+from tiering.benchmarks.json_report import provenance
 from tiering.benchmarks.loadgen.run import RunStats
 from tiering.tiers.context import PRIMARY_NAME
 
 if TYPE_CHECKING:
     from tiering.benchmarks.loadgen.engine import SimulatedEngine
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # 2: prefix_hit_rate, each tier's cascades_dropped and cascades_filtered; 3: interrupted;
 # 4: tiers' store_gbps/load_gbps over their busy time (store_busy_s, load_busy_s), `engine`;
 # 5: hit_rate_by_tenant (requests that name a tenant, as with --flood); 6: cpu_tier (its
-# retention counts and stats)
+# retention counts and stats); 8: source (commit, dirty, cpus, python)
 RETENTION_COUNTS = {  # (the CPU tier's counter or gauge, what the summary calls it)
     "retentions": "deadlines given",
     "retentions_released": "blocks released",
@@ -62,6 +63,7 @@ def build_report(stats: RunStats, engine: SimulatedEngine, bounds: dict[str, flo
     trace_span = inputs["trace_span_s"]
     return {
         "schema_version": SCHEMA_VERSION,
+        "source": provenance(),
         "inputs": inputs,
         "requests": stats.requests,
         "interrupted": stats.interrupted,

@@ -184,7 +184,7 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
 def _output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", type=Path, help="the model, tiers and server logs (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--output", type=Path, help="write the results as JSON")
+    parser.add_argument("--output", "--json", type=Path, metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument("--plot", type=Path, help="write the TTFT CDF as PNG")
     parser.add_argument("--quiet", action="store_true", help="only warnings and errors")
 

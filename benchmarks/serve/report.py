@@ -10,9 +10,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from tiering.benchmarks.json_report import provenance
 from tiering.benchmarks.serve.breakdown import FIELDS
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: source (commit, dirty, cpus, python)
 PERCENTILES = (50, 90, 99)
 
 
@@ -94,6 +95,7 @@ def build_report(runs: list[dict[str, Any]], reusable: list[int], inputs: dict[s
     block_tokens = inputs.get("block_size", 0)
     return {
         "schema_version": SCHEMA_VERSION,
+        "source": provenance(),
         "inputs": inputs,
         "reusable_prefix_tokens": reusable,
         "configurations": {run["name"]: {**run, "summary": summarize(run, reusable, block_tokens)} for run in runs},

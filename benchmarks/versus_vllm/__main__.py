@@ -23,7 +23,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from tiering.benchmarks.args import (
@@ -35,6 +34,7 @@ from tiering.benchmarks.args import (
     rate_arg,
     sizes_arg,
 )
+from tiering.benchmarks.json_report import add_json_argument, open_report
 from tiering.benchmarks.versus_vllm import sched, tree
 
 SIDES = ("ours", "vllm")
@@ -57,11 +57,15 @@ def run_side(side: str, module: str, arguments: list[str], vllm_tree: Path) -> d
     return json.loads(done.stdout)
 
 
+Runs = dict[tuple[str, str], list[dict[str, float]]]
+"""(side, case) -> each round's results, in the order the rounds ran."""
+
+
 def interleaved(
     rounds: int, cases: list[tuple[str, list[str]]], module: str, vllm_tree: Path, sides: tuple[str, ...] = SIDES
-) -> dict:
+) -> Runs:
     """Every case's results for each side, over `rounds` rounds, sides swapped every other round."""
-    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    runs: Runs = {}
     for round_ in range(rounds):
         for name, arguments in cases:
             for side in sides if round_ % 2 == 0 else sides[::-1]:
@@ -73,7 +77,7 @@ def spread(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
 
 
-def sched_table(args: argparse.Namespace, vllm_tree: Path) -> Table:
+def sched_table(args: argparse.Namespace, vllm_tree: Path) -> tuple[Table, Runs]:
     cases = [(policy, [policy, str(args.repeats)]) for policy in args.policies]
     runs = interleaved(args.rounds, cases, "sched", vllm_tree)
     table = Table(title=f"Scheduler-thread cost, ours and vLLM {tree.VLLM_VERSION}'s, {args.rounds} rounds (us)")
@@ -85,10 +89,10 @@ def sched_table(args: argparse.Namespace, vllm_tree: Path) -> Table:
             ratios = [m / t for m, t in zip(mine, theirs, strict=True)]
             medians = (f"{statistics.median(mine):.2f}", f"{statistics.median(theirs):.2f}")
             table.add_row(policy, call, *medians, spread(ratios))
-    return table
+    return table, runs
 
 
-def files_table(args: argparse.Namespace, vllm_tree: Path) -> Table:
+def files_table(args: argparse.Namespace, vllm_tree: Path) -> tuple[Table, Runs]:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="versus-vllm-") as scratch:
         cases = [
             (f"{size} {mode}", [mode, str(size), str(FILE_BLOCKS.get(size, max(16, (256 << 20) // size))), scratch])
@@ -108,13 +112,13 @@ def files_table(args: argparse.Namespace, vllm_tree: Path) -> Table:
             ratios = [m / t for m, t in zip(mine, theirs, strict=True)]
             cells = (f"{statistics.median(mine):.2f}x", f"{statistics.median(theirs):.2f}x", spread(ratios))
             table.add_row(format_size(int(size)), mode, op, *cells)
-    return table
+    return table, runs
 
 
 OVERLOAD_SIDES = ("ours", "vllm", "vllm+bp")
 
 
-def overload_table(args: argparse.Namespace, vllm_tree: Path) -> Table:
+def overload_table(args: argparse.Namespace, vllm_tree: Path) -> tuple[Table, Runs]:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="versus-vllm-") as scratch:
         cases = [("ramp", [str(args.gbps), str(args.seconds), scratch])]
         runs = interleaved(args.rounds, cases, "overload", vllm_tree, OVERLOAD_SIDES)
@@ -129,7 +133,7 @@ def overload_table(args: argparse.Namespace, vllm_tree: Path) -> Table:
     for side in OVERLOAD_SIDES:
         medians = {name: statistics.median(run[name] for run in runs[(side, "ramp")]) for name in names}
         table.add_row(side, *(f"{value:.2f}" if "GB/s" in name else f"{value:,.0f}" for name, value in medians.items()))
-    return table
+    return table, runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,17 +159,24 @@ def main(argv: list[str] | None = None) -> int:
     ramp.add_argument("--rounds", type=positive_arg, default=3, help="interleaved rounds of every side")
     ramp.add_argument("--gbps", type=rate_arg, default=2.0, help="GB/s of stores offered")
     ramp.add_argument("--seconds", type=duration_arg, default=10.0, help=f"each run's length, {DURATION_HELP}")
+    for command in (cost, files, ramp):
+        add_json_argument(command)
     parser.epilog = "".join(command.format_usage() for command in (cost, files, ramp))
     args = parser.parse_args(argv)
     if args.command in ("files", "overload") and not args.dir.is_dir():
         parser.error(f"--dir: {args.dir} is not a directory")
+    report = open_report(parser, args, f"versus_vllm {args.command}", argv)
     try:
         vllm_tree = tree.build(args.cache)
-        table = {"sched": sched_table, "files": files_table, "overload": overload_table}[args.command](args, vllm_tree)
+        table, runs = {"sched": sched_table, "files": files_table, "overload": overload_table}[args.command](
+            args, vllm_tree
+        )
     except RuntimeError as exc:
         print(f"versus_vllm: {exc}", file=sys.stderr)
         return 2
-    Console(width=max(Console().width, 100)).print(table)
+    report.add("vllm", tree.VLLM_VERSION)
+    report.print(table, runs)
+    report.write()
     return 0
 
 
