@@ -115,7 +115,10 @@ class Report:
         """Print `table` (at least `width` columns wide) and keep it, with `values` (the numbers
         behind it: dicts, lists and numbers; tuple keys become strings of their parts)."""
         self.console(width).print(table)
-        columns = [str(column.header) for column in table.columns]
+        columns: list[str] = []
+        for column in table.columns:  # a heading used twice is named with its count: "vs it 2"
+            heading = str(column.header)
+            columns.append(f"{heading} {columns.count(heading) + 1}" if heading in columns else heading)
         cells = [[str(cell) for cell in column.cells] for column in table.columns]
         rows = [dict(zip(columns, row, strict=True)) for row in zip(*cells, strict=True)]
         entry = {"title": str(table.title or ""), "columns": columns, "rows": rows, "values": _plain(values)}
