@@ -5,6 +5,7 @@ import base64
 import logging
 import re
 import secrets
+import struct
 import time
 
 import numpy as np
@@ -286,3 +287,12 @@ def test_the_checksum_catches_one_flipped_bit_whether_it_holds_the_gil_or_not(si
     payload[size // 2] ^= 1
     with pytest.raises(CorruptObjectError, match="XXH3-64"):
         verify_payload(parsed, memoryview(payload))
+
+
+def test_an_object_of_the_crc32c_format_is_never_read():
+    """Object format 2 (header version 3: CRC32C fields, 4 bytes each) is another identity's:
+    a header of it, however well formed, is refused as an older format."""
+    key, payload = keys(1)[0], b"\x07" * 4096
+    fixed = struct.Struct("<4sHHI16sQII").pack(b"KVTB", 3, len(key), 128, FINGERPRINT, len(payload), 0, 0)
+    with pytest.raises(CorruptObjectError, match="version 3"):
+        parse_header((fixed + key).ljust(128, b"\0"), FINGERPRINT)
