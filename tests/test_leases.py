@@ -7,13 +7,16 @@ import logging
 import os
 import time
 
+import pytest
+
 from tests.test_identity import IdentitySpec, identity
 from tests.test_namespaces import age, check
 from tiering import config_check
 from tiering.backends.file import FileBlockStore
 from tiering.contract.identity import CHECKPOINT, namespace
+from tiering.contract.keys import OffloadKey
 from tiering.tiers.blockstore import leases
-from tiering.tiers.blockstore.leases import LEASE_S, Lease, lease_namespace, read_leases
+from tiering.tiers.blockstore.leases import LEASE_S, Lease, LeaseRecord, lease_namespace, read_leases
 
 LIVE = identity("control")
 FILES = {"layout": "files"}
@@ -120,3 +123,13 @@ def test_a_lease_that_cannot_be_written_never_stops_the_tier(tmp_path, engine_fa
     engine.store(0)
     assert engine.lookup_until_done(0) == [True]
     assert "this engine's lease was not written" in caplog.text
+
+
+@pytest.mark.parametrize("ahead_s", [LEASE_S + 60, float("inf"), float("nan")])
+def test_a_lease_dated_far_ahead_or_not_a_time_is_not_live(ahead_s):
+    """A clock far off, or a record written to keep namespaces from prune for good, keeps
+    nothing: a lease counts as live only within `LEASE_S` of now, on either side."""
+    now = 1_000_000.0
+    lease = LeaseRecord(OffloadKey(b"~lease-x"), "x", "host", 1, {}, now + ahead_s)
+    assert not lease.live(now)
+    assert LeaseRecord(OffloadKey(b"~lease-y"), "y", "host", 1, {}, now + 60).live(now)  # a clock a minute ahead

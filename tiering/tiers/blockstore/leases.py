@@ -70,8 +70,10 @@ class LeaseRecord:
     renewed: float
 
     def live(self, now: float) -> bool:
-        """Whether the lease was renewed within `LEASE_S` seconds of `now` (Unix seconds)."""
-        return now - self.renewed < LEASE_S
+        """Whether the lease was renewed within `LEASE_S` seconds of `now` (Unix seconds). One
+        dated more than `LEASE_S` ahead of `now` is not (a clock far off, or a record written
+        to keep namespaces from prune for good), nor one whose time is not a number."""
+        return -LEASE_S < now - self.renewed < LEASE_S
 
     def describe(self, now: float) -> str:
         """The engine in a few words: ``engine 3f2a... on host pid 123, renewed 12 s ago``."""
