@@ -39,17 +39,17 @@ def engine_regions() -> set[Path]:
     return set(Path("/dev/shm").glob("tiering-*"))
 
 
-def regions_left_behind(before: set[Path], anyone: bool = False) -> list[Path]:
+def regions_left_behind(before: set[Path]) -> list[Path]:
     """Regions that appeared since `before` and are ours: mapped by this process, or held by
     no process at all (released without being removed) and named by this run (`region_name`,
-    or a benchmark engine of this process, ``bench-<pid>``; `anyone`: whoever named it, for a
-    stage whose engines vLLM names). A live engine elsewhere on the machine holds its region's
-    lock, and another test run's abandoned regions bear another mark: neither is counted."""
+    also as vLLM's ``engine_id`` of the engines a test starts, or a benchmark engine of this
+    process, ``bench-<pid>``). A live engine elsewhere on the machine holds its region's lock,
+    and another test run's abandoned regions bear another mark: neither is counted."""
     with open("/proc/self/maps") as maps:
         mapped = maps.read()
 
     def ours(path: Path) -> bool:
-        return anyone or f"-{RUN}-" in path.name or path.name.endswith(f"-{os.getpid()}.kv")
+        return f"-{RUN}-" in path.name or path.name.endswith(f"-{os.getpid()}.kv")
 
     return sorted(
         path for path in engine_regions() - before if str(path) in mapped or (ours(path) and _abandoned(path))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import engine_regions, regions_left_behind
+from tests.helpers import engine_regions, region_name, regions_left_behind
 from tests_vllm import tiny
 from tests_vllm.conftest import prompt
 from tiering.benchmarks.serve.server import ServerOptions, VllmServer, free_port
@@ -33,7 +33,10 @@ class Server(VllmServer):
         self.engine_port = free_port()
         engine = engine or {"cpu_bytes_to_use": 4 << 20, "secondary_tiers": [{"type": "file", "root_dir": str(root)}]}
         engine = {**engine, "metrics": {"port": self.engine_port}}  # in the engine core's process
-        options = ServerOptions(engine, tiny.BLOCK, max_model_len=1024, gpu_blocks=64, log_stats_s=1)
+        # named with this run's mark: its region is told from other runs' (`regions_left_behind`)
+        options = ServerOptions(
+            engine, tiny.BLOCK, max_model_len=1024, gpu_blocks=64, log_stats_s=1, engine_id=region_name()
+        )
         super().__init__(model, options, log)
 
     def complete(self, tokens: list[int], max_tokens: int = 2, kv_transfer_params: dict | None = None) -> bool:
@@ -108,7 +111,7 @@ def test_a_server_stopped_by_sigint_mid_load_leaves_nothing_and_showed_the_engin
     output = server.output()
     assert re.search(r"\(EngineCore.*INFO .*engine ready: 128 CPU blocks", output), output[-3000:]
     assert "KV Transfer metrics" in output and "vllm:kv_tiering_blocks_stored" in output
-    assert regions_left_behind(before, anyone=True) == []  # vLLM names its engines; the stage runs alone
+    assert regions_left_behind(before) == []
     assert not all(results)  # it was stopped mid-load
 
 
@@ -120,7 +123,7 @@ def test_a_server_whose_every_process_is_killed_leaves_no_shared_memory(model, t
         assert quarter.wait(120)
     finally:
         server.stop(signal.SIGKILL, group=True)
-    assert regions_left_behind(before, anyone=True) == []  # vLLM names its engines; the stage runs alone
+    assert regions_left_behind(before) == []
 
 
 def test_retention_and_release_hints_in_the_request_body_reach_the_engine(model, tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import engine_regions, regions_left_behind
+from tests.helpers import engine_regions, region_name, regions_left_behind
 from tests_vllm import tiny
 from tests_vllm.conftest import LONGER, OTHERS, PROMPT
 from tiering.integrations.vllm import live_specs
@@ -478,14 +478,13 @@ def test_negative_control_wrong_bytes_loaded_above_the_checks_change_the_output(
 SCRIPT = """
 import json, sys
 from pathlib import Path
-from tests.helpers import engine_regions, regions_left_behind
 from tests_vllm import tiny
 from tests_vllm.conftest import PROMPT
 
 if __name__ == "__main__":
-    model, root = Path(sys.argv[1]), Path(sys.argv[2])
+    model, root, engine_id = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     config = {"cpu_bytes_to_use": 256 << 10, "secondary_tiers": [{"type": "file", "root_dir": str(root)}]}
-    llm = tiny.make_llm(model, config)
+    llm = tiny.make_llm(model, config, engine_id=engine_id)
     first = tiny.generate(llm, [PROMPT])[0]
     assert llm.reset_prefix_cache()
     second = tiny.generate(llm, [PROMPT])[0]
@@ -499,7 +498,11 @@ def run_script(model, root, multiprocessing: str) -> tuple[list, str]:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(model), str(root)], env=env, capture_output=True, text=True, timeout=500
+        [sys.executable, "-c", SCRIPT, str(model), str(root), region_name()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
@@ -518,7 +521,7 @@ def test_a_process_leaves_no_shared_memory_temp_files_or_stuck_exit(model, basel
     expected = list(baseline[tuple(PROMPT)][:2])
     assert first[:2] == expected and second[:2] == expected
     assert first[2] == 0 and second[2] == FULL_BLOCKS
-    assert regions_left_behind(regions_before, anyone=True) == []  # vLLM names its engines
+    assert regions_left_behind(regions_before) == []  # the script named its engine with this run's mark
     files = [path for path in (tmp_path / "kv").rglob("*") if path.is_file()]
     assert len(tiny.object_pages(tmp_path / "kv")) == FULL_BLOCKS // tiny.BLOCK
     assert not any(path.name.endswith(".tmp") for path in files)
@@ -527,14 +530,13 @@ def test_a_process_leaves_no_shared_memory_temp_files_or_stuck_exit(model, basel
 KILLED_SCRIPT = """
 import sys, time
 from pathlib import Path
-from tests.helpers import engine_regions, regions_left_behind
 from tests_vllm import tiny
 from tests_vllm.conftest import PROMPT
 
 if __name__ == "__main__":
-    model, root = Path(sys.argv[1]), Path(sys.argv[2])
+    model, root, engine_id = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     config = {"cpu_bytes_to_use": 256 << 10, "secondary_tiers": [{"type": "file", "root_dir": str(root)}]}
-    llm = tiny.make_llm(model, config)
+    llm = tiny.make_llm(model, config, engine_id=engine_id)
     tiny.generate(llm, [PROMPT])
     print("SERVING", flush=True)
     time.sleep(600)
@@ -547,7 +549,7 @@ def test_every_process_killed_with_sigkill_leaves_no_shared_memory(model, tmp_pa
     regions_before = engine_regions()
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-c", KILLED_SCRIPT, str(model), str(tmp_path / "kv")]
+    command = [sys.executable, "-c", KILLED_SCRIPT, str(model), str(tmp_path / "kv"), region_name()]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert any(line.startswith("SERVING") for line in process.stdout), "the engine never served"
@@ -555,7 +557,7 @@ def test_every_process_killed_with_sigkill_leaves_no_shared_memory(model, tmp_pa
         os.killpg(process.pid, signal.SIGKILL)  # the script and vLLM's engine-core process
         process.wait(60)
         process.stdout.close()
-    assert regions_left_behind(regions_before, anyone=True) == []  # vLLM names its engines
+    assert regions_left_behind(regions_before) == []  # the script named its engine with this run's mark
 
 
 TRACE = Path(__file__).resolve().parents[1] / "traces" / "conversation_trace.jsonl.gz"  # shipped with the repository

@@ -29,9 +29,16 @@ def make_model(
     )
 
 
-def make_llm(model: Path, extra_config: dict | None = None, connector: str = "OffloadingConnector", **kwargs):
+def make_llm(
+    model: Path,
+    extra_config: dict | None = None,
+    connector: str = "OffloadingConnector",
+    engine_id: str | None = None,
+    **kwargs,
+):
     """vLLM's offline engine over `model`; with `extra_config`, this engine behind
-    `connector` (vLLM's ``OffloadingConnector`` or this engine's ``KVTieringConnector``)."""
+    `connector` (vLLM's ``OffloadingConnector`` or this engine's ``KVTieringConnector``),
+    its shared-memory region named by `engine_id` (None: vLLM draws one)."""
     from vllm import LLM
 
     options = {
@@ -50,6 +57,7 @@ def make_llm(model: Path, extra_config: dict | None = None, connector: str = "Of
             **VLLM_CONNECTOR,
             "kv_connector": connector,
             "kv_connector_extra_config": {**VLLM_SPEC, **extra_config},
+            **({} if engine_id is None else {"engine_id": engine_id}),
         }
     options.update(kwargs)
     return LLM(**options)

@@ -54,6 +54,8 @@ class ServerOptions:
             threads to (``VLLM_CPU_OMP_THREADS_BIND``); None: any core, vLLM's own binding.
         kv_transfer_config: ``--kv-transfer-config`` as given (JSON text), in place of the one
             made of `engine` and `connector`; None: that one.
+        engine_id: vLLM's ``engine_id`` in the one made of `engine`, which names the engine's
+            shared-memory region (``/dev/shm/tiering-<engine_id>.kv``); None: vLLM draws one.
     """
 
     engine: dict[str, Any] | None = None
@@ -68,6 +70,7 @@ class ServerOptions:
     connector: str = "KVTieringConnector"
     cpus: tuple[int, ...] | None = None
     kv_transfer_config: str | None = None
+    engine_id: str | None = None
 
 
 class VllmServer:
@@ -89,9 +92,10 @@ class VllmServer:
             command += ["--kv-transfer-config", options.kv_transfer_config]
         elif options.engine is not None:
             extra = {**SPEC_KEYS[options.connector], **options.engine}
+            named = {} if options.engine_id is None else {"engine_id": options.engine_id}
             command += [
                 "--kv-transfer-config",
-                json.dumps({**CONNECTORS[options.connector], "kv_connector_extra_config": extra}),
+                json.dumps({**CONNECTORS[options.connector], "kv_connector_extra_config": extra, **named}),
             ]
         env = {
             **os.environ,
