@@ -316,11 +316,30 @@ def test_a_terminated_run_shuts_down_and_leaves_no_shared_memory(tmp_path):
     import sys
 
     command = [sys.executable, "-m", "tiering.benchmarks.loadgen.cli", "--workload", "zipf", "--max-requests", "100000"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stderr = tmp_path / "stderr"
+    with stderr.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink)
     region = wait_for_the_engine(process.pid)
     os.kill(process.pid, signal.SIGTERM)
-    assert process.wait(30) == 128 + signal.SIGTERM
+    assert process.wait(30) == 128 + signal.SIGTERM, stderr.read_text()[-3000:]
     assert not region.exists()
+
+
+@pytest.mark.parametrize("error", [OSError(errno.EBADF, "cut in half"), RuntimeError("cut in half")], ids=repr)
+def test_an_error_raised_by_the_stop_a_signal_asked_for_still_exits_with_the_signals_status(monkeypatch, capsys, error):
+    """A SIGTERM that lands while the engine starts or stops cuts a step in half; what that
+    step raises is printed, but the run was stopped by the signal (143), not by bad input (2):
+    .ci/run saw a terminated run exit 2."""
+
+    def interrupted(args, console, interrupts):
+        try:
+            interrupts(signal.SIGTERM, None)  # outside the replay: the handler raises
+        except KeyboardInterrupt:
+            raise error from None
+
+    monkeypatch.setattr(cli, "run", interrupted)
+    assert cli.main(["--max-requests", "5"]) == 128 + signal.SIGTERM
+    assert "cut in half" in capsys.readouterr().err
 
 
 def test_a_run_killed_outright_leaves_files_that_the_next_run_removes(tmp_path):

@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     console = Console(stderr=True)
-    # From here on a signal ends the run with its own exit status, whenever it comes; an
+    # From here on a signal ends the run with its own exit status, whenever it comes (also when
+    # the stop it asked for cut a step in half and that raised: the error is printed); an
     # interrupted or terminated run still shuts the engine down (its shared memory, its tier
     # threads); a run killed outright leaves no region either (see tiering.cpu.shared_region).
     interrupts = Interrupts()
@@ -166,16 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         return interrupts.exit_status()
     except (ConfigError, ValueError, OSError, RegionInUseError) as exc:
         _print_error(console, "error", exc)
-        return EXIT_BAD_INPUT
+        return interrupts.exit_status() if interrupts.received else EXIT_BAD_INPUT
     except ImportError as exc:
         if (exc.name or "").partition(".")[0] in BENCH_MODULES:
             raise  # the bench extra is missing: `tiering.benchmarks.loadgen.main` says what to install
         _print_error(console, "error", exc)  # a tier's extra (s3, metrics), named by the tier
-        return EXIT_BAD_INPUT
+        return interrupts.exit_status() if interrupts.received else EXIT_BAD_INPUT
     except Exception as exc:  # EngineFailure, or a bug: one line, the traceback at debug level
         logger.debug("engine failure", exc_info=True)
         _print_error(console, "engine failure", exc)
-        return EXIT_ENGINE_FAILED
+        return interrupts.exit_status() if interrupts.received else EXIT_ENGINE_FAILED
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
