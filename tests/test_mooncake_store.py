@@ -1,0 +1,124 @@
+"""The ``mooncake`` tier against a real Mooncake Store pool: a ``mooncake_master`` and a
+``mooncake_client`` member (a separate process that mounts the pool's memory), alone in a
+network namespace the fixture makes (`tiering.testing.mooncake_pool`)."""
+
+import asyncio
+import ipaddress
+
+import pytest
+
+from tiering.testing.mooncake_pool import unavailable
+
+why = unavailable()
+if why:
+    pytest.skip(f"no Mooncake pool here: {why}", allow_module_level=True)
+
+from tiering.backends.mooncake import MooncakeBlockStore  # noqa: E402
+from tiering.backends.mooncake.client import MooncakeOptions  # noqa: E402
+from tiering.testing import BlockStoreSuite, StoreKit  # noqa: E402
+from tiering.testing.block_store import FINGERPRINT, key, payload  # noqa: E402
+from tiering.testing.mooncake_pool import MooncakePool, tcp_sockets  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pool():
+    started = MooncakePool(segment_bytes=256 << 20)
+    yield started
+    started.stop()
+
+
+def options(pool, key_prefix, **extra):
+    values = {"segment_bytes": 0, "staging_bytes": 8 << 20, "threads": 2, "key_prefix": key_prefix}
+    return MooncakeOptions(**pool.tier_options(recover_index=True, **{**values, **extra}))
+
+
+@pytest.fixture
+def store_kit(pool, key_prefix):
+    def make(fingerprint):
+        return MooncakeBlockStore(fingerprint, options(pool, key_prefix))
+
+    def read_raw(store, key):
+        client = store._client
+        return client.submit(lambda: client.store.get(store.object_name(key))).result()
+
+    def write_raw(store, key, raw):
+        client = store._client
+        assert client.submit(lambda: client.store.upsert(store.object_name(key), raw)).result() == 0
+
+    return StoreKit(make=make, read_raw=read_raw, write_raw=write_raw)
+
+
+class TestBlockStoreConformance(BlockStoreSuite):
+    """Every test of `tiering.testing.BlockStoreSuite`, on a pool whose memory another process
+    mounts (the stores contribute none: closing one loses nothing of the pool's)."""
+
+
+@pytest.mark.asyncio
+async def test_objects_are_named_by_prefix_namespace_and_key(pool, key_prefix):
+    store = MooncakeBlockStore(FINGERPRINT, options(pool, key_prefix))
+    await store.open()
+    try:
+        await store.put(key(1), payload(4096))
+        assert f"{key_prefix}:{FINGERPRINT.hex()}:{key(1).hex()}" in pool.object_names()
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_a_store_that_contributes_memory_keeps_blocks_in_its_own_segment(pool, key_prefix):
+    store = MooncakeBlockStore(FINGERPRINT, options(pool, key_prefix, segment_bytes=32 << 20))
+    await store.open()
+    try:
+        segments = pool.segments()
+        assert store._client.hostname in segments and len(segments) == 2
+        await store.put(key(1), payload(4096))
+        where = pool.admin_get(f"/query_key?key={store.object_name(key(1))}").decode()
+        assert store._client.hostname in where
+    finally:
+        await store.close()
+    assert len(pool.segments()) == 1  # unmounted: its blocks left the pool with it
+
+
+def test_every_socket_of_the_pool_and_its_clients_stays_on_loopback(pool, key_prefix):
+    """The pool and the tiers' clients live in the fixture's namespace, whose only interface
+    is lo; nothing of theirs is in this machine's own namespace."""
+
+    async def use() -> set[str]:
+        store = MooncakeBlockStore(FINGERPRINT, options(pool, key_prefix, segment_bytes=16 << 20))
+        await store.open()
+        try:
+            await store.put(key(1), payload(65536))
+            into = memoryview(bytearray(65536))
+            await store.get(key(1), into)
+            return {local for local, _ in pool.namespace.tcp_sockets()}
+        finally:
+            await store.close()
+
+    before = set(tcp_sockets("/proc/self/net"))
+    in_namespace = asyncio.run(use())
+    assert pool.namespace.interfaces() == ["lo"]
+    assert in_namespace  # the master's, the member's and the store's listeners and connections
+    for local, remote in pool.namespace.tcp_sockets():
+        for address in (local, remote):
+            host = address.rpartition(":")[0].strip("[]")
+            assert host in ("0.0.0.0", "0" * 32) or ipaddress.ip_address(host).is_loopback, address
+    ours = set(tcp_sockets("/proc/self/net")) - before
+    ports = {address.rpartition(":")[2] for address in in_namespace}
+    assert not {local for local, _ in ours if local.rpartition(":")[2] in ports}  # none leaked into ours
+
+
+@pytest.mark.asyncio
+async def test_a_frozen_master_fails_calls_and_a_thawed_one_serves_again(pool, key_prefix):
+    store = MooncakeBlockStore(FINGERPRINT, options(pool, key_prefix))
+    await store.open()
+    try:
+        await store.put(key(1), payload(4096))
+        pool.freeze()
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(store.exists(key(1)), 2.0)
+        finally:
+            pool.thaw()
+        assert await store.exists(key(1))
+    finally:
+        await store.close()
