@@ -122,3 +122,84 @@ async def test_a_frozen_master_fails_calls_and_a_thawed_one_serves_again(pool, k
         assert await store.exists(key(1))
     finally:
         await store.close()
+
+
+# -- the tier in an engine ------------------------------------------------------------------
+
+FAST_FAULTS = {"op_timeout_s": 2, "failure_threshold": 2, "backoff_s": 0.2, "max_backoff_s": 0.4}
+
+
+def tier_config(pool, key_prefix, **extra):
+    values = {"segment_bytes": 0, "staging_bytes": 8 << 20, "threads": 2, "key_prefix": key_prefix}
+    return {"type": "mooncake", **pool.tier_options(**{**values, **extra})}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"capacity_bytes": "1GiB"}, "capacity_bytes is not taken: the master evicts"),
+        ({"recover_index": True, "admin_address": None}, "recover_index needs admin_address"),
+        ({"master_address": "localhost"}, "expected host:port"),
+        ({"protocol": "ucx"}, "protocol"),
+        ({"key_prefix": "kv blocks"}, "key_prefix"),
+    ],
+)
+def test_bad_options_fail_at_load_naming_the_key(pool, extra, message):
+    from tests.helpers import ROW, RegionStandIn
+    from tiering import SecondaryTierFactory, TierConfigError
+
+    config = {**tier_config(pool, "kvt"), **extra}
+    with pytest.raises(TierConfigError, match=message):
+        SecondaryTierFactory.create_secondary_tier(config, RegionStandIn(4, ROW).create_kv_memoryview(), None)
+
+
+def test_a_second_engine_finds_the_first_ones_blocks_by_probes(pool, key_prefix, engine_factory):
+    from tests.helpers import ROW, block_bytes, keys
+
+    config = tier_config(pool, key_prefix)
+    engine_factory(config).store(0, 1, 2)
+    second = engine_factory(config)
+    assert len(second.tier.index) == 0  # nothing listed at start
+    assert second.lookup_until_done(0, 1, 2, 3, steps=10) == [True, True, True, False]
+    assert second.loaded_bytes(1) == [block_bytes(keys(1)[0], ROW)]
+
+
+def test_a_frozen_master_turns_into_failed_jobs_and_misses_then_the_tier_recovers(pool, key_prefix, engine_factory):
+    import time
+
+    from tests.helpers import CTX, keys
+
+    engine = engine_factory(tier_config(pool, key_prefix, **FAST_FAULTS), num_blocks=8)
+    engine.store(0, 1)
+    pool.freeze()
+    try:
+        engine.store(2, 3)
+        engine.store(4, 5)
+        assert not engine.tier.health.healthy
+        assert engine.tier.failures["store"] >= 2
+        assert engine.tier.lookup(keys(0)[0], CTX) is False  # an unhealthy tier answers misses
+    finally:
+        pool.thaw()
+    deadline = time.monotonic() + 30
+    while not engine.tier.health.healthy:
+        assert time.monotonic() < deadline, "the tier did not recover"
+        engine.settle()
+        time.sleep(0.05)
+    engine.store(6, 7)
+    assert engine.tier.lookup(keys(0)[0], CTX) is True  # the pool kept its blocks
+
+
+def test_config_check_connect_reaches_the_master_and_names_one_that_does_not_answer(pool, key_prefix, tmp_path, capsys):
+    import yaml
+
+    from tiering.config_check import main as config_main
+
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    tier = tier_config(pool, key_prefix, segment_bytes=16 << 20)
+    good.write_text(yaml.safe_dump({"cpu_bytes_to_use": "64MiB", "secondary_tiers": [tier]}))
+    bad.write_text(
+        yaml.safe_dump({"cpu_bytes_to_use": "64MiB", "secondary_tiers": [{**tier, "master_address": "127.0.0.1:1"}]})
+    )
+    assert config_main(["check", str(good), "--connect"]) == 0
+    assert config_main(["check", str(bad), "--connect"]) != 0
+    assert "the Mooncake master at 127.0.0.1:1 does not answer" in capsys.readouterr().err

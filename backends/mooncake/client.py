@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import socket
 import threading
 import urllib.request
 from collections.abc import Callable
@@ -46,6 +47,7 @@ except ImportError as exc:  # the wheel, or the libibverbs.so.1 it links against
 __all__ = ["MooncakeClient", "MooncakeOptions", "ReplicateConfig", "parse_address"]
 
 T = TypeVar("T")
+MASTER_CONNECT_TIMEOUT_S = 2.0
 
 
 class MooncakeOptions(BaseModel):
@@ -116,6 +118,7 @@ class MooncakeClient:
         pool) and register the staging memory.
 
         Raises:
+            ConnectionError: the master does not accept a connection.
             OSError: the namespace cannot be entered, or Mooncake's setup or registration
                 failed (the message gives its status).
         """
@@ -135,6 +138,10 @@ class MooncakeClient:
 
     def _setup(self) -> None:
         options = self.options
+        try:  # Mooncake's own setup retries a master that does not answer for a minute and a half
+            socket.create_connection(parse_address(options.master_address), MASTER_CONNECT_TIMEOUT_S).close()
+        except OSError as exc:
+            raise ConnectionError(f"the Mooncake master at {options.master_address} does not answer: {exc}") from None
         store = MooncakeDistributedStore()
         status = store.setup(
             options.local_hostname,
