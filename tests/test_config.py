@@ -107,7 +107,7 @@ BAD = [
     ),
     (
         "cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: nvme}]",
-        "secondary_tiers[0].type: unknown tier type; known types: example, faulty, file, memory, redis, s3, valkey",
+        "secondary_tiers[0].type: unknown tier type; known types: example, faulty, file, memory, mooncake, redis, s3, valkey",
     ),
     ("cpu_bytes_to_use: 1GiB\nsecondary_tiers: [{type: file}]", "secondary_tiers[0].root_dir: required key is missing"),
     (

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tiering.benchmarks import file_recovery, file_tier, loadgen, s3_tier, scale, scheduler_cost, valkey_tier
+from tiering.testing import mooncake_pool
 
 
 def test_scheduler_cost(capsys):
@@ -35,7 +36,7 @@ def head_commit() -> str | None:
 
 
 BENCHMARKS = ("file_recovery", "file_tier", "gpu_copy", "s3_outage", "s3_tier", "scale", "scheduler_cost")
-BENCHMARKS += ("valkey_tier",)
+BENCHMARKS += ("valkey_tier",) + (() if mooncake_pool.unavailable() else ("mooncake_tier",))
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
@@ -273,3 +274,14 @@ def test_versus_vllm_offers_our_manager_stores_over_a_file_tier_step_by_step(tmp
     assert set(results) == {"step p50 us", "step p99 us", "refused", "written GB/s", "not cascaded"}
     assert results["refused"] == 0 and results["step p99 us"] >= results["step p50 us"] > 0
     assert not (tmp_path / "ours").exists()
+
+
+@pytest.mark.skipif(bool(mooncake_pool.unavailable()), reason=f"no Mooncake pool here: {mooncake_pool.unavailable()}")
+@pytest.mark.timeout(180)
+def test_mooncake_tier_beside_valkey(capsys):
+    from tiering.benchmarks import mooncake_tier
+
+    mooncake_tier.main(["--total-mib", "4", "--repeats", "1", "--block-sizes", "64KiB", "--segment", "64MiB"])
+    out = " ".join(capsys.readouterr().out.split())
+    for row in ("mooncake store", "mooncake load", "valkey store", "valkey load"):
+        assert f"64 KiB │ {row}" in out or f"64KiB │ {row}" in out, out
