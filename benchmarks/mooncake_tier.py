@@ -4,9 +4,10 @@ Valkey tier against bare valkey-glide, all interleaved round by round.
 Every side moves the same blocks (header and payload) at the same concurrency; interleaved
 `--repeats` times after an untimed round:
 
-- mooncake engine: a ``mooncake`` tier (a client contributing no memory) fed store jobs of
-  `--job-blocks` blocks, then load jobs back into page-aligned rows, timed from the first
-  submission to the last result (checksum checked);
+- mooncake engine: a ``mooncake`` tier (a client contributing no memory, its default
+  threads, calls in flight and batches) fed store jobs of `--job-blocks` blocks, then load
+  jobs back into page-aligned rows, timed from the first submission to the last result
+  (checksum checked);
 - mooncake raw: the client's ``batch_upsert_from`` and ``batch_get_into`` from and into one
   registered buffer of pre-encoded objects, `--concurrency` blocks per call on as many
   threads, nothing else (no header written, no checksum, no index, no copy into rows);
@@ -60,11 +61,11 @@ from tiering.tiers.object_format import encode_object
 Side = tuple[str, Callable[[], Mapping[str, float]]]
 
 
-def run_engine(rows: np.ndarray, pool: MooncakePool, concurrency: int, job_blocks: int) -> dict[str, float]:
-    """Seconds a ``mooncake`` tier of a fresh key prefix takes to store, then load, `rows`."""
-    options = {"segment_bytes": 0, "threads": concurrency, "key_prefix": f"engine-{uuid.uuid4().hex[:8]}"}
-    config = {"type": "mooncake", **pool.tier_options(**options), "max_concurrency": concurrency}
-    return run_tier_jobs(rows, config, job_blocks)
+def run_engine(rows: np.ndarray, pool: MooncakePool, job_blocks: int) -> dict[str, float]:
+    """Seconds a ``mooncake`` tier of a fresh key prefix (its default threads, calls and
+    batches) takes to store, then load, `rows`."""
+    options = {"segment_bytes": 0, "key_prefix": f"engine-{uuid.uuid4().hex[:8]}"}
+    return run_tier_jobs(rows, {"type": "mooncake", **pool.tier_options(**options)}, job_blocks)
 
 
 class RawClient:
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             raw = RawClient(rows, pool, args.concurrency)
             try:
                 sides: list[Side] = [
-                    ("mooncake engine", functools.partial(run_engine, rows, pool, args.concurrency, args.job_blocks)),
+                    ("mooncake engine", functools.partial(run_engine, rows, pool, args.job_blocks)),
                     ("mooncake raw", raw.run),
                 ]
                 if address is not None:

@@ -203,3 +203,28 @@ def test_config_check_connect_reaches_the_master_and_names_one_that_does_not_ans
     assert config_main(["check", str(good), "--connect"]) == 0
     assert config_main(["check", str(bad), "--connect"]) != 0
     assert "the Mooncake master at 127.0.0.1:1 does not answer" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_leaves_the_pool_costs_the_others_misses_only(pool, key_prefix):
+    from tiering import ObjectNotFoundError
+
+    lender = MooncakeBlockStore(FINGERPRINT, options(pool, key_prefix, segment_bytes=32 << 20))
+    reader = MooncakeBlockStore(FINGERPRINT, options(pool, key_prefix))
+    await lender.open()
+    await reader.open()
+    try:
+        block = payload(65536)
+        await lender.put(key(1), block)  # into the lender's own segment
+        into = memoryview(bytearray(65536))
+        await reader.get(key(1), into)
+        assert into == block
+        await lender.close()  # its segment is unmounted, with the block in it
+        assert await reader.exists_many([key(1)]) == [False]
+        with pytest.raises(ObjectNotFoundError):
+            await reader.get(key(1), into)
+        await reader.put(key(2), block)  # the pool serves on with the member's memory
+        assert await reader.exists(key(2))
+    finally:
+        await lender.close()
+        await reader.close()

@@ -9,7 +9,9 @@ fresh servers and fresh tiers:
 - ``private``: the engine, a CPU tier and a file tier of its own per replica;
 - ``shared``: the engine, a CPU tier per replica and one tier every replica stores to and
   loads from (``--shared-tier``): a directory (``shared: true``, probing for what the others
-  stored), a Valkey cluster or an S3 bucket, the last two started here on 127.0.0.1.
+  stored), a Valkey cluster or an S3 bucket, the last two started here on 127.0.0.1, or a
+  Mooncake Store pool whose memory is the replicas' own segments (`MOONCAKE_SEGMENT_BYTES`
+  each), its master in a network namespace of its own (`tiering.testing.mooncake_pool`).
 
 A request's prompt tokens are computed, or served from vLLM's cache, the CPU tier or a
 secondary tier (vLLM's sources); of the secondary tier's, those of blocks another replica
@@ -45,7 +47,8 @@ FLEET_CONFIGURATIONS = {
     "private": "engine: CPU tier + a file tier per replica",
     "shared": "engine: CPU tier per replica + one shared tier",
 }
-SHARED_TIERS = ("file", "valkey", "s3")
+SHARED_TIERS = ("file", "valkey", "s3", "mooncake")
+MOONCAKE_SEGMENT_BYTES = 512 << 20  # what each replica lends the pool
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,15 @@ def shared_backing(kind: str, needed: bool) -> Iterator[dict[str, Any]]:
     if not needed or kind == "file":
         yield {}
         return
+    if kind == "mooncake":
+        from tiering.testing.mooncake_pool import MooncakePool
+
+        pool = MooncakePool(members=0)  # the replicas' segments are the pool
+        try:
+            yield pool.tier_options(segment_bytes=MOONCAKE_SEGMENT_BYTES, recover_index=False)
+        finally:
+            pool.stop()
+        return
     from tiering.testing.s3_server import MotoServer
     from tiering.testing.valkey_server import ValkeyCluster
 
@@ -96,8 +108,8 @@ def shared_tier(kind: str, run: str, setup: Setup, backing: dict[str, Any]) -> d
             "shared": True,
             "probe_misses": True,
         }
-    if kind == "valkey":
-        return {"type": "valkey", "key_prefix": f"fleet-{fresh}", **backing}
+    if kind in ("valkey", "mooncake"):
+        return {"type": kind, "key_prefix": f"fleet-{fresh}", **backing}
     return {"type": "s3", "bucket": f"fleet-{fresh}", **backing}
 
 
