@@ -16,10 +16,12 @@ from tiering.benchmarks.loadgen import main
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_two_replicas_share_a_file_tier_and_route_by_round_robin_or_kv_events(tmp_path):
+def fleet_argv(tmp_path: Path, shared_tier: str) -> list[str]:
+    """`tiering-bench serve` of two replicas sharing a tier of `shared_tier` over 3
+    conversations of 8 ids (256 tokens), then each again with 2 more ids, 1.5 s apart:
+    round-robin sends each second turn to the other replica (requests 0,1,2 to 0,1,0; 3,4,5
+    to 1,0,1), after its cascades landed."""
     trace = tmp_path / "trace.jsonl"
-    # 3 conversations of 8 ids (256 tokens), then each again with 2 more ids, 1.5 s apart: round-robin sends
-    # each second turn to the other replica (requests 0,1,2 to 0,1,0; 3,4,5 to 1,0,1), after its cascades landed
     firsts = [[1000 * c + i for i in range(8)] for c in range(3)]
     turns = firsts + [[*ids, 1000 * c + 100, 1000 * c + 101] for c, ids in enumerate(firsts)]
     lines = [
@@ -27,10 +29,26 @@ def test_two_replicas_share_a_file_tier_and_route_by_round_robin_or_kv_events(tm
         for n, ids in enumerate(turns)
     ]
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    output = tmp_path / "fleet.json"
     argv = ["serve", "--trace", str(trace), "--model-shape", "tiny", "--time-scale", "1", "--max-concurrency", "1"]
     argv += ["--max-model-len", "512", "--gpu-blocks", "24", "--cpu-bytes", "256KiB", "--work-dir", str(tmp_path / "w")]
-    argv += ["--replicas", "2", "--shared-tier", "file", "--configurations", "shared"]
+    return [*argv, "--replicas", "2", "--shared-tier", shared_tier, "--configurations", "shared"]
+
+
+def test_two_replicas_share_a_mooncake_pool_of_their_own_segments(tmp_path):
+    from tiering.testing.mooncake_pool import unavailable
+
+    if unavailable():
+        pytest.skip(f"no Mooncake pool here: {unavailable()}")
+    output = tmp_path / "fleet.json"
+    assert main([*fleet_argv(tmp_path, "mooncake"), "--routing", "round-robin", "--output", str(output)]) == 0
+    summary = json.loads(output.read_text())["configurations"]["shared/round-robin"]["summary"]
+    assert summary["failed"] == 0 and summary["requests"] == 6
+    assert summary["found_tokens"] >= 2 * 256  # second turns loaded the other replica's blocks from the pool
+
+
+def test_two_replicas_share_a_file_tier_and_route_by_round_robin_or_kv_events(tmp_path):
+    output = tmp_path / "fleet.json"
+    argv = fleet_argv(tmp_path, "file")
     assert main([*argv, "--routing", "round-robin,kv-events", "--output", str(output)]) == 0
 
     report = json.loads(output.read_text())
