@@ -27,9 +27,14 @@ def pool():
     started.stop()
 
 
-def options(pool, key_prefix, **extra):
+def tier_options(pool, key_prefix, **extra):
+    """A small tier's options on `pool`: a client contributing no memory, unless `extra` says."""
     values = {"segment_bytes": 0, "staging_bytes": 8 << 20, "threads": 2, "key_prefix": key_prefix}
-    return MooncakeOptions(**pool.tier_options(recover_index=True, **{**values, **extra}))
+    return pool.tier_options(**{**values, **extra})
+
+
+def options(pool, key_prefix, **extra):
+    return MooncakeOptions(**tier_options(pool, key_prefix, recover_index=True, **extra))
 
 
 @pytest.fixture
@@ -130,8 +135,7 @@ FAST_FAULTS = {"op_timeout_s": 2, "failure_threshold": 2, "backoff_s": 0.2, "max
 
 
 def tier_config(pool, key_prefix, **extra):
-    values = {"segment_bytes": 0, "staging_bytes": 8 << 20, "threads": 2, "key_prefix": key_prefix}
-    return {"type": "mooncake", **pool.tier_options(**{**values, **extra})}
+    return {"type": "mooncake", **tier_options(pool, key_prefix, **extra)}
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,18 @@ SIZE_UNITS = "binary: KiB, MiB, GiB or Ki, Mi, Gi; decimal: KB, MB, GB or K, M, 
 _KUBERNETES_SUFFIX = re.compile(r"(?i)([KMGTPE]i)\s*$")
 
 
+def parse_address(address: str) -> tuple[str, int]:
+    """(host, port) from ``"host:port"`` (an IPv6 host in brackets: ``[::1]:6379``).
+
+    Raises:
+        ValueError: not ``host:port`` with a port in 1..65535.
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, such as 10.0.0.5:6379; got {address!r}")
+    return host.strip("[]"), int(port)
+
+
 def parse_size(value: Any) -> int:
     """Bytes from an integer, an integral float or a string such as ``"8GiB"``, ``"8Gi"``
     (binary: powers of 1024) or ``"512 MB"``, ``"8G"`` (decimal: powers of 1000).

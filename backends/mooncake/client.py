@@ -32,7 +32,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 from pydantic import BaseModel, Field, field_validator
 
-from tiering.options import STRICT, Size
+from tiering.options import STRICT, Size, parse_address
 from tiering.tiers.network_namespace import enter_network_namespace
 
 try:
@@ -78,18 +78,6 @@ class MooncakeOptions(BaseModel):
         if address is not None:
             parse_address(address)
         return address
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """(host, port) from ``"host:port"``.
-
-    Raises:
-        ValueError: not ``host:port`` with a port in 1..65535.
-    """
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port, such as 10.0.0.5:50051; got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 class MooncakeClient:

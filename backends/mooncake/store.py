@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import errno
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -55,6 +55,25 @@ def status_error(status: int, what: str) -> Exception:
     if status == NO_AVAILABLE_HANDLE:
         return OSError(errno.ENOSPC, f"{what}: no room in the Mooncake pool")
     return OSError(errno.EIO, f"{what}: Mooncake status {status}")
+
+
+def slice_fulls(sizes: Sequence[int], capacity: int, outcomes: list[Any]) -> Iterator[list[tuple[int, int]]]:
+    """The items of `sizes` (bytes of each object) cut into runs that fit a staging slice of
+    `capacity` bytes, in order: each run a list of (item, offset in the slice). An item larger
+    than the slice is in none: its outcome becomes an EFBIG error."""
+    run: list[tuple[int, int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if size > capacity:
+            outcomes[i] = OSError(errno.EFBIG, f"an object of {size} bytes is over a staging slice of {capacity}")
+            continue
+        if used + size > capacity:
+            yield run
+            run, used = [], 0
+        run.append((i, used))
+        used += size
+    if run:
+        yield run
 
 
 class MooncakeBlockStore(BlockStore):
@@ -182,37 +201,27 @@ class MooncakeBlockStore(BlockStore):
     ) -> list[Exception | None]:
         slot, base = client.slot()
         outcomes: list[Exception | None] = [None] * len(items)
-        start = 0
-        while start < len(items):
-            names, addresses, sizes, sent, used = [], [], [], [], 0
-            while start < len(items):
-                key, payload = items[start]
-                size = object_size(len(key), payload.nbytes)
-                if size > slot.nbytes:
-                    outcomes[start] = OSError(errno.EFBIG, f"an object of {size} bytes is over a staging slice")
-                    start += 1
-                    continue
-                if used + size > slot.nbytes:
-                    break
+        sizes = [object_size(len(key), payload.nbytes) for key, payload in items]
+        for run in slice_fulls(sizes, slot.nbytes, outcomes):
+            sent = []
+            for i, offset in run:
+                key, payload = items[i]
                 try:
                     parts = encode_object(key, payload, self.fingerprint, seal=self.seal)
                 except ValueError as exc:
-                    outcomes[start] = exc
-                    start += 1
+                    outcomes[i] = exc
                     continue
-                offset = used
+                at = offset
                 for part in parts:
                     view = np.frombuffer(part, np.uint8)
-                    slot[used : used + view.nbytes] = view
-                    used += view.nbytes
-                names.append(self.object_name(key))
-                addresses.append(base + offset)
-                sizes.append(size)
-                sent.append(start)
-                start += 1
-            if names:
-                statuses = client.store.batch_upsert_from(names, addresses, sizes, self._put_config)
-                for i, name, status in zip(sent, names, statuses, strict=True):
+                    slot[at : at + view.nbytes] = view
+                    at += view.nbytes
+                sent.append((i, self.object_name(key), base + offset))
+            if sent:
+                names = [name for _, name, _ in sent]
+                addresses, lengths = [address for _, _, address in sent], [sizes[i] for i, _, _ in sent]
+                statuses = client.store.batch_upsert_from(names, addresses, lengths, self._put_config)
+                for (i, name, _), status in zip(sent, statuses, strict=True):
                     if status != 0:
                         outcomes[i] = status_error(status, name)
         return outcomes
@@ -234,30 +243,13 @@ class MooncakeBlockStore(BlockStore):
     ) -> list[ObjectHeader | Exception]:
         slot, base = client.slot()
         outcomes: list[ObjectHeader | Exception] = [ObjectNotFoundError("not read")] * len(items)
-        start = 0
-        while start < len(items):
-            names, addresses, sizes, offsets, taken, used = [], [], [], [], [], 0
-            while start < len(items):
-                key, into = items[start]
-                size = object_size(len(key), into.nbytes)
-                if size > slot.nbytes:
-                    outcomes[start] = OSError(errno.EFBIG, f"an object of {size} bytes is over a staging slice")
-                    start += 1
-                    continue
-                if used + size > slot.nbytes:
-                    break
-                names.append(self.object_name(key))
-                addresses.append(base + used)
-                sizes.append(size)
-                offsets.append(used)
-                taken.append(start)
-                used += size
-                start += 1
-            if not names:
-                continue
-            statuses = client.store.batch_get_into(names, addresses, sizes)
-            for i, name, offset, size, status in zip(taken, names, offsets, sizes, statuses, strict=True):
-                outcomes[i] = self._unpack(items[i], name, slot[offset : offset + size], status)
+        sizes = [object_size(len(key), into.nbytes) for key, into in items]
+        for run in slice_fulls(sizes, slot.nbytes, outcomes):
+            names = [self.object_name(items[i][0]) for i, _ in run]
+            addresses, lengths = [base + offset for _, offset in run], [sizes[i] for i, _ in run]
+            statuses = client.store.batch_get_into(names, addresses, lengths)
+            for (i, offset), name, status in zip(run, names, statuses, strict=True):
+                outcomes[i] = self._unpack(items[i], name, slot[offset : offset + sizes[i]], status)
         return outcomes
 
     def _unpack(

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from tiering.options import STRICT, Lifetime, Seconds, Size
+from tiering.options import STRICT, Lifetime, Seconds, Size, parse_address
 
 try:
     from glide import (
@@ -122,18 +122,6 @@ class ValkeyOptions(BaseModel):
         if self.tls_ca_file and not self.tls:
             raise ValueError("tls_ca_file needs tls: true")
         return self
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """(host, port) from ``"host:port"``.
-
-    Raises:
-        ValueError: not ``host:port`` with a port in 1..65535.
-    """
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port, such as 10.0.0.5:6379; got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def read_password(options: ValkeyOptions) -> str | None:
