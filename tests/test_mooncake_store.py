@@ -232,3 +232,32 @@ async def test_an_engine_that_leaves_the_pool_costs_the_others_misses_only(pool,
     finally:
         await lender.close()
         await reader.close()
+
+
+def test_a_killed_master_fails_jobs_and_once_restarted_the_tier_stores_again_and_misses_the_lost(
+    pool, key_prefix, engine_factory
+):
+    """While the master is dead the tier's jobs fail fast (Mooncake's RPC_FAIL) and its breaker
+    opens; a new master knows no object of the old one's, and the tier stores again once the
+    member has mounted its memory anew (until then: no room, not a failure)."""
+    import time
+
+    engine = engine_factory(tier_config(pool, key_prefix, **FAST_FAULTS), num_blocks=8)
+    engine.store(0, 1)
+    pool.kill_master()
+    try:
+        engine.store(2, 3)
+        engine.store(4, 5)
+        assert engine.tier.failures["store"] >= 2 and not engine.tier.health.healthy
+    finally:
+        pool.start_master()
+    deadline, block = time.monotonic() + 30, 6
+    while engine.tier.get_stats()["counters"]["blocks_stored"] < 3:  # 0 and 1, then one stored anew
+        assert time.monotonic() < deadline, "the tier never stored again"
+        engine.store(block)  # a new block each time: until the member has mounted again, no room
+        engine.settle()
+        block += 1
+        time.sleep(0.2)
+    from tests.helpers import keys
+
+    assert engine.tier.store.object_name(keys(0)[0]) not in pool.object_names()  # the old master's are gone

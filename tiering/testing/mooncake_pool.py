@@ -11,7 +11,7 @@ Run as a program it starts one and prints the tier config that reaches it:
 
     sudo python -m tiering.testing.mooncake_pool --segment 1GiB
 
-Used from one thread; `freeze`, `thaw` and `restart` act on the master.
+Used from one thread; `freeze`, `thaw`, `kill_master` and `start_master` act on the master.
 """
 
 from __future__ import annotations
@@ -257,6 +257,15 @@ class MooncakePool:
     def segments(self) -> list[str]:
         """The endpoints of the segments mounted into the pool."""
         return self.admin_get("/get_all_segments").decode().split()
+
+    def kill_master(self) -> None:
+        """SIGKILL the master (`start_master` starts a new one, which knows no object)."""
+        assert self._master is not None
+        process, stderr = self._master
+        process.kill()
+        process.wait()
+        stderr.close()
+        self._master = None
 
     def freeze(self) -> None:
         """SIGSTOP the master (it stops answering, its sockets stay open)."""
