@@ -17,6 +17,7 @@ Used from one thread; `freeze`, `thaw`, `kill_master` and `start_master` act on 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -52,8 +53,9 @@ def binary(name: str) -> str:
     return found
 
 
+@functools.cache
 def unavailable() -> str | None:
-    """Why a pool cannot start here (one line), or None."""
+    """Why a pool cannot start here (one line), or None; found out once per process."""
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
@@ -62,6 +64,9 @@ def unavailable() -> str | None:
         return "a Mooncake pool runs in a network namespace of its own, and entering one needs root"
     if shutil.which("unshare") is None or shutil.which("nsenter") is None or shutil.which("ip") is None:
         return "unshare, nsenter and ip (util-linux, iproute2) are needed"
+    tried = subprocess.run(["unshare", "--net", "--", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+    if tried.returncode:
+        return f"this machine refuses a network namespace: {tried.stderr.strip() or tried.returncode}"
     return None
 
 
