@@ -44,7 +44,7 @@ except ImportError as exc:  # the wheel, or the libibverbs.so.1 it links against
         name="mooncake",
     ) from exc
 
-__all__ = ["MooncakeClient", "MooncakeOptions", "ReplicateConfig", "parse_address"]
+__all__ = ["MooncakeClient", "MooncakeOptions", "ReplicateConfig"]
 
 T = TypeVar("T")
 MASTER_CONNECT_TIMEOUT_S = 2.0
@@ -196,7 +196,8 @@ class MooncakeClient:
         return self._store
 
     def slot(self) -> tuple[np.ndarray, int]:
-        """This thread's slice of the staging memory, as bytes, and its address."""
+        """This thread's slice of the staging memory, as bytes, and its address; the
+        client's threads only (each owns one slice for as long as the client lives)."""
         index = getattr(self._slots, "index", None)
         if index is None:
             with self._slot_lock:
