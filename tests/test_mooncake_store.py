@@ -86,30 +86,34 @@ async def test_a_store_that_contributes_memory_keeps_blocks_in_its_own_segment(p
 
 def test_every_socket_of_the_pool_and_its_clients_stays_on_loopback(pool, key_prefix):
     """The pool and the tiers' clients live in the fixture's namespace, whose only interface
-    is lo; nothing of theirs is in this machine's own namespace."""
+    is lo; while the store is open, this process holds sockets there and none of theirs in the
+    machine's own namespace."""
+    import os
 
-    async def use() -> set[str]:
+    async def use() -> tuple[set[str], set[tuple[str, str]], set[tuple[str, str]]]:
         store = MooncakeBlockStore(FINGERPRINT, options(pool, key_prefix, segment_bytes=16 << 20))
         await store.open()
         try:
             await store.put(key(1), payload(65536))
             into = memoryview(bytearray(65536))
             await store.get(key(1), into)
-            return {local for local, _ in pool.namespace.tcp_sockets()}
+            there = set(pool.namespace.tcp_sockets(owner=os.getpid()))
+            here = set(tcp_sockets("/proc/self/net", owner=os.getpid()))  # the main thread's namespace
+            return {local for local, _ in pool.namespace.tcp_sockets()}, there, here
         finally:
             await store.close()
 
-    before = set(tcp_sockets("/proc/self/net"))
-    in_namespace = asyncio.run(use())
+    before = set(tcp_sockets("/proc/self/net", owner=os.getpid()))
+    in_namespace, ours_there, ours_here = asyncio.run(use())
     assert pool.namespace.interfaces() == ["lo"]
-    assert in_namespace  # the master's, the member's and the store's listeners and connections
+    assert ours_there  # the store's listener and connections went into the namespace
     for local, remote in pool.namespace.tcp_sockets():
         for address in (local, remote):
             host = address.rpartition(":")[0].strip("[]")
             assert host in ("0.0.0.0", "0" * 32) or ipaddress.ip_address(host).is_loopback, address
-    ours = set(tcp_sockets("/proc/self/net")) - before
     ports = {address.rpartition(":")[2] for address in in_namespace}
-    assert not {local for local, _ in ours if local.rpartition(":")[2] in ports}  # none leaked into ours
+    leaked = {local for local, _ in ours_here - before if local.rpartition(":")[2] in ports}
+    assert not leaked  # none of the store's sockets in this machine's own namespace
 
 
 @pytest.mark.asyncio

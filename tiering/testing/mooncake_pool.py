@@ -17,6 +17,7 @@ Used from one thread; `freeze`, `thaw`, `kill_master` and `start_master` act on 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -113,9 +114,10 @@ class NetworkNamespace:
         lines = Path(f"/proc/{self._holder.pid}/net/dev").read_text().splitlines()[2:]
         return [line.split(":")[0].strip() for line in lines]
 
-    def tcp_sockets(self) -> list[tuple[str, str]]:
-        """(local, remote) addresses, as ``ip:port``, of every TCP socket in the namespace."""
-        return tcp_sockets(f"/proc/{self._holder.pid}/net")
+    def tcp_sockets(self, owner: int | None = None) -> list[tuple[str, str]]:
+        """(local, remote) addresses, as ``ip:port``, of every TCP socket in the namespace
+        (with `owner`: only those process `owner` holds)."""
+        return tcp_sockets(f"/proc/{self._holder.pid}/net", owner)
 
     def stop(self) -> None:
         stop_process(self._holder)
@@ -123,14 +125,28 @@ class NetworkNamespace:
         self._holder.stdout.close()
 
 
-def tcp_sockets(net: str) -> list[tuple[str, str]]:
-    """(local, remote) of every TCP socket in the tables under `net` (``/proc/PID/net``)."""
+def tcp_sockets(net: str, owner: int | None = None) -> list[tuple[str, str]]:
+    """(local, remote) of every TCP socket in the tables under `net` (``/proc/PID/net``);
+    with `owner`, only those process `owner` holds open."""
+    held = None if owner is None else socket_inodes(owner)
     found = []
     for table, width in (("tcp", 8), ("tcp6", 32)):
         for line in Path(net, table).read_text().splitlines()[1:]:
-            local, remote = line.split()[1:3]
-            found.append((_address(local, width), _address(remote, width)))
+            fields = line.split()
+            if held is None or int(fields[9]) in held:
+                found.append((_address(fields[1], width), _address(fields[2], width)))
     return found
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process `pid` holds open."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    return inodes
 
 
 def _address(text: str, width: int) -> str:
