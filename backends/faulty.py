@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import errno
 import random
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -148,6 +148,17 @@ class FaultyBlockStore(BlockStore):
     @block_bytes.setter
     def block_bytes(self, block_bytes: int | None) -> None:
         self.inner.block_bytes = block_bytes
+
+    @property  # type: ignore[override]  # the inner store places its objects
+    def places_locally(self) -> bool:
+        return self.inner.places_locally
+
+    @places_locally.setter
+    def places_locally(self, places: bool) -> None:
+        self.inner.places_locally = places
+
+    async def local_keys(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
+        return await self.inner.local_keys(keys)
 
     def for_records(self) -> BlockStore:
         return self.inner.for_records()

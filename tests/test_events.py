@@ -95,6 +95,28 @@ def test_events_of_one_kind_nobody_takes_stay_bounded_in_blocks():
     assert all(len(event.keys) <= MERGE_BLOCKS + 1000 for event in kept)
 
 
+def test_blocks_of_a_remote_tier_in_the_engines_own_memory_are_local_until_they_leave():
+    """A Mooncake tier's objects in the segment this engine lends are LOCAL, stored and
+    removed alike, whatever else is announced between; the others are the tier's REMOTE."""
+    events = TierEvents(STORAGE, REMOTE, "pool")
+    events.add(keys(0, 1, 2, 3), removed=False, local=keys(1, 3))
+    events.add(keys(4), removed=False)
+    events.add(keys(3, 4, 1), removed=True)
+    events.add(keys(1), removed=False)  # stored again, elsewhere this time
+    events.add(keys(1), removed=True)
+    assert [(e.removed, e.locality, e.keys) for e in events.take()] == [
+        (False, LOCAL, keys(1, 3)),
+        (False, REMOTE, keys(0, 2, 4)),  # joined: the same kind as the last REMOTE store
+        (True, LOCAL, keys(3, 1)),
+        (True, REMOTE, keys(4)),
+        (False, REMOTE, keys(1)),
+        (True, REMOTE, keys(1)),
+    ]
+    local_tier = TierEvents(STORAGE, LOCAL, "file")  # a local tier's blocks are all LOCAL: nothing to remember
+    local_tier.add(keys(0), removed=False, local=keys(0))
+    assert local_tier._local == set()
+
+
 def test_stores_over_the_network_are_remote():
     from tiering.backends.s3 import S3BlockStore
     from tiering.backends.valkey import ValkeyBlockStore

@@ -151,6 +151,7 @@ def tier_config(pool, key_prefix, **extra):
         ({"master_address": "localhost"}, "expected host:port"),
         ({"protocol": "ucx"}, "protocol"),
         ({"key_prefix": "kv blocks"}, "key_prefix"),
+        ({"segment_bytes": "1MiB"}, "segment_bytes.*at least 16777216 bytes"),
     ],
 )
 def test_bad_options_fail_at_load_naming_the_key(pool, extra, message):
@@ -266,3 +267,29 @@ def test_a_killed_master_fails_jobs_and_once_restarted_the_tier_stores_again_and
     from tests.helpers import keys
 
     assert engine.tier.store.object_name(keys(0)[0]) not in pool.object_names()  # the old master's are gone
+
+
+def test_blocks_in_the_engines_own_segment_are_announced_local_and_the_others_remote(pool, key_prefix, engine_factory):
+    """The 16 MiB segment an engine lends takes its first blocks (`prefer_local_segment`);
+    the rest go to the member's. Each block's events say where the master placed its object,
+    stored and removed alike."""
+    from tests.helpers import keys
+    from tiering.contract.mediums import LOCAL, REMOTE, STORAGE
+
+    count = 4200  # objects of 4,224 bytes: about 3,970 fit the segment
+    engine = engine_factory(tier_config(pool, key_prefix, segment_bytes=16 << 20), num_blocks=count, events=True)
+    engine.store(*range(count))
+    stored = {}
+    for event in engine.manager.take_events():
+        if event.medium == STORAGE:
+            assert not event.removed
+            stored.update(dict.fromkeys(event.keys, event.locality))
+    assert len(stored) == count and {LOCAL, REMOTE} <= set(stored.values())
+    store = engine.tier.store
+    placed = pool.placements([store.object_name(k) for k in stored])
+    here = store._client.hostname
+    assert {k: LOCAL if here in placed[store.object_name(k)] else REMOTE for k in stored} == stored
+    assert stored[keys(0)[0]] == LOCAL
+    engine.manager.reset_cache()  # a new generation: every block leaves, at the locality it was announced at
+    removed = {k: e.locality for e in engine.manager.take_events() if e.medium == STORAGE for k in e.keys}
+    assert removed == stored

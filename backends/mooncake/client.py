@@ -48,6 +48,7 @@ __all__ = ["MooncakeClient", "MooncakeOptions", "ReplicateConfig"]
 
 T = TypeVar("T")
 MASTER_CONNECT_TIMEOUT_S = 2.0
+MIN_SEGMENT_BYTES = 16 << 20  # a smaller segment fails Mooncake's setup
 
 
 class MooncakeOptions(BaseModel):
@@ -71,6 +72,13 @@ class MooncakeOptions(BaseModel):
     network_namespace: str | None = None
     admin_address: str | None = None
     recover_index: bool = False
+
+    @field_validator("segment_bytes")
+    @classmethod
+    def _segment(cls, size: int) -> int:
+        if 0 < size < MIN_SEGMENT_BYTES:
+            raise ValueError(f"0 (no memory lent) or at least {MIN_SEGMENT_BYTES} bytes (16MiB, Mooncake's least)")
+        return size
 
     @field_validator("master_address", "admin_address")
     @classmethod

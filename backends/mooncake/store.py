@@ -8,6 +8,10 @@ identity or weights never meet, engines of the same share. An object is the stor
 checked (header, length and XXH3-64 or seal) as it arrives in the staging memory, before its
 copy into the row: a stale, foreign or torn object is a miss, never loaded.
 
+A block whose object lands in this engine's own segment (`segment_bytes`, placed there by
+`prefer_local_segment` where it has room) is announced `LOCAL` in the tier's KV events, the
+others `REMOTE` (`local_keys`: one replica query per stored batch, only while events are kept).
+
 The master owns eviction (its high watermark): an absent object is a miss, and the tier sets
 no capacity of its own. Tiers probe keys they have not seen (one ``batch_is_exist`` per
 step's probes), since other engines put the same keys; the index starts empty unless
@@ -172,7 +176,8 @@ class MooncakeBlockStore(BlockStore):
         largest = 0 if self.block_bytes is None else object_size(MAX_KEY_BYTES, self.block_bytes)
         client = MooncakeClient(self.options, largest)
         await client.open()
-        if self.options.prefer_local_segment and self.options.segment_bytes and client.hostname:
+        self.places_locally = bool(self.options.segment_bytes and client.hostname)
+        if self.options.prefer_local_segment and self.places_locally:
             self._put_config.preferred_segment = client.hostname
         self._client = client
         await super().open()
@@ -290,6 +295,22 @@ class MooncakeBlockStore(BlockStore):
         answers = await client.call(lambda: client.store.batch_is_exist(names))
         pairs = zip(names, answers, strict=True)
         return [answer == 1 if answer >= 0 else status_error(answer, name) for name, answer in pairs]
+
+    async def local_keys(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
+        """One ``batch_get_replica_desc``: the keys with a replica in this engine's own
+        segment (an object not found is in none)."""
+        client = self._live()
+        names = {self.object_name(key): key for key in keys}
+        replicas = await client.call(lambda: client.store.batch_get_replica_desc(list(names)))
+        here = client.hostname
+        return {
+            names[name]
+            for name, found in replicas.items()
+            if any(
+                r.is_memory_replica() and r.get_memory_descriptor().buffer_descriptor.transport_endpoint == here
+                for r in found
+            )
+        }
 
     async def delete_many(self, keys: Collection[OffloadKey]) -> None:
         """One forced ``batch_remove`` (an object read within the master's lease is removed

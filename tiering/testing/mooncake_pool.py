@@ -275,6 +275,18 @@ class MooncakePool:
         """Every object's name the master holds."""
         return self.admin_get("/get_all_keys").decode().split()
 
+    def placements(self, names: list[str]) -> dict[str, list[str]]:
+        """The segments (endpoints) holding a replica of each of `names`, as the master
+        says; an object it does not hold has none."""
+        found: dict[str, list[str]] = {}
+        for start in range(0, len(names), 100):  # a query's names ride in its URL
+            batch = names[start : start + 100]
+            answer = json.loads(self.admin_get(f"/batch_query_keys?keys={','.join(batch)}"))["data"]
+            for name in batch:
+                replicas = answer.get(name) or {}
+                found[name] = [replica["transport_endpoint_"] for replica in replicas.get("values") or ()]
+        return found
+
     def segments(self) -> list[str]:
         """The endpoints of the segments mounted into the pool."""
         return self.admin_get("/get_all_segments").decode().split()

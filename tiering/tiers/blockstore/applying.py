@@ -15,7 +15,8 @@ from tiering.tiers.blockstore.outbox import LoadDone, StoreDone
 def apply_store(index: BlockIndex, counters: TierCounters, done: StoreDone, evicts_itself: bool) -> None:
     """Blocks stored are held, blocks that failed forgotten; a refusal for lack of room marks
     the device full (unless the store `evicts_itself`), a success makes room known again;
-    the blocks stored are announced (`BlockIndex.events`)."""
+    the blocks stored are announced (`BlockIndex.events`), those in the engine's own memory
+    as `LOCAL`."""
     stored = []
     for key in done.keys:
         if key not in done.ok:
@@ -25,7 +26,7 @@ def apply_store(index: BlockIndex, counters: TierCounters, done: StoreDone, evic
             counters.counts["bytes_stored"] += entry.size
     counters.counts["blocks_stored"] += len(stored)
     if index.events is not None:
-        index.events.add(stored, removed=False)
+        index.events.add(stored, removed=False, local=done.local)
     if done.no_space and not evicts_itself:
         index.device_full()
     elif done.ok:

@@ -20,6 +20,7 @@ from tiering.errors import (
     HungCallError,
     ObjectNotFoundError,
     UnusableObjectError,
+    is_no_space,
 )
 from tiering.tiers.base import Doorbell
 
@@ -86,9 +87,26 @@ class JobDone(Outcome):
 
 @dataclass(kw_only=True)
 class StoreDone(JobDone):
-    """A store (cascade) job; `no_space`: blocks refused by a full device."""
+    """A store (cascade) job; `no_space`: blocks refused by a full device; `local`: blocks
+    stored in this engine's own memory (`BlockStore.local_keys`), asked only where
+    `wants_local` (the tier keeps KV events)."""
 
     no_space: int = 0
+    wants_local: bool = False
+    local: set[OffloadKey] = field(default_factory=set)
+
+    def block_stored(self, key: OffloadKey, error: Exception | None) -> bool:
+        """Record how `key`'s put ended (loop thread): stored, refused for lack of room (no
+        sign of a sick backend), or failed. Returns whether it was stored."""
+        if error is None:
+            self.ok.add(key)
+            return True
+        if is_no_space(error):
+            self.failed("store_no_space", error, sick=False)
+            self.no_space += 1
+        else:
+            self.failed("store", error)
+        return False
 
 
 @dataclass(kw_only=True)

@@ -127,6 +127,9 @@ class BlockStore(ABC):
         locality: where its blocks are for the tier's KV events (`tiering.tiers.events`):
             `LOCAL` on this machine (the default), `REMOTE` reached over the network or shared
             with other engines (S3, Valkey, a file tier marked ``shared``).
+        places_locally: True where some objects of a `REMOTE` store may sit in this engine's
+            own memory (a Mooncake pool the engine lends a segment to): after a store, the
+            tier asks `local_keys` which did, and announces those `LOCAL`. Set by `open`.
     """
 
     Options: ClassVar[type[BaseModel]] = NoOptions
@@ -140,6 +143,7 @@ class BlockStore(ABC):
     lasting: ClassVar[bool] = True
     lists_locally: ClassVar[bool] = False
     locality: str = LOCAL
+    places_locally: bool = False
 
     @classmethod
     def from_config(cls, fingerprint: bytes, options: BaseModel, settings: BlockStoreSettings) -> BlockStore:
@@ -297,6 +301,15 @@ class BlockStore(ABC):
         (a pipeline) overrides it.
         """
         return await _each(self.exists, [(key,) for key in keys])
+
+    async def local_keys(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
+        """Of `keys` (stored), those whose objects sit in this engine's own memory; asked only
+        where `places_locally`. Default: none.
+
+        Raises:
+            OSError: the store cannot say (the tier then announces them at its `locality`).
+        """
+        return set()
 
     @abstractmethod
     async def delete_many(self, keys: Collection[OffloadKey]) -> None:

@@ -206,7 +206,7 @@ class BlockStoreTier(SecondaryTierManager):
         """Reserve room for the blocks not held yet (evicting idle LRU blocks) and start
         writing them. A block that finds no room fails the job, the others still go."""
         self._counters.stores.start(job_metadata.job_id)
-        done = StoreDone(job_id=job_metadata.job_id)
+        done = StoreDone(job_id=job_metadata.job_id, wants_local=self._index.events is not None)
         evicted: list[OffloadKey] = []
         items: list[tuple[OffloadKey, int]]
         jobs_items = zip(job_metadata.keys, job_metadata.block_ids.tolist(), strict=True)

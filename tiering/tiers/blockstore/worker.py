@@ -5,11 +5,10 @@ callbacks the scheduler thread queued with `AsyncRuntime.submit`). It runs the s
 in three lanes, each under `op_timeout_s`: loads and existence probes (what a request waits
 for) at most `max_concurrency` at once, stores at most `max_concurrency` at once, and deletes
 one call at a time, those queued meanwhile merged into the next (`Deletes`), so a promotion
-never queues behind cascade writes or deletes. The store
-(or load) jobs queued by one run of callbacks (a step's, mostly) start together and share
-their store calls (`tiering.tiers.blockstore.batches`), each job finished as the last call
-with its blocks ends. It fills in each job's outcome and puts it in the `Outbox`; it never
-touches the index.
+never queues behind cascade writes or deletes. The store (or load) jobs queued by one run
+of callbacks (a step's, mostly) start together and share their store calls
+(`tiering.tiers.blockstore.batches`), each job finished as the last call with its blocks
+ends. It fills in each job's outcome and puts it in the `Outbox`; it never touches the index.
 
 Rules kept here: an evicted key's delete finishes before a new put of the same key starts;
 a load's payload checksum or signature is checked above the store (a wrapping store is checked
@@ -35,7 +34,7 @@ import numpy as np
 
 from tiering.contract.keys import OffloadKey
 from tiering.cpu.row_states import RowStates
-from tiering.errors import HungCallError, RuntimeClosedError, is_no_space
+from tiering.errors import HungCallError, RuntimeClosedError
 from tiering.tiers.blockstore.batches import LOAD_SPREAD, Block, Items, QueuedJobs, cut, jobs_of
 from tiering.tiers.blockstore.calls import StoreCalls
 from tiering.tiers.blockstore.deletes import Deletes
@@ -353,15 +352,16 @@ class BlockWorker:
     async def _store_batch(self, store: BlockStore, batch: Sequence[Block]) -> None:
         await store.ready()  # a listing at start is not a hung call: waited for before the call's timeout
         outcomes = await self._io(self._store_lane, store.put_many, batch)
+        asked: list[tuple[StoreDone, OffloadKey]] = []  # stored, for jobs that keep events
         for (done, key, _), error in zip(batch, outcomes, strict=True):
             assert isinstance(done, StoreDone)
-            if error is None:
-                done.ok.add(key)
-            elif is_no_space(error):
-                done.failed("store_no_space", error, sick=False)
-                done.no_space += 1
-            else:
-                done.failed("store", error)
+            if done.block_stored(key, error) and done.wants_local:
+                asked.append((done, key))
+        if asked and store.places_locally:  # which sit in this engine's own memory (a failure: none)
+            local = await self._calls.call((), self._store_lane, store.local_keys, [key for _, key in asked])
+            for done, key in asked:
+                if not isinstance(local, Exception) and key in local:
+                    done.local.add(key)
 
     async def _load_batch(self, store: BlockStore, batch: Sequence[Block]) -> None:
         await store.ready()
