@@ -293,3 +293,26 @@ def test_blocks_in_the_engines_own_segment_are_announced_local_and_the_others_re
     engine.manager.reset_cache()  # a new generation: every block leaves, at the locality it was announced at
     removed = {k: e.locality for e in engine.manager.take_events() if e.medium == STORAGE for k in e.keys}
     assert removed == stored
+
+
+def test_the_exporter_serves_the_tiers_metrics_the_dashboard_reads(pool, key_prefix, engine_factory):
+    import urllib.request
+
+    from tiering.engine.metrics import PrometheusExporter
+
+    engine = engine_factory(tier_config(pool, key_prefix), num_blocks=4)
+    engine.store(0, 1)
+    exporter = PrometheusExporter(0)
+    try:
+        exporter.attach(engine.manager)
+        with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        exporter.close()
+    for line in (
+        'tiering_tier_blocks_stored_total{tier="mooncake"} 2.0',
+        'tiering_tier_healthy{tier="mooncake"} 1.0',
+        'tiering_tier_blocks{tier="mooncake"} 2.0',
+        'tiering_tier_store_seconds_count{tier="mooncake"} 1.0',
+    ):
+        assert line in text, line
