@@ -161,6 +161,8 @@ def test_the_serving_benchmark_says_it_needs_vllm_and_checks_its_options(capsys,
         ["--configurations", "g"],
         ["--restart-at", "5", "--configurations", "c"],
         ["--restart-at", "5", "--replicas", "2"],
+        ["--scale-out-at", "5"],
+        ["--kill-replica-at", "5", "--scale-out-at", "5", "--replicas", "2"],
     )
     for bad in bad_options:
         with pytest.raises(SystemExit) as exited:
@@ -171,6 +173,8 @@ def test_the_serving_benchmark_says_it_needs_vllm_and_checks_its_options(capsys,
     assert "configuration g needs --recompute-tokens-per-s, or configuration a before it" in err
     assert "expected a comma-separated list of d (engine: CPU tier + file tier), f (" in err
     assert "--restart-at: one server only" in err
+    assert "--scale-out-at: a fleet's moment, with --replicas 2 or more" in err
+    assert "not allowed with argument" in err  # one moment per run
 
 
 def test_a_trace_thinned_by_conversation_keeps_each_conversation_whole():

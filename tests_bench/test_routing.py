@@ -62,7 +62,7 @@ class Scores:
     def __init__(self, scores):
         self.values = scores
 
-    def scores(self, tokens):
+    def scores(self, tokens, shared_credit=False):
         return self.values
 
 
@@ -81,7 +81,7 @@ def test_kv_events_routing_takes_the_longest_prefix_then_the_replica_less_busy_t
     routing.finished(1)
     index.values = [0.0, 0.0, 0.0]
     assert [routing.choose(i, TOKENS) for i in range(1, 3)] == [0, 1]  # the ones sent fewer
-    with pytest.raises(ValueError, match="kv-events with an index"):
+    with pytest.raises(ValueError, match="kv-events and kv-shared with an index"):
         Routing("kv-events", 2, [])
 
 
@@ -97,3 +97,101 @@ def test_router_weights_are_settable_by_place_and_bad_ones_refused():
     for bad in ("DISK=1", "CPU=-1", "CPU=x", "CPU"):
         with pytest.raises(ValueError, match="expected PLACE=WEIGHT"):
             weights_arg(bad)
+
+
+def test_replicas_out_of_service_get_nothing_and_their_conversations_move():
+    rr = Routing("round-robin", 3, [])
+    rr.leave(2)
+    assert [rr.choose(i, TOKENS) for i in range(4)] == [0, 1, 0, 1]
+    rr.join(2)
+    assert rr.choose(5, TOKENS) == 2
+    session = Routing("session", 2, [0, 1, 0, 1, 1])
+    assert [session.choose(i, TOKENS) for i in range(2)] == [0, 1]
+    session.leave(1)
+    assert [session.choose(i, TOKENS) for i in range(2, 4)] == [0, 0]  # conversation 1 moved to 0
+    session.join(1)
+    assert session.choose(4, TOKENS) == 0  # and stays there
+    kv = Routing("kv-events", 2, [], Scores([0.0, 5.0]))
+    kv.leave(1)
+    assert kv.choose(0, TOKENS) == 0  # the longest prefix is on a replica out of service
+    kv.leave(0)
+    with pytest.raises(RuntimeError, match="no replica in service"):
+        kv.choose(1, TOKENS)
+
+
+def test_shared_credit_counts_a_shared_tiers_blocks_for_every_replica_and_load_spreads_a_burst():
+    index = PrefixIndex(2, BLOCK, shared_places=frozenset({"STORAGE/REMOTE"}))
+    index.apply(0, [stored(0, 4), stored(0, 3, "STORAGE", "REMOTE", tokens=False)])
+    assert index.scores(TOKENS) == pytest.approx([4.0, 0.0])  # kv-events: replica 1 holds nothing
+    assert index.scores(TOKENS, shared_credit=True) == pytest.approx([4.0, 3 * 0.4])  # one load away
+    index.apply(0, [BlockRemoved(["h1"], "STORAGE", "REMOTE")])  # gone from the shared tier
+    assert index.scores(TOKENS, shared_credit=True) == pytest.approx([4.0, 0.4])
+    local = PrefixIndex(2, BLOCK)  # private tiers: nothing is shared
+    local.apply(0, [stored(0, 4), stored(0, 3, "STORAGE", "LOCAL", tokens=False)])
+    assert local.scores(TOKENS, shared_credit=True) == pytest.approx([4.0, 0.0])
+
+    burst = Routing("kv-shared", 2, [], Scores([4.0, 1.2]), load_weight=1.0)
+    chosen = []
+    for i in range(4):  # every request in flight on its replica
+        chosen.append(burst.choose(i, TOKENS))
+        burst.started(chosen[-1])
+    assert chosen == [0, 0, 0, 1]  # 4 - 3 in flight < 1.2: the burst spills to the shared tier's reader
+    kv = Routing("kv-events", 2, [], Scores([4.0, 1.2]), load_weight=1.0)
+    for i in range(4):
+        kv.started(kv.choose(i, TOKENS))
+    assert kv.in_flight == [4, 0]  # kv-events weighs no load
+
+
+def test_a_scale_out_reports_the_joining_replicas_first_requests_and_a_kill_the_moved_turns():
+    import asyncio
+
+    from tiering.benchmarks.serve.scenarios import FIRST_REQUESTS, Scenario
+
+    def outcome(index, arrival_s, replica):
+        return {"index": index, "arrival_s": arrival_s, "replica": replica}
+
+    scale = Scenario("scale-out", 10.0, 2)
+    routing = Routing("round-robin", 2, [])
+    ((at_s, join),) = scale.actions(routing, [])
+    assert at_s == 10.0 and routing.down == {1}
+    asyncio.run(join())
+    assert routing.down == set()
+    outcomes = [outcome(i, 10.0 + i, i % 2) for i in range(2 * FIRST_REQUESTS + 4)]
+    assert scale.apart(outcomes, []) == list(range(1, 2 * FIRST_REQUESTS, 2))
+    assert "joins at 10 s" in scale.describe()
+
+    kill = Scenario("kill-replica", 5.0, 2)
+    conversation_of = [0, 1, 2, 0, 1, 2, 1]
+    replicas = [0, 1, 1, 0, 0, 0, 0]
+    outcomes = [outcome(i, float(i * 2), replicas[i]) for i in range(7)]  # the kill at 5 s: after request 2
+    assert kill.apart(outcomes, conversation_of) == [4, 5]  # conversations 1 and 2's first turns after it
+    with pytest.raises(ValueError, match="2 replicas or more"):
+        Scenario("kill-replica", 5.0, 1)
+
+
+def test_the_scenarios_requests_are_summarized_apart():
+    from tiering.benchmarks.serve.report import summarize
+
+    def outcome(index, prompt, cached, promoted, error=None):
+        ttft = None if error else 0.1 * (index + 1)
+        return {
+            "index": index,
+            "arrival_s": 0.0,
+            "replica": 0,
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "ttft_s": ttft,
+            "output_tokens": 1,
+            "error": error,
+            "engine": None,
+            "promoted_blocks": promoted,
+        }
+
+    outcomes = [outcome(0, 64, 0, 0), outcome(1, 96, 32, 1), outcome(2, 96, 64, 2), outcome(3, 64, 0, 0, "gone")]
+    counters = {"prompt_tokens": 256, "computed_tokens": 160, "cached_tokens_by_source": {}, "load_bytes": 0}
+    run = {"outcomes": outcomes, "wall_s": 1.0, "vllm": counters, "apart": [1, 2, 3]}
+    apart = summarize(run, [0, 64, 64, 0], block_tokens=32)["apart"]
+    assert apart["requests"] == 3 and apart["failed"] == 1
+    assert (apart["prompt_tokens"], apart["computed_tokens"]) == (192, 96)
+    assert (apart["prefix_tokens"], apart["prefix_computed_tokens"], apart["promoted_tokens"]) == (128, 32, 96)
+    assert apart["ttft_s"]["p50"] == pytest.approx(0.25)

@@ -89,3 +89,41 @@ def test_the_smallest_fleet_command_in_the_docs_shows_another_replicas_blocks(tm
     assert main([*argv, "--work-dir", str(tmp_path / "w"), "--quiet"]) == 0
     summary = json.loads(output.read_text())["configurations"]["shared/round-robin"]["summary"]
     assert summary["failed"] == 0 and summary["found_tokens"] > 0, summary
+
+
+def scenario_runs(tmp_path: Path, *moment: str) -> dict:
+    """The fleet of `fleet_argv`, private and shared directories, round-robin, with `moment`."""
+    output = tmp_path / "fleet.json"
+    argv = [*fleet_argv(tmp_path, "file"), "--routing", "round-robin", "--output", str(output), *moment]
+    argv[argv.index("--configurations") + 1] = "private,shared"
+    assert main(argv) == 0
+    return json.loads(output.read_text())["configurations"]
+
+
+def test_a_replica_that_joins_loads_what_the_fleet_stored_from_the_shared_tier(tmp_path):
+    """Requests 0-2 (at 0, 1.5, 3 s) find replica 1 out of service; it joins at 4 s and takes
+    requests 3 and 5 (second turns of conversations 0 and 2), whose prefixes replica 0 stored:
+    from the shared directory it computes none of them, with private tiers all of them."""
+    runs = scenario_runs(tmp_path, "--scale-out-at", "4")
+    for name, run in runs.items():
+        assert [o["replica"] for o in sorted(run["outcomes"], key=lambda o: o["index"])] == [0, 0, 0, 1, 0, 1], name
+        assert run["apart"] == [3, 5] and "joins at 4 s" in run["description"]
+    private, shared = runs["private/round-robin"]["summary"]["apart"], runs["shared/round-robin"]["summary"]["apart"]
+    assert private["failed"] == shared["failed"] == 0
+    assert private["prefix_tokens"] == shared["prefix_tokens"] == 2 * 256
+    assert private["prefix_computed_tokens"] == 2 * 256 and private["promoted_tokens"] == 0
+    assert shared["prefix_computed_tokens"] == 0 and shared["promoted_tokens"] >= 2 * 256
+    assert runs["shared/round-robin"]["summary"]["replicas"][1]["found_tokens"] >= 2 * 256
+
+
+def test_a_killed_replicas_conversations_move_and_their_next_turn_loads_from_the_shared_tier(tmp_path):
+    """Replica 1 serves request 1 (conversation 1) and is killed at 4 s; conversation 1's next
+    turn (request 4, at 6 s) goes to replica 0, which loads its prefix from the shared
+    directory, and recomputes it with private tiers. Nothing of the killed server is left."""
+    runs = scenario_runs(tmp_path, "--kill-replica-at", "4")
+    for name, run in runs.items():
+        assert [o["replica"] for o in sorted(run["outcomes"], key=lambda o: o["index"])] == [0, 1, 0, 0, 0, 0], name
+        assert run["apart"] == [4] and run["summary"]["failed"] == 0, name
+    private, shared = runs["private/round-robin"]["summary"]["apart"], runs["shared/round-robin"]["summary"]["apart"]
+    assert private["prefix_computed_tokens"] == private["prefix_tokens"] == 256
+    assert shared["prefix_computed_tokens"] == 0 and shared["promoted_tokens"] >= 256

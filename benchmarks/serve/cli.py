@@ -16,6 +16,8 @@ With ``--replicas N`` it measures a fleet instead (`tiering.benchmarks.serve.fle
 servers of the model behind the client, each pinned to its share of the cores, with private
 file tiers or one tier they share (``--shared-tier``), the requests routed round-robin, by
 conversation or by the replicas' KV events (``--routing``); the table adds a row per replica.
+``--scale-out-at`` and ``--kill-replica-at`` measure a moment that is not steady, its requests
+apart (`tiering.benchmarks.serve.scenarios`).
 
     tiering-bench serve --workload chat --replicas 2 --routing round-robin,kv-events --output fleet.json
 
@@ -43,8 +45,9 @@ from tiering.benchmarks.serve.fleet import FLEET_CONFIGURATIONS, SHARED_TIERS, F
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
 from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary, summarize
 from tiering.benchmarks.serve.restart import LASTING, run_restarts, split
-from tiering.benchmarks.serve.routing import ROUTINGS, WEIGHTS, weights_arg
+from tiering.benchmarks.serve.routing import LOAD_WEIGHT, ROUTINGS, WEIGHTS, weights_arg
 from tiering.benchmarks.serve.run import CONFIGURATIONS, Setup, run_configuration, s3_server
+from tiering.benchmarks.serve.scenarios import FIRST_REQUESTS, SCENARIOS, Scenario
 from tiering.benchmarks.serve.server import CONNECTORS
 from tiering.benchmarks.serve.workload import conversations, prompts, reusable_prefix_tokens, sample_conversations
 
@@ -131,6 +134,27 @@ def _configuration_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(f"{where}={weight:g}" for where, weight in WEIGHTS.items())
         + ")",
     )
+    parser.add_argument(
+        "--router-load-weight",
+        type=rate_arg,
+        default=LOAD_WEIGHT,
+        metavar="BLOCKS",
+        help=f"kv-shared routing: prefix credit a request in flight on a replica costs it (default {LOAD_WEIGHT:g})",
+    )
+    moment = parser.add_mutually_exclusive_group()
+    moment.add_argument(
+        "--scale-out-at",
+        type=rate_arg,
+        metavar="SECONDS",
+        help=f"fleet: the last replica joins at this time of the replay; its first {FIRST_REQUESTS} requests apart",
+    )
+    moment.add_argument(
+        "--kill-replica-at",
+        type=rate_arg,
+        metavar="SECONDS",
+        help="fleet: the last replica is killed (SIGKILL) at this time of the replay; the next turn of each "
+        "conversation it served, apart",
+    )
 
 
 def _server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +217,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The rules between options (each broken one a usage error), and the configurations
     resolved to names."""
     known = FLEET_CONFIGURATIONS if args.replicas > 1 else CONFIGURATIONS
+    if args.replicas < 2 and (scenario := _scenario(args)) is not None:
+        parser.error(f"--{scenario.kind}-at: a fleet's moment, with --replicas 2 or more")
     if args.restart_at is not None:
         if args.replicas > 1:
             parser.error("--restart-at: one server only (a fleet's restart is not measured yet)")
@@ -205,6 +231,15 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.configurations = names
     if "g" in names and not args.recompute_tokens_per_s and ("a" not in names or names.index("a") > names.index("g")):
         parser.error("configuration g needs --recompute-tokens-per-s, or configuration a before it to measure it")
+
+
+def _scenario(args: argparse.Namespace) -> Scenario | None:
+    """The fleet's moment the command line asks for (``--scale-out-at``, ``--kill-replica-at``), or None."""
+    for kind in SCENARIOS:
+        at_s = getattr(args, kind.replace("-", "_") + "_at")
+        if at_s is not None:
+            return Scenario(kind, at_s, max(args.replicas, 2))
+    return None
 
 
 def _setup(args: argparse.Namespace, model: Path, kv_bytes_per_token: int, work_dir: Path) -> Setup:
@@ -269,7 +304,7 @@ def _restart_runs(args: argparse.Namespace, setup: Setup, work: Workload) -> Ite
 
 def _fleet_runs(args: argparse.Namespace, setup: Setup, work: Workload) -> Iterator[dict]:
     """Each fleet configuration under each routing, on fresh replicas."""
-    fleet = Fleet(args.replicas, args.shared_tier, args.router_weights)
+    fleet = Fleet(args.replicas, args.shared_tier, args.router_weights, args.router_load_weight, _scenario(args))
     with shared_backing(args.shared_tier, "shared" in args.configurations) as backing:
         for name in args.configurations:
             for routing in args.routing:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -61,16 +62,18 @@ def replay(
     timeout_s: float = 600.0,
     hints: list[dict[str, Any] | None] | None = None,
     routing: Routing | None = None,
+    actions: Sequence[tuple[float, Callable[[], Awaitable[None]]]] = (),
 ) -> list[Outcome]:
     """Send ``prompts[i]`` at ``arrivals_s[i]`` seconds from now (at most `max_concurrency`
     in flight, None: no limit), with the retention hint ``hints[i]`` (None: none; `hints`
     None: no request has one), to the server at `url` or, given a list of replicas' URLs,
-    to the one `routing` chooses (None: the first), and wait for all of them; outcomes in
-    request order."""
+    to the one `routing` chooses (None: the first), and wait for all of them, and for each
+    of `actions` (a coroutine function run at its time, seconds from now, on the same event
+    loop: a replica killed, or joining); outcomes in request order."""
     urls = [url] if isinstance(url, str) else url
     hints = hints or [None] * len(prompts)
     return asyncio.run(
-        _replay(urls, model, prompts, arrivals_s, max_tokens, max_concurrency, timeout_s, hints, routing)
+        _replay(urls, model, prompts, arrivals_s, max_tokens, max_concurrency, timeout_s, hints, routing, actions)
     )
 
 
@@ -84,6 +87,7 @@ async def _replay(
     timeout_s: float,
     hints: list[dict[str, Any] | None],
     routing: Routing | None,
+    actions: Sequence[tuple[float, Callable[[], Awaitable[None]]]],
 ) -> list[Outcome]:
     slots = asyncio.Semaphore(max_concurrency or len(prompts) or 1)
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1)
@@ -96,7 +100,11 @@ async def _replay(
             outcome = Outcome(index, arrivals_s[index], len(prompts[index]), due)
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             if routing is not None:
-                outcome.replica = routing.choose(index, prompts[index])
+                try:
+                    outcome.replica = routing.choose(index, prompts[index])
+                except RuntimeError as exc:  # no replica in service
+                    outcome.error = str(exc)
+                    return outcome
                 routing.started(outcome.replica)
             try:
                 async with slots:
@@ -107,7 +115,13 @@ async def _replay(
                     routing.finished(outcome.replica)
             return outcome
 
-        return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+        async def act(at_s: float, action: Callable[[], Awaitable[None]]) -> None:
+            await asyncio.sleep(max(0.0, start + at_s - time.monotonic()))
+            await action()
+
+        outcomes = asyncio.gather(*(one(i) for i in range(len(prompts))))
+        await asyncio.gather(outcomes, *(act(at_s, action) for at_s, action in actions))
+        return list(outcomes.result())
     finally:
         for client in clients:
             await client.aclose()

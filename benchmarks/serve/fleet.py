@@ -36,8 +36,9 @@ from typing import Any
 
 from tiering.benchmarks.serve.breakdown import breakdown, read_request_log
 from tiering.benchmarks.serve.client import replay
-from tiering.benchmarks.serve.routing import KvEventsIndex, Routing
+from tiering.benchmarks.serve.routing import LOAD_WEIGHT, PREFIX_ROUTINGS, KvEventsIndex, Routing
 from tiering.benchmarks.serve.run import S3_CREDENTIALS, Setup, server_options, settled_counters
+from tiering.benchmarks.serve.scenarios import Scenario
 from tiering.benchmarks.serve.server import ServerOptions, VllmServer
 
 logger = logging.getLogger("tiering.bench")
@@ -54,11 +55,14 @@ MOONCAKE_SEGMENT_BYTES = 512 << 20  # what each replica lends the pool
 @dataclass(frozen=True)
 class Fleet:
     """The replicas: how many, the kind of the shared tier, the KV-events router's weights
-    (`tiering.benchmarks.serve.routing.WEIGHTS` changed), and each one's cores."""
+    (`tiering.benchmarks.serve.routing.WEIGHTS` changed) and ``kv-shared``'s cost of a
+    request in flight, the moment measured (None: a steady run), and each one's cores."""
 
     replicas: int
     shared_tier: str = "file"
     router_weights: dict[str, float] = field(default_factory=dict)
+    load_weight: float = LOAD_WEIGHT
+    scenario: Scenario | None = None
 
     def cpus(self) -> list[tuple[int, ...]]:
         """Each replica's cores: this process's cores split evenly (a replica gets one of them
@@ -156,37 +160,27 @@ def run_fleet(
         RuntimeError: a server did not start (the message has its output).
     """
     run = f"{name}/{routing_name}"
-    index = (
-        KvEventsIndex(fleet.replicas, setup.block_size, fleet.router_weights) if routing_name == "kv-events" else None
-    )
+    shared_places = frozenset({"STORAGE/LOCAL", "STORAGE/REMOTE"} if name == "shared" else ())  # the shared tier's
+    index = None
+    if routing_name in PREFIX_ROUTINGS:
+        index = KvEventsIndex(fleet.replicas, setup.block_size, fleet.router_weights, shared_places)
     servers: list[VllmServer] = []
     try:
-        options = []
-        for replica in range(fleet.replicas):
-            tier = None
-            if name == "private":
-                tier = {"type": "file", "root_dir": str(setup.work_dir / f"private-{run.replace('/', '-')}-{replica}")}
-            elif name == "shared":
-                tier = shared_tier(fleet.shared_tier, run, setup, backing)
-            events = index.publisher_config(replica) if index is not None else None
-            options.append(replica_options(name, replica, fleet, setup, tier, events))
-            replica_log(setup, replica).unlink(missing_ok=True)
-        logger.info("fleet %s: starting %d vLLM servers on cores %s", run, fleet.replicas, fleet.cpus())
-        with concurrent.futures.ThreadPoolExecutor(fleet.replicas) as pool:
-            starting = [
-                pool.submit(VllmServer, setup.model, option, setup.work_dir / f"server-{run.replace('/', '-')}-{i}.log")
-                for i, option in enumerate(options)
-            ]
-            for future in starting:
-                with contextlib.suppress(RuntimeError):
-                    servers.append(future.result())
-            for future in starting:
-                future.result()  # the first that failed, raised (the others are stopped below)
-        routing = Routing(routing_name, fleet.replicas, conversation_of, index)
+        _start_replicas(name, run, fleet, setup, backing, index, servers)
+        routing = Routing(routing_name, fleet.replicas, conversation_of, index, fleet.load_weight)
+        actions = fleet.scenario.actions(routing, servers) if fleet.scenario else []
         start = time.perf_counter()
         urls = [server.url for server in servers]
         outcomes = replay(
-            urls, servers[0].model_name, prompts, arrivals_s, max_tokens, max_concurrency, hints=hints, routing=routing
+            urls,
+            servers[0].model_name,
+            prompts,
+            arrivals_s,
+            max_tokens,
+            max_concurrency,
+            hints=hints,
+            routing=routing,
+            actions=actions,
         )
         wall_s = time.perf_counter() - start
         counters = [settled_counters(server) for server in servers]
@@ -196,20 +190,69 @@ def run_fleet(
         if index is not None:
             index.close()
     results = [outcome.as_dict() for outcome in outcomes]
-    for replica in range(fleet.replicas):
-        entries = read_request_log(replica_log(setup, replica))
-        for result in results:
-            if result["replica"] == replica:
-                result["engine"] = breakdown(result, entries.get(result["index"]))
+    _add_request_logs(results, fleet.replicas, setup)
+    scenario = fleet.scenario
+    moment = f"; {scenario.describe()}" if scenario else ""
     return {
         "name": run,
-        "description": f"{FLEET_CONFIGURATIONS[name]}, {routing_name}",
+        "description": f"{FLEET_CONFIGURATIONS[name]}, {routing_name}{moment}",
         "routing": routing_name,
         "wall_s": wall_s,
         "outcomes": results,
         "vllm": sum_counters(counters),
         "replicas": [{"cpus": list(cpus), "vllm": c} for cpus, c in zip(fleet.cpus(), counters, strict=True)],
+        "apart": scenario.apart(results, conversation_of) if scenario else None,
     }
+
+
+def _start_replicas(
+    name: str,
+    run: str,
+    fleet: Fleet,
+    setup: Setup,
+    backing: dict[str, Any],
+    index: KvEventsIndex | None,
+    servers: list[VllmServer],
+) -> None:
+    """Start run `run`'s replicas of configuration `name` together, each appended to
+    `servers` once it answers.
+
+    Raises:
+        RuntimeError: a server did not start (those that did are in `servers`, to stop).
+    """
+    options = []
+    for replica in range(fleet.replicas):
+        tier = None
+        if name == "private":
+            tier = {"type": "file", "root_dir": str(setup.work_dir / f"private-{run.replace('/', '-')}-{replica}")}
+        elif name == "shared":
+            tier = shared_tier(fleet.shared_tier, run, setup, backing)
+        events = index.publisher_config(replica) if index is not None else None
+        options.append(replica_options(name, replica, fleet, setup, tier, events))
+        replica_log(setup, replica).unlink(missing_ok=True)
+    logger.info("fleet %s: starting %d vLLM servers on cores %s", run, fleet.replicas, fleet.cpus())
+    with concurrent.futures.ThreadPoolExecutor(fleet.replicas) as pool:
+        starting = [
+            pool.submit(VllmServer, setup.model, option, setup.work_dir / f"server-{run.replace('/', '-')}-{i}.log")
+            for i, option in enumerate(options)
+        ]
+        for future in starting:
+            with contextlib.suppress(RuntimeError):
+                servers.append(future.result())
+        for future in starting:
+            future.result()  # the first that failed, raised (the others are stopped by the caller)
+
+
+def _add_request_logs(results: list[dict[str, Any]], replicas: int, setup: Setup) -> None:
+    """Each result gets its TTFT's parts (`breakdown`) and the blocks its promotions brought
+    from secondary tiers (``promoted_blocks``), from its replica's request log."""
+    for replica in range(replicas):
+        entries = read_request_log(replica_log(setup, replica))
+        for result in results:
+            if result["replica"] == replica:
+                entry = entries.get(result["index"])
+                result["engine"] = breakdown(result, entry)
+                result["promoted_blocks"] = sum((entry or {}).get("promoted_blocks", {}).values())
 
 
 def sum_counters(counters: list[dict[str, Any]]) -> dict[str, Any]:

@@ -59,6 +59,10 @@ def summarize(run: dict[str, Any], reusable: list[int], block_tokens: int = 0) -
         "disk_floor_p50_s": _median([e["disk_floor_s"] for e in floored]),
         "promoted_blocks_p50": _median([e["promoted_blocks"] for e in floored]),
     }
+    if run.get("apart") is not None:
+        summary["apart"] = summarize_apart(
+            [o for o in outcomes if o["index"] in set(run["apart"])], reusable, block_tokens
+        )
     if "replicas" in run:
         summary["replicas"] = [
             summarize(
@@ -70,6 +74,24 @@ def summarize(run: dict[str, Any], reusable: list[int], block_tokens: int = 0) -
             for i, r in enumerate(run["replicas"])
         ]
     return summary
+
+
+def summarize_apart(outcomes: list[dict[str, Any]], reusable: list[int], block_tokens: int) -> dict[str, Any]:
+    """The requests a fleet's scenario reports apart (`tiering.benchmarks.serve.scenarios`):
+    TTFT percentiles, prompt tokens and those computed (vLLM's cached tokens less), their
+    reusable prefix tokens (`reusable_prefix_tokens`) and the part of those computed, and the
+    tokens of blocks promoted from a secondary tier (the engine's request log)."""
+    done = [o for o in outcomes if o["error"] is None]
+    return {
+        "requests": len(outcomes),
+        "failed": len(outcomes) - len(done),
+        "ttft_s": _percentiles([o["ttft_s"] for o in done]),
+        "prompt_tokens": sum(o["prompt_tokens"] for o in done),
+        "computed_tokens": sum(o["prompt_tokens"] - o["cached_tokens"] for o in done),
+        "prefix_tokens": sum(reusable[o["index"]] for o in done),
+        "prefix_computed_tokens": sum(max(0, reusable[o["index"]] - o["cached_tokens"]) for o in done),
+        "promoted_tokens": sum(o.get("promoted_blocks", 0) for o in done) * block_tokens,
+    }
 
 
 def observed_prefill_rate(run: dict[str, Any]) -> float | None:
@@ -125,6 +147,11 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     for name, run in report["configurations"].items():
         console.print(f"{name}: {run['description']}")
     console.print(table)
+    aparts = {
+        name: run["summary"]["apart"] for name, run in report["configurations"].items() if "apart" in run["summary"]
+    }
+    if aparts:
+        console.print(_apart_table(aparts))
     summaries = {name: run["summary"] for name, run in report["configurations"].items()}
     loads = {name: summary for name, summary in summaries.items() if summary["loaded_requests"]}
     if loads:
@@ -146,6 +173,24 @@ def _summary_row(name: str, summary: dict[str, Any]) -> tuple[str, ...]:
         ", ".join(served) or "-",
         f"{summary['found_tokens']:,.0f}" if summary["found_tokens"] else "-",
     )
+
+
+def _apart_table(aparts: dict[str, dict[str, Any]]) -> Table:
+    """The requests of each run's scenario, apart (`summarize_apart`)."""
+    table = Table(box=box.MARKDOWN, title="The scenario's requests (scenarios.py): TTFT ms p50 / p90 / p99")
+    headers = ("", "requests", "TTFT", "computed", "prefix computed", "from a secondary tier")
+    for header in headers:
+        table.add_column(header, justify="left" if not header else "right")
+    for name, apart in aparts.items():
+        table.add_row(
+            name + (f" ({apart['failed']} failed)" if apart["failed"] else ""),
+            str(apart["requests"]),
+            " / ".join(_ms(v) for v in apart["ttft_s"].values()),
+            f"{apart['computed_tokens']:,} of {apart['prompt_tokens']:,}",
+            f"{apart['prefix_computed_tokens']:,} of {apart['prefix_tokens']:,}",
+            f"{apart['promoted_tokens']:,}",
+        )
+    return table
 
 
 def _breakdown_table(summaries: dict[str, dict[str, Any]]) -> Table:
