@@ -44,7 +44,7 @@ def test_a_bad_trace_line_is_named(tmp_path):
         read_trace(path)
 
 
-@pytest.mark.parametrize("name", ["multi-turn", "long-doc", "zipf", "shared-prefix"])
+@pytest.mark.parametrize("name", ["multi-turn", "long-doc", "zipf", "shared-prefix", "hot-prefix"])
 def test_synthetic_workloads_are_deterministic_and_reuse_prefixes(name):
     requests = synthetic(name, 200, seed=1)
     assert requests == synthetic(name, 200, seed=1) and requests != synthetic(name, 200, seed=2)
@@ -52,6 +52,19 @@ def test_synthetic_workloads_are_deterministic_and_reuse_prefixes(name):
     assert 0.2 < unbounded_hit_rate(requests) < 1.0
     with pytest.raises(ValueError, match="unknown workload 'chat'"):
         synthetic("chat", 1)
+
+
+def test_the_hot_prefix_workload_sends_conversations_on_one_system_prompt_in_bursts():
+    from tiering.benchmarks.loadgen.workload import HOT_BURST, HOT_PAUSE_MS, HOT_SYSTEM_BLOCKS
+
+    requests = synthetic("hot-prefix", 3 * HOT_BURST)
+    system = requests[0].hash_ids[:HOT_SYSTEM_BLOCKS]
+    assert all(r.hash_ids[:HOT_SYSTEM_BLOCKS] == system for r in requests)
+    firsts, seconds = requests[:HOT_BURST], requests[HOT_BURST : 2 * HOT_BURST]
+    assert firsts[-1].timestamp_ms < 1000 and seconds[0].timestamp_ms == HOT_PAUSE_MS  # a burst, a pause, a burst
+    assert [s.hash_ids[:-1] for s in seconds] == [f.hash_ids for f in firsts]  # each one's second turn
+    assert len({f.hash_ids for f in firsts}) == HOT_BURST
+    assert requests[2 * HOT_BURST].hash_ids[:HOT_SYSTEM_BLOCKS] == system
 
 
 def blocks(*ids):

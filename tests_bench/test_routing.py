@@ -195,3 +195,41 @@ def test_the_scenarios_requests_are_summarized_apart():
     assert (apart["prompt_tokens"], apart["computed_tokens"]) == (192, 96)
     assert (apart["prefix_tokens"], apart["prefix_computed_tokens"], apart["promoted_tokens"]) == (128, 32, 96)
     assert apart["ttft_s"]["p50"] == pytest.approx(0.25)
+
+
+def test_a_rolling_restart_drains_restarts_and_rejoins_each_replica_in_turn():
+    import asyncio
+
+    from tiering.benchmarks.serve.scenarios import Scenario
+
+    seen = []
+
+    class Server:
+        def __init__(self, name):
+            self.name = name
+
+        def restart(self):
+            seen.append((self.name, sorted(routing.down), list(routing.in_flight)))
+            return Server(self.name + "'")
+
+    rolling = Scenario("rolling-restart", 3.0, 2)
+    routing = Routing("round-robin", 2, [])
+    servers = [Server("0"), Server("1")]
+    ((at_s, roll),) = rolling.actions(routing, servers)
+    assert at_s == 3.0
+    routing.started(0)  # a request in flight on replica 0: the restart waits for it
+
+    async def run():
+        task = asyncio.create_task(roll())
+        await asyncio.sleep(0.1)
+        assert seen == [] and routing.down == {0}  # out of the router, draining
+        routing.finished(0)
+        await task
+
+    asyncio.run(run())
+    assert seen == [("0", [0], [0, 0]), ("1", [1], [0, 0])]  # one at a time, the other serving
+    assert [s.name for s in servers] == ["0'", "1'"] and routing.down == set()
+    back_s = rolling.marks["back_s"]
+    assert back_s >= 3.1
+    outcomes = [{"index": i, "arrival_s": t, "replica": 0} for i, t in enumerate([1.0, 3.0, 3.05, back_s + 1])]
+    assert rolling.apart(outcomes, []) == [1, 2]

@@ -127,3 +127,17 @@ def test_a_killed_replicas_conversations_move_and_their_next_turn_loads_from_the
     private, shared = runs["private/round-robin"]["summary"]["apart"], runs["shared/round-robin"]["summary"]["apart"]
     assert private["prefix_computed_tokens"] == private["prefix_tokens"] == 256
     assert shared["prefix_computed_tokens"] == 0 and shared["promoted_tokens"] >= 256
+
+
+def test_a_rolling_restart_routes_around_each_replica_and_no_request_fails(tmp_path):
+    """From 2 s, replica 0 then replica 1 are drained, stopped (SIGTERM) and started again on
+    their ports; the requests meanwhile go to the one serving, none fails, and every request
+    after the restarts finds its prefix (the restarted replicas' tiers, or the shared one)."""
+    output = tmp_path / "fleet.json"
+    argv = [*fleet_argv(tmp_path, "file"), "--routing", "session", "--output", str(output)]
+    assert main([*argv, "--rolling-restart-at", "2"]) == 0
+    run = json.loads(output.read_text())["configurations"]["shared/session"]
+    assert run["summary"]["failed"] == 0, run["outcomes"]
+    assert run["apart"] and run["apart"][0] == 2  # request 2 (at 3 s) arrived during the restarts
+    seconds = [o for o in run["outcomes"] if o["index"] >= 3]
+    assert all(o["cached_tokens"] >= 256 for o in seconds), seconds  # every second turn's prefix was kept

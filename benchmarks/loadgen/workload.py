@@ -25,7 +25,9 @@ import numpy as np
 from tiering.benchmarks.args import parse_hints
 
 BLOCK_TOKENS = 512  # tokens per block id in the Mooncake traces
-WORKLOADS = ("multi-turn", "long-doc", "zipf", "shared-prefix")
+WORKLOADS = ("multi-turn", "long-doc", "zipf", "shared-prefix", "hot-prefix")
+HOT_BURST, HOT_SYSTEM_BLOCKS = 24, 24  # hot-prefix: conversations per burst, blocks of their system prompt
+HOT_BURST_GAP_MS, HOT_PAUSE_MS = 40.0, 10_000.0  # between a burst's requests; between bursts
 REPLAY_TENANT, FLOOD_TENANT = "replay", "flood"  # the two tenants of `with_flood`
 
 
@@ -141,18 +143,35 @@ def synthetic(name: str, num_requests: int, seed: int = 0) -> list[Request]:
     - ``zipf``: prompts whose prefixes are drawn from a Zipf-distributed pool.
     - ``shared-prefix``: 8 prefixes of 32 blocks, each request one of them (uniformly) and
       a block of its own (the serving benchmark's hit-cost workload).
+    - ``hot-prefix``: conversations that all start with one system prompt of
+      `HOT_SYSTEM_BLOCKS` blocks, in bursts: `HOT_BURST` new conversations' first turns
+      `HOT_BURST_GAP_MS` apart, then after `HOT_PAUSE_MS` their second turns, then a new
+      burst (what piles onto the one replica a prefix router sends the prompt to).
+
+    Requests arrive about 4 a second (exponential gaps), ``hot-prefix``'s in its bursts.
 
     Raises:
         ValueError: unknown workload name.
     """
-    generators = {"multi-turn": _multi_turn, "long-doc": _long_doc, "zipf": _zipf, "shared-prefix": _shared_prefix}
+    generators = {
+        "multi-turn": _multi_turn,
+        "long-doc": _long_doc,
+        "zipf": _zipf,
+        "shared-prefix": _shared_prefix,
+        "hot-prefix": _hot_prefix,
+    }
     if name not in generators:
         raise ValueError(f"unknown workload {name!r}; known workloads: {', '.join(WORKLOADS)}")
     rng = np.random.default_rng(seed)
     ids = itertools.count()
     blocks = list(itertools.islice(generators[name](rng, ids), num_requests))
-    gaps = rng.exponential(250.0, size=len(blocks))  # ~4 requests per second
-    times = np.cumsum(gaps) - gaps[0]
+    if name == "hot-prefix":
+        times = np.array(
+            [(i // HOT_BURST) * HOT_PAUSE_MS + (i % HOT_BURST) * HOT_BURST_GAP_MS for i in range(len(blocks))]
+        )
+    else:
+        gaps = rng.exponential(250.0, size=len(blocks))  # ~4 requests per second
+        times = np.cumsum(gaps) - gaps[0]
     return [
         Request(float(t), BLOCK_TOKENS * len(b) - int(rng.integers(0, BLOCK_TOKENS)), 256, tuple(b))
         for t, b in zip(times, blocks, strict=True)
@@ -283,3 +302,11 @@ def _shared_prefix(rng: np.random.Generator, ids: Iterator[int]) -> Iterator[lis
     prefixes = [[next(ids) for _ in range(32)] for _ in range(8)]
     while True:
         yield [*prefixes[int(rng.integers(len(prefixes)))], next(ids)]
+
+
+def _hot_prefix(rng: np.random.Generator, ids: Iterator[int]) -> Iterator[list[int]]:
+    system = [next(ids) for _ in range(HOT_SYSTEM_BLOCKS)]
+    while True:
+        firsts = [[*system, next(ids)] for _ in range(HOT_BURST)]
+        yield from (list(turn) for turn in firsts)
+        yield from ([*turn, next(ids)] for turn in firsts)

@@ -16,8 +16,8 @@ With ``--replicas N`` it measures a fleet instead (`tiering.benchmarks.serve.fle
 servers of the model behind the client, each pinned to its share of the cores, with private
 file tiers or one tier they share (``--shared-tier``), the requests routed round-robin, by
 conversation or by the replicas' KV events (``--routing``); the table adds a row per replica.
-``--scale-out-at`` and ``--kill-replica-at`` measure a moment that is not steady, its requests
-apart (`tiering.benchmarks.serve.scenarios`).
+``--scale-out-at``, ``--kill-replica-at`` and ``--rolling-restart-at`` measure a moment that is
+not steady, its requests apart (`tiering.benchmarks.serve.scenarios`).
 
     tiering-bench serve --workload chat --replicas 2 --routing round-robin,kv-events --output fleet.json
 
@@ -154,6 +154,13 @@ def _configuration_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="fleet: the last replica is killed (SIGKILL) at this time of the replay; the next turn of each "
         "conversation it served, apart",
+    )
+    moment.add_argument(
+        "--rolling-restart-at",
+        type=rate_arg,
+        metavar="SECONDS",
+        help="fleet: from this time of the replay each replica in turn is drained, stopped (SIGTERM) and started "
+        "again over its tiers; the requests until the last is back, apart",
     )
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from tiering.benchmarks.serve.breakdown import breakdown, read_request_log
 from tiering.benchmarks.serve.client import replay
+from tiering.benchmarks.serve.restart import SHUTDOWN_TIMEOUT_S
 from tiering.benchmarks.serve.routing import LOAD_WEIGHT, PREFIX_ROUTINGS, KvEventsIndex, Routing
 from tiering.benchmarks.serve.run import S3_CREDENTIALS, Setup, server_options, settled_counters
 from tiering.benchmarks.serve.scenarios import Scenario
@@ -127,6 +128,8 @@ def replica_options(
     if options.engine is not None:
         options.engine |= {"secondary_tiers": [tier], "request_log": str(replica_log(setup, replica))}
     extra = [*options.extra_args, "--kv-events-config", json.dumps(events)] if events else options.extra_args
+    if fleet.scenario is not None and fleet.scenario.kind == "rolling-restart":  # the engine drains as it stops
+        extra = [*extra, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     env = S3_CREDENTIALS if fleet.shared_tier == "s3" and name == "shared" else {}
     return replace(options, cpus=fleet.cpus()[replica], extra_args=extra, env=env)
 

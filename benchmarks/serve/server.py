@@ -76,14 +76,17 @@ class ServerOptions:
 class VllmServer:
     """One server on a free port of 127.0.0.1, its output in `log`."""
 
-    def __init__(self, model: Path, options: ServerOptions, log: Path, start_timeout_s: float = 300.0):
-        """Start the server and wait until it answers.
+    def __init__(
+        self, model: Path, options: ServerOptions, log: Path, start_timeout_s: float = 300.0, port: int | None = None
+    ):
+        """Start the server (on `port`, None: a free one) and wait until it answers.
 
         Raises:
             RuntimeError: it exited or did not answer within `start_timeout_s` (the message
                 ends with its output).
         """
-        self.port = free_port()
+        self.model, self.options = model, options
+        self.port = port or free_port()
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
         command += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager"]
         command += ["--block-size", str(options.block_size), "--max-model-len", str(options.max_model_len)]
@@ -122,6 +125,16 @@ class VllmServer:
                 raise RuntimeError(f"vLLM's server did not start; its output ends:\n{self.output()[-3000:]}")
             time.sleep(1)
         self.model_name = json.loads(self.get("/v1/models") or "{}")["data"][0]["id"]
+
+    def restart(self, signum: int = signal.SIGTERM) -> VllmServer:
+        """Stop the server with `signum` (`stop`) and start it again with the same options on
+        the same port, its output in a log beside the first; the new server, once it answers.
+
+        Raises:
+            RuntimeError: it did not start again (the message ends with its output).
+        """
+        self.stop(signum)
+        return VllmServer(self.model, self.options, self.log.with_suffix(".restarted.log"), port=self.port)
 
     @property
     def url(self) -> str:
