@@ -157,14 +157,9 @@ class PrefixIndex:
 class KvEventsIndex(PrefixIndex):
     """A `PrefixIndex` fed by the replicas' vLLM publishers (`KvEventsSubscriber`)."""
 
-    def __init__(
-        self,
-        replicas: int,
-        block_size: int,
-        weights: dict[str, float] | None = None,
-        shared_places: frozenset[str] = frozenset(),
-    ):
-        super().__init__(replicas, block_size, weights, shared_places)
+    def __init__(self, *args: Any, **kwargs: Any):
+        """`PrefixIndex`'s arguments; the subscriber's socket is bound."""
+        super().__init__(*args, **kwargs)
         self._subscriber = KvEventsSubscriber(
             lambda topic, _sequence, events: self.apply(int(topic.removeprefix("replica-")), events), "replica-"
         )
