@@ -295,3 +295,30 @@ def test_mooncake_tier_beside_valkey():
     out = " ".join(done.stdout.split())
     for row in ("mooncake store", "mooncake load", "valkey store", "valkey load"):
         assert f"64 KiB │ {row}" in out, out
+
+
+def test_the_shared_memory_a_killed_servers_processes_mapped_is_found_for_removal(tmp_path):
+    """A vLLM server killed with SIGKILL leaves its message queues in /dev/shm: the files its
+    session's processes map are listed (`session_shm_files`) before the kill, to be removed after."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from tiering.benchmarks.serve.server import session_shm_files
+
+    path = f"/dev/shm/tiering-bench-test-{uuid.uuid4().hex}"
+    code = (
+        "import mmap, sys\n"
+        f"f = open({path!r}, 'w+b'); f.truncate(4096); m = mmap.mmap(f.fileno(), 4096)\n"
+        "print('mapped', flush=True); sys.stdin.read()\n"
+    )
+    command = [sys.executable, "-c", code]
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True) as child:
+        try:
+            assert child.stdout.readline() == b"mapped\n"
+            assert path in session_shm_files(child.pid)
+            assert path not in session_shm_files(os.getsid(0))  # another session's
+        finally:
+            child.kill()
+            os.unlink(path)

@@ -167,7 +167,10 @@ class VllmServer:
 
     def stop(self, signum: int = signal.SIGINT, group: bool = False) -> None:
         """Send `signum` to the API server (as Ctrl-C or a service manager does) or to every
-        process of the server, and wait for all of them to end (SIGKILL after 60 s)."""
+        process of the server, and wait for all of them to end (SIGKILL after 60 s). After a
+        SIGKILL, the shared-memory files its processes had mapped and nobody unlinked (vLLM's
+        message queues) are removed."""
+        mapped = session_shm_files(self.process.pid) if signum == signal.SIGKILL else set()
         with contextlib.suppress(ProcessLookupError):  # every process of it is gone (a server that refused to start)
             (os.killpg if group else os.kill)(self.process.pid, signum)
         try:
@@ -181,7 +184,22 @@ class VllmServer:
             time.sleep(0.5)
         else:
             os.killpg(self.process.pid, signal.SIGKILL)
+        for path in mapped:
+            Path(path).unlink(missing_ok=True)
         self._log_file.close()
+
+
+def session_shm_files(session: int) -> set[str]:
+    """The files under /dev/shm that processes of session `session` have mapped."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.getsid(int(entry)) == session:
+                maps = Path(f"/proc/{entry}/maps").read_text()
+                found.update(re.findall(r"(/dev/shm/\S+)$", maps, re.M))
+        except OSError:  # gone meanwhile
+            continue
+    return found
 
 
 def session_alive(session: int) -> bool:
