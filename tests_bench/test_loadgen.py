@@ -57,11 +57,13 @@ def test_synthetic_workloads_are_deterministic_and_reuse_prefixes(name):
 def test_the_hot_prefix_workload_sends_conversations_on_one_system_prompt_in_bursts():
     from tiering.benchmarks.loadgen.workload import HOT_BURST, HOT_PAUSE_MS, HOT_SYSTEM_BLOCKS
 
-    requests = synthetic("hot-prefix", 3 * HOT_BURST)
-    system = requests[0].hash_ids[:HOT_SYSTEM_BLOCKS]
+    warm, *requests = synthetic("hot-prefix", 3 * HOT_BURST + 1)
+    system = warm.hash_ids[:HOT_SYSTEM_BLOCKS]
     assert all(r.hash_ids[:HOT_SYSTEM_BLOCKS] == system for r in requests)
     firsts, seconds = requests[:HOT_BURST], requests[HOT_BURST : 2 * HOT_BURST]
-    assert firsts[-1].timestamp_ms < 1000 and seconds[0].timestamp_ms == HOT_PAUSE_MS  # a burst, a pause, a burst
+    assert warm.timestamp_ms == 0 and firsts[0].timestamp_ms == HOT_PAUSE_MS / 2  # the prompt cached, then bursts
+    assert firsts[-1].timestamp_ms - firsts[0].timestamp_ms < 1000  # a burst, a pause, a burst
+    assert seconds[0].timestamp_ms - firsts[0].timestamp_ms == HOT_PAUSE_MS
     assert [s.hash_ids[:-1] for s in seconds] == [f.hash_ids for f in firsts]  # each one's second turn
     assert len({f.hash_ids for f in firsts}) == HOT_BURST
     assert requests[2 * HOT_BURST].hash_ids[:HOT_SYSTEM_BLOCKS] == system

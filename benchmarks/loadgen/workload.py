@@ -144,9 +144,10 @@ def synthetic(name: str, num_requests: int, seed: int = 0) -> list[Request]:
     - ``shared-prefix``: 8 prefixes of 32 blocks, each request one of them (uniformly) and
       a block of its own (the serving benchmark's hit-cost workload).
     - ``hot-prefix``: conversations that all start with one system prompt of
-      `HOT_SYSTEM_BLOCKS` blocks, in bursts: `HOT_BURST` new conversations' first turns
-      `HOT_BURST_GAP_MS` apart, then after `HOT_PAUSE_MS` their second turns, then a new
-      burst (what piles onto the one replica a prefix router sends the prompt to).
+      `HOT_SYSTEM_BLOCKS` blocks: one request first (the prompt is then cached somewhere),
+      then bursts from `HOT_PAUSE_MS` / 2 on: `HOT_BURST` new conversations' first turns
+      `HOT_BURST_GAP_MS` apart, after `HOT_PAUSE_MS` their second turns, then a new burst
+      (what piles onto the one replica a prefix router sends the prompt to).
 
     Requests arrive about 4 a second (exponential gaps), ``hot-prefix``'s in its bursts.
 
@@ -166,9 +167,11 @@ def synthetic(name: str, num_requests: int, seed: int = 0) -> list[Request]:
     ids = itertools.count()
     blocks = list(itertools.islice(generators[name](rng, ids), num_requests))
     if name == "hot-prefix":
-        times = np.array(
-            [(i // HOT_BURST) * HOT_PAUSE_MS + (i % HOT_BURST) * HOT_BURST_GAP_MS for i in range(len(blocks))]
-        )
+        bursts = [
+            HOT_PAUSE_MS / 2 + (i // HOT_BURST) * HOT_PAUSE_MS + (i % HOT_BURST) * HOT_BURST_GAP_MS
+            for i in range(len(blocks) - 1)
+        ]
+        times = np.array([0.0, *bursts][: len(blocks)])
     else:
         gaps = rng.exponential(250.0, size=len(blocks))  # ~4 requests per second
         times = np.cumsum(gaps) - gaps[0]
@@ -306,6 +309,7 @@ def _shared_prefix(rng: np.random.Generator, ids: Iterator[int]) -> Iterator[lis
 
 def _hot_prefix(rng: np.random.Generator, ids: Iterator[int]) -> Iterator[list[int]]:
     system = [next(ids) for _ in range(HOT_SYSTEM_BLOCKS)]
+    yield [*system, next(ids)]
     while True:
         firsts = [[*system, next(ids)] for _ in range(HOT_BURST)]
         yield from (list(turn) for turn in firsts)
