@@ -169,7 +169,10 @@ class VllmServer:
         """Send `signum` to the API server (as Ctrl-C or a service manager does) or to every
         process of the server, and wait for all of them to end (SIGKILL after 60 s). After a
         SIGKILL, the shared-memory files its processes had mapped and nobody unlinked (vLLM's
-        message queues) are removed."""
+        message queues) are removed. A server stopped already is left alone (its process ids
+        may be another's by now)."""
+        if self._log_file.closed:
+            return
         mapped = session_shm_files(self.process.pid) if signum == signal.SIGKILL else set()
         with contextlib.suppress(ProcessLookupError):  # every process of it is gone (a server that refused to start)
             (os.killpg if group else os.kill)(self.process.pid, signum)
