@@ -418,6 +418,21 @@ def test_an_interrupt_inside_code_run_from_source_text_keeps_the_exit_status(tmp
     assert run.returncode == 143
 
 
+def test_a_signal_during_a_held_step_lets_the_step_end_and_then_interrupts():
+    """Removing the earlier run's outputs is one held step: a signal between the two removals
+    once left the old plot behind."""
+    interrupts = replay.Interrupts()
+    previous = signal.signal(signal.SIGTERM, interrupts)
+    done = []
+    try:
+        with pytest.raises(replay.Interrupted), interrupts.held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            done.append("the rest of the step")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert done and interrupts.exit_status() == 143
+
+
 def test_a_run_over_a_faulty_tier_loads_no_wrong_byte(tmp_path):
     config = tmp_path / "engine.yaml"
     config.write_text(

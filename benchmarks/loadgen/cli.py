@@ -159,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     interrupts = Interrupts()
     previous = {signum: signal.signal(signum, interrupts) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        check_output(args.output, "--output")  # first: a run stopped while starting leaves no old file behind
-        check_output(args.plot, "--plot")
+        with interrupts.held():  # first, and both: a run stopped while starting leaves no old file behind
+            check_output(args.output, "--output")
+            check_output(args.plot, "--plot")
         report = run(args, console, interrupts)  # imports torch once the inputs are checked
     except KeyboardInterrupt:  # before or after the replay itself: nothing to report
         console.print("[bold red]tiering-bench: interrupted[/]", highlight=False)

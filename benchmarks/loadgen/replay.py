@@ -7,6 +7,7 @@ Thread: the main thread (the scheduler's); `Interrupts` runs there as a signal h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -14,6 +15,7 @@ import signal
 import statistics
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -128,12 +130,27 @@ class Interrupts:
         self.received: list[int] = []
         self.stop = threading.Event()
         self.replaying = False
+        self._holding = False
 
     def __call__(self, signum: int, _frame: object) -> None:
         self.received.append(signum)
+        if self._holding:
+            return  # acted on at the end of `held`
         if not self.replaying or self.stop.is_set():
             raise Interrupted
         self.stop.set()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Run the body whole: a signal that comes during it raises `Interrupted` at its end.
+        (Blocking the signals would not do: another thread of the process may take them.)"""
+        before, self._holding = len(self.received), True
+        try:
+            yield
+        finally:
+            self._holding = False
+        if len(self.received) > before:
+            raise Interrupted
 
     def exit_status(self) -> int:
         """128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM)."""
