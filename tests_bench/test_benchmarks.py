@@ -193,6 +193,19 @@ def test_a_trace_thinned_by_conversation_keeps_each_conversation_whole():
     assert [r.timestamp_ms for r in sample_conversations(trace, 3)] == [0, 2, 5]
 
 
+def test_hot_prefix_conversations_are_told_apart_past_their_system_prompt():
+    """Every hot-prefix request starts with the same 24 ids: read as one id of system prompt,
+    the whole workload was one conversation (a killed replica's moved conversations: one)."""
+    from tiering.benchmarks.loadgen.workload import HOT_BURST, HOT_SYSTEM_BLOCKS, synthetic
+    from tiering.benchmarks.serve.workload import conversations
+
+    requests = synthetic("hot-prefix", 1 + 2 * HOT_BURST)
+    numbers = conversations(requests, HOT_SYSTEM_BLOCKS)
+    firsts, seconds = numbers[1 : 1 + HOT_BURST], numbers[1 + HOT_BURST :]
+    assert numbers[0] == 0 and firsts == list(range(1, 1 + HOT_BURST)) and seconds == firsts
+    assert set(conversations(requests)) == {0}  # the trace's one shared id does not tell them apart
+
+
 def test_valkey_tier(capsys):
     valkey_tier.main(["--total-mib", "4", "--repeats", "1", "--block-sizes", "64KiB"])
     out = capsys.readouterr().out

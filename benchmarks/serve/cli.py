@@ -19,7 +19,7 @@ conversation or by the replicas' KV events (``--routing``); the table adds a row
 ``--scale-out-at``, ``--kill-replica-at`` and ``--rolling-restart-at`` measure a moment that is
 not steady, its requests apart (`tiering.benchmarks.serve.scenarios`).
 
-    tiering-bench serve --workload chat --replicas 2 --routing round-robin,kv-events --output fleet.json
+    tiering-bench serve --workload multi-turn --replicas 2 --routing round-robin,kv-events --output fleet.json
 
 Exit status: 0 ok; 2 bad input (an option or trace that cannot be used); 3 a server failed.
 """
@@ -40,7 +40,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tiering.benchmarks.args import check_output, hints_arg, positive_arg, rate_arg, size_arg
-from tiering.benchmarks.loadgen.workload import WORKLOADS, read_trace, synthetic, with_hints
+from tiering.benchmarks.loadgen.workload import HOT_SYSTEM_BLOCKS, WORKLOADS, read_trace, synthetic, with_hints
 from tiering.benchmarks.serve.fleet import FLEET_CONFIGURATIONS, SHARED_TIERS, Fleet, run_fleet, shared_backing
 from tiering.benchmarks.serve.model import SHAPES, VOCAB, make_model
 from tiering.benchmarks.serve.report import build_report, observed_prefill_rate, plot, print_summary, summarize
@@ -344,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         check_output(args.output, "--output")
         check_output(args.plot, "--plot")
         source = read_trace(args.trace) if args.trace else synthetic(args.workload, args.max_requests)
-        requests = with_hints(sample_conversations(source, args.conversation_sample)[: args.max_requests], args.hints)
+        shared_ids = HOT_SYSTEM_BLOCKS if args.workload == "hot-prefix" else 1  # ids every conversation starts with
+        sampled = sample_conversations(source, args.conversation_sample, shared_ids)
+        requests = with_hints(sampled[: args.max_requests], args.hints)
     except (ValueError, OSError) as exc:
         print(f"tiering-bench serve: {exc}", file=sys.stderr)
         return 2
@@ -375,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             return build_report(runs, reusable, inputs)
 
-        workload = Workload(token_prompts, arrivals, conversations(requests), hints)
+        workload = Workload(token_prompts, arrivals, conversations(requests, shared_ids), hints)
         if args.restart_at is not None:
             try:
                 split(arrivals, args.restart_at)  # before any server starts

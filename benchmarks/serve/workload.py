@@ -13,19 +13,21 @@ import random
 from tiering.benchmarks.loadgen.workload import Request
 
 
-def conversations(requests: list[Request]) -> list[int]:
+def conversations(requests: list[Request], shared_ids: int = 1) -> list[int]:
     """Each request's conversation, numbered in order of its first request. A conversation
-    is the requests that share their first two block ids (a chat resends the conversation so
-    far; one id is too few, since every request of the Mooncake trace starts with the same one)."""
+    is the requests that share their first `shared_ids` + 1 block ids (a chat resends the
+    conversation so far), `shared_ids` being the ids every conversation starts with: one in
+    the Mooncake trace, the system prompt's `HOT_SYSTEM_BLOCKS` in ``hot-prefix``."""
     numbers: dict[tuple[int, ...], int] = {}
-    return [numbers.setdefault(request.hash_ids[:2], len(numbers)) for request in requests]
+    return [numbers.setdefault(request.hash_ids[: shared_ids + 1], len(numbers)) for request in requests]
 
 
-def sample_conversations(requests: list[Request], every: int) -> list[Request]:
+def sample_conversations(requests: list[Request], every: int, shared_ids: int = 1) -> list[Request]:
     """The requests of one conversation in `every` (`conversations` 0, `every`, 2 `every`...),
     whole: a trace thinned by session keeps each conversation's reuse and gaps, and offers
     1/`every` of the load."""
-    return [request for request, number in zip(requests, conversations(requests), strict=True) if number % every == 0]
+    numbers = conversations(requests, shared_ids)
+    return [request for request, number in zip(requests, numbers, strict=True) if number % every == 0]
 
 
 def prompts(requests: list[Request], tokens_per_id: int, max_tokens: int, vocab: int) -> list[list[int]]:
