@@ -713,6 +713,25 @@ def test_a_signal_whose_exception_a_library_swallowed_still_stops_the_run(monkey
     assert report["interrupted"] and report["requests"] == 0 and report["hit_rate"]["total"] == 0
 
 
+def test_a_run_stopped_before_its_first_request_writes_no_plot(monkeypatch, tmp_path):
+    """A SIGTERM swallowed in an import stops the run before the replay: its report says so,
+    but a plot of no request cannot, and looked like a whole run's (seen once in CI)."""
+    prepare = replay._prepare
+
+    def swallowing(args, scratch):
+        prepared = prepare(args, scratch)
+        with contextlib.suppress(KeyboardInterrupt):  # as a library's bare except would
+            signal.raise_signal(signal.SIGTERM)
+        return prepared
+
+    monkeypatch.setattr(replay, "_prepare", swallowing)
+    output, plot = tmp_path / "run.json", tmp_path / "run.png"
+    plot.write_bytes(b"an earlier plot")
+    argv = ["--max-requests", "50", "--quiet", "--output", str(output), "--plot", str(plot)]
+    assert cli.main(argv) == 128 + signal.SIGTERM
+    assert json.loads(output.read_text())["interrupted"] and not plot.exists()
+
+
 @pytest.mark.timeout(300)  # a busy machine: a signal waits for the import of torch it lands in (30 s was short)
 def test_a_run_stopped_while_starting_leaves_no_earlier_output_looking_like_its_own(tmp_path):
     import os

@@ -126,7 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--verify", action="store_true", help="check every loaded byte")
     parser.add_argument("--output", "--json", type=Path, metavar="FILE", help="write the results as JSON to FILE")
-    parser.add_argument("--plot", type=Path, help="write hit rates over the run as PNG")
+    parser.add_argument("--plot", type=Path, help="write hit rates over the run as PNG (none if no request ran)")
     parser.add_argument("--seed", type=natural_arg, default=0, help="seed of synthetic workloads and payloads (>= 0)")
     parser.add_argument(
         "--metrics-port", type=port_arg, help="serve Prometheus metrics on 127.0.0.1:PORT while running"

@@ -211,7 +211,7 @@ def run(args: argparse.Namespace, console: Console, interrupts: Interrupts) -> d
                 claim.release()  # what --keep kept is never swept
             finally:
                 engine.shutdown()
-    if args.plot:
+    if args.plot and report["requests"]:  # a run stopped before its first request has nothing to plot
         plot(stats, list(report["hit_rate"])[:-1], str(args.plot))
     return report
 
