@@ -40,10 +40,11 @@ def test_vllms_weight_version_moves_the_lasting_tiers_to_the_namespace_of_those_
         assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
         (spec,) = [spec for spec in live_specs() if spec.engine.manager is not None]
         (tier,) = spec.engine.manager.secondary_tiers
-        assert tier.store.directory.name == namespace(spec.engine.layout_fingerprint, "step-1").hex()
+        step_1 = namespace(spec.engine.layout_fingerprint, "step-1").hex()
+        tiny.settle(llm, lambda: tier.store.directory.name == step_1)  # the loop thread moves it (`start_switch`)
         tiny.settle(llm, lambda: file_tier_counts()["counters"]["blocks_stored"] == 2 * STORED)  # into step-1's
         assert llm.reset_prefix_cache(reset_connector=True)  # a reset keeps the declared version
-        assert tier.store.directory.name == namespace(spec.engine.layout_fingerprint, "step-1").hex()
+        assert tier.store.directory.name == step_1
     finally:
         close(llm)
     for weights, loaded in (("step-1", FULL_BLOCKS), (None, FULL_BLOCKS), ("step-2", 0)):
