@@ -74,6 +74,15 @@ class MetricsConfig(BaseModel):
     interval_s: Seconds = 1.0
 
 
+class CpuTierConfig(BaseModel):
+    """``cpu_tier``: the CPU tier's lifetime (`tiering.cpu.row_records`, `tiering.cpu.kept_regions`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    survive_crash: bool = False
+    keep_on_stop: bool = True
+
+
 class TieringConfig(BaseModel):
     """A validated configuration. ``secondary_tiers`` hold each tier's checked options
     (sizes as ints) with its ``type``, its distinct ``name``, and ``module_path`` and
@@ -86,6 +95,7 @@ class TieringConfig(BaseModel):
     eviction_policy: str = "lru"
     secondary_tiers: list[dict[str, Any]] = Field(default_factory=list)
     metrics: MetricsConfig | None = None
+    cpu_tier: CpuTierConfig = Field(default_factory=CpuTierConfig)
     recompute_tokens_per_s: float | None = Field(default=None, gt=0)
     request_log: str | None = Field(default=None, min_length=1)
     max_promotion_rows: int | None = Field(default=None, gt=0)

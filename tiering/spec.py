@@ -25,6 +25,7 @@ from tiering.config import TieringConfig
 from tiering.contract.identity import CHECKPOINT, EngineIdentity, KVGroupShape, ParallelShape
 from tiering.contract.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.cpu.primary import CPUPrimaryTierOffloadingManager
+from tiering.cpu.row_records import Survival
 from tiering.cpu.shared_region import SharedOffloadRegion
 from tiering.engine.admission import AdmissionConfig
 from tiering.engine.manager import TieringOffloadingManager
@@ -197,6 +198,21 @@ class TieringOffloadingSpec:
         self.exporter: Any = None  # a PrometheusExporter when the config has `metrics`
         self._workers: list[tuple[Any, SharedOffloadRegion]] = []
 
+    @property
+    def survival(self) -> Survival | None:
+        """How the CPU tier outlives the engine (``cpu_tier.survive_crash``), or None."""
+        cpu_tier = self.config.cpu_tier
+        if not cpu_tier.survive_crash:
+            return None
+        return Survival(self.layout_fingerprint, cpu_tier.keep_on_stop)
+
+    @property
+    def keep_digest(self) -> bytes | None:
+        """The compatibility digest of a CPU tier that outlives the engine: of this identity and
+        the configured weights; None where it dies with the engine."""
+        survival = self.survival
+        return None if survival is None else survival.digest(self.config.weight_version or CHECKPOINT)
+
     def tier_context(self, primary_kv_view: memoryview, name: str) -> TierContext:
         """What a secondary tier named `name` gets from this engine: the primary rows, the
         identity's digest and manifest, and the shared runtime."""
@@ -238,6 +254,7 @@ class TieringOffloadingSpec:
                 self.enable_events,
                 self.config.tenants,
                 self.config.retention_max_fraction,
+                self.survival,
             )
             self._create_tiers(primary.get_kv_memoryview(), tiers)
             admission = [AdmissionConfig(**tier.get("admission", {})) for tier in self.config.secondary_tiers]
@@ -290,7 +307,11 @@ class TieringOffloadingSpec:
         SharedOffloadRegion.remove_stale()
         try:
             return SharedOffloadRegion(
-                self.instance_id, self.num_blocks, self.cpu_page_size_per_worker, self.layout.world_size
+                self.instance_id,
+                self.num_blocks,
+                self.cpu_page_size_per_worker,
+                self.layout.world_size,
+                keep=self.keep_digest,
             )
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
@@ -348,7 +369,12 @@ class TieringOffloadingSpec:
                 f"{self.cpu_page_size_per_worker}"
             )
         region = SharedOffloadRegion(
-            self.instance_id, self.num_blocks, self.cpu_page_size_per_worker, self.layout.world_size, rank
+            self.instance_id,
+            self.num_blocks,
+            self.cpu_page_size_per_worker,
+            self.layout.world_size,
+            rank,
+            keep=self.keep_digest,
         )
         try:
             handlers = CpuGpuOffloadingHandlers(kv_caches, self.block_size_factor, self.num_blocks, mmap_region=region)

@@ -14,12 +14,16 @@ from tiering.contract.keys import OffloadKey, ReqContext
 from tiering.contract.mediums import PrepareStoreOutput
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.cpu.readers import Reading, release_readers
+from tiering.cpu.row_records import RowRecords, Sealer, Survival
 from tiering.cpu.row_states import FAILED, PENDING, READY, RowStates
 from tiering.cpu.tenants import TenantsConfig, TenantShares
 from tiering.eviction.retention import RETENTION_MAX_FRACTION
 from tiering.stats import TierStats
 
 logger = logging.getLogger(__name__)
+
+SEAL_ON_STOP_S = 30.0
+"""How long a graceful stop of a crash-surviving CPU tier waits for its committed rows to be sealed."""
 
 
 class KVRegion(Protocol):
@@ -46,6 +50,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         *CPUOffloadingManager.counter_names,
         "blocks_read_by_tiers",
         "blocks_promoted",
+        "blocks_adopted",
     )
     refusal_names = (*CPUOffloadingManager.refusal_names, "promotions_refused")
 
@@ -57,11 +62,15 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         enable_events: bool = False,
         tenants: TenantsConfig | None = None,
         retention_max_fraction: float = RETENTION_MAX_FRACTION,
+        survival: Survival | None = None,
     ):
         """
         Args:
             tenants: the tenants' shares of the rows (`tiering.cpu.tenants`), or None.
             retention_max_fraction: as `CPUOffloadingManager`.
+            survival: with a region made to outlive its engine (`SharedOffloadRegion`'s
+                ``keep``), how: the blocks its records hold are adopted now (`adopt`), and
+                every write is recorded (`tiering.cpu.row_records`). None: nothing is.
 
         Raises:
             ValueError: as `CPUOffloadingManager`, or the region's view does not have
@@ -81,6 +90,46 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         self._kv_view = kv_view
         create_row_states = getattr(mmap_region, "create_row_states", None)
         self.row_states = create_row_states() if create_row_states is not None else None
+        self.survival = survival
+        create_row_records = getattr(mmap_region, "create_row_records", None)
+        self.records: RowRecords | None = create_row_records() if survival and create_row_records else None
+        self._sealer: Sealer | None = None
+        if self.records is not None:
+            self._adopt(self.records)
+            self._rows.records = self.records
+            self._sealer = Sealer(self.records)
+
+    def _adopt(self, records: RowRecords) -> None:
+        """Take the blocks a dead engine committed into this region (none in a new one), ranked
+        as its records list them, announced as stored (the events go out with the first
+        step's, once the engine serves)."""
+        found = records.adopt()
+        if found.keys:
+            blocks = self._rows.adopt(found.rows)
+            self._resident.update(zip(found.keys, blocks, strict=True))
+            self._order.insert_all(found.keys, blocks, self._order.tenant_of(ReqContext("")))
+            self._counters["blocks_adopted"] += len(found.keys)
+            self._emit(found.keys, removed=False)
+        if found.keys or found.uncommitted or found.unsealed or found.corrupt:
+            logger.info(
+                "adopted %d blocks a dead engine left in the CPU tier; not adopted: %d uncommitted, "
+                "%d committed but not sealed, %d that fail their checks",
+                len(found.keys),
+                found.uncommitted,
+                found.unsealed,
+                found.corrupt,
+            )
+
+    def drain_seals(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` seconds until every committed row is sealed (adoptable after
+        a crash); whether it is (True where nothing is recorded). Any thread."""
+        return self._sealer is None or self._sealer.drain(timeout_s)
+
+    def follow_weights(self, weights: str | None) -> None:
+        """A reset moved the engine to `weights` (`Survival.digest`): only an engine of those
+        weights adopts the region from now on. Scheduler thread."""
+        if self.records is not None and self.survival is not None:
+            self.records.set_digest(self.survival.digest(weights))
 
     def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext, readers: int = 1) -> Reading:
         """Pin rows for a cascade (one reader, released by one `complete_read` once every tier
@@ -153,6 +202,13 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         lost = set(failed)
         return [key for key in keys if key not in lost]
 
+    def _complete_writes(self, keys: Collection[OffloadKey], success: bool, counter: str) -> list[OffloadKey]:
+        done = super()._complete_writes(keys, success, counter)
+        if done and self.records is not None:
+            resident = self._resident
+            self.records.commit(done, [resident[key].block_id for key in done])
+        return done
+
     def get_stats(self) -> TierStats:
         """As `CPUOffloadingManager.get_stats`, plus the bytes of the GPU's stores and loads
         (``bytes_stored``, ``bytes_loaded``: blocks times the row's bytes)."""
@@ -167,7 +223,19 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         return self._kv_view
 
     def shutdown(self) -> None:
-        """Release the region (once; later calls do nothing)."""
+        """Release the region (once; later calls do nothing). A region kept on a graceful stop
+        (`Survival.keep_on_stop`) is left with every committed row sealed (waiting up to
+        `SEAL_ON_STOP_S` seconds); one not kept loses its kept name."""
         region, self._region = self._region, None
-        if region is not None:
-            region.cleanup()
+        if region is None:
+            return
+        if self._sealer is not None:
+            if self.survival is not None and self.survival.keep_on_stop and not self.drain_seals(SEAL_ON_STOP_S):
+                logger.warning(
+                    "the CPU tier's rows were not all sealed in %.0f s: some will not be adopted", SEAL_ON_STOP_S
+                )
+            self._sealer.close()
+            self.records = self._rows.records = None  # their arrays must not outlive the mapping
+            if self.survival is not None and not self.survival.keep_on_stop:
+                getattr(region, "drop_kept", lambda: None)()
+        region.cleanup()

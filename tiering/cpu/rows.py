@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from tiering.contract.keys import OffloadKey
+from tiering.cpu.row_records import RowRecords
 from tiering.cpu.row_states import READY, RowStates
 from tiering.eviction.policies import BlockStatus
 
@@ -30,6 +31,7 @@ class Rows:
         # nothing per block and gives the garbage collector no new object to track.
         self._statuses = [BlockStatus(row) for row in range(num_rows)]
         self.row_states: RowStates | None = None  # the primary tier's, shared with the workers
+        self.records: RowRecords | None = None  # a crash-surviving primary tier's: retracted before each write
         self._free: list[int] = []
         self._used = 0  # ids below this were handed out before
         self.quarantined: Counter[int] = Counter()  # row -> holders: a late I/O may still use it
@@ -50,16 +52,32 @@ class Rows:
             start = self._used
             self._used += n - len(reused)
             reused.extend(range(start, self._used))
+        if self.records is not None:
+            self.records.retract(reused)
         blocks = list(map(self._statuses.__getitem__, reused))
         for block in blocks:
             block.ref_cnt = -1
         return reused, blocks
+
+    def adopt(self, rows: list[int]) -> list[BlockStatus]:
+        """Take `rows` (at start, before any is handed out) for blocks a dead engine left in
+        them (`tiering.cpu.row_records`): their statuses, idle (ref count 0); every other row
+        is free, lowest first."""
+        taken = set(rows)
+        self._used = self.num_rows
+        self._free = [row for row in reversed(range(self.num_rows)) if row not in taken]
+        blocks = list(map(self._statuses.__getitem__, rows))
+        for block in blocks:
+            block.ref_cnt = 0
+        return blocks
 
     def free(self, rows: list[int], evicted: bool = False) -> None:
         """Make `rows` free; a row a failed promotion left ``FAILED`` is ``READY`` again
         (`evicted`: the rows held landed blocks, ``READY`` already)."""
         if rows and not evicted and self.row_states is not None:
             self.row_states.mark(rows, READY)
+        if evicted and self.records is not None:
+            self.records.retract(rows)
         self._free.extend(rows)
 
     def quarantine(self, rows: Iterable[int]) -> None:
@@ -124,6 +142,8 @@ class Rows:
         quarantined = self.quarantined
         # Lowest row first (`allocate` pops from the end).
         self._free = [row for row in reversed(range(self._used)) if row not in quarantined]
+        if self.records is not None:
+            self.records.retract_all()
         if self.row_states is not None:
             self.row_states.handle_store_failures(None)  # the stores they failed are forgotten too
             if orphans:

@@ -33,6 +33,11 @@ Lifecycle, safe against races and crashes:
   expected to start its processes together, as vLLM does.
 - `cleanup()` unmaps and closes; the creator also unlinks the file if the name is still
   its own.
+- A region made to outlive its engine (`keep`: ``cpu_tier: {survive_crash: true}``) also holds
+  the rows' records (`tiering.cpu.row_records`), with its header in the file's last page.
+  Once every role has attached, its name is not removed but exchanged for a kept one, and a
+  later engine of the same geometry and compatibility digest claims it instead of creating a
+  region (`tiering.cpu.kept_regions`).
 
 Thread: the thread that builds the engine (scheduler process) or a worker (worker
 process) creates and cleans it up; the rows themselves are read and written by the
@@ -48,11 +53,13 @@ import logging
 import mmap
 import os
 import re
-import struct
 from pathlib import Path
 
 import numpy as np
 
+from tiering.cpu import kept_regions
+from tiering.cpu.region_locks import hold_role, is_current, role_held, take_abandoned
+from tiering.cpu.row_records import HEADER_BYTES, RECORD, Geometry, RowRecords
 from tiering.cpu.row_states import RowStates
 from tiering.errors import RegionInUseError
 
@@ -76,6 +83,9 @@ class SharedOffloadRegion:
         row_bytes: bytes of one block (all workers' slots): ``num_workers * cpu_page_size``.
         row_stride: distance in bytes between two rows, `row_bytes` rounded up to a page.
         is_creator: whether this object created (and will unlink) the file.
+        keep: the compatibility digest of a region made to outlive its engine, or None.
+        adopted: whether this process claimed a dead engine's kept region (its rows'
+            records say what it holds: `create_row_records`).
     """
 
     def __init__(
@@ -86,8 +96,9 @@ class SharedOffloadRegion:
         num_workers: int = 1,
         rank: int | None = None,
         shm_dir: str | os.PathLike = "/dev/shm",
+        keep: bytes | None = None,
     ):
-        """Create the region's file, or join the live one.
+        """Create the region's file, claim a kept one, or join the live one.
 
         Args:
             instance_id: names the file; every process of one engine passes the same id.
@@ -96,6 +107,9 @@ class SharedOffloadRegion:
             num_workers: slots per row (tensor-parallel world size), > 0.
             rank: this worker's slot, or None on the scheduler side.
             shm_dir: directory of the file; a tmpfs such as /dev/shm.
+            keep: with a compatibility digest (16 bytes: `tiering.contract.identity.namespace`),
+                the region outlives its engine, and a dead engine's region of this digest
+                and geometry is adopted; None: it dies with the engine.
 
         Raises:
             ValueError: a size or the rank is out of range, or a live region with this id
@@ -120,8 +134,10 @@ class SharedOffloadRegion:
         self.path = region_path(instance_id, shm_dir)
         self._next_view_offset = 0
         self.instance_id = instance_id
-        self._fd, self.is_creator = self._open()
+        self.keep, self.adopted = keep, False
+        self.geometry = Geometry(num_blocks, self.row_stride, self.row_bytes, num_workers)
         self._role = 0 if rank is None else 1 + rank
+        self._fd, self.is_creator = self._open()
         try:
             self._hold_role()
             self._mmap: mmap.mmap | None = mmap.mmap(self._fd, self.total_size_bytes)
@@ -132,6 +148,9 @@ class SharedOffloadRegion:
         self._rows = np.frombuffer(self._mmap, dtype=np.int8, count=rows_bytes).reshape(num_blocks, self.row_stride)
         self._store_failures = np.frombuffer(self._mmap, dtype=np.uint64, count=num_workers, offset=rows_bytes)
         self._states = np.frombuffer(self._mmap, dtype=np.uint8, count=num_blocks, offset=rows_bytes + 8 * num_workers)
+        records_at = rows_bytes + self._states_bytes
+        self._records = np.frombuffer(self._mmap, dtype=RECORD, count=num_blocks, offset=records_at) if keep else None
+        self._header = memoryview(self._mmap)[self.total_size_bytes - HEADER_BYTES :] if keep else None
         self._unlink_once_all_attached()
 
     @property
@@ -143,9 +162,16 @@ class SharedOffloadRegion:
     def total_size_bytes(self) -> int:
         """Size of the file: ``num_blocks * row_stride``, then the rows' states
         (`create_row_states`: a count of failed GPU stores per worker, 8 bytes each, then a
-        byte per row), padded to a page."""
-        states = 8 * self.num_workers + self.num_blocks
-        return self.num_blocks * self.row_stride + -(-states // mmap.PAGESIZE) * mmap.PAGESIZE
+        byte per row), padded to a page; with `keep`, then the rows' records, padded to a
+        page, and their header's page."""
+        size = self.num_blocks * self.row_stride + self._states_bytes
+        if self.keep is not None:
+            size += _pages(self.num_blocks * RECORD.itemsize) + HEADER_BYTES
+        return size
+
+    @property
+    def _states_bytes(self) -> int:
+        return _pages(8 * self.num_workers + self.num_blocks)
 
     def create_kv_memoryview(self) -> memoryview:
         """The scheduler's view: every row, shape ``(num_blocks, row_bytes)``, format ``b``.
@@ -160,6 +186,21 @@ class SharedOffloadRegion:
         of rows its failed GPU stores marked, shared by every process that maps the region;
         all ``READY`` and 0 in a new region. A worker rank's `RowStates` counts into its own."""
         return RowStates(self._states, self._store_failures, self.rank or 0)
+
+    def create_row_records(self) -> RowRecords | None:
+        """The rows' records and their header (`tiering.cpu.row_records`), over the
+        scheduler's view of the rows; None where the region is not kept."""
+        if self._header is None or self._records is None:
+            return None
+        return RowRecords(self._header, self._records, self._rows[:, : self.row_bytes])
+
+    def drop_kept(self) -> None:
+        """Remove the kept name of this region, if it has one: no engine adopts it after
+        this one (a graceful stop that does not keep it). Raises nothing."""
+        for path in self.path.parent.glob(f"tiering-*{kept_regions.KEPT_SUFFIX}"):
+            if self._mmap is not None and is_current(path, self._fd):
+                path.unlink(missing_ok=True)
+                logger.info("%s: the kept region is dropped", path)
 
     def create_next_view(self, page_bytes: int) -> np.ndarray:
         """Carve the next `page_bytes` of this worker's slot out of every row.
@@ -192,7 +233,9 @@ class SharedOffloadRegion:
         if self._mmap is None:
             return
         mapping, self._mmap = self._mmap, None
-        del self._rows, self._states, self._store_failures  # the mapping can close once no array of ours exports it
+        if self._header is not None:
+            self._header.release()
+        del self._rows, self._states, self._store_failures, self._records  # the mapping closes once none exports it
         try:
             mapping.close()
         except BufferError:
@@ -209,8 +252,13 @@ class SharedOffloadRegion:
         os.close(self._fd)
 
     def _open(self) -> tuple[int, bool]:
-        """Return (fd holding a shared lock on the live file, created by us)."""
+        """Return (fd holding a shared lock on the live file, created or claimed by us)."""
         while True:
+            if self.keep is not None:
+                fd = kept_regions.claim(self.path.parent, self.geometry, self.keep, self.path, self._role)
+                if fd is not None:
+                    self.adopted = True
+                    return fd, True
             fd = self._try_create()
             if fd is not None:
                 return fd, True
@@ -219,25 +267,25 @@ class SharedOffloadRegion:
                 return fd, False
 
     def _unlink_once_all_attached(self) -> None:
-        """Remove the file's name if every other role is held too (see the module docstring)."""
+        """Remove the file's name (or, kept, exchange it for a kept one) if every other role
+        is held too (see the module docstring)."""
         for role in range(1 + self.num_workers):
-            if role != self._role and not _role_held(self._fd, role):
+            if role != self._role and not role_held(self._fd, role):
                 return
-        if _is_current(self.path, self._fd):
-            try:
+        try:
+            if self.keep is not None:
+                kept = kept_regions.keep(self.path, self._fd)
+                if kept is not None:
+                    logger.info("%s: every process attached; kept as %s", self.path, kept.name)
+            elif is_current(self.path, self._fd):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                return
-            logger.debug("%s: every process attached; the name is removed", self.path)
+                logger.debug("%s: every process attached; the name is removed", self.path)
+        except FileNotFoundError:
+            return
 
     def _hold_role(self) -> None:
         """Lock this role's byte of the file (see the module docstring)."""
-        lock = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, self._role, 1, 0)
-        try:
-            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, lock)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+        if not hold_role(self._fd, self._role):
             who = "a scheduler" if self.rank is None else f"worker rank {self.rank}"
             raise RegionInUseError(
                 f"shared region {self.path}: a live engine with instance id {self.instance_id!r} already has "
@@ -250,6 +298,8 @@ class SharedOffloadRegion:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             self._allocate(fd)
+            if self.keep is not None:
+                os.pwrite(fd, self.geometry.header(self.keep), self.total_size_bytes - HEADER_BYTES)
             os.link(tmp, self.path)
         except FileExistsError:
             os.close(fd)
@@ -287,7 +337,7 @@ class SharedOffloadRegion:
             os.close(fd)
             return None
         fcntl.flock(fd, fcntl.LOCK_SH)
-        if not _is_current(self.path, fd):
+        if not is_current(self.path, fd):
             os.close(fd)
             return None
         size = os.fstat(fd).st_size
@@ -304,7 +354,8 @@ class SharedOffloadRegion:
     def remove_stale(prefix: str = "", shm_dir: str | os.PathLike = "/dev/shm") -> list[Path]:
         """Remove the files of regions whose instance id starts with `prefix` (every region
         by default) and that no live process maps: leftovers of runs killed before all their
-        processes attached, whose ids will not come again. Returns the removed paths.
+        processes attached, whose ids will not come again; and sweep the kept regions nobody
+        came back for (`tiering.cpu.kept_regions.sweep`). Returns the removed paths.
 
         Raises:
             ValueError: `prefix` is not made of ``[A-Za-z0-9_.-]``.
@@ -322,30 +373,18 @@ class SharedOffloadRegion:
                     removed.append(path)
             finally:
                 os.close(fd)
-        return removed
+        return removed + kept_regions.sweep(Path(shm_dir))
 
 
-def _role_held(fd: int, role: int) -> bool:
-    """Whether another open file description holds `role`'s byte of `fd`'s file."""
-    probe = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, role, 1, 0)
-    return struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe))[0] != fcntl.F_UNLCK
+def _pages(size: int) -> int:
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _unlink_if_abandoned(path: Path, fd: int) -> bool:
     """If no process holds a lock on `fd`'s file, it is a crashed run's leftover: unlink it
-    (if `path` still names it) and return True, keeping an exclusive lock until `fd` closes."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    and return True, keeping an exclusive lock until `fd` closes."""
+    if not take_abandoned(path, fd):
         return False  # a live process holds it
-    if _is_current(path, fd):
-        logger.warning("%s: removing a leftover region of a crashed run", path)
-        os.unlink(path)
+    logger.warning("%s: removing a leftover region of a crashed run", path)
+    os.unlink(path)
     return True
-
-
-def _is_current(path: Path, fd: int) -> bool:
-    try:
-        return os.stat(path).st_ino == os.fstat(fd).st_ino
-    except FileNotFoundError:
-        return False

@@ -404,6 +404,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._primary_changed = True
         self.promotions.forget()
         if self.reset_scope == "all":
+            self.primary_tier.follow_weights(weight_version)
             new_generations(self.secondary_tiers, self.tier_names, weight_version)
 
     def __enter__(self) -> TieringOffloadingManager:

@@ -1,0 +1,92 @@
+"""An engine in a process of its own for the crash-survival tests (`tests.test_survive_crash`):
+a scheduler with a crash-surviving CPU tier and one worker whose "GPU" KV caches are CPU tensors.
+It reads one JSON command per line on stdin and answers one JSON line on stdout once the
+command is done, so that the test can kill it (SIGKILL) at exactly the point it chose.
+
+Commands: ``{"store": [ids], "commit": bool}`` copies the blocks of `ids` (block ``i`` holds GPU
+block ``i % GPU_BLOCKS``) into the rows the manager reserves and, with `commit`, completes the
+store; ``{"tear": id}`` reserves a row and writes half of it, as a copy cut short; ``{"seal":
+true}`` waits until every committed row is sealed; ``{"stop": true}`` stops gracefully. Run as
+``python -m tests.survival_engine MODEL CPU_BYTES INSTANCE``."""
+
+import json
+import sys
+
+import numpy as np
+import torch
+
+from tests.helpers import keys
+from tiering import (
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    KVLayout,
+    ReqContext,
+    TieringOffloadingSpec,
+    canonicalize_kv_caches,
+    parse_config,
+)
+
+LAYERS, TOKEN_BYTES, GPU_BLOCK, GPU_BLOCKS = 2, 64, 4, 64
+ROW_BYTES = LAYERS * TOKEN_BYTES * GPU_BLOCK
+
+
+def layout(model: str) -> KVLayout:
+    return KVLayout(model, num_layers=LAYERS, kv_bytes_per_token_per_layer=TOKEN_BYTES, gpu_block_size=GPU_BLOCK)
+
+
+def config(cpu_bytes: int, keep_on_stop: bool = True, weights: str | None = None):
+    keep = str(keep_on_stop).lower()
+    text = f"cpu_bytes_to_use: {cpu_bytes}\ncpu_tier: {{survive_crash: true, keep_on_stop: {keep}}}\n"
+    return parse_config(text + (f"weight_version: {weights}\n" if weights else ""))
+
+
+def gpu_caches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    shape = (GPU_BLOCKS, GPU_BLOCK * TOKEN_BYTES)
+    return [torch.randint(-128, 127, shape, dtype=torch.int8, generator=generator) for _ in range(LAYERS)]
+
+
+def expected_row(gpu: list[torch.Tensor], block: int) -> bytes:
+    """The bytes of block `block`'s row: each layer's page of its GPU block, in turn."""
+    return b"".join(layer[block % GPU_BLOCKS].numpy().tobytes() for layer in gpu)
+
+
+def block_of(key: bytes) -> int:
+    """The block number of a key of `tests.helpers.keys`."""
+    return int.from_bytes(key[:8], "big")
+
+
+def main(model: str, cpu_bytes: int, instance: str) -> None:
+    spec = TieringOffloadingSpec(config(cpu_bytes), layout(model), instance)
+    manager = spec.get_manager()
+    gpu = gpu_caches()
+    handlers = spec.create_handlers(canonicalize_kv_caches(gpu, GPU_BLOCKS))
+    rows = np.asarray(manager.primary_tier.get_kv_memoryview())
+    ctx, job = ReqContext("survival"), 0
+    print(json.dumps({"started": manager.primary_tier.get_stats()["counters"]["blocks_adopted"]}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if "store" in command:
+            out = manager.prepare_store(keys(*command["store"]), ctx)
+            gpu_ids = [block_of(key) % GPU_BLOCKS for key in out.keys_to_store]
+            job += 1
+            spec_pair = GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0]), CPULoadStoreSpec(out.store_spec.block_ids)
+            assert handlers.gpu_to_cpu_handler.transfer_async(job, spec_pair)
+            handlers.gpu_to_cpu_handler.wait([job])
+            if command["commit"]:
+                manager.complete_store(out.keys_to_store, ctx)
+            reply = {"stored": list(map(block_of, out.keys_to_store)), "evicted": list(map(block_of, out.evicted_keys))}
+        elif "tear" in command:
+            out = manager.prepare_store(keys(command["tear"]), ctx)
+            rows[out.store_spec.block_ids[0], : ROW_BYTES // 2] = 7
+            reply = {"torn": command["tear"]}
+        elif "seal" in command:
+            reply = {"sealed": manager.primary_tier.drain_seals(30)}
+        else:
+            spec.shutdown()
+            reply = {"stopped": True}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
