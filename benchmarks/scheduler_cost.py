@@ -8,7 +8,7 @@ requests pays for it there), with the retention hint of ``--hints`` (`tiering.ev
 the example tiers keep no deadlines, so this is the CPU tier's and the manager's cost).
 The baseline does the least any manager must do for the same call: the dict operations on
 plain Python objects, nothing else. Both run interleaved, `--repeats` times, and the fastest
-run of each is kept (the machines are shared and noisy).
+run of each is kept (the machines are shared and noisy); `SURVIVING_ROW` with a crash-surviving CPU tier.
 
 Timed sections run with the garbage collector paused, as `timeit` does: a collection
 triggered by an earlier section's garbage would otherwise land in a later one.
@@ -65,6 +65,7 @@ from tiering import (
 from tiering.benchmarks.args import HINTS, checked, parse_hints
 from tiering.benchmarks.json_report import add_json_argument, open_report
 from tiering.contract.mediums import LOCAL, STORAGE
+from tiering.cpu.row_records import Survival
 from tiering.eviction.policies import cache_policy_names
 from tiering.tiers.blockstore.applying import apply_store
 from tiering.tiers.blockstore.counters import TierCounters
@@ -80,6 +81,7 @@ EVICTION_SIZES = (("CPU tier", 200_000), ("CPU tier", 1_000_000), ("tier index",
 """The eviction table's rows: where, and how many rows or blocks the tier holds."""
 EVICTION_WORST = ("worst, no hints (us)", "worst, retained (us)", "worst ratio")
 STORE_ROW = "request of a batch: store + complete, per block"
+SURVIVING_ROW = "the same, its CPU tier surviving crashes (cpu_tier.survive_crash), per block"
 
 
 def transfer_params(hints: str) -> dict | None:
@@ -101,11 +103,14 @@ def _keys(start: int, count: int) -> list[OffloadKey]:
 
 class Engine:
     """One fresh engine: `num_blocks` primary rows under `policy`, two example tiers; with
-    `events`, KV events on (taken every step, as vLLM does)."""
+    `events`, KV events on (taken every step, as vLLM does); with `survive`, a CPU tier that
+    outlives a crash (`tiering.cpu.row_records`: each stored row recorded and sealed)."""
 
-    def __init__(self, num_blocks: int, policy: str, events: bool = False):
-        self.region = SharedOffloadRegion(f"bench-{os.getpid()}", num_blocks, cpu_page_size=64)
-        primary = CPUPrimaryTierOffloadingManager(num_blocks, self.region, cache_policy=policy, enable_events=events)
+    def __init__(self, num_blocks: int, policy: str, events: bool = False, survive: bool = False):
+        survival = Survival(bytes(16), keep_on_stop=False) if survive else None
+        keep = survival.digest("bench") if survival else None
+        self.region = SharedOffloadRegion(f"bench-{os.getpid()}", num_blocks, 64, keep=keep)
+        primary = CPUPrimaryTierOffloadingManager(num_blocks, self.region, policy, events, survival=survival)
         view = primary.get_kv_memoryview()
         tiers = [SecondaryTierFactory.create_secondary_tier({"type": "example"}, view, None) for _ in range(2)]
         self.manager = TieringOffloadingManager(primary, tiers, enable_events=events)
@@ -115,12 +120,12 @@ class Engine:
 
 
 def time_engine(
-    num_blocks: int, batch: int, policy: str, hints: str = "none", events: bool = False
+    num_blocks: int, batch: int, policy: str, hints: str = "none", events: bool = False, survive: bool = False
 ) -> dict[str, float]:
     """Seconds per block (store) or per call (the others) of the real engine, its requests
     sending `transfer_params(hints)`, with KV events (`events`: the store row's time includes
-    taking them each step)."""
-    engine = Engine(num_blocks, policy, events)
+    taking them each step), its CPU tier surviving crashes (`survive`)."""
+    engine = Engine(num_blocks, policy, events, survive)
     manager, params = engine.manager, transfer_params(hints)
     stored, missing = _keys(0, num_blocks), _keys(num_blocks, num_blocks)
     try:
@@ -189,18 +194,15 @@ def time_cpu_eviction(num_blocks: int, batch: int, retained: bool) -> tuple[floa
     hint = {"kv_tiering": {"retain": "7d"}} if retained else None
 
     def store(keys: list[OffloadKey], request: ReqContext) -> None:
-        out = primary.prepare_store(keys, request)
-        assert out is not None
-        primary.complete_store(out.keys_to_store, request)
+        primary.complete_store(primary.prepare_store(keys, request).keys_to_store, request)  # type: ignore[union-attr]
         primary.on_request_finished(request)
 
     try:
         for start in range(0, num_blocks, batch):
             request = ReqContext(f"r{start}", kv_transfer_params=hint if start < held else None)
             store(_keys(start, min(batch, num_blocks - start)), request)
-        stores = [
-            (_keys(num_blocks + i * batch, batch), ReqContext(f"new{i}")) for i in range((num_blocks - held) // batch)
-        ]
+        count = (num_blocks - held) // batch
+        stores = [(_keys(num_blocks + i * batch, batch), ReqContext(f"new{i}")) for i in range(count)]
         worst, clock = 0.0, time.perf_counter
         began = clock()
         for keys, request in stores:
@@ -319,7 +321,9 @@ def measure(
     for _ in range(repeats):
         with _gc_paused():
             engine, baseline = time_engine(num_blocks, batch, policy, hints), time_baseline(num_blocks, batch)
+            surviving = time_engine(num_blocks, batch, policy, hints, survive=True)[STORE_ROW]
         rounds.append({op: (seconds, baseline[op]) for op, seconds in engine.items()})
+        rounds[-1][SURVIVING_ROW] = (surviving, baseline[STORE_ROW])
     return rounds
 
 

@@ -2,7 +2,7 @@
 (``cpu_tier: {survive_crash: true}``), found, claimed and swept by later engine starts.
 
 Once every process of an engine maps its region, the region's file gets a kept name,
-``tiering-<random>.kvkept`` (`keep`), and loses its instance name, so that a restarted
+``tiering-<instance id>-<random>.kvkept`` (`keep`), and loses its instance name, so that a restarted
 engine, whose instance id is new, can find it. While any process of the engine lives, its
 locks (`tiering.cpu.region_locks`) say so. When none does, the file is abandoned:
 
@@ -48,7 +48,7 @@ def keep(path: Path, fd: int) -> Path | None:
     kept name (None: `path` no longer names it). Raises nothing but `OSError` from the links."""
     if not is_current(path, fd):
         return None
-    kept = path.with_name(f"tiering-{os.urandom(8).hex()}{KEPT_SUFFIX}")
+    kept = path.with_name(f"{path.stem}-{os.urandom(4).hex()}{KEPT_SUFFIX}")
     os.link(path, kept)
     os.unlink(path)
     return kept

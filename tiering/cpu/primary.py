@@ -51,6 +51,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         "blocks_read_by_tiers",
         "blocks_promoted",
         "blocks_adopted",
+        "blocks_sealed",
     )
     refusal_names = (*CPUOffloadingManager.refusal_names, "promotions_refused")
 
@@ -214,6 +215,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         (``bytes_stored``, ``bytes_loaded``: blocks times the row's bytes)."""
         stats = super().get_stats()
         counters, row_bytes = stats["counters"], self._kv_view.nbytes // self.num_blocks
+        counters["blocks_sealed"] = 0 if self._sealer is None else self._sealer.rows_sealed
         counters["bytes_stored"] = counters["blocks_stored"] * row_bytes
         counters["bytes_loaded"] = counters["blocks_loaded"] * row_bytes
         return stats

@@ -100,6 +100,7 @@ HELP = {
     "blocks_read_by_tiers": "CPU-tier blocks read by secondary tiers (cascades).",
     "blocks_promoted": "Blocks promoted into the CPU tier from a secondary tier.",
     "blocks_adopted": "Blocks a crash-surviving CPU tier adopted at start from its dead engine's region (cpu_tier).",
+    "blocks_sealed": "Blocks a crash-surviving CPU tier stored and hashed since start: adoptable after a crash.",
     "promotions_refused": f"Promotions the CPU tier refused, by reason ({', '.join(REFUSAL_REASONS)}).",
     "stores_refused": f"GPU stores the CPU tier refused, by reason ({', '.join(REFUSAL_REASONS)}).",
     "blocks_store_failed": "Writes into CPU-tier rows (GPU stores, promotions) that failed.",
