@@ -6,8 +6,11 @@ command is done, so that the test can kill it (SIGKILL) at exactly the point it 
 Commands: ``{"store": [ids], "commit": bool}`` copies the blocks of `ids` (block ``i`` holds GPU
 block ``i % GPU_BLOCKS``) into the rows the manager reserves and, with `commit`, completes the
 store; ``{"tear": id}`` reserves a row and writes half of it, as a copy cut short; ``{"seal":
-true}`` waits until every committed row is sealed; ``{"stop": true}`` stops gracefully. Run as
-``python -m tests.survival_engine MODEL CPU_BYTES INSTANCE``."""
+true}`` waits until every committed row is sealed; ``{"cascade": true}`` waits until the file
+tier (with a ``ROOT_DIR``) holds every block stored so far; ``{"promote": [ids]}`` looks the
+blocks up, which starts their promotions from the file tier, and answers without waiting for
+them; ``{"stop": true}`` stops gracefully. Run as ``python -m tests.survival_engine MODEL
+CPU_BYTES INSTANCE [ROOT_DIR]``."""
 
 import json
 import sys
@@ -34,10 +37,11 @@ def layout(model: str) -> KVLayout:
     return KVLayout(model, num_layers=LAYERS, kv_bytes_per_token_per_layer=TOKEN_BYTES, gpu_block_size=GPU_BLOCK)
 
 
-def config(cpu_bytes: int, keep_on_stop: bool = True, weights: str | None = None):
+def config(cpu_bytes: int, keep_on_stop: bool = True, weights: str | None = None, root_dir: str | None = None):
     keep = str(keep_on_stop).lower()
     text = f"cpu_bytes_to_use: {cpu_bytes}\ncpu_tier: {{survive_crash: true, keep_on_stop: {keep}}}\n"
-    return parse_config(text + (f"weight_version: {weights}\n" if weights else ""))
+    text += f"weight_version: {weights}\n" if weights else ""
+    return parse_config(text + (f"secondary_tiers: [{{type: file, root_dir: {root_dir}}}]\n" if root_dir else ""))
 
 
 def gpu_caches() -> list[torch.Tensor]:
@@ -56,8 +60,8 @@ def block_of(key: bytes) -> int:
     return int.from_bytes(key[:8], "big")
 
 
-def main(model: str, cpu_bytes: int, instance: str) -> None:
-    spec = TieringOffloadingSpec(config(cpu_bytes), layout(model), instance)
+def main(model: str, cpu_bytes: int, instance: str, root_dir: str | None) -> None:
+    spec = TieringOffloadingSpec(config(cpu_bytes, root_dir=root_dir), layout(model), instance)
     manager = spec.get_manager()
     gpu = gpu_caches()
     handlers = spec.create_handlers(canonicalize_kv_caches(gpu, GPU_BLOCKS))
@@ -80,6 +84,11 @@ def main(model: str, cpu_bytes: int, instance: str) -> None:
             out = manager.prepare_store(keys(command["tear"]), ctx)
             rows[out.store_spec.block_ids[0], : ROW_BYTES // 2] = 7
             reply = {"torn": command["tear"]}
+        elif "cascade" in command:
+            reply = {"cascaded": all(tier.drain(30) for tier in manager.secondary_tiers)}
+            manager.on_schedule_end()  # the cascades' results release their rows
+        elif "promote" in command:
+            reply = {"found": [manager.lookup(key, ctx) for key in keys(*command["promote"])]}
         elif "seal" in command:
             reply = {"sealed": manager.primary_tier.drain_seals(30)}
         else:
@@ -89,4 +98,4 @@ def main(model: str, cpu_bytes: int, instance: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)

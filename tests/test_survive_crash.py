@@ -63,8 +63,9 @@ class Engine:
 
     started: ClassVar[dict[str, list["Engine"]]] = {}  # by model, for the fixture's clean-up
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, root_dir: Path | None = None):
         command = [sys.executable, "-m", "tests.survival_engine", model, str(CPU_BYTES), region_name()]
+        command += [str(root_dir)] if root_dir else []
         self.process = subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         Engine.started.setdefault(model, []).append(self)
         self.adopted = self._answer()["started"]
@@ -147,6 +148,21 @@ def test_an_eviction_cut_short_leaves_the_evicted_rows_unadopted(model):
     assert len(answer["evicted"]) == 3 and answer["stored"] == [20, 21, 22]
     process.kill()
     assert served(model) == (rows_of(*sorted(set(range(ROWS)) - set(answer["evicted"]))), ROWS - 3)
+
+
+def test_a_promotion_from_the_file_tier_cut_short_is_not_adopted(model, tmp_path):
+    process = Engine(model, root_dir=tmp_path / "kv")
+    process.ask(store=[0, 1, 2, 3], commit=True)
+    assert process.ask(cascade=True) == {"cascaded": True}  # the file tier holds them
+    later = list(range(10, 10 + ROWS))
+    assert sorted(process.ask(store=later, commit=True)["evicted"]) == [0, 1, 2, 3]  # the CPU tier does not
+    assert process.ask(seal=True) == {"sealed": True}
+    assert process.ask(cascade=True) == {"cascaded": True}  # their rows are idle again
+    assert process.ask(promote=[0, 1, 2, 3]) == {"found": [None] * 4}  # promotions started: ask again
+    process.kill()
+    found, adopted = served(model)
+    assert found.items() <= rows_of(0, 1, 2, 3, *later).items()  # byte-exact, whatever had landed
+    assert len(found.keys() & set(later)) >= ROWS - 4 and adopted == len(found)  # the promotions took 4 rows
 
 
 def test_an_engine_killed_after_adopting_leaves_the_blocks_to_the_next(model):

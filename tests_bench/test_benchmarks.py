@@ -161,6 +161,7 @@ def test_the_serving_benchmark_says_it_needs_vllm_and_checks_its_options(capsys,
         ["--configurations", "g"],
         ["--restart-at", "5", "--configurations", "c"],
         ["--restart-at", "5", "--replicas", "2"],
+        ["--restart-signal", "kill"],
         ["--scale-out-at", "5"],
         ["--kill-replica-at", "5", "--scale-out-at", "5", "--replicas", "2"],
     )
@@ -173,6 +174,7 @@ def test_the_serving_benchmark_says_it_needs_vllm_and_checks_its_options(capsys,
     assert "configuration g needs --recompute-tokens-per-s, or configuration a before it" in err
     assert "expected a comma-separated list of d (engine: CPU tier + file tier), f (" in err
     assert "--restart-at: one server only" in err
+    assert "--restart-signal kill: the signal of --restart-at, which is missing" in err
     assert "--scale-out-at: a fleet's moment, with --replicas 2 or more" in err
     assert "not allowed with argument" in err  # one moment per run
 

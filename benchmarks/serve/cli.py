@@ -210,6 +210,13 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop the server gracefully at this time of the replay, start it again over its tiers and time the "
         "first 50 requests after, against a cold restart and none (configurations d, f or g; default d)",
     )
+    parser.add_argument(
+        "--restart-signal",
+        choices=("term", "kill"),
+        default="term",
+        help="how --restart-at stops the server: 'term' (default), gracefully; 'kill', SIGKILL to all its processes, "
+        "and restarted warm from its tiers alone and from the CPU tier it left too (cpu_tier.survive_crash)",
+    )
 
 
 def _output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -226,6 +233,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     known = FLEET_CONFIGURATIONS if args.replicas > 1 else CONFIGURATIONS
     if args.replicas < 2 and (scenario := _scenario(args)) is not None:
         parser.error(f"--{scenario.kind}-at: a fleet's moment, with --replicas 2 or more")
+    if args.restart_signal != "term" and args.restart_at is None:
+        parser.error(f"--restart-signal {args.restart_signal}: the signal of --restart-at, which is missing")
     if args.restart_at is not None:
         if args.replicas > 1:
             parser.error("--restart-at: one server only (a fleet's restart is not measured yet)")
@@ -305,7 +314,15 @@ def _restart_runs(args: argparse.Namespace, setup: Setup, work: Workload) -> Ite
     """Each configuration with no restart, a warm and a cold one (`tiering.benchmarks.serve.restart`)."""
     for name in args.configurations:
         yield from run_restarts(
-            name, setup, work.prompts, work.arrivals_s, args.restart_at, args.max_tokens, args.max_concurrency, None
+            name,
+            setup,
+            work.prompts,
+            work.arrivals_s,
+            args.restart_at,
+            args.max_tokens,
+            args.max_concurrency,
+            None,
+            kill=args.restart_signal == "kill",
         )
 
 

@@ -1,6 +1,8 @@
 """The serving benchmark's restart scenario (``--restart-at T``): the first requests after a
 graceful restart, over the tiers the server left (warm), over empty ones (cold), and with no
-restart at all.
+restart at all; with ``--restart-signal kill``, after a crash (SIGKILL to every process of the
+server), warm from the tiers alone and warm from the CPU tier it left too (``memory``: the
+engine's ``cpu_tier: {survive_crash: true}``).
 
 The requests that arrive before ``T`` seconds of the replay go to a server of one of the
 engine's configurations (`tiering.benchmarks.serve.run`); it is then stopped as a service
@@ -11,7 +13,9 @@ after ``T``, their gaps kept, from the moment it answers. The same requests go t
 - ``warm``: the restarted server;
 - ``cold``: a fresh server over empty tiers (a restart that lost its tiers);
 - ``none``: the first server, not restarted (its counters read before them, so the run's
-  counts are of these requests alone).
+  counts are of these requests alone);
+- ``memory`` (killed only): a server whose CPU tier survives crashes, killed and started
+  again: it adopts the CPU tier's blocks, and finds the file tier's.
 
 Each result is shaped as `run_configuration`'s, its outcomes those requests (indexed as in
 the whole workload), so the report's table compares them directly.
@@ -38,6 +42,13 @@ logger = logging.getLogger("tiering.bench")
 AFTER_RESTART = 50
 """Requests measured after the restart."""
 RESTARTS = {"none": "no restart", "warm": "restarted over its tiers", "cold": "restarted over empty tiers"}
+KILLED = {
+    "none": "no restart",
+    "memory": "killed, restarted over the CPU tier it left (survive_crash) and its tiers",
+    "warm": "killed, restarted over its tiers",
+    "cold": "restarted over empty tiers",
+}
+"""The restarts of ``--restart-signal kill``."""
 LASTING = ("d", "f", "g")
 """The configurations with a lasting tier under the work directory: those a restart can find
 warm, and a cold restart empty (``e``'s bucket is shared by every run)."""
@@ -70,9 +81,11 @@ def run_restarts(
     max_tokens: int,
     max_concurrency: int | None,
     s3_endpoint: str | None,
+    kill: bool = False,
 ) -> Iterator[dict[str, Any]]:
-    """Configuration `name` (one of `LASTING`) with no restart, a warm and a cold one, each
-    on servers and tiers of its own under ``setup.work_dir``; yields each result as it ends.
+    """Configuration `name` (one of `LASTING`) with no restart, a warm and a cold one (`kill`:
+    the server killed, and `KILLED`'s), each on servers and tiers of its own under
+    ``setup.work_dir``; yields each result as it ends.
 
     Raises:
         RuntimeError: a server did not start (the message has its output).
@@ -91,20 +104,25 @@ def run_restarts(
         )
         return [outcome.as_dict() | {"index": i} for outcome, i in zip(outcomes, indexes, strict=True)]
 
-    for restart, description in RESTARTS.items():
+    for restart, description in (KILLED if kill else RESTARTS).items():
         restarted = restart != "none"
         own = dataclasses.replace(setup, work_dir=setup.work_dir / f"restart-{restart}")
         own.work_dir.mkdir(parents=True, exist_ok=True)
         options = server_options(name, own, s3_endpoint)
         extra_args = [*options.extra_args, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
-        options = dataclasses.replace(options, extra_args=extra_args)
+        engine = options.engine or {}
+        if restart == "memory":  # the region outlives a kill; the last graceful stop drops it
+            engine = {**engine, "cpu_tier": {"survive_crash": True, "keep_on_stop": False}}
+        options = dataclasses.replace(options, extra_args=extra_args, engine=engine)
         server = None
         try:
             if restart != "cold":
                 server = _start(own, options, f"{name}-{restart}-before")
                 send(server, before)
             if restart != "none":
-                if server is not None:
+                if server is not None and kill:
+                    server.stop(signal.SIGKILL, group=True)  # every process at once: no stop runs
+                elif server is not None:
                     server.stop(signal.SIGTERM)  # the engine drains what only its CPU tier holds
                     drained = re.search(r"shutdown: wrote .*", server.output())
                     logger.info("%s %s: %s", name, restart, drained[0] if drained else "no drain logged")
