@@ -237,6 +237,8 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
                     "the CPU tier's rows were not all sealed in %.0f s: some will not be adopted", SEAL_ON_STOP_S
                 )
             self._sealer.close()
+            if self.records is not None:
+                self.records.release()
             self.records = self._rows.records = None  # their arrays must not outlive the mapping
             if self.survival is not None and not self.survival.keep_on_stop:
                 getattr(region, "drop_kept", lambda: None)()

@@ -9,23 +9,29 @@ then one record per row.
   bytes per row, workers) and the compatibility digest, ``namespace(identity, weights)``
   (`tiering.contract.identity.namespace`): an engine of another identity or other weights
   never adopts the region. A reset without a declared weight version writes a digest no
-  engine has (zeros). It also holds when an engine start first found the region abandoned
-  (`stamp_abandoned`), for the sweep of regions nobody comes back for.
+  engine has (zeros). It also holds when an engine start first found the region abandoned,
+  for the sweep of regions nobody comes back for (`tiering.cpu.kept_regions.sweep`).
 - **A record per row**: a version, the key of the block the row holds, and the row's XXH3-64
   checksum with the version it was computed at (``sealed``).
 
-Who writes, in order (the scheduler thread, but for the sealer):
+Who writes, in order:
 
-1. A row reserved for a write, or freed, gets an odd version (`retract`) before any byte of
-   it can be written again: a row whose version is odd holds nothing adoptable.
-2. A write that completed (vLLM reports a GPU store finished only once every worker's slot
-   of the row is written; a promotion once the tier's read is checked) writes the key, then
-   makes the version even (`commit`), and queues the row for the sealer.
-3. The sealer, a thread of the scheduler's process, hashes each committed row: it reads the
-   version, hashes the row, reads the version again, and only if it did not change writes
-   the checksum, then ``sealed`` (a row evicted meanwhile is skipped). It runs off the
-   scheduler's hot path; a row committed but not yet sealed when the engine dies is not
-   adopted (its block is recomputed or comes from a lasting tier).
+1. Every free row has an odd version: at start every row not adopted is made odd, and the
+   scheduler thread makes a row odd when its block is evicted or the tier is reset
+   (`retract`), before the row can be reserved, so before any byte of it can be written
+   again. A row whose version is odd holds nothing adoptable; a row that is reserved stays
+   odd until its write is committed (a failed write leaves it odd and free).
+2. When the write completed (vLLM reports a GPU store finished only once every worker's slot
+   of the row is written; a promotion once the tier's read is checked), the scheduler thread
+   makes the version even (`commit`) and queues the row, its version and its key for the
+   sealer: two array writes per store, nothing per block.
+3. The sealer, a thread of the scheduler's process, takes each committed row whose version is
+   still the one queued: it writes the key, hashes the row, and, only if the version did not
+   change meanwhile, writes the checksum and then ``sealed``, that version. Versions only
+   grow, so a ``sealed`` written late for a version the row has left never matches it again,
+   and the sealer handles the commits in order, so a row's key is that of its last sealed
+   commit. A row committed but not yet sealed when the engine dies is not adopted (its
+   block is recomputed or comes from a lasting tier).
 
 A row is adopted only if its version is even and non-zero, ``sealed`` equals it, its key has
 a length of 1 to `MAX_KEY_BYTES`, and the XXH3-64 of its bytes, computed again at adoption,
@@ -39,12 +45,13 @@ Thread: the scheduler thread, but `Sealer`'s own thread for the checksums.
 from __future__ import annotations
 
 import logging
-import queue
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
 
 import numpy as np
 import xxhash
@@ -67,9 +74,12 @@ RECORD = np.dtype(
 NO_DIGEST = bytes(16)
 """The digest of a region no engine may adopt (a reset without a declared weight version)."""
 SEALER_QUEUE = 4096
-"""Committed batches waiting for the sealer; a batch that finds it full stays unsealed (counted)."""
+"""Committed batches waiting for the sealer at most; a batch beyond stays unsealed (counted)."""
 
+SEAL_EVERY_S = 0.01
+"""How long the sealer lets commits gather after the first wakes it, seconds."""
 row_checksum = xxhash.xxh3_64_intdigest
+_ONE = np.uint64(1)
 
 
 @dataclass(frozen=True)
@@ -143,15 +153,26 @@ class RowRecords:
     Args:
         header: the header's bytes in the region (a writable buffer of `HEADER_BYTES`).
         records: the records, a `RECORD` array of one per row, in the region.
-        rows: the rows, shape ``(num_blocks, row_bytes)`` (the scheduler's view).
+        rows: the rows' memory, shape ``(num_blocks, row_stride)``, C-contiguous.
+        row_bytes: the bytes of each row that hold its block (the rest is padding).
     """
 
-    def __init__(self, header: memoryview, records: np.ndarray, rows: np.ndarray):
+    def __init__(self, header: memoryview, records: np.ndarray, rows: np.ndarray, row_bytes: int):
         self._header = header
         self.records = records
-        self._rows = rows
+        self._memory = rows.reshape(-1).data  # a row is a slice of it: cheaper than an array's row
+        self._stride, self._row_bytes = rows.shape[1], row_bytes
         self._version = records["version"]
         self.sealer: Sealer | None = None
+
+    def checksum(self, row: int) -> int:
+        """The XXH3-64 of row `row`'s bytes, now."""
+        start = row * self._stride
+        return row_checksum(self._memory[start : start + self._row_bytes])
+
+    def release(self) -> None:
+        """Let go of the region's memory (before it is unmapped)."""
+        self._memory.release()
 
     def set_digest(self, digest: bytes) -> None:
         """Make `digest` (16 bytes; `NO_DIGEST`: adopted by none) the region's. Scheduler thread."""
@@ -159,45 +180,50 @@ class RowRecords:
         self._header[offset : offset + 16] = digest
 
     def retract(self, rows: Sequence[int] | np.ndarray) -> None:
-        """Rows reserved for a write or freed: nothing in them is adoptable from now on."""
-        self._version[np.asarray(rows, dtype=np.int64)] |= np.uint64(1)
+        """Rows whose blocks are evicted: nothing in them is adoptable from now on, before any
+        of them is reserved for another write. Scheduler thread."""
+        self._version[np.asarray(rows, dtype=np.int64)] |= _ONE
 
     def retract_all(self) -> None:
-        """Every row (a reset)."""
-        self._version |= np.uint64(1)
+        """Every row (a reset, or an adoption: every row not adopted). Scheduler thread."""
+        self._version |= _ONE
 
-    def commit(self, keys: Sequence[OffloadKey], rows: Sequence[int]) -> None:
-        """The writes of `keys` into `rows` completed: record each key, then make its row's
-        version even, and queue the rows for the sealer. A key longer than `MAX_KEY_BYTES`
-        leaves its row odd."""
+    def commit(self, keys: list[OffloadKey], rows: Sequence[int]) -> None:
+        """The writes of `keys` into `rows` completed: make each row's version even and queue
+        it for the sealer, which records its key (`seal`). Scheduler thread; `keys` must not
+        change afterwards."""
         index = np.asarray(rows, dtype=np.int64)
-        lengths = np.fromiter(map(len, keys), dtype=np.uint64, count=len(keys))
-        fits = lengths <= MAX_KEY_BYTES
-        if not fits.all():
-            index, lengths = index[fits], lengths[fits]
-            keys = [key for key, ok in zip(keys, fits.tolist(), strict=True) if ok]
-        records = self.records
-        padded = b"".join(key.ljust(MAX_KEY_BYTES, b"\0") for key in keys)
-        records["key"][index] = np.frombuffer(padded, dtype=np.uint8).reshape(len(index), MAX_KEY_BYTES)
-        records["key_len"][index] = lengths
-        self._version[index] += np.uint64(1)  # odd (reserved) to even (committed)
+        committed = self._version[index] + _ONE  # odd (free, then reserved) to even
+        self._version[index] = committed
         if self.sealer is not None:
-            self.sealer.submit(index, self._version[index])
+            self.sealer.submit(index, committed, keys)
 
-    def seal(self, rows: np.ndarray, versions: np.ndarray) -> int:
-        """Hash each of `rows` still at its version in `versions` and record it (`Sealer`'s
-        thread); returns the rows sealed."""
-        records, version, sealed = self.records, self._version, 0
-        for row, expected in zip(rows.tolist(), versions.tolist(), strict=True):
-            if int(version[row]) != expected:
-                continue  # evicted or written again since
-            checksum = row_checksum(self._rows[row])
-            if int(version[row]) != expected:
-                continue
-            records["checksum"][row] = checksum
-            records["sealed"][row] = expected
-            sealed += 1
-        return sealed
+    def seal(self, rows: np.ndarray, versions: np.ndarray, keys: list[OffloadKey]) -> int:
+        """Record the key and the checksum of each of `rows` still at its version in
+        `versions` (`Sealer`'s thread); returns the rows sealed. A row evicted or written
+        again meanwhile (its version changed before or while it was hashed), or whose key is
+        longer than `MAX_KEY_BYTES`, is left unsealed."""
+        lengths = np.fromiter(map(len, keys), dtype=np.uint64, count=len(keys))
+        current = (self._version[rows] == versions) & (lengths <= MAX_KEY_BYTES)
+        if not current.all():
+            rows, versions, lengths = rows[current], versions[current], lengths[current]
+            keys = list(compress(keys, current.tolist()))
+        records = self.records
+        records["key_len"][rows] = lengths
+        if len(rows) and lengths.min() == lengths.max():  # the usual case: one length, no padding
+            length = int(lengths[0])
+            records["key"][rows, :length] = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(rows), length)
+        elif len(rows):
+            padded = b"".join(key.ljust(MAX_KEY_BYTES, b"\0") for key in keys)
+            records["key"][rows] = np.frombuffer(padded, dtype=np.uint8).reshape(len(rows), MAX_KEY_BYTES)
+        memory, size = self._memory, self._row_bytes
+        starts = (rows * self._stride).tolist()
+        checksums = np.array([row_checksum(memory[start : start + size]) for start in starts], dtype=np.uint64)
+        unchanged = self._version[rows] == versions
+        rows = rows[unchanged]
+        records["checksum"][rows] = checksums[unchanged]
+        records["sealed"][rows] = versions[unchanged]  # after the key and checksum: what says they are
+        return len(rows)
 
     def adopt(self) -> Adoption:
         """Find the rows a dead engine committed and sealed, each checked against its
@@ -213,7 +239,7 @@ class RowRecords:
         for row in np.flatnonzero(ready).tolist():
             length = int(lengths[row])
             key = records["key"][row, :length].tobytes() if 1 <= length <= MAX_KEY_BYTES else b""
-            if not key or key in seen or row_checksum(self._rows[row]) != int(records["checksum"][row]):
+            if not key or key in seen or self.checksum(row) != int(records["checksum"][row]):
                 found.corrupt += 1
                 continue
             seen.add(key)
@@ -221,52 +247,69 @@ class RowRecords:
             found.rows.append(row)
         adopted = np.zeros(len(version), dtype=bool)
         adopted[found.rows] = True
-        version[~adopted & (version != 0)] |= np.uint64(1)
+        version[~adopted] |= _ONE  # every free row is odd from now on (a new region's too)
         return found
 
 
 class Sealer:
-    """The thread that hashes committed rows (`RowRecords.seal`), in commit order.
+    """The thread that records committed rows (`RowRecords.seal`), in commit order, every
+    batch waiting taken at once.
 
-    Thread: `submit` from the scheduler thread; `drain` and `close` from the thread that
-    stops the engine.
+    Thread: `submit` from the scheduler thread (a deque's append and an event: no lock held
+    for long); `drain` and `close` from the thread that stops the engine.
     """
 
     def __init__(self, records: RowRecords):
         self._records = records
-        self._queue: queue.Queue[tuple[np.ndarray, np.ndarray] | None] = queue.Queue(SEALER_QUEUE)
+        self._pending: deque[tuple[np.ndarray, np.ndarray, list[OffloadKey]] | None] = deque()
+        self._wake = threading.Event()
+        self._submitted = self._handled = 0  # batches (`_handled`: the sealer's thread writes it)
         self.rows_sealed = 0
-        self.rows_unsealed = 0  # committed while the queue was full: never adopted
+        self.rows_unsealed = 0  # committed while `SEALER_QUEUE` batches waited: never adopted
         self._thread = threading.Thread(target=self._run, name="tiering-sealer", daemon=True)
         records.sealer = self
         self._thread.start()
 
-    def submit(self, rows: np.ndarray, versions: np.ndarray) -> None:
-        """Queue `rows`, committed at `versions`; never blocks."""
-        try:
-            self._queue.put_nowait((rows, versions))
-        except queue.Full:
+    def submit(self, rows: np.ndarray, versions: np.ndarray, keys: list[OffloadKey]) -> None:
+        """Queue `rows`, committed at `versions` with `keys`; never blocks."""
+        if self._submitted - self._handled >= SEALER_QUEUE:
             self.rows_unsealed += len(rows)
+            return
+        self._submitted += 1
+        self._pending.append((rows, versions, keys))
+        self._wake.set()
 
     def drain(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` seconds for every queued row to be sealed; whether they were."""
         deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+        while self._handled < self._submitted and time.monotonic() < deadline:
             time.sleep(0.001)
-        return not self._queue.unfinished_tasks
+        return self._handled >= self._submitted
 
     def close(self) -> None:
         """Stop the thread (rows still queued stay unsealed)."""
         self._records.sealer = None
-        self._queue.put(None)
+        self._pending.append(None)
+        self._wake.set()
         self._thread.join()
 
     def _run(self) -> None:
-        while (batch := self._queue.get()) is not None:
+        while True:
+            self._wake.wait()
+            time.sleep(SEAL_EVERY_S)  # the commits of a few steps at once: fewer calls per row
+            self._wake.clear()  # before the queue is emptied: a batch queued later wakes it again
+            batches = []
+            while self._pending:
+                batches.append(self._pending.popleft())
+            work = [batch for batch in batches if batch is not None]
             try:
-                self.rows_sealed += self._records.seal(*batch)
+                if work:
+                    rows, versions = (np.concatenate([batch[i] for batch in work]) for i in (0, 1))
+                    keys = [key for batch in work for key in batch[2]]
+                    self.rows_sealed += self._records.seal(rows, versions, keys)
             except Exception:  # a bug here must not stop the sealing of later rows
-                logger.exception("sealing %d committed rows failed; they will not be adopted", len(batch[0]))
+                logger.exception("sealing committed rows failed; they will not be adopted")
             finally:
-                self._queue.task_done()
-        self._queue.task_done()
+                self._handled += len(work)
+            if len(work) < len(batches):
+                return

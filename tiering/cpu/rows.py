@@ -31,7 +31,7 @@ class Rows:
         # nothing per block and gives the garbage collector no new object to track.
         self._statuses = [BlockStatus(row) for row in range(num_rows)]
         self.row_states: RowStates | None = None  # the primary tier's, shared with the workers
-        self.records: RowRecords | None = None  # a crash-surviving primary tier's: retracted before each write
+        self.records: RowRecords | None = None  # a crash-surviving primary tier's: evicted rows retracted
         self._free: list[int] = []
         self._used = 0  # ids below this were handed out before
         self.quarantined: Counter[int] = Counter()  # row -> holders: a late I/O may still use it
@@ -52,8 +52,6 @@ class Rows:
             start = self._used
             self._used += n - len(reused)
             reused.extend(range(start, self._used))
-        if self.records is not None:
-            self.records.retract(reused)
         blocks = list(map(self._statuses.__getitem__, reused))
         for block in blocks:
             block.ref_cnt = -1

@@ -192,7 +192,7 @@ class SharedOffloadRegion:
         scheduler's view of the rows; None where the region is not kept."""
         if self._header is None or self._records is None:
             return None
-        return RowRecords(self._header, self._records, self._rows[:, : self.row_bytes])
+        return RowRecords(self._header, self._records, self._rows, self.row_bytes)
 
     def drop_kept(self) -> None:
         """Remove the kept name of this region, if it has one: no engine adopts it after
