@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import ClassVar
@@ -63,12 +64,12 @@ class Engine:
 
     started: ClassVar[dict[str, list["Engine"]]] = {}  # by model, for the fixture's clean-up
 
-    def __init__(self, model: str, root_dir: Path | None = None):
+    def __init__(self, model: str, root_dir: Path | None = None, wait: bool = True):
         command = [sys.executable, "-m", "tests.survival_engine", model, str(CPU_BYTES), region_name()]
         command += [str(root_dir)] if root_dir else []
         self.process = subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         Engine.started.setdefault(model, []).append(self)
-        self.adopted = self._answer()["started"]
+        self.adopted = self._answer()["started"] if wait else None
 
     def ask(self, **command) -> dict:
         assert self.process.stdin is not None
@@ -171,6 +172,19 @@ def test_an_engine_killed_after_adopting_leaves_the_blocks_to_the_next(model):
     assert second.adopted == 3
     second.kill()
     assert served(model) == (rows_of(0, 1, 2), 3)
+
+
+def test_an_engine_killed_while_adopting_leaves_the_next_one_cold_or_warm_never_wrong(model):
+    stored_and_sealed(model, [0, 1, 2]).kill()
+    (kept,) = kept_regions(model)
+    second = Engine(model, wait=False)
+    deadline = time.monotonic() + 60
+    while kept.exists():  # until the second engine has claimed it: its adoption has begun
+        assert time.monotonic() < deadline and second.process.poll() is None
+        time.sleep(0.001)
+    second.kill()
+    found, adopted = served(model)  # the region, kept again or a leftover removed at this start
+    assert found.items() <= rows_of(0, 1, 2).items() and adopted == len(found)
 
 
 def test_another_identity_or_weights_adopts_nothing_and_leaves_the_region_to_its_own(model):

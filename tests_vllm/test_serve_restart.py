@@ -27,20 +27,20 @@ FILLER = prompt(990, 16)  # under a block: keeps the engine stepping (its stats 
 WINDOW = 16  # the write-back's window: an eighth of the CPU tier's 128 rows
 
 
-class Server(VllmServer):
-    """`vllm serve` with a 128-row CPU tier and a write-back file tier under `root` (the
-    engine's exporter on a port of its own), given 60 s to stop."""
+class CountingServer(VllmServer):
+    """`vllm serve` of the engine config `engine` with a 128-row CPU tier, its exporter on a
+    port of its own, given 60 s to stop, its engine id `engine_id` (None: vLLM draws one)."""
 
-    def __init__(self, model: Path, root: Path, log: Path):
+    def __init__(self, model: Path, engine: dict, log: Path, engine_id: str | None = None):
         self.engine_port = free_port()
-        tier = {"type": "file", "root_dir": str(root), "admission": {"write": "back"}}
-        engine = {"cpu_bytes_to_use": 4 << 20, "secondary_tiers": [tier], "metrics": {"port": self.engine_port}}
+        engine = {"cpu_bytes_to_use": 4 << 20, **engine, "metrics": {"port": self.engine_port}}
         options = ServerOptions(
             engine,
             tiny.BLOCK,
             max_model_len=1024,
             gpu_blocks=64,
             extra_args=["--shutdown-timeout", "60", "--enable-prompt-tokens-details"],
+            engine_id=engine_id,
         )
         super().__init__(model, options, log)
 
@@ -75,6 +75,31 @@ class Server(VllmServer):
             self.text(FILLER)
         return counts
 
+    def kill_under_load(self, prompts: list[list[int]], stored: float) -> None:
+        """Send `prompts` from a thread and, once the CPU tier has stored `stored` blocks, kill
+        every process of the server (SIGKILL) while it serves them."""
+
+        def load() -> None:
+            try:
+                for tokens in prompts:
+                    self.text(tokens)
+            except OSError:
+                pass  # killed under it
+
+        threading.Thread(target=load, daemon=True).start()
+        try:
+            self.wait_for("blocks_stored", "cpu", stored)
+        finally:
+            self.stop(signal.SIGKILL, group=True)
+
+
+class Server(CountingServer):
+    """A `CountingServer` with a write-back file tier under `root`."""
+
+    def __init__(self, model: Path, root: Path, log: Path):
+        tier = {"type": "file", "root_dir": str(root), "admission": {"write": "back"}}
+        super().__init__(model, {"secondary_tiers": [tier]}, log)
+
 
 def test_a_sigterm_drains_the_cpu_tier_and_the_restarted_server_loads_it_from_the_file_tier(model, tmp_path):
     root = tmp_path / "kv"
@@ -106,17 +131,7 @@ def test_a_sigkill_loses_what_was_not_written_and_corrupts_nothing(model, tmp_pa
     try:
         expected = [first.text(tokens) for tokens in PROMPTS]
         first.wait_for("blocks_stored", "file", WINDOW)
-        more = [prompt(950 + i, 300) for i in range(8)]  # new blocks, written back while the server dies
-
-        def load() -> None:
-            try:
-                for tokens in more:
-                    first.text(tokens)
-            except OSError:
-                pass  # killed under it
-
-        threading.Thread(target=load, daemon=True).start()
-        first.wait_for("blocks_stored", "cpu", BLOCKS + 9)
+        first.kill_under_load([prompt(950 + i, 300) for i in range(8)], BLOCKS + 9)  # new blocks, being written back
     finally:
         first.stop(signal.SIGKILL, group=True)
     assert "shutdown: wrote" not in first.output()
