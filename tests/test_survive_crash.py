@@ -178,9 +178,8 @@ def test_an_engine_killed_while_adopting_leaves_the_next_one_cold_or_warm_never_
     stored_and_sealed(model, [0, 1, 2]).kill()
     (kept,) = kept_regions(model)
     second = Engine(model, wait=False)
-    deadline = time.monotonic() + 60
     while kept.exists():  # until the second engine has claimed it: its adoption has begun
-        assert time.monotonic() < deadline and second.process.poll() is None
+        assert second.process.poll() is None
         time.sleep(0.001)
     second.kill()
     found, adopted = served(model)  # the region, kept again or a leftover removed at this start
@@ -191,7 +190,10 @@ def test_another_identity_or_weights_adopts_nothing_and_leaves_the_region_to_its
     stored_and_sealed(model, [0, 1, 2]).kill()
     assert served(f"{model}-other") == ({}, 0)  # another model: another identity
     assert served(model, weights="step-1") == ({}, 0)
-    assert len(kept_regions(model)) == 1
+    (kept,) = kept_regions(model)
+    kept.chmod(0o620)  # others could have written its rows and records: never trusted
+    assert served(model) == ({}, 0)
+    kept.chmod(0o600)
     assert served(model) == (rows_of(0, 1, 2), 3)
     assert kept_regions(model) == []  # adopted, and not kept on this stop
 

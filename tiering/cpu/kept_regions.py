@@ -7,7 +7,9 @@ engine, whose instance id is new, can find it. While any process of the engine l
 locks (`tiering.cpu.region_locks`) say so. When none does, the file is abandoned:
 
 - An engine starting with the same geometry and compatibility digest (identity and weights,
-  `tiering.cpu.row_records`) claims it (`claim`): it takes the file's exclusive lock (proof
+  `tiering.cpu.row_records`) claims it (`claim`), if the file is its own user's and nobody
+  else may write it (another user who could plant or alter a region's rows and records is
+  never trusted): it takes the file's exclusive lock (proof
   that no process of the old engine lives), checks the header, holds its role, gives the file
   its own instance name (the other processes of the engine join it there, as they would a new
   region) and removes the kept name, so no one else can claim it.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import stat
 import struct
 import time
 from pathlib import Path
@@ -57,28 +60,35 @@ def keep(path: Path, fd: int) -> Path | None:
 def claim(shm_dir: Path, geometry: Geometry, digest: bytes, instance_path: Path, role: int) -> int | None:
     """Claim an abandoned kept region of `geometry` and `digest` for the engine whose region
     is to be `instance_path`, holding `role` (see the module docstring). Returns the file
-    descriptor, with a shared `flock` and the role's lock, or None: none to claim.
-
-    Raises:
-        OSError: a kept file cannot be read or renamed for a reason other than a race.
-    """
+    descriptor, with a shared `flock` and the role's lock, or None: none to claim (a kept
+    file that cannot be read, linked or removed is logged and passed over: the engine starts
+    cold rather than not at all). Raises nothing."""
     for path in sorted(shm_dir.glob(f"tiering-*{KEPT_SUFFIX}")):
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:  # gone meanwhile, or another user's
             continue
         try:
             if (
-                take_abandoned(path, fd)
+                _trusted(fd)
+                and take_abandoned(path, fd)
                 and _is_ours(path, fd, geometry, digest)
                 and _claim(path, fd, instance_path, role)
             ):
                 return fd
+        except OSError as exc:
+            logger.warning("%s: cannot adopt this kept region (%s)", path, exc)
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)
     return None
+
+
+def _trusted(fd: int) -> bool:
+    """Whether `fd`'s file is a regular file of this process's user that no one else may write."""
+    info = os.fstat(fd)
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
 def _is_ours(path: Path, fd: int, geometry: Geometry, digest: bytes) -> bool:

@@ -58,6 +58,7 @@ import xxhash
 
 from tiering.contract.identity import namespace
 from tiering.contract.keys import OffloadKey
+from tiering.stats import RareLog
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ RECORD = np.dtype(
 NO_DIGEST = bytes(16)
 """The digest of a region no engine may adopt (a reset without a declared weight version)."""
 SEALER_QUEUE = 4096
-"""Committed batches waiting for the sealer at most; a batch beyond stays unsealed (counted)."""
+"""Committed batches waiting for the sealer at most; a batch beyond stays unsealed (logged rarely)."""
 
 SEAL_EVERY_S = 0.01
 """How long the sealer lets commits gather after the first wakes it, seconds."""
@@ -107,13 +108,10 @@ class Geometry:
     num_workers: int
 
     def header(self, digest: bytes, abandoned_at: float = 0.0) -> bytes:
-        """The header of a region of this geometry and `digest` (16 bytes)."""
+        """The header (`HEADER.size` bytes) of a region of this geometry and `digest` (16 bytes),
+        first found abandoned at `abandoned_at` (wall-clock seconds; 0: not yet)."""
         fields = (self.num_blocks, self.row_stride, self.row_bytes, self.num_workers)
         return HEADER.pack(MAGIC, FORMAT, *fields, digest, abandoned_at)
-
-    def records_bytes(self) -> int:
-        """Bytes of the header and the records, before page padding."""
-        return HEADER_BYTES + self.num_blocks * RECORD.itemsize
 
 
 @dataclass(frozen=True)
@@ -265,7 +263,7 @@ class Sealer:
         self._wake = threading.Event()
         self._submitted = self._handled = 0  # batches (`_handled`: the sealer's thread writes it)
         self.rows_sealed = 0
-        self.rows_unsealed = 0  # committed while `SEALER_QUEUE` batches waited: never adopted
+        self._behind = RareLog()  # batches committed while `SEALER_QUEUE` waited: never adopted
         self._thread = threading.Thread(target=self._run, name="tiering-sealer", daemon=True)
         records.sealer = self
         self._thread.start()
@@ -273,7 +271,12 @@ class Sealer:
     def submit(self, rows: np.ndarray, versions: np.ndarray, keys: list[OffloadKey]) -> None:
         """Queue `rows`, committed at `versions` with `keys`; never blocks."""
         if self._submitted - self._handled >= SEALER_QUEUE:
-            self.rows_unsealed += len(rows)
+            self._behind.warning(
+                logger,
+                "the sealer is %d batches behind: %d committed rows left unsealed, not adoptable after a crash",
+                SEALER_QUEUE,
+                len(rows),
+            )
             return
         self._submitted += 1
         self._pending.append((rows, versions, keys))

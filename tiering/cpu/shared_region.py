@@ -84,8 +84,6 @@ class SharedOffloadRegion:
         row_stride: distance in bytes between two rows, `row_bytes` rounded up to a page.
         is_creator: whether this object created (and will unlink) the file.
         keep: the compatibility digest of a region made to outlive its engine, or None.
-        adopted: whether this process claimed a dead engine's kept region (its rows'
-            records say what it holds: `create_row_records`).
     """
 
     def __init__(
@@ -134,7 +132,7 @@ class SharedOffloadRegion:
         self.path = region_path(instance_id, shm_dir)
         self._next_view_offset = 0
         self.instance_id = instance_id
-        self.keep, self.adopted = keep, False
+        self.keep = keep
         self.geometry = Geometry(num_blocks, self.row_stride, self.row_bytes, num_workers)
         self._role = 0 if rank is None else 1 + rank
         self._fd, self.is_creator = self._open()
@@ -199,7 +197,11 @@ class SharedOffloadRegion:
         this one (a graceful stop that does not keep it). Raises nothing."""
         for path in self.path.parent.glob(f"tiering-*{kept_regions.KEPT_SUFFIX}"):
             if self._mmap is not None and is_current(path, self._fd):
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as exc:
+                    logger.warning("%s: cannot drop the kept region (%s)", path, exc)
+                    continue
                 logger.info("%s: the kept region is dropped", path)
 
     def create_next_view(self, page_bytes: int) -> np.ndarray:
@@ -257,7 +259,6 @@ class SharedOffloadRegion:
             if self.keep is not None:
                 fd = kept_regions.claim(self.path.parent, self.geometry, self.keep, self.path, self._role)
                 if fd is not None:
-                    self.adopted = True
                     return fd, True
             fd = self._try_create()
             if fd is not None:
@@ -282,6 +283,8 @@ class SharedOffloadRegion:
                 logger.debug("%s: every process attached; the name is removed", self.path)
         except FileNotFoundError:
             return
+        except OSError as exc:  # not kept: a crash loses the rows, as without survive_crash
+            logger.warning("%s: cannot keep the region for after a crash (%s)", self.path, exc)
 
     def _hold_role(self) -> None:
         """Lock this role's byte of the file (see the module docstring)."""
