@@ -102,7 +102,7 @@ def engine_factory():
         return engines[-1]
 
     yield make
-    for engine in engines:
+    for engine in reversed(engines):  # the last made first, as resources are released
         engine.close()
 
 

@@ -263,6 +263,7 @@ def test_a_full_server_fails_stores_as_no_space_and_keeps_serving_loads(engine_f
         assert engine.tier.health.healthy  # a full server is not a sick one
         assert engine.lookup_until_done(0, 1) == [True, True]
         assert engine.loaded_bytes(0, 1) == [block_bytes(k, ROW) for k in keys(0, 1)]
+        engine.close()  # while its server runs: a stop deletes the engine's lease there
 
 
 def test_values_over_the_limits_fail_their_jobs(engine_factory, key_prefix, caplog):
