@@ -4,7 +4,15 @@ scheduler's commits, evictions and the sealer's work came in (`tiering.cpu.row_r
 import numpy as np
 
 from tests.helpers import keys
-from tiering.cpu.row_records import MAX_KEY_BYTES, RECORD, Geometry, RowRecords, read_header
+from tiering.cpu.row_records import (
+    GIL_HELD_BYTES,
+    MAX_KEY_BYTES,
+    RECORD,
+    VERIFY_ROWS_PER_THREAD,
+    Geometry,
+    RowRecords,
+    read_header,
+)
 
 ROWS, ROW_BYTES, STRIDE = 8, 48, 64
 
@@ -66,3 +74,18 @@ def test_the_header_reads_back_its_geometry_and_digest_and_refuses_another_forma
     assert (header.geometry, header.digest) == (geometry, b"d" * 16)
     assert read_header(b"not a header").geometry is None
     assert read_header(b"X" + geometry.header(b"d" * 16)[1:]).geometry is None
+
+
+def test_rows_checked_by_several_threads_are_adopted_in_order_and_a_changed_one_is_not():
+    count, row_bytes = 2 * VERIFY_ROWS_PER_THREAD + 3, GIL_HELD_BYTES + 4096  # a pool of threads checks them
+    rows = np.zeros((count, row_bytes), dtype=np.int8)
+    made = RowRecords(memoryview(bytearray(4096)), np.zeros(count, dtype=RECORD), rows, row_bytes)
+    made.adopt()
+    blocks = list(range(count))
+    for row in blocks:
+        rows[row, :8] = np.frombuffer(row.to_bytes(8, "big"), dtype=np.int8)
+    made.commit(keys(*blocks), blocks)
+    assert made.seal(np.array(blocks), made.records["version"].copy(), keys(*blocks)) == count
+    rows[count - 1, -1] = 1  # the last byte of the last row, changed after its seal
+    found = made.adopt()
+    assert (found.rows, found.keys, found.corrupt) == (blocks[:-1], keys(*blocks[:-1]), 1)

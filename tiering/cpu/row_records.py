@@ -45,13 +45,15 @@ Thread: the scheduler thread, but `Sealer`'s own thread for the checksums.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import compress
+from itertools import chain, compress
 
 import numpy as np
 import xxhash
@@ -74,6 +76,11 @@ RECORD = np.dtype(
 )
 NO_DIGEST = bytes(16)
 """The digest of a region no engine may adopt (a reset without a declared weight version)."""
+VERIFY_THREADS = min(16, os.cpu_count() or 1)
+"""Threads that check the rows found at adoption (their XXH3-64s), at most: a tier's size
+divided by the hash's speed (about 12 GB/s a core here) is how long an engine's start waits."""
+VERIFY_ROWS_PER_THREAD = 64  # rows a thread checks at least (fewer: one thread, no pool)
+GIL_HELD_BYTES = 64 << 10  # XXH3 (`xxhash`) holds the GIL on buffers up to this size: one thread hashes them
 SEALER_QUEUE = 4096
 """Committed batches waiting for the sealer at most; a batch beyond stays unsealed (logged rarely)."""
 
@@ -234,10 +241,11 @@ class RowRecords:
         found = Adoption([], [], uncommitted=int(((version != 0) & ~committed).sum()))
         found.unsealed = int((committed & ~ready).sum())
         seen: set[bytes] = set()
-        for row in np.flatnonzero(ready).tolist():
+        candidates = np.flatnonzero(ready).tolist()
+        for row, checksum in zip(candidates, self._checksums(candidates), strict=True):
             length = int(lengths[row])
             key = records["key"][row, :length].tobytes() if 1 <= length <= MAX_KEY_BYTES else b""
-            if not key or key in seen or self.checksum(row) != int(records["checksum"][row]):
+            if not key or key in seen or checksum != int(records["checksum"][row]):
                 found.corrupt += 1
                 continue
             seen.add(key)
@@ -247,6 +255,16 @@ class RowRecords:
         adopted[found.rows] = True
         version[~adopted] |= _ONE  # every free row is odd from now on (a new region's too)
         return found
+
+    def _checksums(self, rows: list[int]) -> list[int]:
+        """`checksum` of each of `rows`, in order, hashed by up to `VERIFY_THREADS` threads at
+        once, a contiguous share each, where the rows are larger than `GIL_HELD_BYTES`."""
+        threads = min(VERIFY_THREADS, len(rows) // VERIFY_ROWS_PER_THREAD)
+        if threads < 2 or self._row_bytes <= GIL_HELD_BYTES:
+            return list(map(self.checksum, rows))
+        shares = [rows[len(rows) * i // threads : len(rows) * (i + 1) // threads] for i in range(threads)]
+        with ThreadPoolExecutor(threads, thread_name_prefix="tiering-adopt") as pool:
+            return list(chain.from_iterable(pool.map(lambda share: list(map(self.checksum, share)), shares)))
 
 
 class Sealer:
