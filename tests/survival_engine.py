@@ -1,5 +1,6 @@
 """An engine in a process of its own for the crash-survival tests (`tests.test_survive_crash`):
-a scheduler with a crash-surviving CPU tier and one worker whose "GPU" KV caches are CPU tensors.
+a scheduler with a crash-surviving CPU tier and its workers (one per rank, in the same process),
+whose "GPU" KV caches are CPU tensors.
 It reads one JSON command per line on stdin and answers one JSON line on stdout once the
 command is done, so that the test can kill it (SIGKILL) at exactly the point it chose.
 
@@ -10,8 +11,9 @@ true}`` waits until every committed row is sealed; ``{"cascade": true}`` waits u
 tier (with a ``ROOT_DIR``) holds every block stored so far; ``{"promote": [ids]}`` looks the
 blocks up, which starts their promotions from the file tier, and answers without waiting for
 them; ``{"stop": true}`` stops gracefully. Run as ``python -m tests.survival_engine MODEL
-CPU_BYTES INSTANCE [ROOT_DIR]``."""
+CPU_BYTES INSTANCE WORKERS [ROOT_DIR]``."""
 
+import functools
 import json
 import sys
 
@@ -33,8 +35,11 @@ LAYERS, TOKEN_BYTES, GPU_BLOCK, GPU_BLOCKS = 2, 64, 4, 64
 ROW_BYTES = LAYERS * TOKEN_BYTES * GPU_BLOCK
 
 
-def layout(model: str) -> KVLayout:
-    return KVLayout(model, num_layers=LAYERS, kv_bytes_per_token_per_layer=TOKEN_BYTES, gpu_block_size=GPU_BLOCK)
+def layout(model: str, workers: int = 1) -> KVLayout:
+    """`model`'s layout, each row split between `workers` tensor-parallel ranks."""
+    return KVLayout(
+        model, num_layers=LAYERS, kv_bytes_per_token_per_layer=TOKEN_BYTES, gpu_block_size=GPU_BLOCK, world_size=workers
+    )
 
 
 def config(cpu_bytes: int, keep_on_stop: bool = True, weights: str | None = None, root_dir: str | None = None):
@@ -44,15 +49,19 @@ def config(cpu_bytes: int, keep_on_stop: bool = True, weights: str | None = None
     return parse_config(text + (f"secondary_tiers: [{{type: file, root_dir: {root_dir}}}]\n" if root_dir else ""))
 
 
-def gpu_caches() -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    shape = (GPU_BLOCKS, GPU_BLOCK * TOKEN_BYTES)
+@functools.cache
+def gpu_caches(rank: int = 0, workers: int = 1) -> list[torch.Tensor]:
+    """Rank `rank`'s KV caches (its share of every layer), the same in every process."""
+    generator = torch.Generator().manual_seed(rank)
+    shape = (GPU_BLOCKS, GPU_BLOCK * TOKEN_BYTES // workers)
     return [torch.randint(-128, 127, shape, dtype=torch.int8, generator=generator) for _ in range(LAYERS)]
 
 
-def expected_row(gpu: list[torch.Tensor], block: int) -> bytes:
-    """The bytes of block `block`'s row: each layer's page of its GPU block, in turn."""
-    return b"".join(layer[block % GPU_BLOCKS].numpy().tobytes() for layer in gpu)
+def expected_row(block: int, workers: int = 1) -> bytes:
+    """The bytes of block `block`'s row: each rank's slot in turn, a slot each layer's page of
+    the rank's GPU block."""
+    pages = (layer[block % GPU_BLOCKS] for rank in range(workers) for layer in gpu_caches(rank, workers))
+    return b"".join(page.numpy().tobytes() for page in pages)
 
 
 def block_of(key: bytes) -> int:
@@ -60,11 +69,13 @@ def block_of(key: bytes) -> int:
     return int.from_bytes(key[:8], "big")
 
 
-def main(model: str, cpu_bytes: int, instance: str, root_dir: str | None) -> None:
-    spec = TieringOffloadingSpec(config(cpu_bytes, root_dir=root_dir), layout(model), instance)
+def main(model: str, cpu_bytes: int, instance: str, workers: int, root_dir: str | None) -> None:
+    spec = TieringOffloadingSpec(config(cpu_bytes, root_dir=root_dir), layout(model, workers), instance)
     manager = spec.get_manager()
-    gpu = gpu_caches()
-    handlers = spec.create_handlers(canonicalize_kv_caches(gpu, GPU_BLOCKS))
+    ranks = [
+        spec.create_handlers(canonicalize_kv_caches(gpu_caches(rank, workers), GPU_BLOCKS), rank)
+        for rank in range(workers)
+    ]
     rows = np.asarray(manager.primary_tier.get_kv_memoryview())
     ctx, job = ReqContext("survival"), 0
     print(json.dumps({"started": manager.primary_tier.get_stats()["counters"]["blocks_adopted"]}), flush=True)
@@ -73,10 +84,11 @@ def main(model: str, cpu_bytes: int, instance: str, root_dir: str | None) -> Non
         if "store" in command:
             out = manager.prepare_store(keys(*command["store"]), ctx)
             gpu_ids = [block_of(key) % GPU_BLOCKS for key in out.keys_to_store]
-            job += 1
             spec_pair = GPULoadStoreSpec(gpu_ids, [len(gpu_ids)], [0]), CPULoadStoreSpec(out.store_spec.block_ids)
-            assert handlers.gpu_to_cpu_handler.transfer_async(job, spec_pair)
-            handlers.gpu_to_cpu_handler.wait([job])
+            for handlers in ranks:  # each rank's slot of the rows; vLLM completes a store once all did
+                job += 1
+                assert handlers.gpu_to_cpu_handler.transfer_async(job, spec_pair)
+                handlers.gpu_to_cpu_handler.wait([job])
             if command["commit"]:
                 manager.complete_store(out.keys_to_store, ctx)
             reply = {"stored": list(map(block_of, out.keys_to_store)), "evicted": list(map(block_of, out.evicted_keys))}
@@ -98,4 +110,4 @@ def main(model: str, cpu_bytes: int, instance: str, root_dir: str | None) -> Non
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else None)

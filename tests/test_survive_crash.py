@@ -26,14 +26,14 @@ from tiering.cpu.row_records import HEADER, HEADER_BYTES, read_header
 pytestmark = pytest.mark.timeout(120)
 ROWS = 16
 CPU_BYTES = ROWS * engine.ROW_BYTES
-GPU = engine.gpu_caches()
 REPO = Path(__file__).resolve().parents[1]
 
 
 def kept_regions(model: str) -> list[Path]:
-    """The kept regions of `model`'s engines, of any weights these tests use."""
-    identity = engine.layout(model).identity(engine.GPU_BLOCK, engine.ROW_BYTES).digest()
-    digests = {namespace(identity, weights) for weights in (CHECKPOINT, "step-1", "step-2")}
+    """The kept regions of `model`'s engines, of any weights and worker count these tests use."""
+    layouts = [engine.layout(model, workers) for workers in (1, 2)]
+    identities = [layout.identity(engine.GPU_BLOCK, engine.ROW_BYTES).digest() for layout in layouts]
+    digests = {namespace(identity, weights) for identity in identities for weights in (CHECKPOINT, "step-1", "step-2")}
     found = []
     for path in Path("/dev/shm").glob(f"tiering-*{KEPT_SUFFIX}"):
         try:
@@ -64,8 +64,8 @@ class Engine:
 
     started: ClassVar[dict[str, list["Engine"]]] = {}  # by model, for the fixture's clean-up
 
-    def __init__(self, model: str, root_dir: Path | None = None, wait: bool = True):
-        command = [sys.executable, "-m", "tests.survival_engine", model, str(CPU_BYTES), region_name()]
+    def __init__(self, model: str, root_dir: Path | None = None, wait: bool = True, workers: int = 1):
+        command = [sys.executable, "-m", "tests.survival_engine", model, str(CPU_BYTES), region_name(), str(workers)]
         command += [str(root_dir)] if root_dir else []
         self.process = subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         Engine.started.setdefault(model, []).append(self)
@@ -94,11 +94,11 @@ class Engine:
         return json.loads(line)
 
 
-def served(model: str, weights: str | None = None) -> tuple[dict[int, bytes], int]:
-    """Start an engine of `model` (and `weights`) in this process: the bytes of each block it
-    serves from its CPU tier, by block number, and the blocks it counted adopted."""
+def served(model: str, weights: str | None = None, workers: int = 1) -> tuple[dict[int, bytes], int]:
+    """Start an engine of `model` (and `weights`, and `workers` ranks) in this process: the bytes
+    of each block it serves from its CPU tier, by block number, and the blocks it counted adopted."""
     config = engine.config(CPU_BYTES, keep_on_stop=False, weights=weights)
-    with TieringOffloadingSpec(config, engine.layout(model), region_name()) as spec:
+    with TieringOffloadingSpec(config, engine.layout(model, workers), region_name()) as spec:
         primary = spec.get_manager().primary_tier
         rows, ctx, found = np.asarray(primary.get_kv_memoryview()), ReqContext("check"), {}
         for block, key in enumerate(keys(*range(engine.GPU_BLOCKS))):
@@ -109,8 +109,8 @@ def served(model: str, weights: str | None = None) -> tuple[dict[int, bytes], in
         return found, primary.get_stats()["counters"]["blocks_adopted"]
 
 
-def rows_of(*blocks: int) -> dict[int, bytes]:
-    return {block: engine.expected_row(GPU, block) for block in blocks}
+def rows_of(*blocks: int, workers: int = 1) -> dict[int, bytes]:
+    return {block: engine.expected_row(block, workers) for block in blocks}
 
 
 def stored_and_sealed(model: str, blocks: list[int]) -> Engine:
@@ -204,3 +204,12 @@ def test_a_graceful_stop_keeps_every_committed_block_for_the_next_engine(model):
     assert process.ask(stop=True) == {"stopped": True}  # seals what is committed before it goes
     process.kill()
     assert served(model) == (rows_of(0, 1, 2, 3, 4), 5)
+
+
+def test_a_region_two_workers_filled_is_adopted_whole_by_an_engine_of_two_workers(model):
+    process = Engine(model, workers=2)  # the scheduler and both ranks hold their roles, then the region is kept
+    assert process.ask(store=[0, 1, 2, 3], commit=True)["stored"] == [0, 1, 2, 3]
+    assert process.ask(seal=True) == {"sealed": True}
+    process.kill()
+    assert served(model) == ({}, 0)  # one worker: another layout, another identity
+    assert served(model, workers=2) == (rows_of(0, 1, 2, 3, workers=2), 4)  # both ranks' slots, byte for byte
