@@ -4,8 +4,10 @@ scheduler's commits, evictions and the sealer's work came in (`tiering.cpu.row_r
 import numpy as np
 
 from tests.helpers import keys
+from tiering.cpu.kept_regions import ABANDONED_TTL_S, KEPT_SUFFIX, sweep
 from tiering.cpu.row_records import (
     GIL_HELD_BYTES,
+    HEADER_BYTES,
     MAX_KEY_BYTES,
     RECORD,
     VERIFY_ROWS_PER_THREAD,
@@ -89,3 +91,17 @@ def test_rows_checked_by_several_threads_are_adopted_in_order_and_a_changed_one_
     rows[count - 1, -1] = 1  # the last byte of the last row, changed after its seal
     found = made.adopt()
     assert (found.rows, found.keys, found.corrupt) == (blocks[:-1], keys(*blocks[:-1]), 1)
+
+
+def test_the_sweep_removes_this_users_abandoned_kept_regions_and_leaves_links_alone(tmp_path):
+    header = Geometry(ROWS, STRIDE, ROW_BYTES, 1).header(b"d" * 16, abandoned_at=1.0)  # abandoned long ago
+    stale, loose = tmp_path / f"tiering-a-1{KEPT_SUFFIX}", tmp_path / f"tiering-b-2{KEPT_SUFFIX}"
+    for path in (stale, loose):
+        path.write_bytes(header.ljust(HEADER_BYTES, b"\0"))
+    loose.chmod(0o620)  # this user's, writable by others: never adopted, but swept
+    target = tmp_path / "kept-elsewhere"
+    target.write_bytes(header.ljust(HEADER_BYTES, b"\0"))
+    link = tmp_path / f"tiering-c-3{KEPT_SUFFIX}"
+    link.symlink_to(target)  # a link someone planted: nothing is done through it
+    assert sorted(sweep(tmp_path, now=1.0 + ABANDONED_TTL_S + 1)) == [stale, loose]
+    assert link.is_symlink() and target.read_bytes() == header.ljust(HEADER_BYTES, b"\0")

@@ -88,7 +88,12 @@ def claim(shm_dir: Path, geometry: Geometry, digest: bytes, instance_path: Path,
 def _trusted(fd: int) -> bool:
     """Whether `fd`'s file is a regular file of this process's user that no one else may write."""
     info = os.fstat(fd)
-    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+    return _own(info) and not info.st_mode & 0o022
+
+
+def _own(info: os.stat_result) -> bool:
+    """Whether `info` is of a regular file of this process's user."""
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
 
 
 def _is_ours(path: Path, fd: int, geometry: Geometry, digest: bytes) -> bool:
@@ -121,16 +126,17 @@ def _claim(path: Path, fd: int, instance_path: Path, role: int) -> bool:
 def sweep(shm_dir: Path, now: float | None = None) -> list[Path]:
     """Stamp the abandoned kept regions under `shm_dir` with `now` (default: the wall clock)
     where not stamped yet, and remove those stamped over `ABANDONED_TTL_S` seconds before, or
-    whose header is not of this format. Returns the removed paths. Raises nothing."""
+    whose header is not of this format; files of another user, and links, are left alone.
+    Returns the removed paths. Raises nothing."""
     now = time.time() if now is None else now
     removed = []
     for path in shm_dir.glob(f"tiering-*{KEPT_SUFFIX}"):
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
-            if not take_abandoned(path, fd):
+            if not _own(os.fstat(fd)) or not take_abandoned(path, fd):
                 continue
             header = _header(fd)
             if header.geometry is not None and header.abandoned_at == 0:
